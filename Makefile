@@ -1,0 +1,63 @@
+# Everything a fresh machine (Python 3.11, no GPU) needs, from two commands:
+#   make demo   run the quickstart notebook headless; executed copies and reports land in build/
+#   make test   every test lane: current releases, the Colab profile, transformers 4.50
+SHELL := /bin/bash
+PYTHON ?= python3
+SHARED ?= ../shared
+# The CPU build of torch lies on this machine's disk; install it before anything that depends on
+# torch, or pip pulls a multi-GB CUDA build.
+TORCH := torch==2.13.0
+PIP_QUIET := -q --disable-pip-version-check
+# Two cores: one intra-op thread per test process keeps timings steady.
+export OMP_NUM_THREADS ?= 1
+export PYTHONUNBUFFERED := 1
+
+VENV := .venv
+COLAB_VENV := .venv-colab
+TF450_VENV := .venv-tf450
+
+.PHONY: demo test test-main test-colab test-tf450 install clean
+
+install: $(VENV)/.stamp
+
+$(VENV)/.stamp: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_QUIET) --upgrade pip
+	$(VENV)/bin/pip install $(PIP_QUIET) $(TORCH)
+	$(VENV)/bin/pip install $(PIP_QUIET) -e ".[hf,test]"
+	touch $@
+
+# The Colab lane: the versions a Colab GPU runtime ships, held by a constraints file.
+$(COLAB_VENV)/.stamp: pyproject.toml $(SHARED)/compat/colab.txt
+	$(PYTHON) -m venv $(COLAB_VENV)
+	$(COLAB_VENV)/bin/pip install $(PIP_QUIET) --upgrade pip
+	$(COLAB_VENV)/bin/pip install $(PIP_QUIET) $(TORCH)
+	$(COLAB_VENV)/bin/pip install $(PIP_QUIET) -r $(SHARED)/compat/colab.txt
+	$(COLAB_VENV)/bin/pip install $(PIP_QUIET) -e ".[hf,test]" -c $(SHARED)/compat/colab.txt
+	touch $@
+
+# The transformers 4.50 lane, where Gemma 3 eval under bf16 really crashes on HybridCache.
+$(TF450_VENV)/.stamp: pyproject.toml $(SHARED)/compat/transformers-4.50.txt
+	$(PYTHON) -m venv $(TF450_VENV)
+	$(TF450_VENV)/bin/pip install $(PIP_QUIET) --upgrade pip
+	$(TF450_VENV)/bin/pip install $(PIP_QUIET) $(TORCH)
+	$(TF450_VENV)/bin/pip install $(PIP_QUIET) -r $(SHARED)/compat/transformers-4.50.txt
+	$(TF450_VENV)/bin/pip install $(PIP_QUIET) -e ".[test]" -c $(SHARED)/compat/transformers-4.50.txt
+	touch $@
+
+demo: $(VENV)/.stamp
+	$(VENV)/bin/python notebooks/run.py --out build/demo notebooks/00_quickstart.ipynb
+
+test: test-main test-colab test-tf450
+
+test-main: $(VENV)/.stamp
+	$(VENV)/bin/python -m pytest -m "not tf450"
+
+test-colab: $(COLAB_VENV)/.stamp
+	$(COLAB_VENV)/bin/python -m pytest -m "not tf450 and not browser and not slow"
+
+test-tf450: $(TF450_VENV)/.stamp
+	$(TF450_VENV)/bin/python -m pytest -m tf450
+
+clean:
+	rm -rf $(VENV) $(COLAB_VENV) $(TF450_VENV) build

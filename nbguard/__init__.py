@@ -1,0 +1,69 @@
+"""nbguard: keep fine-tuning runs in notebooks numerically healthy.
+
+The core works in a plain Python script::
+
+    import nbguard
+    result = nbguard.audit(model, args=training_args, hardware="t4")
+    with nbguard.watch(model, optimizer=opt) as watch:
+        ...  # your training loop
+    nbguard.report(audit=result, watch=watch).save("nbguard-report.html")
+
+In a notebook, ``%load_ext nbguard`` adds ``%precision_check`` and ``%nanwatch``.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .errors import NbguardError, NonFiniteError
+from .findings import Event, Finding, Origin, Severity
+from .hardware import Hardware, resolve_hardware
+
+
+def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False):
+    """Audit a fine-tuning setup's precision against the hardware; returns an ``AuditResult``."""
+    from .auditor import run_audit
+
+    return run_audit(model=model, trainer=trainer, args=args, batch=batch, hardware=hardware, probe=probe)
+
+
+def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True):
+    """Attach a NaN/Inf watch to a model (with its optimizer) or a Trainer; returns a ``NanWatch``."""
+    from .watcher import NanWatch
+
+    return NanWatch(target, optimizer=optimizer, scaler=scaler, policy=policy, localize=localize).attach()
+
+
+def explain(exc):
+    """A ``Diagnosis`` for a known error signature in ``exc``, or None."""
+    from .explainer import explain as _explain
+
+    return _explain(exc)
+
+
+def report(audit=None, watch=None):
+    """A ``Report``; with no arguments, everything this session recorded."""
+    from .reporting import build_report
+
+    return build_report(audit=audit, watch=watch)
+
+
+def load_ipython_extension(ipython):
+    from .notebook.extension import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython):
+    from .notebook.extension import unload
+
+    unload(ipython)
+
+
+def _jupyter_labextension_paths():
+    return [{"src": "labextension", "dest": "nbguard"}]
+
+
+__all__ = [
+    "Event", "Finding", "Hardware", "NbguardError", "NonFiniteError", "Origin", "Severity",
+    "audit", "explain", "report", "resolve_hardware", "watch", "__version__",
+]

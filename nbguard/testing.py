@@ -1,0 +1,114 @@
+"""Tiny real models and batches for tests, notebooks and benchmarks (built from configs; no downloads).
+
+The architectures are the real transformers classes (Llama, Gemma 3, Qwen2) at hidden sizes of
+32-128, so every failure nbguard is tested against goes through the real modelling code.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+TINY_VOCAB = 128
+
+
+def _tiny_common(overrides: dict[str, Any]) -> dict[str, Any]:
+    base = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+    )
+    base.update(overrides)
+    return base
+
+
+def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any):
+    """A LlamaForCausalLM with about 50k parameters."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**_tiny_common(overrides))).to(dtype)
+
+
+def tiny_qwen2(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**_tiny_common(overrides))).to(dtype)
+
+
+def tiny_gemma3(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any):
+    """A text-only Gemma3ForCausalLM (the class Gemma 3 1B uses), sliding window included."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    params = _tiny_common({"head_dim": 16, "sliding_window": 16, **overrides})
+    torch.manual_seed(seed)
+    return Gemma3ForCausalLM(Gemma3TextConfig(**params)).to(dtype)
+
+
+def tiny_batch(
+    batch_size: int = 2,
+    seq_len: int = 16,
+    vocab_size: int = TINY_VOCAB,
+    *,
+    seed: int = 0,
+    pad_rows: int = 0,
+    pad_token_id: int = 0,
+) -> dict[str, torch.Tensor]:
+    """input_ids / attention_mask / labels; the last ``pad_rows`` rows are padding only.
+
+    A padding-only row has attention_mask all 0 and labels all -100, which is what an unpacked
+    fp16 batch with short examples can contain.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, vocab_size, (batch_size, seq_len), generator=gen)
+    attention_mask = torch.ones_like(input_ids)
+    labels = input_ids.clone()
+    if pad_rows:
+        input_ids[-pad_rows:] = pad_token_id
+        attention_mask[-pad_rows:] = 0
+        labels[-pad_rows:] = -100
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+class TinyDataset(torch.utils.data.Dataset):
+    """A map-style dataset of fixed-length random token rows, for real Trainer runs."""
+
+    def __init__(self, rows: int = 32, seq_len: int = 16, vocab_size: int = TINY_VOCAB, seed: int = 0):
+        batch = tiny_batch(rows, seq_len, vocab_size, seed=seed)
+        self.rows = [{k: v[i] for k, v in batch.items()} for i in range(rows)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.rows[index]
+
+
+def llama_8b_config():
+    """The shape of Llama 3 8B (32 layers, hidden 4096, GQA 8 KV heads), for meta-device audits."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    )
+
+
+def meta_llama_8b():
+    """A Llama-3-8B-shaped LlamaForCausalLM on the meta device (no memory for weights)."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        return LlamaForCausalLM(llama_8b_config())
