@@ -1,0 +1,50 @@
+"""Shared pytest set-up: quiet, deterministic, single-threaded torch; lane gating by marker."""
+from __future__ import annotations
+
+import os
+import shutil
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MPLBACKEND", "Agg")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub; fail fast if something tries
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def _transformers_is_450() -> bool:
+    from nbguard.environment import parsed_version
+
+    version = parsed_version("transformers")
+    return version is not None and (version.major, version.minor) == (4, 50)
+
+
+def pytest_collection_modifyitems(config, items):
+    """tf450 tests only run where transformers 4.50.x is installed; browser tests need Chromium.
+
+    In CI (CI=true) a missing Chromium is an error, not a skip: the browser test must really run.
+    """
+    on_450 = _transformers_is_450()
+    has_chromium = shutil.which("chromium") is not None
+    in_ci = os.environ.get("CI") == "true"
+    for item in items:
+        if "tf450" in item.keywords and not on_450:
+            item.add_marker(pytest.mark.skip(reason="needs transformers 4.50.x (make test-tf450)"))
+        if "browser" in item.keywords and not has_chromium and not in_ci:
+            item.add_marker(pytest.mark.skip(reason="Debian chromium not installed (apt-get install chromium)"))
+
+
+@pytest.fixture(autouse=True)
+def _seeded_and_clean_session():
+    """Each test starts from the same RNG state and an empty nbguard session record."""
+    from nbguard.session import SESSION
+
+    torch.manual_seed(0)
+    SESSION.clear()
+    yield
+    SESSION.clear()
