@@ -1,0 +1,261 @@
+"""Heatmap PNGs of a watch's history: gradient norms, and activation abs-max against a limit.
+
+Drawn with matplotlib's object API on an Agg canvas (no pyplot, so no global figure state and
+nothing that needs a display). Large histories are binned (see :mod:`.grid`) so the picture stays
+readable with 200 module groups and thousands of steps. Colours are colour-blind safe: viridis
+for values, vermillion for NaN, black for Inf; NaN/Inf and skipped steps also get their own
+marker shapes in a track above the map, so no one has to rely on hue alone.
+"""
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+import numpy as np
+
+from .grid import Bins, aggregate, column_bins, column_flags, decode_grid, row_bins
+
+NAN_COLOR = "#D55E00"  # Okabe-Ito vermillion
+INF_COLOR = "#000000"
+OVER_COLOR = "#CC79A7"  # Okabe-Ito reddish purple: finite but above the limit
+MISSING_COLOR = "#D9D9D9"
+SKIP_COLOR = "#7F7F7F"
+CMAP_NAME = "viridis"
+CMAP_START = 0.12  # drop viridis' near-black end so Inf (black) cannot be confused with it
+
+DEFAULT_MAX_ROWS = 48
+DEFAULT_MAX_COLS = 400
+LABEL_CHARS = 42
+
+
+def heatmap_png(
+    history: dict,
+    *,
+    max_rows: int = DEFAULT_MAX_ROWS,
+    max_cols: int = DEFAULT_MAX_COLS,
+    dpi: int = 100,
+    title: str | None = None,
+) -> bytes:
+    """A PNG of ``history["grad_norm"]`` (groups x steps, log colour scale).
+
+    ``history`` is the document's "history" section. Bins keep their maximum, so a NaN in one
+    step of one layer still shows after binning; skipped steps are marked in the track above.
+    """
+    _check_section(history, "history", "grad_norm")
+    return _render(
+        history,
+        key="grad_norm",
+        limit=None,
+        max_rows=max_rows,
+        max_cols=max_cols,
+        dpi=dpi,
+        title=title or "Gradient norm per module group",
+        colorbar_label="grad norm (log scale)",
+    )
+
+
+def activations_png(
+    activations: dict,
+    *,
+    max_rows: int = DEFAULT_MAX_ROWS,
+    max_cols: int = DEFAULT_MAX_COLS,
+    dpi: int = 100,
+    title: str | None = None,
+) -> bytes:
+    """A PNG of ``activations["absmax"]`` against ``activations["limit"]`` (65504 for fp16).
+
+    The colour scale ends at the limit; cells above it are drawn in their own colour and the
+    limit is marked on the colour bar.
+    """
+    _check_section(activations, "activations", "absmax")
+    limit = activations.get("limit", 65504.0)
+    try:
+        limit = float(limit)
+    except (TypeError, ValueError):
+        raise ValueError(f"activations['limit'] must be a number, got {limit!r}") from None
+    return _render(
+        activations,
+        key="absmax",
+        limit=limit,
+        max_rows=max_rows,
+        max_cols=max_cols,
+        dpi=dpi,
+        title=title or "Activation abs-max per module group",
+        colorbar_label=f"abs-max (log scale; limit {limit:g})",
+    )
+
+
+def _check_section(section: Any, name: str, key: str) -> None:
+    if not isinstance(section, dict):
+        raise TypeError(f"{name} must be the document's {name!r} section (a dict), got {type(section).__name__}")
+    for required in ("groups", "steps", key):
+        if required not in section:
+            raise ValueError(f"{name} section has no {required!r}; expected keys groups, steps, {key}")
+
+
+def _render(section: dict, *, key: str, limit: float | None, max_rows: int, max_cols: int,
+            dpi: int, title: str, colorbar_label: str) -> bytes:
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import ListedColormap, LogNorm
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    if max_rows < 1 or max_cols < 1:
+        raise ValueError("max_rows and max_cols must be at least 1")
+    groups = [str(g) for g in section.get("groups") or []]
+    steps = list(section.get("steps") or [])
+    values, missing = decode_grid(section.get(key), len(groups), len(steps))
+    rows = row_bins(groups, max_rows)
+    cols = column_bins(steps, max_cols)
+    agg = aggregate(values, missing, rows, cols)
+    skipped = column_flags(steps, section.get("skipped_steps") or [], cols)
+
+    base = colormaps[CMAP_NAME]
+    cmap = ListedColormap(base(np.linspace(CMAP_START, 1.0, 256)))
+    norm = _log_norm(agg.values, limit, LogNorm)
+
+    rgba = np.empty(agg.values.shape + (4,), dtype=float)
+    finite = np.isfinite(agg.values)
+    rgba[:] = _rgba(MISSING_COLOR)
+    if finite.any():
+        rgba[finite] = cmap(norm(np.clip(agg.values[finite], norm.vmin, norm.vmax)))
+    over = np.zeros_like(finite)
+    if limit is not None:
+        over = finite & (agg.values > limit)
+        rgba[over] = _rgba(OVER_COLOR)
+    rgba[agg.inf] = _rgba(INF_COLOR)
+    rgba[agg.nan] = _rgba(NAN_COLOR)  # NaN wins over Inf in a bin: it is the worse news
+
+    n_rows, n_cols = max(rows.count, 1), max(cols.count, 1)
+    label_width = min(max((len(_short(l)) for l in rows.labels), default=8), LABEL_CHARS)
+    left_in = 0.35 + 0.055 * label_width
+    width_in = left_in + 9.0
+    height_in = 1.9 + 0.17 * n_rows
+    fig = Figure(figsize=(width_in, height_in), dpi=dpi)
+    FigureCanvasAgg(fig)
+    track_h = 0.42
+    map_h = height_in - 1.9
+    left = left_in / width_in
+    right = 1 - 1.3 / width_in
+    bottom = 0.55 / height_in
+    ax = fig.add_axes([left, bottom, right - left, map_h / height_in])
+    tax = fig.add_axes([left, bottom + (map_h + 0.08) / height_in, right - left, track_h / height_in], sharex=ax)
+    cax = fig.add_axes([right + 0.15 / width_in, bottom, 0.18 / width_in, map_h / height_in])
+
+    ax.imshow(rgba, aspect="auto", interpolation="nearest", origin="upper",
+              extent=(-0.5, n_cols - 0.5, n_rows - 0.5, -0.5))
+    _label_rows(ax, rows)
+    _label_columns(ax, cols, steps)
+    ax.tick_params(labelsize=7, length=2)
+    for start, end in _runs(skipped):  # hatch skipped columns over the map as well
+        ax.axvspan(start - 0.5, end - 0.5, facecolor="none", edgecolor=SKIP_COLOR, hatch="////", linewidth=0)
+
+    # the track: one row for non-finite columns (x = NaN, ^ = Inf, o = over limit), one for skips
+    col_nan = agg.nan.any(axis=0) if agg.nan.size else np.zeros(n_cols, bool)
+    col_inf = (agg.inf.any(axis=0) & ~col_nan) if agg.inf.size else np.zeros(n_cols, bool)
+    col_over = (over.any(axis=0) & ~col_nan & ~col_inf) if over.size else np.zeros(n_cols, bool)
+    x = np.arange(cols.count)
+    tax.scatter(x[col_nan], np.full(col_nan.sum(), 1.0), marker="x", s=22, color=NAN_COLOR, linewidths=1.4)
+    tax.scatter(x[col_inf], np.full(col_inf.sum(), 1.0), marker="^", s=18, color=INF_COLOR)
+    tax.scatter(x[col_over], np.full(col_over.sum(), 1.0), marker="o", s=14, color=OVER_COLOR)
+    tax.scatter(x[skipped], np.zeros(int(skipped.sum())), marker="s", s=10, color=SKIP_COLOR)
+    tax.set_ylim(-0.6, 1.6)
+    tax.set_yticks([0, 1], ["skipped", "non-finite"], fontsize=7)
+    tax.tick_params(axis="x", labelbottom=False, length=0)
+    tax.set_xlim(-0.5, n_cols - 0.5)
+    for spine in ("top", "right"):
+        tax.spines[spine].set_visible(False)
+
+    mappable = ScalarMappable(norm=norm, cmap=cmap)
+    cbar = fig.colorbar(mappable, cax=cax)
+    cbar.ax.tick_params(labelsize=7)
+    cbar.set_label(colorbar_label, fontsize=7)
+    if limit is not None:
+        cbar.ax.axhline(limit, color=OVER_COLOR, linewidth=2)
+
+    shape_note = f"{len(groups)} groups × {len(steps)} steps"
+    if rows.merged or cols.merged:
+        shape_note += f", shown as {rows.count} × {cols.count} bins (max per bin)"
+    fig.text(left, 1 - 0.12 / height_in, title, fontsize=10, weight="bold", va="top")
+    fig.text(left, 1 - 0.36 / height_in, shape_note, fontsize=7.5, va="top")
+    handles = [
+        Line2D([], [], marker="s", linestyle="none", markersize=7, color=NAN_COLOR, label="NaN  (✕)"),
+        Line2D([], [], marker="s", linestyle="none", markersize=7, color=INF_COLOR, label="Inf  (▲)"),
+        Patch(facecolor="white", edgecolor=SKIP_COLOR, hatch="////", label="skipped step (■)"),
+        Patch(facecolor=MISSING_COLOR, edgecolor="none", label="no data"),
+    ]
+    if limit is not None:
+        handles.insert(2, Line2D([], [], marker="s", linestyle="none", markersize=7, color=OVER_COLOR,
+                                 label=f"> limit {limit:g} (●)"))
+    fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=7, frameon=False,
+               bbox_to_anchor=(right, 1 - 0.05 / height_in), handlelength=1.2, columnspacing=1.0)
+    ax.set_xlabel("optimizer step", fontsize=8)
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi, facecolor="white")
+    return buffer.getvalue()
+
+
+def _log_norm(values: np.ndarray, limit: float | None, LogNorm):
+    finite = values[np.isfinite(values)]
+    positive = finite[finite > 0]
+    if positive.size:
+        vmin, vmax = float(positive.min()), float(positive.max())
+    else:
+        vmin, vmax = 1e-6, 1.0
+    if limit is not None:
+        vmax = limit  # the scale ends at the limit: how close each cell is, not how far past
+        vmin = min(vmin, limit / 10)
+    if vmax <= vmin:
+        vmax = vmin * 10
+    return LogNorm(vmin=vmin, vmax=vmax, clip=True)
+
+
+def _rgba(color: str):
+    from matplotlib.colors import to_rgba
+
+    return to_rgba(color)
+
+
+def _short(label: str) -> str:
+    """A label cut in the middle to fit, keeping both the block and the leaf name."""
+    if len(label) <= LABEL_CHARS:
+        return label
+    keep = LABEL_CHARS - 1
+    return label[: keep // 2] + "…" + label[-(keep - keep // 2):]
+
+
+def _label_rows(ax, rows: Bins) -> None:
+    n = rows.count
+    every = max(1, math.ceil(n / 60))  # at most ~60 labels; rows beyond are already binned
+    positions = list(range(0, n, every))
+    ax.set_yticks(positions, [_short(rows.labels[i]) for i in positions])
+
+
+def _label_columns(ax, cols: Bins, steps: list) -> None:
+    n = cols.count
+    if n == 0:
+        ax.set_xticks([])
+        return
+    target = 12
+    every = max(1, math.ceil(n / target))
+    nice = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 5000, 10000]
+    every = next((v for v in nice if v >= every), every)
+    positions = list(range(0, n, every))
+    ax.set_xticks(positions, [cols.labels[i] for i in positions])
+
+
+def _runs(flags: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) runs of True in a 1-D bool array."""
+    runs, start = [], None
+    for i, flag in enumerate(list(flags) + [False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
