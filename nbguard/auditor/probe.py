@@ -1,0 +1,153 @@
+"""The activation probe: one forward (and backward) pass that measures every module's output range.
+
+Each forward hook keeps its module's output abs-max as a tensor on the device; the values are read
+with one host sync at the end. The model is left exactly as found: per-module train/eval flags,
+every parameter's ``.grad`` (the previous tensors themselves), no hooks, no parameter changed.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..findings import encode_float
+from .context import dtype_name
+
+FP16_MAX = 65504.0
+NEAR_FACTOR = 2.0  # "near the limit" = within 2x of 65504
+
+
+@dataclass
+class ProbeModule:
+    module: str
+    dtype: str | None
+    absmax: float
+
+    @property
+    def headroom(self) -> float | None:
+        if self.absmax != self.absmax:  # NaN: no headroom to speak of
+            return None
+        return FP16_MAX / self.absmax if self.absmax > 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"module": self.module, "dtype": self.dtype, "absmax": encode_float(self.absmax),
+                "headroom": encode_float(self.headroom)}
+
+
+@dataclass
+class ProbeResult:
+    modules: list[ProbeModule] = field(default_factory=list)
+    loss: float | None = None
+    backward: bool = False
+    synthetic_batch: bool = False
+    limit: float = FP16_MAX
+
+    def near_limit(self, factor: float = NEAR_FACTOR) -> list[dict[str, Any]]:
+        """Modules whose outputs are at or within ``factor`` of the fp16 limit (or non-finite), worst first."""
+        near = [m for m in self.modules if not (m.absmax * factor < self.limit)]  # NaN counts as near
+        near.sort(key=lambda m: -(m.absmax if m.absmax == m.absmax else float("inf")))
+        return [{"module": m.module, "dtype": m.dtype, "absmax": m.absmax, "headroom": m.headroom} for m in near]
+
+    def absmax(self, module: str) -> float | None:
+        return next((m.absmax for m in self.modules if m.module == module), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"limit": self.limit, "modules": [m.to_dict() for m in self.modules],
+                "loss": encode_float(self.loss), "backward": self.backward, "synthetic_batch": self.synthetic_batch}
+
+
+def _floating_tensors(value):
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _floating_tensors(v)
+    elif isinstance(value, dict):  # ModelOutput is a dict too
+        for v in value.values():
+            yield from _floating_tensors(v)
+
+
+def _model_device(model) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def synthetic_batch(model, batch_size: int = 1, seq_len: int = 16) -> dict[str, torch.Tensor]:
+    """Random token ids within the vocabulary, labels = inputs (a causal LM step)."""
+    from .embeddings import embedding_shape
+
+    shape = embedding_shape(model)
+    vocab = shape[0] if shape else int(getattr(getattr(model, "config", None), "vocab_size", 32))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen).to(_model_device(model))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def _forward_kwargs(model, batch):
+    kwargs = dict(batch)
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "use_cache" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        kwargs["use_cache"] = False  # a cache is not part of training and would only cost memory
+    return kwargs
+
+
+def run_probe(model: torch.nn.Module, batch: dict | None = None) -> ProbeResult:
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("probe=True needs real weights; this model is on the meta device")
+    synthetic = batch is None
+    if synthetic:
+        batch = synthetic_batch(model)
+    device = _model_device(model)
+    batch = {k: v.to(device) for k, v in batch.items()}
+
+    names = {m: n or type(model).__name__ for n, m in model.named_modules()}
+    modes = {m: m.training for m in names}
+    params = list(model.parameters())
+    saved_grads = [p.grad for p in params]
+    trainable = any(p.requires_grad for p in params)
+    records: list[tuple[str, str | None, torch.Tensor]] = []
+
+    def hook(module, _inputs, output):
+        tensors = list(_floating_tensors(output))
+        if not tensors:
+            return
+        amax = torch.stack([t.detach().abs().amax().float() for t in tensors]).amax()
+        records.append((names[module], dtype_name(tensors[0].dtype), amax))
+
+    handles = [m.register_forward_hook(hook) for m in names]
+    loss, did_backward = None, False
+    try:
+        model.eval()  # deterministic: no dropout, and what the model computes without noise
+        with torch.set_grad_enabled(trainable):
+            out = model(**_forward_kwargs(model, batch))
+            loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+            did_backward = bool(trainable and loss is not None and loss.requires_grad)
+            if did_backward:
+                for p in params:
+                    p.grad = None
+                loss.backward()
+        values = [r[2] for r in records] + ([loss.detach().float()] if loss is not None else [])
+        host = torch.stack(values).tolist() if values else []  # the one host sync
+    finally:
+        for h in handles:
+            h.remove()
+        for m, mode in modes.items():
+            m.training = mode
+        for p, g in zip(params, saved_grads):
+            p.grad = g
+    # A module called more than once (shared rotary embedding, tied layers) keeps its largest output.
+    merged: dict[str, ProbeModule] = {}
+    for (name, dt, _), v in zip(records, host):
+        old = merged.get(name)
+        if old is None or not (v <= old.absmax):
+            merged[name] = ProbeModule(name, dt, v)
+    modules = list(merged.values())
+    return ProbeResult(modules=modules, loss=host[-1] if loss is not None else None,
+                       backward=did_backward, synthetic_batch=synthetic)

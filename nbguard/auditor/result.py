@@ -1,0 +1,79 @@
+"""The result of an audit: findings worst first, the hardware, the probe, and fix cells."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..findings import Displayable, Finding, Severity, document, jsonable
+from ..hardware import Hardware
+
+
+@dataclass
+class AuditResult(Displayable):
+    findings: list[Finding]
+    hardware: Hardware
+    probe: Any = None  # ProbeResult when the audit ran with probe=True
+    target: str = "model"  # "trainer" when the audit was given a trainer: fix cells then use it
+    environment: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Worst first; ties keep the registration order of the rules.
+        self.findings = sorted(self.findings, key=lambda f: -Severity(f.severity).rank)
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == Severity.ERROR]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == Severity.WARNING]
+
+    @property
+    def rules(self) -> set[str]:
+        return {f.rule for f in self.findings}
+
+    def __contains__(self, rule_id: object) -> bool:
+        return rule_id in self.rules
+
+    def finding(self, rule_id: str) -> Finding | None:
+        return next((f for f in self.findings if f.rule == rule_id), None)
+
+    @property
+    def fix_ids(self) -> list[str]:
+        seen: list[str] = []
+        for f in self.findings:
+            seen += [x for x in f.fixes if x not in seen]
+        return seen
+
+    def fix_options(self, fix_id: str) -> dict:
+        """Options the findings chose for a fix (e.g. switch-precision's target)."""
+        if fix_id == "switch-precision":
+            return {"to": self.hardware.best_half_precision}
+        return {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "hardware": self.hardware.to_dict(),
+            "findings": [f.to_dict() for f in self.findings],
+            "probe": self.probe.to_dict() if self.probe is not None else None,
+        }
+
+    def to_document(self, names: dict | None = None) -> dict[str, Any]:
+        from .. import fixes
+
+        names = dict(names or {})
+        names.setdefault("model", "model")
+        names.setdefault("trainer", "trainer")
+        if self.target == "trainer":
+            names.pop("model")  # the trainer's model is what gets fixed
+        cells = {}
+        for fix_id in self.fix_ids:
+            fix = fixes.get(fix_id)
+            cells[fix_id] = {"title": fix.title, "code": fixes.code(fix_id, **names, **self.fix_options(fix_id))}
+        sections = dict(hardware=self.hardware.to_dict(), findings=[f.to_dict() for f in self.findings],
+                        fix_cells=cells, title="nbguard precision audit")
+        if self.probe is not None:
+            sections["probe"] = self.probe.to_dict()
+        if self.environment:
+            sections["environment"] = jsonable(self.environment)
+        return document("audit", **sections)

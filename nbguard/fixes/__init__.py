@@ -1,0 +1,92 @@
+"""One-click fixes: each applies in the kernel and renders as the equivalent notebook cell.
+
+    >>> import nbguard.fixes
+    >>> nbguard.fixes.apply("upcast-trainable-fp32", model=model)   # change it now
+    >>> print(nbguard.fixes.code("upcast-trainable-fp32", model="my_model"))  # the cell to keep
+
+``apply`` is idempotent (a second call reports nothing changed) and records itself in the session
+for ``nbguard.report()``. ``code`` writes plain torch/transformers code with the caller's names.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from . import model_fixes, trainer_fixes  # noqa: F401  (registers the fixes)
+from .registry import FIXES, Fix, Names, Target
+from .result import FixResult
+
+_NAME_KEYS = ("model", "trainer", "args")
+
+
+def available() -> list[str]:
+    """The ids of every registered fix."""
+    return sorted(FIXES)
+
+
+def get(fix_id: str) -> Fix:
+    if not isinstance(fix_id, str) or fix_id not in FIXES:
+        raise ValueError(f"unknown fix id {fix_id!r}; valid ids: {', '.join(available())}")
+    return FIXES[fix_id]
+
+
+def _check_name(key: str, value: Any) -> str:
+    parts = value.split(".") if isinstance(value, str) else []
+    if not parts or not all(p.isidentifier() for p in parts):
+        raise ValueError(f"{key} must be a variable name (or dotted attribute) such as 'my_model'; got {value!r}")
+    return value
+
+
+def _names(names: dict[str, Any]) -> Names:
+    for key, value in names.items():
+        _check_name(key, value)
+    trainer = names.get("trainer")
+    return Names(
+        model=names.get("model") or (f"{trainer}.model" if trainer else "model"),
+        trainer=trainer,
+        args=names.get("args") or f"{trainer or 'trainer'}.args",
+    )
+
+
+def code(fix_id: str, **names_and_options: Any) -> str:
+    """The notebook cell for ``fix_id`` using the caller's variable names (model=, trainer=, args=)."""
+    fix = get(fix_id)
+    names = {k: v for k, v in names_and_options.items() if k in _NAME_KEYS and v is not None}
+    options = {k: v for k, v in names_and_options.items() if k not in _NAME_KEYS}
+    return fix.code(_names(names), **options)
+
+
+def _target(fix: Fix, model, trainer, args) -> Target:
+    from ..auditor.inputs import check_args, check_model, check_trainer
+
+    if trainer is not None:
+        check_trainer(trainer)
+        model = trainer.model if model is None else model
+        args = trainer.args if args is None else args
+    if model is not None:
+        check_model(model)
+    if args is not None:
+        check_args(args)
+    if fix.needs == "model" and model is None:
+        raise ValueError(f"fix {fix.id!r} needs model= (or trainer=)")
+    if fix.needs == "args" and args is None:
+        raise ValueError(f"fix {fix.id!r} needs trainer= (or args=, a TrainingArguments)")
+    if fix.needs == "model-or-args" and model is None and args is None:
+        raise ValueError(f"fix {fix.id!r} needs model=, trainer= or args=")
+    return Target(model=model, trainer=trainer, args=args)
+
+
+def apply(fix_id: str, *, model=None, trainer=None, **options: Any) -> FixResult:
+    """Apply ``fix_id`` in place; the result says what changed (nothing, when already applied)."""
+    fix = get(fix_id)
+    args = options.pop("args", None)
+    target = _target(fix, model, trainer, args)
+    changed = fix.apply(target, **options)
+    names = {"trainer": "trainer"} if trainer is not None else ({"model": "model"} if model is not None else {"args": "args"})
+    cell = code(fix_id, **names, **options)
+    from ..session import record_fix
+
+    record_fix(fix_id, changed, cell)
+    return FixResult(fix=fix_id, changed=changed, code=cell)
+
+
+__all__ = ["FIXES", "Fix", "FixResult", "apply", "available", "code", "get"]

@@ -1,0 +1,49 @@
+"""The fix registry: each fix is one definition with an action (apply) and a cell (code).
+
+``apply(target, **options)`` changes the live objects and returns what it changed (empty when
+there was nothing to do, which makes every fix idempotent). ``code(names, **options)`` returns the
+notebook cell that has the same effect, written with the caller's variable names and plain
+torch/transformers code so the user can keep it without nbguard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass
+class Target:
+    """What a fix acts on: the model (the trainer's, when a trainer is given), the args, the trainer."""
+
+    model: Any = None
+    trainer: Any = None
+    args: Any = None
+
+
+@dataclass
+class Names:
+    """The caller's variable names (or expressions) for the objects a cell touches."""
+
+    model: str = "model"
+    trainer: str | None = None
+    args: str = "trainer.args"
+
+
+@dataclass(frozen=True)
+class Fix:
+    id: str
+    title: str
+    description: str
+    apply: Callable[..., Any]  # apply(target: Target, **options) -> changes (falsy when none)
+    code: Callable[..., str]  # code(names: Names, **options) -> notebook cell
+    needs: str = "model"  # "model", "args" or "model-or-args": what apply must be given
+
+
+FIXES: dict[str, Fix] = {}
+
+
+def register(fix: Fix) -> Fix:
+    if fix.id in FIXES:
+        raise ValueError(f"fix {fix.id!r} is registered twice")
+    FIXES[fix.id] = fix
+    return fix

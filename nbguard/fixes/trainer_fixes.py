@@ -1,0 +1,212 @@
+"""Fixes that change the training arguments, and what a Trainer already built from them."""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from ..auditor.context import HALF_DTYPES, QUANTIZED_PARAM_CLASSES, dtype_name
+from ..hardware import resolve_hardware
+from .registry import Fix, register
+
+
+# ---- enable-grad-clipping --------------------------------------------------------------------
+def _clip(target, max_norm: float = 1.0, **_):
+    old = getattr(target.args, "max_grad_norm", None)
+    if old == max_norm:
+        return {}
+    target.args.max_grad_norm = max_norm
+    return {"args.max_grad_norm": f"{old} -> {max_norm}"}
+
+
+def _clip_code(names, max_norm: float = 1.0, **_):
+    # The Trainer reads args.max_grad_norm at every step, so changing it on a built Trainer is enough.
+    return f"""# Clip the total gradient norm: one outlier gradient can no longer blow the weights up.
+{names.args}.max_grad_norm = {max_norm!r}
+"""
+
+
+register(Fix("enable-grad-clipping", "Clip gradients to norm 1.0", "Set args.max_grad_norm = 1.0.",
+             _clip, _clip_code, needs="args"))
+
+
+# ---- lower-learning-rate ---------------------------------------------------------------------
+_BASE_LR = "_nbguard_base_learning_rate"  # the LR before the first lowering: keeps apply idempotent
+
+
+def _lower_lr(target, factor: float = 0.1, **_):
+    if not (isinstance(factor, (int, float)) and 0 < factor < 1):
+        raise ValueError(f"factor must be a number between 0 and 1; got {factor!r}")
+    args = target.args
+    base = getattr(args, _BASE_LR, None) or args.learning_rate
+    wanted = base * factor
+    if math.isclose(args.learning_rate, wanted, rel_tol=1e-9):
+        return {}
+    scale = wanted / args.learning_rate
+    changed = {"args.learning_rate": f"{args.learning_rate:g} -> {wanted:g}"}
+    object.__setattr__(args, _BASE_LR, base)
+    args.learning_rate = wanted
+    trainer = target.trainer
+    opt = getattr(trainer, "optimizer", None)
+    if opt is not None:  # already built from the old value
+        for group in opt.param_groups:
+            group["lr"] *= scale
+            if "initial_lr" in group:
+                group["initial_lr"] *= scale
+        changed["optimizer.param_groups"] = len(opt.param_groups)
+    sched = getattr(trainer, "lr_scheduler", None)
+    if sched is not None and hasattr(sched, "base_lrs"):
+        sched.base_lrs = [lr * scale for lr in sched.base_lrs]
+        changed["lr_scheduler.base_lrs"] = len(sched.base_lrs)
+    return changed
+
+
+def _lower_lr_code(names, factor: float = 0.1, **_):
+    a = names.args
+    code = f"""# A smaller learning rate: the updates that overflowed (or diverged) shrink by {factor!r}x.
+_factor = {factor!r}
+{a}.learning_rate = {a}.learning_rate * _factor
+"""
+    if names.trainer:
+        t = names.trainer
+        code += f"""# The trainer may already have built its optimizer and scheduler from the old value.
+if {t}.optimizer is not None:
+    for _group in {t}.optimizer.param_groups:
+        _group["lr"] *= _factor
+        if "initial_lr" in _group:
+            _group["initial_lr"] *= _factor
+if {t}.lr_scheduler is not None:
+    {t}.lr_scheduler.base_lrs = [_lr * _factor for _lr in {t}.lr_scheduler.base_lrs]
+"""
+    return code
+
+
+register(Fix("lower-learning-rate", "Lower the learning rate",
+             "Multiply the learning rate by factor (default 0.1), in the args and any optimizer already built.",
+             _lower_lr, _lower_lr_code, needs="args"))
+
+
+# ---- switch-precision ------------------------------------------------------------------------
+def _resolve_to(to, hardware=None) -> str:
+    if to is None:
+        return resolve_hardware(hardware).best_half_precision
+    if to not in ("bf16", "fp32"):
+        raise ValueError(f"to must be 'bf16', 'fp32' or None (the best for the hardware); got {to!r}")
+    return to
+
+
+def _weight_target(p, to):
+    """fp32: every half-precision weight to float32. bf16: fp16 weights to bf16, trainable ones to fp32."""
+    if to == "fp32":
+        return torch.float32 if p.dtype in HALF_DTYPES else None
+    if p.dtype == torch.float16:
+        return torch.float32 if p.requires_grad else torch.bfloat16
+    return None
+
+
+def _switch_args(args, to, changed):
+    flags = {"fp16": False, "bf16": to == "bf16", "fp16_full_eval": False}
+    if to == "fp32":
+        flags["bf16_full_eval"] = False
+    for key, value in flags.items():
+        if hasattr(args, key) and getattr(args, key) != value:
+            changed[f"args.{key}"] = f"{getattr(args, key)} -> {value}"
+            setattr(args, key, value)
+    mixed = "bf16" if to == "bf16" else "no"
+    if getattr(args, "mixed_precision", mixed) != mixed:  # transformers >= 5 keeps it on the args
+        changed["args.mixed_precision"] = f"{args.mixed_precision} -> {mixed}"
+        args.mixed_precision = mixed
+    if os.environ.get("ACCELERATE_MIXED_PRECISION", mixed) != mixed:  # older transformers use the env
+        changed["env.ACCELERATE_MIXED_PRECISION"] = f"{os.environ['ACCELERATE_MIXED_PRECISION']} -> {mixed}"
+        os.environ["ACCELERATE_MIXED_PRECISION"] = mixed
+
+
+def _rebuild_accelerator(trainer, changed):
+    """The Trainer built an Accelerator (autocast, GradScaler) from the old flags: build it again."""
+    accelerator = getattr(trainer, "accelerator", None)
+    wanted = "bf16" if trainer.args.bf16 else ("fp16" if trainer.args.fp16 else "no")
+    if accelerator is None or accelerator.mixed_precision == wanted:
+        return
+    from accelerate.state import AcceleratorState
+
+    model = trainer.model
+    if hasattr(model, "_original_forward"):  # prepare() wrapped forward in autocast + convert_to_fp32
+        model.forward = model._original_forward
+        del model._original_forward
+    old = accelerator.mixed_precision
+    AcceleratorState._reset_state()  # the shared state refuses a new mixed_precision otherwise
+    trainer.create_accelerator_and_postprocess()
+    changed["trainer.accelerator.mixed_precision"] = f"{old} -> {trainer.accelerator.mixed_precision}"
+
+
+def _switch(target, to=None, hardware=None, **_):
+    to = _resolve_to(to, hardware)
+    changed = {}
+    if target.args is not None:
+        _switch_args(target.args, to, changed)
+    if target.trainer is not None:
+        _rebuild_accelerator(target.trainer, changed)
+    if target.model is not None:
+        casts = {}
+        for name, p in target.model.named_parameters():
+            if type(p).__name__ in QUANTIZED_PARAM_CLASSES or not p.is_floating_point():
+                continue
+            dtype = _weight_target(p, to)
+            if dtype is not None:
+                casts[name] = f"{dtype_name(p.dtype)} -> {dtype_name(dtype)}"
+                p.data = p.data.to(dtype)
+        if casts:
+            changed["parameters"] = casts
+    return {"to": to, **changed} if changed else {}
+
+
+def _switch_code(names, to=None, hardware=None, **_):
+    to = _resolve_to(to, hardware)
+    a, m, t = names.args, names.model, names.trainer
+    mixed = "bf16" if to == "bf16" else "no"
+    code = f"""import os
+import torch
+
+# Train in {to} instead of fp16{"/bf16" if to == "fp32" else ""}.
+{a}.fp16 = False
+{a}.bf16 = {to == "bf16"}
+{a}.fp16_full_eval = False
+"""
+    if to == "fp32":
+        code += f"{a}.bf16_full_eval = False\n"
+    code += f"""if hasattr({a}, "mixed_precision"):
+    {a}.mixed_precision = "{mixed}"
+if "ACCELERATE_MIXED_PRECISION" in os.environ:  # older transformers pass it through the environment
+    os.environ["ACCELERATE_MIXED_PRECISION"] = "{mixed}"
+"""
+    if t:
+        code += f"""
+# The trainer built its accelerator (autocast, GradScaler) from the old flags: rebuild it.
+from accelerate.state import AcceleratorState
+
+if hasattr({t}.model, "_original_forward"):
+    {t}.model.forward = {t}.model._original_forward
+    del {t}.model._original_forward
+AcceleratorState._reset_state()
+{t}.create_accelerator_and_postprocess()
+"""
+    if to == "fp32":
+        rule = "_param.dtype in (torch.float16, torch.bfloat16)"
+        cast = "torch.float32"
+    else:
+        rule = "_param.dtype == torch.float16"
+        cast = "torch.float32 if _param.requires_grad else torch.bfloat16"
+    code += f"""
+# Weights stored in the old precision follow (trainable ones in float32).
+for _name, _param in {m}.named_parameters():
+    if _param.is_floating_point() and {rule}:
+        _param.data = _param.data.to({cast})
+"""
+    return code
+
+
+register(Fix("switch-precision", "Switch the training precision",
+             "Move fp16 training to bf16 (where the hardware has it) or fp32: the argument flags, the accelerator "
+             "a Trainer built from them, and weights stored in the old precision.",
+             _switch, _switch_code, needs="model-or-args"))
