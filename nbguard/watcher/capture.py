@@ -1,0 +1,108 @@
+"""What a training micro-batch needs to be replayed: its inputs, RNG state, autocast state and
+the gradient that arrived at the model's outputs during the real backward.
+
+Only references are kept (no copies); they are released at the end of every optimizer step.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .tensors import iter_tensors
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def capture_rng() -> dict[str, Any]:
+    """The RNG state dropout will draw from (host copies; no device sync)."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def capture_autocast() -> list[tuple[str, torch.dtype]]:
+    """The autocast regions active around this forward, to re-enter them in the replay."""
+    active = []
+    for device in _AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(device):
+                active.append((device, torch.get_autocast_dtype(device)))
+        except (RuntimeError, TypeError):  # device type unknown to this build
+            continue
+    return active
+
+
+@contextlib.contextmanager
+def autocast_as(active: list[tuple[str, torch.dtype]]):
+    with contextlib.ExitStack() as stack:
+        for device in _AUTOCAST_DEVICES:  # leave autocast the caller may have on exactly as captured
+            dtype = dict(active).get(device)
+            if dtype is not None:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            else:
+                try:
+                    if torch.is_autocast_enabled(device):
+                        stack.enter_context(torch.autocast(device, enabled=False))
+                except (RuntimeError, TypeError):
+                    pass
+        yield
+
+
+def model_loss(output: Any) -> torch.Tensor | None:
+    """The ``loss`` a transformers model returns when it was given labels."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+def backward_targets(output: Any) -> list[tuple[str, torch.Tensor]]:
+    """The output tensors the real backward starts from.
+
+    When the model computed its own loss, only the loss: hooking logits as well would count the
+    loss's contribution twice in the replay. Otherwise every floating output that needs a grad.
+    """
+    loss = model_loss(output)
+    if loss is not None and loss.requires_grad:
+        return [("loss", loss)]
+    return [(p, t) for p, t in iter_tensors(output) if t.is_floating_point() and t.requires_grad]
+
+
+@dataclass
+class MicroBatch:
+    index: int
+    args: tuple
+    kwargs: dict
+    rng: dict[str, Any]
+    autocast: list[tuple[str, torch.dtype]]
+    output_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def record_output_grads(self, output: Any) -> None:
+        """Hook the outputs so the real backward leaves us the gradient that reached them."""
+        for path, tensor in backward_targets(output):
+            tensor.register_hook(self._keeper(path))
+
+    def _keeper(self, path: str):
+        def keep(grad: torch.Tensor) -> None:
+            self.output_grads[path] = grad.detach()
+        return keep
+
+    def labels(self) -> torch.Tensor | None:
+        labels = self.kwargs.get("labels")
+        return labels if isinstance(labels, torch.Tensor) else None
+
+    def has_no_supervised_tokens(self) -> bool:
+        """All labels -100 (after the causal shift): the mean loss is 0/0."""
+        labels = self.labels()
+        if labels is None:
+            return False
+        shifted = labels[..., 1:] if labels.dim() >= 1 and labels.shape[-1] > 1 else labels
+        return not bool((shifted != -100).any())

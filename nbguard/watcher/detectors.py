@@ -1,0 +1,103 @@
+"""Host-side detectors over the numbers the sentinel already read (no device work)."""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass
+class WatchSettings:
+    """Thresholds; a few GradScaler skips on fresh fp16 training are normal, a streak is not."""
+
+    skip_streak: int = 8  # consecutive skipped steps that make an event
+    min_loss_scale: float = 1.0  # a scale halved below this has collapsed
+    spike_factor: float = 10.0  # total grad norm over this many times the recent median
+    spike_window: int = 50
+    spike_min_history: int = 10
+    frozen_check_every: int = 10  # optimizer steps between weight fingerprints
+    frozen_after: int = 20  # unchanged over this many optimizer steps is an event
+    frozen_eval_repeats: int = 1  # bit-identical eval losses in a row (beyond the first): an event
+    history_capacity: int = 2048
+    max_replays: int = 3
+
+
+class SkipStreak:
+    def __init__(self, settings: WatchSettings):
+        self.settings = settings
+        self.streak = 0
+        self.total = 0
+        self.scales: list[float] = []
+        self.reported = False
+
+    def update(self, skipped: bool, scale: float | None) -> dict | None:
+        """Evidence for an event when the streak (or a collapsing scale) crosses the line."""
+        if not skipped:
+            self.streak, self.scales, self.reported = 0, [], False
+            return None
+        self.streak += 1
+        self.total += 1
+        if scale is not None:
+            self.scales.append(scale)
+        collapsed = scale is not None and scale < self.settings.min_loss_scale
+        if self.reported or not (self.streak >= self.settings.skip_streak or collapsed):
+            return None
+        self.reported = True
+        return {"consecutive_skipped": self.streak, "skipped_total": self.total,
+                "scale_trend": list(self.scales[-12:]), "scale_collapsed": collapsed}
+
+
+class SpikeDetector:
+    def __init__(self, settings: WatchSettings):
+        self.settings = settings
+        self.recent: deque[float] = deque(maxlen=settings.spike_window)
+
+    def update(self, total: float) -> dict | None:
+        if not math.isfinite(total):
+            return None
+        evidence = None
+        if len(self.recent) >= self.settings.spike_min_history:
+            median = statistics.median(self.recent)
+            if median > 0 and total > self.settings.spike_factor * median:
+                evidence = {"total_grad_norm": total, "recent_median": median, "ratio": total / median}
+        self.recent.append(total)
+        return evidence
+
+
+class FrozenDetector:
+    """Weights whose per-group fingerprint stays bit-identical across checks are not training."""
+
+    def __init__(self, settings: WatchSettings):
+        self.settings = settings
+        self.last: list[float] | None = None
+        self.since: int | None = None
+        self.reported = False
+
+    def due(self, step: int) -> bool:
+        return step % self.settings.frozen_check_every == 0
+
+    def update(self, step: int, fingerprint: list[float]) -> dict | None:
+        if self.last is None or fingerprint != self.last:
+            self.last, self.since, self.reported = fingerprint, step, False
+            return None
+        if self.reported or step - self.since < self.settings.frozen_after:
+            return None
+        self.reported = True
+        return {"unchanged_since_step": self.since, "checked_at_step": step, "steps_unchanged": step - self.since}
+
+
+class EvalLossDetector:
+    def __init__(self, settings: WatchSettings):
+        self.settings = settings
+        self.values: list[float] = []
+        self.reported = False
+
+    def update(self, eval_loss: float) -> dict | None:
+        if self.values and eval_loss != self.values[-1]:
+            self.values, self.reported = [], False
+        self.values.append(eval_loss)
+        if self.reported or len(self.values) < self.settings.frozen_eval_repeats + 1:
+            return None
+        self.reported = True
+        return {"eval_loss": eval_loss, "evaluations": len(self.values)}

@@ -1,0 +1,89 @@
+"""The per-step history: gradient norms per module group in a bounded ring buffer."""
+from __future__ import annotations
+
+import re
+from collections import deque
+from typing import Any
+
+from ..findings import encode_float
+
+
+def group_name(param_name: str) -> str:
+    """The module group a parameter belongs to, for heatmap rows.
+
+    Inside a numbered container the group is the block's direct child
+    (``model.layers.3.self_attn.q_proj.weight`` -> ``model.layers.3.self_attn``); elsewhere the
+    module that owns the parameter (``model.embed_tokens.weight`` -> ``model.embed_tokens``).
+    """
+    # the last numbered container wins: LoRA names nest ``layers.N`` inside ``base_model.model``
+    candidates = list(re.finditer(r"\.\d+\.", param_name))
+    if candidates:
+        last = candidates[-1]
+        rest = param_name[last.end():].split(".")
+        if len(rest) > 1:
+            return param_name[: last.end()] + rest[0]
+        return param_name[: last.end() - 1]
+    return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
+
+
+class GradHistory:
+    """Groups x steps gradient norms plus per-step loss, total norm and loss scale (bounded)."""
+
+    def __init__(self, groups: list[str], capacity: int = 2048):
+        self.groups = list(groups)
+        self.capacity = capacity
+        self._steps: deque[int] = deque(maxlen=capacity)
+        self._norms: deque[list[float | None]] = deque(maxlen=capacity)
+        self._loss: deque[float | None] = deque(maxlen=capacity)
+        self._total: deque[float | None] = deque(maxlen=capacity)
+        self._scale: deque[float | None] = deque(maxlen=capacity)
+        self._skipped: deque[bool] = deque(maxlen=capacity)
+
+    def append(self, step: int, norms: list[float | None], loss: float | None, total: float | None,
+               scale: float | None, skipped: bool) -> None:
+        self._steps.append(step)
+        self._norms.append(list(norms))
+        self._loss.append(loss)
+        self._total.append(total)
+        self._scale.append(scale)
+        self._skipped.append(bool(skipped))
+
+    @property
+    def steps(self) -> list[int]:
+        return list(self._steps)
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        return [s for s, k in zip(self._steps, self._skipped) if k]
+
+    @property
+    def total_grad_norm(self) -> list[float | None]:
+        return list(self._total)
+
+    @property
+    def loss(self) -> list[float | None]:
+        return list(self._loss)
+
+    @property
+    def loss_scale(self) -> list[float | None]:
+        return list(self._scale)
+
+    def grad_norm(self, group: str) -> list[float | None]:
+        i = self.groups.index(group)
+        return [row[i] for row in self._norms]
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The "history" section of the payload document (groups x steps)."""
+        rows = [[encode_float(row[i]) for row in self._norms] for i in range(len(self.groups))]
+        return {
+            "groups": list(self.groups),
+            "steps": self.steps,
+            "grad_norm": rows,
+            "skipped_steps": self.skipped_steps,
+            "loss": [encode_float(v) for v in self._loss],
+            "total_grad_norm": [encode_float(v) for v in self._total],
+            "loss_scale": [encode_float(v) for v in self._scale],
+        }

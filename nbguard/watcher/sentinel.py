@@ -1,0 +1,117 @@
+"""The per-step sentinel: gradient norms per parameter taken as each gradient is accumulated
+(so before any clipping), folded with the loss and the loss scale into ONE tensor that is read
+to the host once per optimizer step.
+
+Why ``register_post_accumulate_grad_hook``: HF Trainer (and many loops) clip gradients before the
+optimizer step; one NaN makes the clip factor NaN and poisons every gradient, hiding the culprit.
+The hook fires after each accumulation, so the last value it records in a step is the norm of
+the full accumulated gradient, before clipping or unscaling.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .history import group_name
+
+
+@dataclass
+class StepStats:
+    """What the host learns about one optimizer step, from one read."""
+
+    grad_norm: list[float]  # per group, unscaled
+    loss: float | None
+    loss_scale: float | None
+    fingerprint: list[float] | None
+
+    @property
+    def total_grad_norm(self) -> float:
+        return math.sqrt(sum(v * v for v in self.grad_norm))
+
+    @property
+    def grads_finite(self) -> bool:
+        return all(math.isfinite(v) for v in self.grad_norm)
+
+    @property
+    def loss_finite(self) -> bool:
+        return self.loss is None or math.isfinite(self.loss)
+
+
+class GradNormCollector:
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], on_error: Callable[[BaseException], None]):
+        self.params = [p for _, p in named_params]
+        self.groups: list[str] = []
+        index = []
+        for name, _ in named_params:
+            g = group_name(name)
+            if g not in self.groups:
+                self.groups.append(g)
+            index.append(self.groups.index(g))
+        self._index = index
+        self._index_tensors: dict[torch.device, torch.Tensor] = {}
+        self._norms: list[torch.Tensor | None] = [None] * len(self.params)
+        self._on_error = on_error
+        self.enabled = True
+        self.handles: list = []
+
+    def attach(self) -> None:
+        for i, p in enumerate(self.params):
+            self.handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _hook(self, i: int):
+        def hook(param: torch.Tensor) -> None:
+            if not self.enabled:
+                return
+            try:
+                if param.grad is not None:
+                    self._norms[i] = torch.linalg.vector_norm(param.grad.detach(), dtype=torch.float32)
+            except Exception as exc:  # never break the user's backward
+                self._on_error(exc)
+        return hook
+
+    def reset(self) -> None:
+        self._norms = [None] * len(self.params)
+
+    def fingerprint(self) -> torch.Tensor:
+        """Per-group sum of parameter norms: it stays bit-identical only if the weights do."""
+        norms = torch._foreach_norm([p.detach() for p in self.params])
+        return self._per_group([n.float() for n in norms], square=False)
+
+    def _per_group(self, values: list[torch.Tensor], square: bool) -> torch.Tensor:
+        device = values[0].device if values else torch.device("cpu")
+        stacked = torch.stack([v.to(device, non_blocking=True) for v in values])
+        if square:
+            stacked = stacked.square()
+        idx = self._index_tensors.get(device)
+        if idx is None:
+            idx = self._index_tensors[device] = torch.tensor(self._index, device=device)
+        return torch.zeros(len(self.groups), device=device, dtype=torch.float32).index_add_(0, idx, stacked)
+
+    def read(self, losses: list[torch.Tensor], scale: torch.Tensor | None, with_fingerprint: bool) -> StepStats:
+        """Stack everything this step produced and read it with a single ``tolist()``."""
+        ref = next((n for n in self._norms if n is not None), None)
+        device = ref.device if ref is not None else (self.params[0].device if self.params else torch.device("cpu"))
+        zero = torch.zeros((), device=device)
+        parts = [self._per_group([n if n is not None else zero for n in self._norms], square=True).sqrt()]
+        if losses:
+            parts.append(torch.stack([l.detach().float().to(device) for l in losses]).mean().reshape(1))
+        if scale is not None:
+            parts.append(scale.detach().float().reshape(1).to(device))
+        if with_fingerprint:
+            parts.append(self.fingerprint().to(device))
+        values = torch.cat(parts).tolist()  # the one host sync of the step
+        g = len(self.groups)
+        norms, rest = values[:g], values[g:]
+        loss = rest.pop(0) if losses else None
+        loss_scale = rest.pop(0) if scale is not None else None
+        if loss_scale:
+            norms = [v / loss_scale for v in norms]
+        return StepStats(norms, loss, loss_scale, rest if with_fingerprint else None)

@@ -1,0 +1,75 @@
+"""Small helpers over nested outputs: find the tensors, tell whether they are finite."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+
+def iter_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every tensor inside tuples, lists, dicts and ModelOutputs."""
+    if isinstance(obj, torch.Tensor):
+        yield path or "output", obj
+    elif isinstance(obj, dict):  # ModelOutput is an OrderedDict
+        for key, value in obj.items():
+            yield from iter_tensors(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(obj, (tuple, list)):
+        for i, value in enumerate(obj):
+            yield from iter_tensors(value, f"{path}[{i}]")
+
+
+def float_tensors(obj: Any, path: str = "", skip_masks: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """The floating-point tensors of ``obj``; attention masks may hold -inf by design, so skip them."""
+    found = []
+    for name, t in iter_tensors(obj, path):
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        if skip_masks and "mask" in name.lower():
+            continue
+        found.append((name, t))
+    return found
+
+
+@dataclass
+class Summary:
+    """Finiteness of a set of tensors (computed on the replay path only: it syncs)."""
+
+    finite: bool = True
+    absmax: float = 0.0
+    first_bad: str | None = None
+    has_inf: bool = False
+    dtype: str | None = None
+
+    @property
+    def cause(self) -> str:
+        return "overflow" if self.has_inf else "invalid-op"
+
+
+def summarize(named: list[tuple[str, torch.Tensor]]) -> Summary:
+    s = Summary()
+    for name, t in named:
+        t = t.detach()
+        if s.dtype is None:
+            s.dtype = str(t.dtype).replace("torch.", "")
+        finite = bool(torch.isfinite(t).all())
+        amax = float(t.abs().max()) if t.numel() else 0.0
+        if amax != amax or amax > s.absmax:  # NaN wins: it is the most informative
+            s.absmax = amax if s.absmax == s.absmax else s.absmax
+        if not finite and s.finite:
+            s.finite = False
+            s.first_bad = name
+            s.dtype = str(t.dtype).replace("torch.", "")
+            s.has_inf = bool(torch.isinf(t).any())
+    return s
+
+
+def nonfinite_params(module: torch.nn.Module) -> dict[str, int]:
+    """Direct (not inherited) parameters of ``module`` holding NaN/Inf, with the count of bad values."""
+    bad = {}
+    for name, p in module.named_parameters(recurse=False):
+        if p.is_floating_point():
+            n = int((~torch.isfinite(p.detach())).sum())
+            if n:
+                bad[name] = n
+    return bad

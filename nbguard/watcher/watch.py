@@ -1,0 +1,450 @@
+"""``NanWatch``: the per-step NaN/Inf watch, its events, history and policies."""
+from __future__ import annotations
+
+import math
+import time
+import traceback
+import warnings
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from ..errors import NonFiniteError
+from ..findings import Displayable, Event, document
+from .capture import MicroBatch, capture_autocast, capture_rng, model_loss
+from .detectors import EvalLossDetector, FrozenDetector, SkipStreak, SpikeDetector, WatchSettings
+from .history import GradHistory
+from .integrations.loop import OptimizerBinding, ScalerBinding, unwrap_optimizer
+from .policies import check_policy, drop_update
+from .replay import Replayer
+from .sentinel import GradNormCollector, StepStats
+
+Listener = Callable[["NanWatch", str, Any], None]
+
+# target -> the watch attached to it, so a second watch on the same target replaces the first
+_ATTACHED: "weakref.WeakKeyDictionary[Any, NanWatch]" = weakref.WeakKeyDictionary()
+
+
+def _is_trainer(obj) -> bool:
+    try:
+        from transformers import Trainer
+    except ImportError:
+        return False
+    return isinstance(obj, Trainer)
+
+
+class NanWatch(Displayable):
+    """Watches a model (with its optimizer) or a Trainer for non-finite losses and gradients.
+
+    The normal path reads one small tensor per optimizer step; on the first bad step the step is
+    replayed eagerly with hooks on every module to name where the NaN/Inf was born.
+    """
+
+    def __init__(self, target, *, optimizer=None, scaler=None, policy: str = "warn", localize: bool = True,
+                 settings: WatchSettings | None = None):
+        self.policy = check_policy(policy)
+        self.localize = bool(localize)
+        self.settings = settings or WatchSettings()
+        self.trainer = None
+        if _is_trainer(target):
+            self.trainer = target
+            self.model = target.model
+            optimizer = optimizer if optimizer is not None else target.optimizer
+        elif isinstance(target, torch.nn.Module):
+            if optimizer is None:
+                raise ValueError("nbguard.watch(model) needs the optimizer that trains it: pass optimizer=opt "
+                                 "(and scaler=scaler if you use a GradScaler), or pass a Trainer instead")
+            self.model = target
+        else:
+            raise TypeError(f"target must be a torch.nn.Module or a transformers Trainer/TRL SFTTrainer, "
+                            f"got {type(target).__name__}")
+        if optimizer is not None and not isinstance(unwrap_optimizer(optimizer), torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.target = target
+        self.optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
+        self.scaler = scaler
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self._collector = GradNormCollector(named, lambda exc: self._fail(exc, safe=False))
+        self.history = GradHistory(self._collector.groups, self.settings.history_capacity)
+        self.events: list[Event] = []
+        self.step = 0
+        self.attached = False
+        self._listeners: list[Listener] = []
+        self._replayer: Replayer | None = None
+        self._replays = 0
+        self._handles: list = []
+        self._opt_binding: OptimizerBinding | None = None
+        self._scaler_binding: ScalerBinding | None = None
+        self._callback = None
+        self._trainer_control = None
+        self._stop_requested = False
+        self._broken = False
+        self._replaying = False
+        self._bad_streak = 0
+        self._skips = SkipStreak(self.settings)
+        self._spike = SpikeDetector(self.settings)
+        self._frozen = FrozenDetector(self.settings)
+        self._eval = EvalLossDetector(self.settings)
+        self._release_step()
+
+    # ---- attach / detach -------------------------------------------------------------------
+    def attach(self) -> "NanWatch":
+        if self.attached:
+            return self
+        previous = _ATTACHED.get(self.target)
+        if previous is not None and previous is not self and previous.attached:
+            previous.detach()  # never stack two watches' hooks on one model
+        self._broken = False
+        self._handles = [
+            self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True),
+            self.model.register_forward_hook(self._root_post, with_kwargs=True),
+        ]
+        self._collector.attach()
+        if self.optimizer is not None:
+            self._opt_binding = OptimizerBinding(self.optimizer, self._pre_step, self._post_step)
+        if self.scaler is not None:
+            self._scaler_binding = ScalerBinding(self.scaler, self._before_scaler_update, self._after_scaler_update)
+        if self.trainer is not None:
+            from .integrations.trainer import WatchCallback
+
+            self._callback = WatchCallback(self)
+            self.trainer.add_callback(self._callback)
+            self._bind_trainer_parts()
+        self.attached = True
+        _ATTACHED[self.target] = self
+        from ..session import record_watch
+
+        record_watch(self)
+        return self
+
+    def detach(self) -> "NanWatch":
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._collector.detach()
+        if self._opt_binding is not None:
+            self._opt_binding.remove()
+            self._opt_binding = None
+        if self._scaler_binding is not None:
+            self._scaler_binding.remove()
+            self._scaler_binding = None
+        if self._callback is not None:
+            self.trainer.remove_callback(self._callback)
+            self._callback = None
+        self._release_step()
+        self.attached = False
+        if _ATTACHED.get(self.target) is self:
+            del _ATTACHED[self.target]
+        return self
+
+    def __enter__(self) -> "NanWatch":
+        return self.attach()
+
+    def __exit__(self, *exc) -> bool:
+        self.detach()
+        return False
+
+    def _bind_trainer_parts(self) -> None:
+        """The Trainer creates its optimizer (and accelerate its GradScaler) inside ``train()``."""
+        if not self._active():
+            return
+        try:
+            from .integrations.trainer import trainer_scaler
+
+            opt = self.trainer.optimizer
+            if opt is not None:
+                inner = unwrap_optimizer(opt)
+                if self._opt_binding is None or self._opt_binding.optimizer is not inner:
+                    if self._opt_binding is not None:
+                        self._opt_binding.remove()
+                    self.optimizer = inner
+                    self._opt_binding = OptimizerBinding(inner, self._pre_step, self._post_step)
+            scaler = trainer_scaler(self.trainer)
+            if scaler is not None and (self._scaler_binding is None or self._scaler_binding.scaler is not scaler):
+                if self._scaler_binding is not None:
+                    self._scaler_binding.remove()
+                self.scaler = scaler
+                self._scaler_binding = ScalerBinding(scaler, self._before_scaler_update, self._after_scaler_update)
+        except Exception as exc:
+            self._fail(exc, safe=False)
+
+    # ---- listeners ----------------------------------------------------------------------------
+    def add_listener(self, callback: Listener) -> None:
+        """``callback(watch, kind, payload)`` on every step end ("step") and event ("event")."""
+        if not callable(callback):
+            raise TypeError("add_listener(callback): callback must be callable as callback(watch, kind, payload)")
+        if callback not in self._listeners:
+            self._listeners.append(callback)
+
+    def remove_listener(self, callback: Listener) -> None:
+        if callback in self._listeners:
+            self._listeners.remove(callback)
+
+    def _notify(self, kind: str, payload: Any) -> None:
+        for callback in list(self._listeners):
+            try:
+                callback(self, kind, payload)
+            except Exception as exc:  # a broken dashboard must not break training
+                self.remove_listener(callback)
+                self._emit(Event("watch-error", self.step, f"a watch listener failed and was removed: "
+                                 f"{type(exc).__name__}: {exc}", evidence={"listener": repr(callback)}))
+
+    def _emit(self, event: Event) -> None:
+        self.events.append(event)
+        self._notify("event", event)
+
+    # ---- failure handling -------------------------------------------------------------------
+    def _active(self) -> bool:
+        return self.attached and not self._broken
+
+    def _fail(self, exc: BaseException, safe: bool) -> None:
+        """Record an internal error and step aside; removal waits for a point where it is safe
+        (not while torch iterates the optimizer's hook dicts or the Trainer its callbacks)."""
+        if self._broken:
+            return
+        self._broken = True
+        self._emit(Event("watch-error", self.step,
+                         f"nbguard's watch hit an internal error and detached itself; training goes on: "
+                         f"{type(exc).__name__}: {exc}",
+                         evidence={"exception": repr(exc), "traceback": traceback.format_exc(limit=6)}))
+        warnings.warn(f"nbguard watch detached after an internal error: {exc!r}", RuntimeWarning, stacklevel=2)
+        if safe:
+            self.detach()
+
+    # ---- hooks: micro-batches -----------------------------------------------------------------
+    def _training_forward(self, module) -> bool:
+        return not self._replaying and module.training and torch.is_grad_enabled()
+
+    def _root_pre(self, module, args, kwargs):
+        if self._broken and self.attached:
+            self.detach()  # a safe point: module hooks were copied before being called
+            return None
+        if not self._active() or not self._training_forward(module):
+            return None
+        try:
+            self._micro_batches.append(
+                MicroBatch(len(self._micro_batches), args, dict(kwargs), capture_rng(), capture_autocast()))
+        except Exception as exc:
+            self._fail(exc, safe=True)
+        return None
+
+    def _root_post(self, module, args, kwargs, output):
+        if not self._active() or not self._training_forward(module) or not self._micro_batches:
+            return None
+        try:
+            loss = model_loss(output)
+            if loss is not None:
+                self._losses.append(loss.detach())
+            if self.localize:
+                self._micro_batches[-1].record_output_grads(output)
+        except Exception as exc:
+            self._fail(exc, safe=False)
+        return None
+
+    # ---- hooks: step boundaries -----------------------------------------------------------
+    def _read(self) -> StepStats:
+        if self._stats is None:
+            scale = self._scaler_binding.scale() if self._scaler_binding is not None else None
+            self._stats = self._collector.read(self._losses, scale, self._frozen.due(self.step))
+        return self._stats
+
+    def _pre_step(self, optimizer, args, kwargs):
+        if not self._active():
+            return None
+        try:
+            self._check_update(self._read())
+        except NonFiniteError:
+            raise
+        except Exception as exc:
+            self._fail(exc, safe=False)
+        return None
+
+    def _post_step(self, optimizer, args, kwargs):
+        if not self._active():
+            return None
+        try:
+            self._optimizer_stepped = True
+            if self._scaler_binding is None:
+                self._end_step(skipped=self._step_dropped)
+        except NonFiniteError:
+            raise
+        except Exception as exc:
+            self._fail(exc, safe=False)
+        return None
+
+    def _before_scaler_update(self) -> None:
+        if not self._active():
+            return
+        try:
+            self._read()  # a skipped step never reached the optimizer hooks: read it here
+        except Exception as exc:
+            self._fail(exc, safe=False)
+
+    def _after_scaler_update(self) -> None:
+        if not self._active():
+            return
+        try:
+            self._end_step(skipped=self._step_dropped or not self._optimizer_stepped,
+                           scaler_skipped=not self._optimizer_stepped)
+        except NonFiniteError:
+            raise
+        except Exception as exc:
+            self._fail(exc, safe=True)
+
+    # ---- the decisions --------------------------------------------------------------------
+    def _check_update(self, stats: StepStats) -> None:
+        """Before the optimizer moves anything: is this update finite? Apply the policy if not."""
+        if stats.loss_finite and stats.grads_finite:
+            self._bad_streak = 0
+            return
+        self._bad_streak += 1
+        if self._bad_streak == 1:
+            kind = "nonfinite-loss" if not stats.loss_finite else "nonfinite-grad"
+            event = self._make_event(kind, stats)
+            self._emit(event)
+        else:
+            event = next((e for e in reversed(self.events) if e.kind in ("nonfinite-loss", "nonfinite-grad")), None)
+            if event is not None:
+                event.evidence["consecutive_bad_steps"] = self._bad_streak
+        if self.policy in ("skip", "stop"):
+            drop_update(self.optimizer, self.model)
+            self._step_dropped = True
+        if self.policy == "stop":
+            self._stop(event)
+
+    def _stop(self, event: Event | None) -> None:
+        self._stop_requested = True
+        if self.trainer is not None:
+            if self._trainer_control is not None:
+                self._trainer_control.should_training_stop = True
+            return
+        message = f"nbguard stopped training at step {event.step if event else self.step}: " + (
+            event.message if event else "non-finite values")
+        if not self._step_ended:
+            self._end_step(skipped=True)
+        raise NonFiniteError(message, event)
+
+    def _end_step(self, skipped: bool, scaler_skipped: bool = False) -> None:
+        stats = self._read()
+        step = self.step
+        self.history.append(step, stats.grad_norm, stats.loss, stats.total_grad_norm, stats.loss_scale, skipped)
+        self._step_ended = True
+        stop_event = None
+        if self._scaler_binding is not None:
+            streak = self._skips.update(scaler_skipped, stats.loss_scale)
+            if streak is not None:
+                event = self._make_event("skipped-steps", stats, streak)
+                self._emit(event)
+                if self.policy == "stop":
+                    stop_event = event
+        if not skipped:
+            spike = self._spike.update(stats.total_grad_norm)
+            if spike is not None:
+                ratios = sorted(zip(self.history.groups, stats.grad_norm), key=lambda gv: -gv[1])
+                spike["largest_group"] = ratios[0][0] if ratios else None
+                self._emit(Event("grad-spike", step, f"gradient norm spiked at step {step}: "
+                                 f"{spike['total_grad_norm']:.3g}, {spike['ratio']:.1f}x the recent median",
+                                 evidence=spike))
+        if stats.fingerprint is not None:
+            frozen = self._frozen.update(step, stats.fingerprint)
+            if frozen is not None:
+                self._emit(Event("frozen-params", step, f"trainable weights have not changed for "
+                                 f"{frozen['steps_unchanged']} optimizer steps", evidence=frozen))
+        self.step += 1
+        payload = {"step": step, "loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
+                   "loss_scale": stats.loss_scale, "skipped": skipped,
+                   "grad_norm": dict(zip(self.history.groups, stats.grad_norm))}
+        self._release_step()
+        self._notify("step", payload)
+        if stop_event is not None:
+            self._stop(stop_event)
+
+    def _release_step(self) -> None:
+        """Drop every reference to this step's batches and output gradients."""
+        self._micro_batches: list[MicroBatch] = []
+        self._losses: list[torch.Tensor] = []
+        self._stats: StepStats | None = None
+        self._optimizer_stepped = False
+        self._step_dropped = False
+        self._step_ended = False
+        self._collector.reset()
+
+    def _on_eval_loss(self, eval_loss: float, global_step: int) -> None:
+        if not self._active():
+            return
+        found = self._eval.update(eval_loss)
+        if found is not None:
+            found["global_step"] = global_step
+            self._emit(Event("frozen-eval-loss", max(self.step - 1, 0),
+                             f"eval loss is bit-identical across {found['evaluations']} evaluations "
+                             f"({eval_loss!r}): the weights are not changing", evidence=found))
+
+    # ---- events and localisation ----------------------------------------------------------
+    def _make_event(self, kind: str, stats: StepStats, extra: dict | None = None) -> Event:
+        groups = self.history.groups
+        evidence: dict[str, Any] = dict(extra or {})
+        evidence.update({"loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
+                         "nonfinite_groups": [g for g, v in zip(groups, stats.grad_norm) if not math.isfinite(v)],
+                         "micro_batches": len(self._micro_batches)})
+        if stats.loss_scale is not None:
+            evidence["loss_scale"] = stats.loss_scale
+        cause, origins = None, []
+        empty = [mb.index for mb in self._micro_batches if mb.has_no_supervised_tokens()]
+        if empty and not stats.loss_finite:
+            cause = "no-supervised-tokens"
+            evidence["micro_batches_without_labels"] = empty
+        elif self.localize and self._micro_batches and self._replays < self.settings.max_replays:
+            self._replays += 1
+            started = time.perf_counter()
+            found = self._replay()
+            evidence["replay_seconds"] = time.perf_counter() - started
+            cause, origins = found.cause, found.origins
+            evidence.update(found.evidence)
+        return Event(kind, self.step, self._message(kind, cause, origins, evidence), cause, origins, evidence)
+
+    def _replay(self):
+        if self._replayer is None:
+            self._replayer = Replayer(self.model)
+        self._replaying, self._collector.enabled = True, False
+        try:
+            return self._replayer.run(self._micro_batches)
+        finally:
+            self._replaying, self._collector.enabled = False, True
+
+    def _message(self, kind: str, cause, origins, evidence) -> str:
+        what = {
+            "nonfinite-loss": "non-finite loss",
+            "nonfinite-grad": "non-finite gradient",
+            "skipped-steps": f"GradScaler skipped {evidence.get('consecutive_skipped')} steps in a row "
+                             f"(loss scale now {evidence.get('loss_scale')})",
+        }.get(kind, kind)
+        text = f"step {self.step}: {what}"
+        if cause == "no-supervised-tokens":
+            return text + ": a micro-batch has every label -100, so the mean loss is 0/0"
+        if origins:
+            o = origins[0]
+            text += f": {cause} in {o.module or '<model>'} ({o.phase}"
+            text += f", {o.dtype})" if o.dtype else ")"
+            if o.micro_batch:
+                text += f", micro-batch {o.micro_batch}"
+        elif cause:
+            text += f" ({cause})"
+        return text
+
+    # ---- results ---------------------------------------------------------------------------
+    def summary(self) -> str:
+        skipped = len(self.history.skipped_steps)
+        lines = [f"nbguard watch ({'attached' if self.attached else 'detached'}, policy={self.policy}): "
+                 f"{self.step} optimizer steps, {skipped} skipped, {len(self.events)} events"]
+        for e in self.events:
+            lines.append(f"  [{e.kind}] {e.message}")
+        return "\n".join(lines)
+
+    def to_document(self) -> dict[str, Any]:
+        return document("watch", title="nbguard NaN/Inf watch", events=[e.to_dict() for e in self.events],
+                        history=self.history.to_dict())
+
+    def __repr__(self) -> str:
+        return (f"<NanWatch {type(self.target).__name__} policy={self.policy} step={self.step} "
+                f"events={len(self.events)} {'attached' if self.attached else 'detached'}>")
