@@ -1,0 +1,44 @@
+"""The exception explainer: known error signatures -> a diagnosis with fixes.
+
+``explain(exc)`` walks the exception chain (``__cause__`` / ``__context__``) and returns the first
+:class:`Diagnosis` a registered rule gives, or None. The notebook front end calls it from an
+IPython custom exception handler; it works just as well on an exception caught in a script.
+"""
+from __future__ import annotations
+
+from .diagnosis import Diagnosis, exception_text
+from .rules import RULES, rule
+
+
+def exception_chain(exc: BaseException):
+    """``exc`` then the exceptions it was raised from or while handling, each once."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+
+
+def diagnose(exc: BaseException) -> Diagnosis | None:
+    """Like :func:`explain` without recording the diagnosis in the session."""
+    if not isinstance(exc, BaseException):
+        raise TypeError(f"explain() needs an exception instance, got {type(exc).__name__}")
+    for link in exception_chain(exc):
+        for signature_rule in RULES.values():
+            diagnosis = signature_rule(link)
+            if diagnosis is not None:
+                return diagnosis
+    return None
+
+
+def explain(exc: BaseException) -> Diagnosis | None:
+    """The diagnosis of a known error signature in ``exc`` (or its chain), recorded for the report."""
+    diagnosis = diagnose(exc)
+    if diagnosis is not None:
+        from ..session import record_diagnosis
+
+        record_diagnosis(diagnosis)
+    return diagnosis
+
+
+__all__ = ["Diagnosis", "RULES", "diagnose", "exception_chain", "exception_text", "explain", "rule"]

@@ -1,0 +1,58 @@
+"""A diagnosis: what a known error signature means and which fixes apply."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..findings import Displayable, document, jsonable
+
+
+def exception_text(exc: BaseException) -> str:
+    """``TypeName: message`` on one line, the way a traceback's last line reads."""
+    message = str(exc).strip()
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+@dataclass
+class Diagnosis(Displayable):
+    signature: str  # the stable id of the rule that recognised the error
+    title: str
+    detail: str
+    exception: str  # the exception as text (the exception object itself is not kept: it holds frames)
+    fixes: list[str] = field(default_factory=list)
+    evidence: dict[str, Any] = field(default_factory=dict)
+    fix_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # e.g. switch-precision's "to"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "signature": self.signature,
+            "title": self.title,
+            "detail": self.detail,
+            "exception": self.exception,
+            "fixes": list(self.fixes),
+            "evidence": jsonable(self.evidence),
+        }
+
+    def fix_cells(self, names: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
+        """Each fix as a notebook cell written with the user's variable names."""
+        if not self.fixes:
+            return {}
+        from .. import fixes as fix_registry
+
+        names = names or {}
+        cells = {}
+        for fix_id in self.fixes:
+            options = self.fix_options.get(fix_id, {})
+            cells[fix_id] = {
+                "title": fix_registry.get(fix_id).title,
+                "code": fix_registry.code(fix_id, **names, **options),
+            }
+        return cells
+
+    def to_document(self, names: dict[str, str] | None = None) -> dict[str, Any]:
+        return document(
+            "diagnosis",
+            title=self.title,
+            diagnoses=[self.to_dict()],
+            fix_cells=self.fix_cells(names),
+        )

@@ -1,0 +1,128 @@
+"""``%load_ext nbguard`` / ``%unload_ext nbguard``: what the extension adds, and taking it all back.
+
+Load registers the magics, the exception explainer (an IPython custom exception handler that
+chains to any earlier one) and the comm to the lab extension. Unload restores the earlier
+exception handler and any magics nbguard shadowed, detaches watches started by ``%nanwatch``,
+closes the widgets it opened and the comm. Loading twice is harmless.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from . import present
+from . import resolve as R
+from .comm import CHANNEL
+from .exceptions import ExplainerHandler
+
+MAGIC_NAMES = {"line": ("precision_check", "nanwatch", "nbguard"), "cell": ("nanwatch",)}
+
+
+class ExtensionState:
+    def __init__(self, shell):
+        self.shell = shell
+        self.watches: list[Any] = []  # LiveWatch objects started by %nanwatch
+        self.last_names: dict[str, str] = {}  # the user's names from the last %precision_check
+        self.last_audit = None
+        self.shadowed: dict[str, dict[str, Any]] = {}  # magics of the same name that existed before
+        self.magics = None
+        self.handler = ExplainerHandler(shell, show=self.show_diagnosis)
+
+    # -- names and objects for fix code -------------------------------------------------------
+    def names_for_fixes(self) -> dict[str, str]:
+        """The user's variable names: from the last audit, else the one trainer/model in the namespace."""
+        names = dict(self.last_names)
+        ns = self.shell.user_ns
+        if "trainer" in names or "model" in names:
+            if all(name.split(".")[0] in ns for name in names.values()):
+                return names
+        names = {}
+        try:
+            trainer = R.unique(R.candidates(ns, R.is_trainer), "trainers", "")
+            if trainer:
+                names["trainer"] = trainer[0]
+            else:
+                model = R.unique(R.top_level_models(R.candidates(ns, R.is_model)), "models", "")
+                if model:
+                    names["model"] = model[0]
+        except R.MagicError:
+            pass  # ambiguous: the fix code keeps the generic names "model" / "trainer"
+        return names
+
+    def show_diagnosis(self, diagnosis) -> None:
+        names = self.names_for_fixes()
+
+        def apply(fix_id: str):
+            from nbguard import fixes
+
+            targets = {k: R.lookup(self.shell.user_ns, v) for k, v in names.items() if k in ("model", "trainer")}
+            if not targets:
+                raise R.MagicError("no model or trainer variable found to apply the fix to")
+            options = diagnosis.fix_options.get(fix_id, {})
+            return fixes.apply(fix_id, **targets, **options).changed, fixes.code(fix_id, **names, **options)
+
+        present.show_diagnosis(diagnosis, names=names, apply=apply)
+
+    # -- watches --------------------------------------------------------------------------------
+    def stop_watch(self, live) -> None:
+        if live in self.watches:
+            self.watches.remove(live)
+        try:
+            live.watch.detach()
+        finally:
+            live.finish()
+
+    def stop_watches(self) -> list[Any]:
+        stopped = list(self.watches)
+        for live in stopped:
+            self.stop_watch(live)
+        return stopped
+
+
+_STATES: dict[int, ExtensionState] = {}
+
+
+def load(ipython) -> ExtensionState:
+    state = _STATES.get(id(ipython))
+    if state is not None:
+        return state  # loaded already: nothing stacks
+    from .magics import NbguardMagics
+
+    state = ExtensionState(ipython)
+    manager = ipython.magics_manager
+    for kind, names in MAGIC_NAMES.items():
+        for name in names:
+            if name in manager.magics[kind]:
+                state.shadowed.setdefault(kind, {})[name] = manager.magics[kind][name]
+    state.magics = NbguardMagics(ipython, state)
+    ipython.register_magics(state.magics)
+    state.handler.install()
+    try:
+        CHANNEL.open(ipython)
+    except Exception as err:  # no comm: "Insert cell" falls back to a code block
+        print(f"nbguard: the lab extension channel could not open ({err}); continuing without it", file=sys.stderr)
+    _STATES[id(ipython)] = state
+    return state
+
+
+def unload(ipython) -> None:
+    state = _STATES.pop(id(ipython), None)
+    if state is None:
+        return
+    state.stop_watches()
+    state.handler.uninstall()
+    manager = ipython.magics_manager
+    for kind, names in MAGIC_NAMES.items():
+        for name in names:
+            previous = state.shadowed.get(kind, {}).get(name)
+            if previous is not None:
+                manager.magics[kind][name] = previous
+            else:
+                manager.magics[kind].pop(name, None)
+    manager.registry.pop(type(state.magics).__name__, None)
+    present.close_all()
+    CHANNEL.close()
+
+
+def state_of(ipython) -> ExtensionState | None:
+    return _STATES.get(id(ipython))

@@ -1,0 +1,94 @@
+"""Showing results in the notebook: the widget when ipywidgets is usable, else the static bundle.
+
+Each ``show_*`` emits ONE output (see :mod:`.display`) and keeps the views it opened in
+``OPEN_VIEWS`` so ``%unload_ext nbguard`` can close them.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .display import NO_WIDGETS_HINT, publish, republish, with_output_id
+
+OPEN_VIEWS: list[Any] = []
+
+
+def widgets_available() -> bool:
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def show_audit(result, *, names: dict[str, str], rerun: Callable[[], Any],
+               apply: Callable[[str], tuple[Any, str]]):
+    """The audit as finding cards (or the static bundle); returns the view or None."""
+    doc = with_output_id(result.to_document(names=names))
+    if not widgets_available():
+        publish(doc, hint=NO_WIDGETS_HINT)
+        return None
+    from .widgets.cards import FindingsView
+
+    holder: dict[str, Any] = {}
+
+    def refresh_static(new_result) -> None:
+        # the saved notebook keeps the re-audited view, under the same output_id
+        republish(holder.get("handle"), with_output_id(new_result.to_document(names=names), doc["output_id"]), view.widget)
+
+    view = FindingsView(result, doc["output_id"], rerun=rerun, apply=apply, names=names, on_change=refresh_static)
+    holder["handle"] = publish(doc, view.widget)
+    OPEN_VIEWS.append(view)
+    return view
+
+
+def show_diagnosis(diagnosis, *, names: dict[str, str], apply: Callable[[str], tuple[Any, str]] | None):
+    doc = with_output_id(diagnosis.to_document(names=names))
+    if not widgets_available():
+        publish(doc, hint=NO_WIDGETS_HINT)
+        return None
+    from .widgets.cards import DiagnosisView
+
+    view = DiagnosisView(doc, doc["output_id"], apply)
+    publish(doc, view.widget)
+    OPEN_VIEWS.append(view)
+    return view
+
+
+class LiveWatch:
+    """A watch's output: the live dashboard plus a static copy refreshed when the run ends."""
+
+    def __init__(self, watch):
+        self.watch = watch
+        self.doc = with_output_id(watch.to_document())
+        self.dashboard = None
+        if widgets_available():
+            from .widgets.dashboard import WatchDashboard
+
+            self.dashboard = WatchDashboard(watch, self.doc["output_id"]).attach()
+            OPEN_VIEWS.append(self)
+        self.handle = publish(self.doc, self.widget, None if self.dashboard else NO_WIDGETS_HINT)
+
+    @property
+    def widget(self):
+        return self.dashboard.widget if self.dashboard is not None else None
+
+    def finish(self) -> None:
+        """Final drawing, and the static copy of the output brought up to date."""
+        if self.dashboard is not None:
+            self.dashboard.finish()
+        self.doc = with_output_id(self.watch.to_document(), self.doc["output_id"])
+        republish(self.handle, self.doc, self.widget, None if self.dashboard else NO_WIDGETS_HINT)
+
+    def close(self) -> None:
+        if self.dashboard is not None:
+            self.dashboard.close()
+
+
+def close_all() -> None:
+    while OPEN_VIEWS:
+        view = OPEN_VIEWS.pop()
+        closer = getattr(view, "close", None)
+        if closer is not None:
+            closer()
+        elif hasattr(view, "widget"):
+            view.widget.close()

@@ -1,0 +1,115 @@
+"""Finding the user's objects (trainer, model, optimizer, ...) by name in the notebook namespace.
+
+Magics report problems as one line; :class:`MagicError` carries that line.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+
+class MagicError(Exception):
+    """A user error in a magic's arguments; shown as one ``nbguard: ...`` line, never a traceback."""
+
+
+def is_trainer(obj: Any) -> bool:
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return False
+    try:
+        return isinstance(obj, transformers.Trainer)
+    except Exception:  # a broken transformers import must not break name lookup
+        return False
+
+
+def is_model(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)
+
+
+def is_training_args(obj: Any) -> bool:
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(obj, transformers.TrainingArguments)
+
+
+def is_optimizer(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.optim.Optimizer)
+
+
+def is_scaler(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    classes = tuple(c for c in (getattr(torch.amp, "GradScaler", None), getattr(torch.cuda.amp, "GradScaler", None)) if c)
+    return isinstance(obj, classes)
+
+
+def is_batch(obj: Any) -> bool:
+    return isinstance(obj, dict) or hasattr(obj, "keys") and hasattr(obj, "__getitem__")
+
+
+def lookup(user_ns: dict[str, Any], name: str) -> Any:
+    """``name`` or a dotted path (``trainer.model``) in the namespace; MagicError when missing."""
+    head, *rest = name.split(".")
+    if not head.isidentifier() or not all(part.isidentifier() for part in rest):
+        raise MagicError(f"{name!r} is not a variable name")
+    if head not in user_ns:
+        raise MagicError(f"no variable named {head!r} in the notebook")
+    obj = user_ns[head]
+    for i, part in enumerate(rest):
+        if not hasattr(obj, part):
+            raise MagicError(f"{'.'.join([head, *rest[:i]])!r} has no attribute {part!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def candidates(user_ns: dict[str, Any], predicate: Callable[[Any], bool]) -> dict[str, Any]:
+    """Public variables (no leading underscore: IPython's output cache) passing ``predicate``, each object once."""
+    found: dict[str, Any] = {}
+    seen: set[int] = set()
+    for name, obj in list(user_ns.items()):
+        if name.startswith("_") or id(obj) in seen:
+            continue
+        try:
+            ok = predicate(obj)
+        except Exception:
+            ok = False
+        if ok:
+            seen.add(id(obj))
+            found[name] = obj
+    return found
+
+
+def top_level_models(models: dict[str, Any]) -> dict[str, Any]:
+    """Drop models that are submodules of another candidate (``head = model.lm_head``)."""
+    if len(models) < 2:
+        return models
+    inner: set[int] = set()
+    for obj in models.values():
+        for sub in obj.modules():
+            if sub is not obj:
+                inner.add(id(sub))
+    return {name: obj for name, obj in models.items() if id(obj) not in inner}
+
+
+def name_of(user_ns: dict[str, Any], obj: Any, default: str) -> str:
+    """The notebook's name for ``obj`` when it has one, else ``default`` (e.g. ``trainer.model``)."""
+    for name, value in user_ns.items():
+        if value is obj and not name.startswith("_"):
+            return name
+    return default
+
+
+def describe(obj: Any) -> str:
+    return type(obj).__name__
+
+
+def unique(found: dict[str, Any], what: str, hint: str) -> tuple[str, Any] | None:
+    """The one candidate, None for none; MagicError listing them when several."""
+    if not found:
+        return None
+    if len(found) > 1:
+        listing = ", ".join(f"{n} ({describe(o)})" for n, o in found.items())
+        raise MagicError(f"several {what} in the notebook: {listing}; {hint}")
+    return next(iter(found.items()))

@@ -1,0 +1,260 @@
+"""The live dashboard of a NanWatch: heatmap, sparklines, events, layer and step-range pickers.
+
+The update path is built for training loops: the watch calls :meth:`WatchDashboard.on_watch`
+after every optimizer step with host-side scalars it already has; the dashboard appends them and
+nothing else (no tensor is touched, so no host sync). Drawing happens on a time throttle:
+cheap parts (status line, SVG sparklines, events) at most ``light_interval`` apart, the heatmap
+PNG only when the time since the last one is at least ``heavy_interval`` and at least
+``1/heavy_budget`` times what the last drawing cost, so it never takes more than a small share
+of the run's wall time.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections import deque
+from typing import Any, Callable
+
+import ipywidgets as W
+
+from .html import esc
+from .sparkline import last_value, sparkline_svg
+
+
+def slice_history(history: dict, lo: int | None, hi: int | None) -> dict:
+    """The history section restricted to steps in ``[lo, hi]`` (both optional)."""
+    steps = history.get("steps", [])
+    keep = [i for i, s in enumerate(steps) if (lo is None or s >= lo) and (hi is None or s <= hi)]
+    if len(keep) == len(steps):
+        return history
+    out = dict(history)
+    out["steps"] = [steps[i] for i in keep]
+    out["grad_norm"] = [[row[i] for i in keep] for row in history.get("grad_norm", [])]
+    for key in ("loss", "total_grad_norm", "loss_scale"):
+        if key in history and len(history[key]) == len(steps):
+            out[key] = [history[key][i] for i in keep]
+    out["skipped_steps"] = [s for s in history.get("skipped_steps", []) if (lo is None or s >= lo) and (hi is None or s <= hi)]
+    return out
+
+
+def _event_dict(event: Any) -> dict:
+    return event.to_dict() if hasattr(event, "to_dict") else dict(event)
+
+
+class WatchDashboard:
+    def __init__(self, watch, output_id: str = "", *, light_interval: float = 0.5, heavy_interval: float = 2.0,
+                 heavy_budget: float = 0.02, window: int = 2048, clock: Callable[[], float] = time.monotonic):
+        self.watch, self.output_id = watch, output_id
+        self.light_interval, self.heavy_interval, self.heavy_budget = light_interval, heavy_interval, heavy_budget
+        self.clock = clock
+        # host scalars appended by the listener, one entry per optimizer step
+        self.steps: deque[int] = deque(maxlen=window)
+        self.loss: deque[Any] = deque(maxlen=window)
+        self.grad_norm: deque[Any] = deque(maxlen=window)
+        self.loss_scale: deque[Any] = deque(maxlen=window)
+        self.skipped: deque[bool] = deque(maxlen=window)
+        self.events: list[dict] = []
+        self.renders = {"light": 0, "heavy": 0}
+        self.errors: list[str] = []
+        self._last_light = self._last_heavy = -math.inf
+        self._heavy_cost = 0.0
+        self._history: dict | None = None
+        self._following = True  # the step range follows new steps until the user moves it
+
+        self.status = W.HTML(value="<b>nbguard watch</b>: waiting for the first optimizer step…")
+        self.heatmap = W.Image(format="png", layout=W.Layout(max_width="100%"))
+        self.sparks = W.HTML()
+        self.step_range = W.IntRangeSlider(value=(0, 0), min=0, max=0, description="Steps",
+                                           continuous_update=False, layout=W.Layout(width="95%"))
+        self.layer = W.Dropdown(options=[], description="Layer")
+        self.layer_view = W.HTML()
+        self.event_list = W.Select(options=[], description="Events", rows=5, layout=W.Layout(width="95%"))
+        self.event_view = W.HTML(value="<em>no events</em>")
+        self.step_range.observe(self._on_range, names="value")
+        self.layer.observe(lambda _c: self.render_layer(), names="value")
+        self.event_list.observe(lambda _c: self.render_event(), names="value")
+        self.widget = W.VBox([
+            self.status, self.heatmap, self.sparks, self.step_range,
+            W.HBox([W.VBox([self.layer, self.layer_view]), W.VBox([self.event_list, self.event_view])]),
+        ])
+        self.attached = False
+
+    # -- wiring to the watch --------------------------------------------------------------------
+    def attach(self) -> "WatchDashboard":
+        if not self.attached:
+            self.watch.add_listener(self.on_watch)
+            self.attached = True
+        return self
+
+    def detach(self) -> None:
+        if self.attached:
+            try:
+                self.watch.remove_listener(self.on_watch)
+            except (KeyError, ValueError):
+                pass
+            self.attached = False
+
+    def on_watch(self, watch, kind: str, payload: Any) -> None:
+        """The watch listener: append host scalars; draw only when the throttle allows. Never raises."""
+        try:
+            if kind == "step":
+                self._append(payload)
+            elif kind == "event":
+                self.events.append(_event_dict(payload))
+            self.maybe_render()
+        except Exception as err:  # the dashboard must never break or detach the user's watch
+            self.errors.append(f"{type(err).__name__}: {err}")
+            if len(self.errors) == 1:
+                print(f"nbguard: dashboard update failed ({self.errors[0]}); training goes on", file=sys.stderr)
+
+    def _append(self, payload: dict) -> None:
+        self.steps.append(int(payload.get("step", len(self.steps))))
+        self.loss.append(payload.get("loss"))
+        self.grad_norm.append(payload.get("total_grad_norm", payload.get("grad_norm")))
+        self.loss_scale.append(payload.get("loss_scale"))
+        self.skipped.append(bool(payload.get("skipped", False)))
+
+    def maybe_render(self) -> None:
+        now = self.clock()
+        if now - self._last_light >= self.light_interval:
+            self.render_light()
+            self._last_light = now
+        wait = max(self.heavy_interval, self._heavy_cost / self.heavy_budget if self.heavy_budget else 0.0)
+        if now - self._last_heavy >= wait:
+            started = time.perf_counter()
+            self.render_heavy()
+            self._heavy_cost = time.perf_counter() - started
+            self._last_heavy = self.clock()
+
+    def finish(self) -> None:
+        """Draw everything once more (the run ended) and stop listening."""
+        self.detach()
+        self.render_light()
+        self.render_heavy()
+
+    def close(self) -> None:
+        self.detach()
+        self.widget.close()
+
+    # -- drawing --------------------------------------------------------------------------------
+    def render_light(self) -> None:
+        self.renders["light"] += 1
+        n = len(self.steps)
+        last = self.steps[-1] if n else None
+        state = "" if self.attached else " (finished)"
+        self.status.value = (
+            f"<b>nbguard watch</b>{esc(state)}: step {esc(last if last is not None else '–')} · "
+            f"loss {esc(last_value(self.loss))} · grad norm {esc(last_value(self.grad_norm))} · "
+            f"loss scale {esc(last_value(self.loss_scale))} · skipped {sum(self.skipped)} · "
+            f"events <b>{len(self.events)}</b>"
+        )
+        lo, hi = self._range()
+        keep = [i for i, s in enumerate(self.steps) if lo <= s <= hi]
+        pick = (lambda seq: [item for i, item in enumerate(seq) if i in keep_set])
+        keep_set = set(keep)
+        rows = [("loss", self.loss, False), ("grad norm", self.grad_norm, True)]
+        if any(v is not None for v in self.loss_scale):
+            rows.append(("loss scale", self.loss_scale, True))
+        self.sparks.value = "".join(
+            f'<div style="display:inline-block;margin-right:14px"><small>{esc(name)} (last {esc(last_value(vals))})</small><br>'
+            f"{sparkline_svg(pick(vals), log=log, skipped=pick(self.skipped), label=name)}</div>"
+            for name, vals, log in rows
+        )
+        if len(self.event_list.options) != len(self.events):
+            self.event_list.options = [(self._event_label(e), i) for i, e in enumerate(self.events)]
+            if self.event_list.value is None and self.events:
+                self.event_list.value = 0
+        self._update_range_bounds()
+
+    def render_heavy(self) -> None:
+        from ...render import heatmap_png
+
+        self.renders["heavy"] += 1
+        self._history = self.watch.history.to_dict()
+        groups = self._history.get("groups", [])
+        if list(self.layer.options) != groups:
+            current = self.layer.value
+            self.layer.options = groups
+            if current in groups:
+                self.layer.value = current
+        lo, hi = self._range()
+        section = slice_history(self._history, lo, hi)
+        if section.get("steps"):
+            self.heatmap.value = heatmap_png(section)
+        self.render_layer()
+
+    def render_layer(self) -> None:
+        history, group = self._history, self.layer.value
+        if not history or group is None or group not in history.get("groups", []):
+            self.layer_view.value = ""
+            return
+        lo, hi = self._range()
+        section = slice_history(history, lo, hi)
+        row = section["grad_norm"][section["groups"].index(group)]
+        skipped = set(section.get("skipped_steps", []))
+        self.layer_view.value = (
+            f"<small>grad norm of <code>{esc(group)}</code>, steps {esc(lo)}–{esc(hi)}, "
+            f"last {esc(last_value(row))}</small><br>"
+            + sparkline_svg(row, log=True, skipped=[s in skipped for s in section["steps"]], label=group)
+        )
+
+    def render_event(self) -> None:
+        index = self.event_list.value
+        if index is None or index >= len(self.events):
+            self.event_view.value = "<em>no events</em>" if not self.events else ""
+            return
+        event = self.events[index]
+        head = (f"<div><b>{esc(event.get('kind'))}</b> at step {esc(event.get('step'))}"
+                f"{' · cause ' + esc(event['cause']) if event.get('cause') else ''}</div>"
+                f"<div>{esc(event.get('message', ''))}</div>")
+        origins = event.get("origins") or []
+        if not origins:
+            self.event_view.value = head + "<div><em>no origin recorded</em></div>"
+            return
+        cols = ("module", "phase", "dtype", "input_absmax", "output_absmax", "tensor", "micro_batch")
+        header = "".join(f"<th>{esc(c.replace('_', ' '))}</th>" for c in cols)
+        body = "".join("<tr>" + "".join(f"<td><code>{esc(o.get(c))}</code></td>" for c in cols) + "</tr>" for o in origins)
+        self.event_view.value = head + f"<table><tr>{header}</tr>{body}</table>"
+
+    # -- step range -----------------------------------------------------------------------------
+    def _range(self) -> tuple[int, int]:
+        return tuple(self.step_range.value)
+
+    def _update_range_bounds(self) -> None:
+        if not self.steps:
+            return
+        first, last = self.steps[0], self.steps[-1]
+        if self.step_range.max != last or self.step_range.min != first:
+            following = self._following
+            self.step_range.max = max(last, self.step_range.min)
+            self.step_range.min = first
+            if following:
+                self._set_range((first, last))
+
+    def _set_range(self, value) -> None:
+        self._programmatic = True
+        try:
+            self.step_range.value = value
+        finally:
+            self._programmatic = False
+
+    def _on_range(self, change) -> None:
+        if getattr(self, "_programmatic", False):
+            return
+        lo, hi = change["new"]
+        self._following = hi >= (self.steps[-1] if self.steps else 0)
+        self.render_light()
+        if self._history is not None:
+            section = slice_history(self._history, lo, hi)
+            if section.get("steps"):
+                from ...render import heatmap_png
+
+                self.heatmap.value = heatmap_png(section)
+            self.render_layer()
+
+    @staticmethod
+    def _event_label(event: dict) -> str:
+        first = (event.get("origins") or [{}])[0]
+        where = f" @ {first.get('module')} ({first.get('phase')})" if first.get("module") else ""
+        return f"step {event.get('step')}: {event.get('kind')}{where}"
