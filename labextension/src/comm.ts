@@ -1,0 +1,92 @@
+/**
+ * The "nbguard" comm between the kernel and this extension.
+ *
+ * Protocol (the kernel side in nbguard/notebook implements exactly this):
+ *   kernel opens a comm to target "nbguard" with {"action": "hello", "nbguard_version": ...}
+ *     -> extension replies {"action": "hello", "extension_version": ...}
+ *   kernel sends {"action": "insert-cell", "code": str, "output_id": str, "run": bool}
+ *     -> extension inserts a code cell directly below the cell whose outputs hold the nbguard
+ *        document with that output_id (falling back to the executing, else the active, cell
+ *        and saying so), runs it when asked, and replies
+ *        {"action": "inserted", "output_id": ..., "fallback": null | "executing-cell" | "active-cell"}
+ *        or {"action": "error", "message": ...}.
+ */
+import { isObject } from './document';
+import { EXTENSION_VERSION } from './version';
+
+export const COMM_TARGET = 'nbguard';
+
+export type Fallback = 'executing-cell' | 'active-cell' | null;
+
+export type CommReply =
+  | { action: 'hello'; extension_version: string }
+  | { action: 'inserted'; output_id: string | null; fallback: Fallback; message?: string }
+  | { action: 'error'; message: string };
+
+/** What the comm needs from the notebook it serves. */
+export interface InsertHost {
+  insert(code: string, outputId: string | null, run: boolean): Promise<{ fallback: Fallback }>;
+}
+
+export async function handleCommMessage(data: unknown, host: InsertHost): Promise<CommReply> {
+  if (!isObject(data) || typeof data.action !== 'string') {
+    return { action: 'error', message: 'nbguard comm: a message needs a string "action"' };
+  }
+  switch (data.action) {
+    case 'hello':
+      return { action: 'hello', extension_version: EXTENSION_VERSION };
+    case 'insert-cell': {
+      if (typeof data.code !== 'string') {
+        return { action: 'error', message: 'nbguard comm: insert-cell needs a string "code"' };
+      }
+      if (data.run !== undefined && typeof data.run !== 'boolean') {
+        return { action: 'error', message: 'nbguard comm: insert-cell "run" must be true or false' };
+      }
+      const outputId = typeof data.output_id === 'string' ? data.output_id : null;
+      try {
+        const { fallback } = await host.insert(data.code, outputId, data.run === true);
+        const reply: CommReply = { action: 'inserted', output_id: outputId, fallback };
+        if (fallback) {
+          reply.message =
+            `no output with output_id ${JSON.stringify(outputId)} in this notebook; ` +
+            `inserted below the ${fallback === 'executing-cell' ? 'executing' : 'active'} cell instead`;
+        }
+        return reply;
+      } catch (error) {
+        return { action: 'error', message: error instanceof Error ? error.message : String(error) };
+      }
+    }
+    default:
+      return { action: 'error', message: `nbguard comm: unknown action ${JSON.stringify(data.action)}` };
+  }
+}
+
+/** The parts of a kernel connection and comm this module uses (structural, for tests). */
+export interface CommLike {
+  send(data: any): unknown;
+  onMsg: ((msg: { content: { data: unknown } }) => void | PromiseLike<void>) | null;
+}
+
+export interface KernelLike {
+  registerCommTarget(
+    target: string,
+    callback: (comm: any, msg: { content: { data: unknown } }) => void | PromiseLike<void>
+  ): void;
+}
+
+const registered = new WeakSet<object>();
+
+/** Register the "nbguard" target on a kernel connection once; replies go back on the same comm. */
+export function registerCommTarget(kernel: KernelLike, host: InsertHost): boolean {
+  if (registered.has(kernel)) {
+    return false;
+  }
+  registered.add(kernel);
+  kernel.registerCommTarget(COMM_TARGET, async (comm: CommLike, msg) => {
+    comm.onMsg = async message => {
+      comm.send(await handleCommMessage(message.content.data, host));
+    };
+    comm.send(await handleCommMessage(msg.content.data, host));
+  });
+  return true;
+}

@@ -1,0 +1,411 @@
+/**
+ * The gradient-norm (or activation abs-max) heatmap: module groups x optimizer steps.
+ *
+ * `buildHeatmapModel` is pure: it bins steps (and groups) down to what a canvas can show
+ * legibly, keeping every NaN/Inf visible (a bin with one NaN is a NaN bin: aggregation must
+ * never hide the value the user is hunting). `HeatmapView` draws the model on a canvas and
+ * answers hover with the group, step range and value under the pointer.
+ */
+import { Num, formatNumber } from './document';
+
+export type CellKind = 'finite' | 'nan' | 'inf' | 'missing';
+
+export interface HeatCell {
+  kind: CellKind;
+  /** Max of the finite values in the bin (finite), NaN/+-Infinity, or null (missing). */
+  value: Num;
+}
+
+export interface HeatColumn {
+  first: number;
+  last: number;
+  skipped: boolean;
+}
+
+export interface HeatRow {
+  label: string;
+  groups: string[];
+}
+
+export interface HeatmapModel {
+  rows: HeatRow[];
+  columns: HeatColumn[];
+  /** rows x columns */
+  cells: HeatCell[][];
+  /** Smallest and largest positive finite value: the ends of the log colour scale. */
+  min: number | null;
+  max: number | null;
+  nanCount: number;
+  infCount: number;
+}
+
+export interface HeatmapInput {
+  groups: string[];
+  steps: number[];
+  values: Num[][];
+  skippedSteps?: number[];
+}
+
+export interface HeatmapOptions {
+  maxColumns?: number;
+  maxRows?: number;
+}
+
+export const DEFAULT_MAX_COLUMNS = 400;
+export const DEFAULT_MAX_ROWS = 96;
+
+/** Split `n` items into at most `max` contiguous bins of near-equal size: [start, end) pairs. */
+export function bins(n: number, max: number): Array<[number, number]> {
+  const count = Math.max(0, Math.min(n, Math.max(1, Math.floor(max))));
+  const out: Array<[number, number]> = [];
+  for (let b = 0; b < count; b++) {
+    out.push([Math.floor((b * n) / count), Math.floor(((b + 1) * n) / count)]);
+  }
+  return out;
+}
+
+/** Combine values into one cell: NaN beats Inf beats the finite max beats missing. */
+export function aggregate(values: Num[]): HeatCell {
+  let sawNan = false;
+  let inf: number | null = null;
+  let max: number | null = null;
+  for (const v of values) {
+    if (v === null || v === undefined) {
+      continue;
+    }
+    if (Number.isNaN(v)) {
+      sawNan = true;
+    } else if (!Number.isFinite(v)) {
+      inf = inf === null || v > inf ? v : inf;
+    } else {
+      max = max === null || v > max ? v : max;
+    }
+  }
+  if (sawNan) {
+    return { kind: 'nan', value: NaN };
+  }
+  if (inf !== null) {
+    return { kind: 'inf', value: inf };
+  }
+  if (max !== null) {
+    return { kind: 'finite', value: max };
+  }
+  return { kind: 'missing', value: null };
+}
+
+export function buildHeatmapModel(input: HeatmapInput, options: HeatmapOptions = {}): HeatmapModel {
+  const maxColumns = options.maxColumns ?? DEFAULT_MAX_COLUMNS;
+  const maxRows = options.maxRows ?? DEFAULT_MAX_ROWS;
+  const nSteps = input.steps.length;
+  const skipped = new Set(input.skippedSteps ?? []);
+  const columnBins = bins(nSteps, maxColumns);
+  const rowBins = bins(input.groups.length, maxRows);
+
+  const columns: HeatColumn[] = columnBins.map(([a, b]) => {
+    let isSkipped = false;
+    for (let i = a; i < b; i++) {
+      isSkipped = isSkipped || skipped.has(input.steps[i]);
+    }
+    return { first: input.steps[a], last: input.steps[b - 1], skipped: isSkipped };
+  });
+  const rows: HeatRow[] = rowBins.map(([a, b]) => {
+    const groups = input.groups.slice(a, b);
+    const label = groups.length === 1 ? groups[0] : `${groups[0]} … ${groups[groups.length - 1]}`;
+    return { label, groups };
+  });
+
+  let min: number | null = null;
+  let max: number | null = null;
+  let nanCount = 0;
+  let infCount = 0;
+  const cells = rowBins.map(([ra, rb]) =>
+    columnBins.map(([ca, cb]) => {
+      const values: Num[] = [];
+      for (let r = ra; r < rb; r++) {
+        const row = input.values[r] ?? [];
+        for (let c = ca; c < cb; c++) {
+          values.push(c < row.length ? row[c] : null);
+        }
+      }
+      const cell = aggregate(values);
+      if (cell.kind === 'nan') {
+        nanCount++;
+      } else if (cell.kind === 'inf') {
+        infCount++;
+      } else if (cell.kind === 'finite' && (cell.value as number) > 0) {
+        const v = cell.value as number;
+        min = min === null || v < min ? v : min;
+        max = max === null || v > max ? v : max;
+      }
+      return cell;
+    })
+  );
+  return { rows, columns, cells, min, max, nanCount, infCount };
+}
+
+/** Position of a finite value on the log colour scale, 0 (smallest) to 1 (largest). */
+export function logPosition(value: number, min: number | null, max: number | null): number {
+  if (min === null || max === null || value <= 0) {
+    return 0;
+  }
+  if (max <= min) {
+    return 1;
+  }
+  const t = (Math.log10(value) - Math.log10(min)) / (Math.log10(max) - Math.log10(min));
+  return Math.min(1, Math.max(0, t));
+}
+
+// Viridis anchors: perceptually uniform and colour-blind safe; NaN/Inf get colours outside it.
+const VIRIDIS: Array<[number, number, number]> = [
+  [68, 1, 84],
+  [72, 40, 120],
+  [62, 74, 137],
+  [49, 104, 142],
+  [38, 130, 142],
+  [31, 158, 137],
+  [53, 183, 121],
+  [109, 205, 89],
+  [180, 222, 44],
+  [253, 231, 37]
+];
+export const NAN_COLOR = '#ff1f8e';
+export const INF_COLOR = '#ff7f0e';
+
+export function scaleColor(t: number): string {
+  const x = Math.min(1, Math.max(0, t)) * (VIRIDIS.length - 1);
+  const i = Math.min(VIRIDIS.length - 2, Math.floor(x));
+  const f = x - i;
+  const [a, b] = [VIRIDIS[i], VIRIDIS[i + 1]];
+  const mix = (k: number) => Math.round(a[k] + (b[k] - a[k]) * f);
+  return `rgb(${mix(0)}, ${mix(1)}, ${mix(2)})`;
+}
+
+export function cellColor(cell: HeatCell, model: HeatmapModel): string | null {
+  switch (cell.kind) {
+    case 'nan':
+      return NAN_COLOR;
+    case 'inf':
+      return INF_COLOR;
+    case 'finite':
+      return scaleColor(logPosition(cell.value as number, model.min, model.max));
+    default:
+      return null;
+  }
+}
+
+export interface HeatLayout {
+  labelWidth: number;
+  markerHeight: number;
+  cellWidth: number;
+  cellHeight: number;
+  width: number;
+  height: number;
+}
+
+/** Cell sizes that keep the canvas readable: wide enough to hover, never wider than ~760 px. */
+export function layoutFor(model: HeatmapModel): HeatLayout {
+  const labelWidth = 170;
+  const markerHeight = 8;
+  const cols = Math.max(1, model.columns.length);
+  const rows = Math.max(1, model.rows.length);
+  const cellWidth = Math.max(2, Math.min(16, Math.floor(600 / cols)));
+  const cellHeight = Math.max(4, Math.min(16, Math.floor(320 / rows)));
+  return {
+    labelWidth,
+    markerHeight,
+    cellWidth,
+    cellHeight,
+    width: labelWidth + cols * cellWidth,
+    height: markerHeight + rows * cellHeight
+  };
+}
+
+/** The cell under a point in canvas coordinates, or null outside the grid. */
+export function cellAt(
+  model: HeatmapModel,
+  layout: HeatLayout,
+  x: number,
+  y: number
+): { row: number; column: number } | null {
+  const column = Math.floor((x - layout.labelWidth) / layout.cellWidth);
+  const row = Math.floor((y - layout.markerHeight) / layout.cellHeight);
+  if (x < layout.labelWidth || y < layout.markerHeight) {
+    return null;
+  }
+  if (row < 0 || row >= model.rows.length || column < 0 || column >= model.columns.length) {
+    return null;
+  }
+  return { row, column };
+}
+
+/** What the tooltip says about one cell: group(s), step (range), value, and its marks. */
+export function describeCell(model: HeatmapModel, row: number, column: number, valueName: string): string {
+  const r = model.rows[row];
+  const c = model.columns[column];
+  const cell = model.cells[row][column];
+  const steps = c.first === c.last ? `step ${c.first}` : `steps ${c.first}–${c.last}`;
+  const value = cell.kind === 'missing' ? 'no value' : `${valueName} ${formatNumber(cell.value)}`;
+  const group = r.groups.length > 1 ? `${r.label} (${r.groups.length} groups)` : r.label;
+  return `${group} · ${steps} · ${value}${c.skipped ? ' · optimizer step skipped' : ''}`;
+}
+
+/** Draw the model; a no-op where the canvas has no 2D context (e.g. jsdom). */
+export function drawHeatmap(canvas: HTMLCanvasElement, model: HeatmapModel, layout: HeatLayout): void {
+  const ctx = canvas.getContext('2d');
+  if (!ctx) {
+    return;
+  }
+  const style = getComputedStyle(canvas);
+  const text = style.getPropertyValue('--jp-ui-font-color1').trim() || '#333';
+  const muted = style.getPropertyValue('--jp-ui-font-color2').trim() || '#777';
+  const font = style.getPropertyValue('--jp-ui-font-family').trim() || 'sans-serif';
+  const ratio = window.devicePixelRatio || 1;
+  canvas.width = Math.ceil(layout.width * ratio);
+  canvas.height = Math.ceil(layout.height * ratio);
+  canvas.style.width = `${layout.width}px`;
+  canvas.style.height = `${layout.height}px`;
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  ctx.clearRect(0, 0, layout.width, layout.height);
+
+  const { labelWidth, markerHeight, cellWidth: w, cellHeight: h } = layout;
+  // Skipped optimizer steps: a strip above the grid, so a skipped column cannot be missed.
+  ctx.fillStyle = muted;
+  model.columns.forEach((col, c) => {
+    if (col.skipped) {
+      ctx.fillRect(labelWidth + c * w, 0, Math.max(1, w - (w > 3 ? 1 : 0)), markerHeight - 2);
+    }
+  });
+  model.cells.forEach((row, r) => {
+    row.forEach((cell, c) => {
+      const color = cellColor(cell, model);
+      const x = labelWidth + c * w;
+      const y = markerHeight + r * h;
+      if (color) {
+        ctx.fillStyle = color;
+        ctx.fillRect(x, y, w, h);
+      }
+      if ((cell.kind === 'nan' || cell.kind === 'inf') && w >= 4 && h >= 4) {
+        // A pattern as well as a colour: NaN gets an X, Inf a single stroke.
+        ctx.strokeStyle = '#fff';
+        ctx.lineWidth = 1;
+        ctx.beginPath();
+        ctx.moveTo(x + 1, y + h - 1);
+        ctx.lineTo(x + w - 1, y + 1);
+        if (cell.kind === 'nan') {
+          ctx.moveTo(x + 1, y + 1);
+          ctx.lineTo(x + w - 1, y + h - 1);
+        }
+        ctx.stroke();
+      }
+    });
+  });
+  // Labels: all of them when they fit, otherwise every k-th.
+  const fontSize = Math.min(11, Math.max(8, h));
+  ctx.font = `${fontSize}px ${font}`;
+  ctx.fillStyle = text;
+  ctx.textBaseline = 'middle';
+  ctx.textAlign = 'right';
+  const every = Math.max(1, Math.ceil(fontSize / h));
+  model.rows.forEach((row, r) => {
+    if (r % every === 0) {
+      ctx.fillText(clip(row.label, 28), labelWidth - 4, markerHeight + r * h + h / 2, labelWidth - 8);
+    }
+  });
+}
+
+function clip(label: string, n: number): string {
+  return label.length <= n ? label : '…' + label.slice(label.length - n + 1);
+}
+
+/** A heatmap element: title, canvas with hover tooltip, and a legend. */
+export function createHeatmap(title: string, input: HeatmapInput, valueName: string): HTMLElement {
+  const model = buildHeatmapModel(input);
+  const layout = layoutFor(model);
+  const root = document.createElement('div');
+  root.className = 'nbg-heatmap';
+  const heading = document.createElement('div');
+  heading.className = 'nbg-heatmap-title';
+  heading.textContent = `${title} — ${input.groups.length} groups × ${input.steps.length} steps`;
+  root.appendChild(heading);
+  if (model.rows.length === 0 || model.columns.length === 0) {
+    const empty = document.createElement('div');
+    empty.className = 'nbg-muted';
+    empty.textContent = 'No steps recorded yet.';
+    root.appendChild(empty);
+    return root;
+  }
+  const frame = document.createElement('div');
+  frame.className = 'nbg-heatmap-frame';
+  const canvas = document.createElement('canvas');
+  canvas.className = 'nbg-heatmap-canvas';
+  canvas.setAttribute('role', 'img');
+  canvas.setAttribute(
+    'aria-label',
+    `${title}: ${model.nanCount} NaN cells, ${model.infCount} Inf cells, ` +
+      `${model.columns.filter(c => c.skipped).length} skipped step columns`
+  );
+  canvas.style.width = `${layout.width}px`;
+  canvas.style.height = `${layout.height}px`;
+  const tooltip = document.createElement('div');
+  tooltip.className = 'nbg-heatmap-tooltip';
+  tooltip.hidden = true;
+  frame.append(canvas, tooltip);
+  root.append(frame, legend(model, valueName));
+
+  canvas.addEventListener('mousemove', event => {
+    const rect = canvas.getBoundingClientRect();
+    const x = event.clientX - rect.left;
+    const y = event.clientY - rect.top;
+    const hit = cellAt(model, layout, x, y);
+    if (!hit) {
+      tooltip.hidden = true;
+      return;
+    }
+    tooltip.textContent = describeCell(model, hit.row, hit.column, valueName);
+    tooltip.style.left = `${x + 12}px`;
+    tooltip.style.top = `${y + 12}px`;
+    tooltip.hidden = false;
+  });
+  canvas.addEventListener('mouseleave', () => {
+    tooltip.hidden = true;
+  });
+  // Draw once attached, so theme variables resolve against the real page.
+  requestAnimationFrame(() => drawHeatmap(canvas, model, layout));
+  return root;
+}
+
+function legend(model: HeatmapModel, valueName: string): HTMLElement {
+  const el = document.createElement('div');
+  el.className = 'nbg-heatmap-legend';
+  const scale = document.createElement('span');
+  scale.className = 'nbg-legend-item';
+  const bar = document.createElement('span');
+  bar.className = 'nbg-legend-gradient';
+  bar.style.background = `linear-gradient(to right, ${[0, 0.25, 0.5, 0.75, 1].map(scaleColor).join(', ')})`;
+  scale.append(
+    `${valueName} (log) ${formatNumber(model.min)} `,
+    bar,
+    ` ${formatNumber(model.max)}`
+  );
+  el.appendChild(scale);
+  el.appendChild(swatch(NAN_COLOR, `NaN (${model.nanCount})`, 'nbg-swatch-nan'));
+  el.appendChild(swatch(INF_COLOR, `Inf (${model.infCount})`, 'nbg-swatch-inf'));
+  el.appendChild(swatch('var(--jp-ui-font-color2)', 'skipped step (strip above)', 'nbg-swatch-skip'));
+  if (model.columns.length > 0 && model.columns[0].first !== model.columns[0].last) {
+    const note = document.createElement('span');
+    note.className = 'nbg-legend-item nbg-muted';
+    note.textContent = 'steps binned; a bin shows its worst value';
+    el.appendChild(note);
+  }
+  return el;
+}
+
+function swatch(color: string, label: string, cls: string): HTMLElement {
+  const item = document.createElement('span');
+  item.className = `nbg-legend-item ${cls}`;
+  const box = document.createElement('span');
+  box.className = 'nbg-legend-swatch';
+  box.style.background = color;
+  item.append(box, ` ${label}`);
+  return item;
+}
