@@ -1,6 +1,7 @@
 """Small helpers over nested outputs: find the tensors, tell whether they are finite."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -47,20 +48,23 @@ class Summary:
 
 
 def summarize(named: list[tuple[str, torch.Tensor]]) -> Summary:
+    """Abs-max reports inf when any value overflowed, NaN when NaN is all that is wrong."""
     s = Summary()
     for name, t in named:
         t = t.detach()
         if s.dtype is None:
             s.dtype = str(t.dtype).replace("torch.", "")
         finite = bool(torch.isfinite(t).all())
-        amax = float(t.abs().max()) if t.numel() else 0.0
-        if amax != amax or amax > s.absmax:  # NaN wins: it is the most informative
-            s.absmax = amax if s.absmax == s.absmax else s.absmax
-        if not finite and s.finite:
-            s.finite = False
-            s.first_bad = name
-            s.dtype = str(t.dtype).replace("torch.", "")
-            s.has_inf = bool(torch.isinf(t).any())
+        if finite:
+            amax = float(t.abs().max())
+        else:
+            has_inf = bool(torch.isinf(t).any())
+            amax = math.inf if has_inf else math.nan
+            if s.finite:
+                s.finite, s.first_bad, s.has_inf = False, name, has_inf
+                s.dtype = str(t.dtype).replace("torch.", "")
+        if math.isnan(amax) or (not math.isnan(s.absmax) and amax > s.absmax):
+            s.absmax = amax if not (math.isnan(amax) and math.isinf(s.absmax)) else s.absmax
     return s
 
 
