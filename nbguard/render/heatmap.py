@@ -131,14 +131,14 @@ def _render(section: dict, *, key: str, limit: float | None, max_rows: int, max_
     rgba[agg.nan] = _rgba(NAN_COLOR)  # NaN wins over Inf in a bin: it is the worse news
 
     n_rows, n_cols = max(rows.count, 1), max(cols.count, 1)
-    label_width = min(max((len(_short(l)) for l in rows.labels), default=8), LABEL_CHARS)
-    left_in = 0.35 + 0.055 * label_width
+    label_width = max(min(max((len(_short(l)) for l in rows.labels), default=8), LABEL_CHARS), 11)
+    left_in = 0.3 + 0.056 * label_width
     width_in = left_in + 9.0
-    height_in = 1.9 + 0.17 * n_rows
+    map_h = max(1.3, 0.17 * n_rows)
+    height_in = map_h + 1.75
     fig = Figure(figsize=(width_in, height_in), dpi=dpi)
     FigureCanvasAgg(fig)
     track_h = 0.42
-    map_h = height_in - 1.9
     left = left_in / width_in
     right = 1 - 1.3 / width_in
     bottom = 0.55 / height_in

@@ -182,10 +182,11 @@ def _probe(doc: dict, images: bool) -> str:
     for m in modules[:MAX_PROBE_ROWS]:
         bad = _headroom_key(m) < 1
         mark = ' class="num nbg-bad"' if bad else ' class="num"'
+        headroom = "overflow" if m.get("headroom") is None and bad else f"{fmt_num(m.get('headroom'), 3)}×"
         flag = " ⚠ over limit" if bad else ""
         rows.append(f"<tr><td><code>{esc(m.get('module'))}</code></td><td>{esc(m.get('dtype', ''))}</td>"
                     f"<td{mark}>{esc(fmt_num(m.get('absmax')))}</td>"
-                    f"<td{mark}>{esc(fmt_num(m.get('headroom'), 3))}×{esc(flag)}</td></tr>")
+                    f"<td{mark}>{esc(headroom + flag)}</td></tr>")
     more = (f'<p class="nbg-note">{len(modules) - MAX_PROBE_ROWS} more modules with more headroom not shown.</p>'
             if len(modules) > MAX_PROBE_ROWS else "")
     table = ("<table><thead><tr><th>module</th><th>dtype</th><th>abs-max</th><th>headroom</th></tr></thead>"

@@ -99,8 +99,10 @@ def _probe(doc: dict, lines: list[str]) -> None:
     over = sum(1 for m in modules if _headroom_key(m) < 1)
     lines.append(f"Activation probe (limit {fmt_num(limit)}): {len(modules)} modules, {over} at or over the limit")
     for m in modules[:MAX_PROBE_ROWS]:
+        over_limit = _headroom_key(m) < 1
+        headroom = "overflow" if m.get("headroom") is None and over_limit else f"{fmt_num(m.get('headroom'), 3)}x"
         lines.append(f"  {str(m.get('module')):<48} {str(m.get('dtype', '')):<10} abs-max {fmt_num(m.get('absmax')):>10}"
-                     f"  headroom {fmt_num(m.get('headroom'), 3)}x")
+                     f"  headroom {headroom}{'  OVER LIMIT' if over_limit else ''}")
     if len(modules) > MAX_PROBE_ROWS:
         lines.append(f"  … {len(modules) - MAX_PROBE_ROWS} more")
 
