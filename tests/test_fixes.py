@@ -1,0 +1,254 @@
+"""Each fix: the finding is gone after apply, a second apply changes nothing, and the generated cell
+(exec'd with the caller's own variable names) has exactly the same effect as apply."""
+from __future__ import annotations
+
+import pytest
+import torch
+from audit_helpers import (add_zero_tokens, healthy_peft_model, make_args, make_trainer, param_dtypes,
+                           seed_peft_model, state_copy)
+
+import nbguard
+import nbguard.fixes as fixes
+from nbguard.session import SESSION
+from nbguard.testing import tiny_batch, tiny_gemma3, tiny_llama
+
+
+def run_cell(cell: str, **namespace):
+    exec(compile(cell, "<nbguard fix cell>", "exec"), namespace)
+    return namespace
+
+
+def same_state(a, b) -> bool:
+    sa, sb = state_copy(a), state_copy(b)
+    return sa.keys() == sb.keys() and all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# ---- registry ---------------------------------------------------------------------------------
+def test_registry_lists_the_fixes_of_the_issue():
+    assert {"upcast-trainable-fp32", "disable-use-cache", "init-new-embeddings", "enable-grad-clipping",
+            "enable-input-require-grads", "switch-precision", "lower-learning-rate"} <= set(fixes.available())
+    fix = fixes.get("switch-precision")
+    assert fix.id == "switch-precision" and fix.title and fix.description and callable(fix.apply)
+
+
+def test_unknown_fix_id_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown fix id 'make-it-work'.*upcast-trainable-fp32"):
+        fixes.apply("make-it-work", model=tiny_llama())
+    with pytest.raises(ValueError, match="valid ids"):
+        fixes.code("make-it-work")
+
+
+def test_bad_targets_and_names_are_named():
+    with pytest.raises(ValueError, match="needs model="):
+        fixes.apply("upcast-trainable-fp32")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        fixes.apply("upcast-trainable-fp32", model="model")
+    with pytest.raises(ValueError, match="needs trainer= \\(or args="):
+        fixes.apply("enable-grad-clipping", model=tiny_llama())
+    with pytest.raises(ValueError, match="model must be a variable name"):
+        fixes.code("upcast-trainable-fp32", model="os.system('x')")
+
+
+def test_apply_records_the_fix_in_the_session():
+    result = fixes.apply("upcast-trainable-fp32", model=seed_peft_model())
+    assert SESSION.fixes_applied[-1]["fix"] == "upcast-trainable-fp32"
+    assert SESSION.fixes_applied[-1]["changed"] == result.changed and result.code
+    assert result.to_dict()["fix"] == "upcast-trainable-fp32" and result.changed_anything
+
+
+# ---- upcast-trainable-fp32 -------------------------------------------------------------------
+def test_upcast_trainable_fp32():
+    model = seed_peft_model()
+    assert "trainable-low-precision" in nbguard.audit(model, hardware="a100")
+    first = fixes.apply("upcast-trainable-fp32", model=model)
+    assert len(first.changed) == 12 and all(v == "bfloat16 -> float32" for v in first.changed.values())
+    assert "trainable-low-precision" not in nbguard.audit(model, hardware="a100")
+    assert fixes.apply("upcast-trainable-fp32", model=model).changed == {}
+    frozen = [p.dtype for p in model.parameters() if not p.requires_grad]
+    assert set(frozen) == {torch.bfloat16}  # frozen weights untouched
+
+    other = seed_peft_model()
+    cell = fixes.code("upcast-trainable-fp32", model="my_model")
+    assert "my_model" in cell and "nbguard" not in cell
+    run_cell(cell, my_model=other)
+    assert param_dtypes(other) == param_dtypes(model) and same_state(other, model)
+
+
+# ---- init-new-embeddings ---------------------------------------------------------------------
+@pytest.mark.parametrize("build", [
+    lambda: seed_peft_model(),  # Gemma 3, tied, LoRA on embed_tokens + lm_head
+    lambda: seed_peft_model("llama", target_modules=["q_proj"], modules_to_save=["embed_tokens", "lm_head"]),
+    lambda: seed_peft_model(target_modules=["q_proj"], trainable_token_indices={"embed_tokens": [128, 130, 135]}),
+    lambda: add_zero_tokens(tiny_llama()),
+], ids=["lora-embeddings", "modules-to-save", "trainable-tokens", "plain"])
+def test_init_new_embeddings(build):
+    model = build()
+    assert "zero-embedding-rows" in nbguard.audit(model, hardware="a100")
+    assert fixes.apply("init-new-embeddings", model=model).changed
+    assert "zero-embedding-rows" not in nbguard.audit(model, hardware="a100")
+    assert fixes.apply("init-new-embeddings", model=model).changed == {}
+    emb = model.get_input_embeddings()
+    assert emb(torch.tensor([[0]])).abs().sum() == 0  # the padding row stays zero
+
+    other = build()
+    run_cell(fixes.code("init-new-embeddings", model="peft_model"), peft_model=other)
+    assert same_state(other, model)
+
+
+def test_init_new_embeddings_uses_the_mean_of_trained_rows():
+    model = add_zero_tokens(tiny_llama())
+    trained = model.get_input_embeddings().weight[1:128].detach().float().mean(dim=0)
+    fixes.apply("init-new-embeddings", model=model)
+    assert torch.allclose(model.get_input_embeddings().weight[130], trained)
+
+
+# ---- disable-use-cache -----------------------------------------------------------------------
+def test_disable_use_cache(tmp_path):
+    args = make_args(tmp_path, gradient_checkpointing=True)
+    model = tiny_gemma3()
+    assert "cache-with-checkpointing" in nbguard.audit(model, args=args, hardware="a100")
+    assert fixes.apply("disable-use-cache", model=model).changed == {"config.use_cache": "True -> False"}
+    assert "cache-with-checkpointing" not in nbguard.audit(model, args=args, hardware="a100")
+    assert fixes.apply("disable-use-cache", model=model).changed == {}
+    other = tiny_gemma3()
+    run_cell(fixes.code("disable-use-cache", model="m"), m=other)
+    assert other.config.use_cache is False
+
+
+def test_disable_use_cache_reaches_the_text_config_of_a_multimodal_config():
+    from transformers import Gemma3Config
+
+    model = tiny_llama()
+    model.config = Gemma3Config(text_config={"num_hidden_layers": 1, "hidden_size": 64, "vocab_size": 128},
+                                vision_config={"num_hidden_layers": 1, "hidden_size": 32})
+    model.config.use_cache = True
+    model.config.text_config.use_cache = True
+    changed = fixes.apply("disable-use-cache", model=model).changed
+    assert "config.text_config.use_cache" in changed and model.config.text_config.use_cache is False
+    model.config.text_config.use_cache = True
+    run_cell(fixes.code("disable-use-cache", model="model"), model=model)
+    assert model.config.text_config.use_cache is False
+
+
+# ---- enable-grad-clipping --------------------------------------------------------------------
+def test_enable_grad_clipping(tmp_path):
+    trainer = make_trainer(tiny_llama(), make_args(tmp_path, fp16=False, max_grad_norm=0.0))
+    args = make_args(tmp_path, fp16=True, max_grad_norm=0.0)
+    assert "no-grad-clipping" in nbguard.audit(tiny_llama(), args=args, hardware="t4")
+    assert fixes.apply("enable-grad-clipping", args=args).changed == {"args.max_grad_norm": "0.0 -> 1.0"}
+    assert "no-grad-clipping" not in nbguard.audit(tiny_llama(), args=args, hardware="t4")
+    assert fixes.apply("enable-grad-clipping", args=args).changed == {}
+    cell = fixes.code("enable-grad-clipping", trainer="sft_trainer")
+    run_cell(cell, sft_trainer=trainer)
+    assert trainer.args.max_grad_norm == 1.0
+
+
+# ---- enable-input-require-grads --------------------------------------------------------------
+def _broken_checkpointing():
+    model = healthy_peft_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.disable_input_require_grads()
+    model.train()
+    return model
+
+
+def test_enable_input_require_grads():
+    model = _broken_checkpointing()
+    assert "checkpointing-no-input-grads" in nbguard.audit(model, hardware="a100")
+    assert fixes.apply("enable-input-require-grads", model=model).changed
+    assert "checkpointing-no-input-grads" not in nbguard.audit(model, hardware="a100")
+    assert fixes.apply("enable-input-require-grads", model=model).changed == {}
+    model(**tiny_batch(2, 8)).loss.backward()  # the error is gone: adapters get gradients
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+    other = _broken_checkpointing()
+    cell = fixes.code("enable-input-require-grads", model="lora_model")
+    run_cell(cell, lora_model=other)
+    run_cell(cell, lora_model=other)  # running the cell twice does not stack hooks
+    assert "checkpointing-no-input-grads" not in nbguard.audit(other, hardware="a100")
+    hooks = sum(len(m._forward_hooks) for m in other.modules())
+    assert hooks == sum(len(m._forward_hooks) for m in model.modules())
+
+
+# ---- switch-precision ------------------------------------------------------------------------
+def test_switch_precision_on_model_and_args(tmp_path):
+    args, model = make_args(tmp_path, fp16=True), tiny_gemma3(dtype=torch.float16)
+    assert "fp16-overflow-risk" in nbguard.audit(model, args=args, hardware="t4")
+    changed = fixes.apply("switch-precision", model=model, args=args, to="fp32").changed
+    assert changed["to"] == "fp32" and changed["args.fp16"] == "True -> False"
+    assert args.fp16 is False and args.bf16 is False and args.mixed_precision == "no"
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert "fp16-overflow-risk" not in nbguard.audit(model, args=args, hardware="t4")
+    assert fixes.apply("switch-precision", model=model, args=args, to="fp32").changed == {}
+
+    other_args, other = make_args(tmp_path, fp16=True), tiny_gemma3(dtype=torch.float16)
+    run_cell(fixes.code("switch-precision", model="m", args="a", to="fp32"), m=other, a=other_args)
+    assert same_state(other, model)
+    assert (other_args.fp16, other_args.bf16, other_args.mixed_precision) == (False, False, "no")
+
+
+def test_switch_precision_to_bf16_keeps_trainable_weights_fp32(tmp_path):
+    args, model = make_args(tmp_path, fp16=True), tiny_gemma3(dtype=torch.float16)
+    fixes.apply("switch-precision", model=model, args=args, to="bf16")
+    assert (args.fp16, args.bf16, args.mixed_precision) == (False, True, "bf16")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # all trainable here
+    assert "fp16-overflow-risk" not in nbguard.audit(model, args=args, hardware="l4")
+    with pytest.raises(ValueError, match="to must be 'bf16', 'fp32' or None"):
+        fixes.apply("switch-precision", args=args, to="fp8")
+
+
+def test_switch_precision_default_is_best_for_the_hardware(tmp_path):
+    args = make_args(tmp_path, fp16=True)
+    assert fixes.apply("switch-precision", args=args, hardware="t4").changed["to"] == "fp32"
+    args = make_args(tmp_path, fp16=True)
+    assert fixes.apply("switch-precision", args=args, hardware="a100").changed["to"] == "bf16"
+
+
+def test_switch_precision_rebuilds_the_trainers_accelerator(tmp_path):
+    # bf16 asked for on a T4: the trainer's accelerator already runs bf16 autocast; fp32 must rebuild it.
+    trainer = make_trainer(healthy_peft_model(), make_args(tmp_path, bf16=True))
+    trainer.train()  # prepare() has wrapped the model's forward in bf16 autocast
+    assert trainer.accelerator.mixed_precision == "bf16" and hasattr(trainer.model, "_original_forward")
+    assert "bf16-unsupported" in nbguard.audit(trainer=trainer, hardware="t4")
+    changed = fixes.apply("switch-precision", trainer=trainer, to="fp32").changed
+    assert changed["trainer.accelerator.mixed_precision"] == "bf16 -> no"
+    assert trainer.accelerator.mixed_precision == "no" and not hasattr(trainer.model, "_original_forward")
+    assert "bf16-unsupported" not in nbguard.audit(trainer=trainer, hardware="t4")
+    seen = []  # inside the forward: no bf16 autocast is left over from the old accelerator
+    q_proj = trainer.model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj.base_layer")
+    handle = q_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    trainer.model(**tiny_batch(1, 8))
+    handle.remove()
+    assert seen == [torch.float32]
+    trainer.train()  # and it still trains
+    assert fixes.apply("switch-precision", trainer=trainer, to="fp32").changed == {}
+
+
+def test_switch_precision_cell_on_a_trainer(tmp_path):
+    trainer = make_trainer(healthy_peft_model(), make_args(tmp_path, bf16=True))
+    cell = fixes.code("switch-precision", trainer="my_trainer", to="fp32")
+    assert "my_trainer.create_accelerator_and_postprocess()" in cell and "nbguard" not in cell
+    run_cell(cell, my_trainer=trainer)
+    assert trainer.accelerator.mixed_precision == "no" and trainer.args.bf16 is False
+    trainer.train()
+
+
+# ---- lower-learning-rate ---------------------------------------------------------------------
+def test_lower_learning_rate_on_a_built_trainer(tmp_path):
+    trainer = make_trainer(tiny_llama(), make_args(tmp_path, learning_rate=1e-3, max_steps=4))
+    trainer.create_optimizer_and_scheduler(num_training_steps=4)
+    changed = fixes.apply("lower-learning-rate", trainer=trainer).changed
+    assert changed["args.learning_rate"] == "0.001 -> 0.0001"
+    assert trainer.args.learning_rate == pytest.approx(1e-4)
+    assert all(g["lr"] == pytest.approx(1e-4) for g in trainer.optimizer.param_groups)
+    assert trainer.lr_scheduler.base_lrs == pytest.approx([1e-4] * len(trainer.lr_scheduler.base_lrs))
+    assert fixes.apply("lower-learning-rate", trainer=trainer).changed == {}  # idempotent
+    assert trainer.args.learning_rate == pytest.approx(1e-4)
+
+    other = make_trainer(tiny_llama(), make_args(tmp_path, learning_rate=1e-3, max_steps=4))
+    other.create_optimizer_and_scheduler(num_training_steps=4)
+    run_cell(fixes.code("lower-learning-rate", trainer="t"), t=other)
+    assert other.args.learning_rate == pytest.approx(1e-4)
+    assert [g["lr"] for g in other.optimizer.param_groups] == pytest.approx(
+        [g["lr"] for g in trainer.optimizer.param_groups])
+    assert other.lr_scheduler.base_lrs == pytest.approx(trainer.lr_scheduler.base_lrs)
