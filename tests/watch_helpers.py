@@ -43,10 +43,14 @@ class _NanGrad(torch.autograd.Function):
 
 
 class PoisonedSiLU(torch.nn.Module):
-    """SiLU whose backward makes NaN while its forward stays finite."""
+    """SiLU whose backward makes NaN while its forward stays finite (while ``armed``)."""
+
+    def __init__(self, armed: bool = True):
+        super().__init__()
+        self.armed = armed
 
     def forward(self, x):
-        return _NanGrad.apply(F.silu(x))
+        return _NanGrad.apply(F.silu(x)) if self.armed else F.silu(x)
 
 
 def autocast_ctx(dtype):

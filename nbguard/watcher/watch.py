@@ -313,7 +313,7 @@ class NanWatch(Displayable):
         if self.policy == "stop":
             self._stop(event)
 
-    def _stop(self, event: Event | None) -> None:
+    def _stop(self, event: Event | None, step_ended: bool = False) -> None:
         self._stop_requested = True
         if self.trainer is not None:
             if self._trainer_control is not None:
@@ -321,7 +321,7 @@ class NanWatch(Displayable):
             return
         message = f"nbguard stopped training at step {event.step if event else self.step}: " + (
             event.message if event else "non-finite values")
-        if not self._step_ended:
+        if not step_ended:
             self._end_step(skipped=True)
         raise NonFiniteError(message, event)
 
@@ -329,7 +329,6 @@ class NanWatch(Displayable):
         stats = self._read()
         step = self.step
         self.history.append(step, stats.grad_norm, stats.loss, stats.total_grad_norm, stats.loss_scale, skipped)
-        self._step_ended = True
         stop_event = None
         if self._scaler_binding is not None:
             streak = self._skips.update(scaler_skipped, stats.loss_scale)
@@ -358,7 +357,7 @@ class NanWatch(Displayable):
         self._release_step()
         self._notify("step", payload)
         if stop_event is not None:
-            self._stop(stop_event)
+            self._stop(stop_event, step_ended=True)
 
     def _release_step(self) -> None:
         """Drop every reference to this step's batches and output gradients."""
@@ -367,7 +366,6 @@ class NanWatch(Displayable):
         self._stats: StepStats | None = None
         self._optimizer_stepped = False
         self._step_dropped = False
-        self._step_ended = False
         self._collector.reset()
 
     def _on_eval_loss(self, eval_loss: float, global_step: int) -> None:

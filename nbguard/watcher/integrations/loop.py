@@ -7,13 +7,13 @@ import torch
 
 
 def unwrap_optimizer(optimizer):
-    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (whose ``step`` runs no hooks)."""
-    seen = 0
-    while not type(optimizer).step is torch.optim.Optimizer.step and hasattr(optimizer, "optimizer") and seen < 4:
-        inner = optimizer.optimizer
+    """The torch optimizer inside wrappers such as accelerate's ``AcceleratedOptimizer``, whose
+    ``step`` calls the inner optimizer's (where the step hooks run)."""
+    for _ in range(4):
+        inner = getattr(optimizer, "optimizer", None)
         if not isinstance(inner, torch.optim.Optimizer):
             break
-        optimizer, seen = inner, seen + 1
+        optimizer = inner
     return optimizer
 
 
