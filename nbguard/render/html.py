@@ -356,6 +356,11 @@ def _environment(doc: dict, images: bool) -> str:
     return "<h3>Environment</h3>" + _details("Python, platform, library versions", body)
 
 
+def _notes(doc: dict, images: bool) -> str:
+    notes = doc.get("notes") or []
+    return "".join(f'<p class="nbg-note">Note: {esc(note)}</p>' for note in notes)
+
+
 _SECTIONS: list[Callable[[dict, bool], str]] = [
-    _hardware, _findings, _probe, _watches, _diagnoses, _fixes_applied, _fix_cells, _environment,
+    _notes, _hardware, _findings, _probe, _watches, _diagnoses, _fixes_applied, _fix_cells, _environment,
 ]

@@ -247,6 +247,11 @@ def _environment(doc: dict, lines: list[str]) -> None:
 
 _KEY_PACKAGES = ("torch", "transformers", "peft", "accelerate", "trl", "bitsandbytes", "unsloth")
 
+def _notes(doc: dict, lines: list[str]) -> None:
+    for note in doc.get("notes") or []:
+        lines.append(f"Note: {note}")
+
+
 _SECTIONS: list[Callable[[dict, list[str]], None]] = [
-    _hardware, _findings, _probe, _watches, _diagnoses, _fixes_applied, _fix_cells, _environment,
+    _notes, _hardware, _findings, _probe, _watches, _diagnoses, _fixes_applied, _fix_cells, _environment,
 ]

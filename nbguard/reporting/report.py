@@ -1,0 +1,168 @@
+"""The Report: one document that holds a session's audit, watches, diagnoses and fixes, and
+writes itself as self-contained HTML, Markdown for a GitHub issue, or versioned JSON.
+
+Secrets are redacted when the report is built and again when it is written (the environment
+may have changed in between), so nothing a report shows or saves carries them.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..environment import environment_info
+from ..findings import Displayable, document
+from ..render import encode_document, render_html, render_text
+from ..render.data import watch_sections
+from .collect import as_document, check_document, diagnosis_document, merge_documents
+from .markdown import render_markdown
+from .redact import redact
+
+FORMATS = {".html": "html", ".htm": "html", ".md": "markdown", ".json": "json"}
+
+
+class Report(Displayable):
+    """A "report" document (see ``nbguard/reporting/schema.json``), redacted."""
+
+    def __init__(self, doc: dict, *, redact_home: bool = True):
+        self.redact_home = redact_home
+        self._doc = redact(encode_document(check_document(doc, "doc")), home=redact_home)
+
+    # -- data -------------------------------------------------------------------------------
+    def to_document(self) -> dict:
+        return copy.deepcopy(self._doc)
+
+    def to_dict(self) -> dict:
+        """The report as JSON-ready data (schema v1, redacted)."""
+        return self._written()
+
+    def _written(self) -> dict:
+        return redact(self._doc, home=self.redact_home)  # again: secrets set since build are caught too
+
+    @classmethod
+    def from_dict(cls, data: dict, *, redact_home: bool = True) -> "Report":
+        return cls(check_document(data, "data"), redact_home=redact_home)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Report":
+        """A report saved with ``save("....json")`` (or any saved v1 document)."""
+        path = _as_path(path)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not a JSON nbguard report ({exc}); load the .json file that save() wrote") from None
+        return cls.from_dict(data)
+
+    # -- formats ----------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(self._written(), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+
+    def to_html(self) -> str:
+        """One self-contained page: CSS inline, heatmaps as data URIs, no external references."""
+        return render_html(self._written(), standalone=True)
+
+    def to_markdown(self, images: dict[str, str] | None = None) -> str:
+        return render_markdown(self._written(), images=images)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the report; the suffix picks the format (.html, .md or .json). Missing parent
+        folders are created. For .md, heatmaps are written beside it as ``NAME.heatmap.png``."""
+        path = _as_path(path)
+        fmt = FORMATS.get(path.suffix.lower())
+        if fmt is None:
+            raise ValueError(f"cannot tell the report format from {path.name!r}: use a path ending in "
+                             f"{', '.join(FORMATS)}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if fmt == "html":
+            path.write_text(self.to_html(), encoding="utf-8")
+        elif fmt == "json":
+            path.write_text(self.to_json(), encoding="utf-8")
+        else:
+            images = self._write_images(path)
+            path.write_text(self.to_markdown(images), encoding="utf-8")
+        return path
+
+    def image_files(self, stem: str) -> dict[str, tuple[str, bytes]]:
+        """The heatmap PNGs of this report: {"heatmap-1": (file name, png bytes), ...}."""
+        from ..render import activations_png, heatmap_png
+
+        doc = self._written()
+        watches = list(watch_sections(doc))
+        out: dict[str, tuple[str, bytes]] = {}
+        for number, watch in enumerate(watches, start=1):
+            suffix = "" if len(watches) == 1 else f"-{number}"
+            for key, section, draw in (("heatmap", watch["history"], heatmap_png),
+                                       ("activations", watch["activations"], activations_png)):
+                if isinstance(section, dict) and section.get("steps") and section.get("groups"):
+                    try:
+                        out[f"{key}-{number}"] = (f"{stem}.{key}{suffix}.png", draw(section))
+                    except Exception:  # a heatmap that cannot be drawn is left out with a note
+                        continue
+        return out
+
+    def _write_images(self, path: Path) -> dict[str, str]:
+        names = {}
+        for key, (name, png) in self.image_files(path.stem).items():
+            (path.parent / name).write_bytes(png)
+            names[key] = name
+        return names
+
+    # -- display ----------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        doc = self._doc
+        parts = [f"{len(doc.get('findings') or [])} findings", f"{len(doc.get('watches') or [])} watches",
+                 f"{len(doc.get('diagnoses') or [])} diagnoses", f"{len(doc.get('fixes_applied') or [])} fixes applied"]
+        return f"<nbguard Report: {', '.join(parts)}>"
+
+    def __str__(self) -> str:
+        return render_text(self._written())
+
+
+def _as_path(path: Any) -> Path:
+    try:
+        return Path(os.fspath(path))
+    except TypeError:
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}") from None
+
+
+def build_report(audit: Any = None, watch: Any = None) -> Report:
+    """A Report of ``audit`` and ``watch`` (one watch or a list), plus the explained exceptions
+    and applied fixes this session recorded. With neither, everything the session recorded:
+    the last audit and every watch.
+
+    ``audit``/``watch`` may be result objects (anything with ``to_document()``) or documents.
+    """
+    from ..session import SESSION
+
+    docs: list[dict] = []
+    notes: list[str] = []
+    if audit is None and watch is None:
+        if SESSION.last_audit is not None:
+            _collect(docs, notes, SESSION.last_audit, "the session's last audit", as_document)
+        for index, recorded in enumerate(SESSION.watches):
+            _collect(docs, notes, recorded, f"the session's watch {index + 1}", as_document)
+    else:
+        if audit is not None:
+            docs.append(as_document(audit, "audit"))
+        if watch is not None:
+            watches = list(watch) if isinstance(watch, (list, tuple)) else [watch]
+            for index, item in enumerate(watches):
+                docs.append(as_document(item, "watch" if len(watches) == 1 else f"watch[{index}]"))
+    for index, diagnosis in enumerate(SESSION.diagnoses):
+        _collect(docs, notes, diagnosis, f"the session's diagnosis {index + 1}", lambda d, _: diagnosis_document(d))
+    if SESSION.fixes_applied:
+        docs.append(document("fix", fixes_applied=[dict(f) for f in SESSION.fixes_applied]))
+    merged = merge_documents(docs, title="nbguard report", environment=environment_info())
+    if notes:
+        merged["notes"] = notes
+    return Report(merged)
+
+
+def _collect(docs: list, notes: list, value: Any, label: str, convert) -> None:
+    """Session records are gathered best-effort: one broken record becomes a note, not a crash."""
+    try:
+        docs.append(convert(value, label))
+    except Exception as exc:
+        notes.append(f"{label} could not be included: {exc!r}")
