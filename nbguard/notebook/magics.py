@@ -163,10 +163,10 @@ class NbguardMagics(Magics):
         if line.strip() == "off":
             if not self.state.watches:
                 raise MagicError("no watch started by %nanwatch is running")
-            for live in self.state.stop_watches():
-                from .display import publish
+            from .display import new_output_id, publish
 
-                publish(live.doc)  # the final summary, here where it was switched off
+            for live in self.state.stop_watches():
+                publish(dict(live.doc, output_id=new_output_id()))  # the final summary, here where it was switched off
             return
         self._start_watch(line)
 
