@@ -184,7 +184,7 @@ class _BackwardProbe:
             evidence["received_by"] = self.names.get(first_bad_in[1], "?")
         bad = nonfinite_params(module)
         cause = "nonfinite-parameter" if bad else s.cause
-        in_absmax = max((x.absmax for _, x in ins), default=None)
+        in_absmax = max((x.absmax for _, x in ins if x.absmax is not None), default=None)
         return cause, Origin(self.names.get(module, "?"), "backward", s.dtype, in_absmax, s.absmax,
                              what.replace("grad of ", ""), micro_batch, evidence), evidence
 
@@ -266,7 +266,9 @@ class Replayer:
             cause, origin, evidence = backward.origin(mb.index)
             if cause is None:
                 return None
-            return Localisation(cause, [origin] if origin else [], {"micro_batch": mb.index, **evidence})
+            # the origin carries its own evidence; the event keeps the note when there is no module
+            return Localisation(cause, [origin] if origin else [],
+                                {"micro_batch": mb.index, **({} if origin else evidence)})
         finally:
             for h in handles:
                 h.remove()

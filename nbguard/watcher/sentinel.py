@@ -95,14 +95,16 @@ class GradNormCollector:
             idx = self._index_tensors[device] = torch.tensor(self._index, device=device)
         return torch.zeros(len(self.groups), device=device, dtype=torch.float32).index_add_(0, idx, stacked)
 
-    def read(self, losses: list[torch.Tensor], scale: torch.Tensor | None, with_fingerprint: bool) -> StepStats:
+    def read(self, losses: list[torch.Tensor], scale: torch.Tensor | None, with_fingerprint: bool,
+             sum_losses: bool = False) -> StepStats:
         """Stack everything this step produced and read it with a single ``tolist()``."""
         ref = next((n for n in self._norms if n is not None), None)
         device = ref.device if ref is not None else (self.params[0].device if self.params else torch.device("cpu"))
         zero = torch.zeros((), device=device)
         parts = [self._per_group([n if n is not None else zero for n in self._norms], square=True).sqrt()]
         if losses:
-            parts.append(torch.stack([l.detach().float().to(device) for l in losses]).mean().reshape(1))
+            stacked = torch.stack([l.detach().float().to(device) for l in losses])
+            parts.append((stacked.sum() if sum_losses else stacked.mean()).reshape(1))
         if scale is not None:
             parts.append(scale.detach().float().reshape(1).to(device))
         if with_fingerprint:

@@ -37,7 +37,7 @@ class Summary:
     """Finiteness of a set of tensors (computed on the replay path only: it syncs)."""
 
     finite: bool = True
-    absmax: float = 0.0
+    absmax: float | None = None  # None: there was no floating tensor to measure
     first_bad: str | None = None
     has_inf: bool = False
     dtype: str | None = None
@@ -63,8 +63,8 @@ def summarize(named: list[tuple[str, torch.Tensor]]) -> Summary:
             if s.finite:
                 s.finite, s.first_bad, s.has_inf = False, name, has_inf
                 s.dtype = str(t.dtype).replace("torch.", "")
-        if math.isnan(amax) or (not math.isnan(s.absmax) and amax > s.absmax):
-            s.absmax = amax if not (math.isnan(amax) and math.isinf(s.absmax)) else s.absmax
+        if s.absmax is None or math.isnan(amax) or (not math.isnan(s.absmax) and amax > s.absmax):
+            s.absmax = s.absmax if (s.absmax is not None and math.isnan(amax) and math.isinf(s.absmax)) else amax
     return s
 
 

@@ -246,7 +246,9 @@ class NanWatch(Displayable):
     def _read(self) -> StepStats:
         if self._stats is None:
             scale = self._scaler_binding.scale() if self._scaler_binding is not None else None
-            self._stats = self._collector.read(self._losses, scale, self._frozen.due(self.step))
+            # Trainer passes num_items_in_batch: each micro-batch loss is then a share of the step's loss
+            shares = any("num_items_in_batch" in mb.kwargs for mb in self._micro_batches)
+            self._stats = self._collector.read(self._losses, scale, self._frozen.due(self.step), sum_losses=shares)
         return self._stats
 
     def _pre_step(self, optimizer, args, kwargs):
