@@ -72,6 +72,7 @@ def test_document_carries_fix_cells_with_the_callers_names():
     result = nbguard.audit(seed_peft_model(), hardware="t4")
     doc = result.to_document(names={"model": "my_model"})
     assert doc["kind"] == "audit" and doc["schema_version"] == 1
+    assert "packages" in doc["environment"] and doc["hardware"]["name"] == "t4"
     assert [f["rule"] for f in doc["findings"]] == [f.rule for f in result.findings]
     cells = doc["fix_cells"]
     assert set(cells) == {"switch-precision", "upcast-trainable-fp32", "init-new-embeddings"}
@@ -110,6 +111,12 @@ def test_a_failing_rule_becomes_an_info_finding():
     assert f.severity == Severity.INFO
     assert f.evidence["rule"] == "test-broken-rule" and "boom" in f.evidence["exception"]
     assert "test-broken-rule" not in result
+
+
+def test_trl_config_is_accepted_as_args(tmp_path):
+    trl = pytest.importorskip("trl")
+    args = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_grad_norm=0.0, fp16=True)
+    assert "no-grad-clipping" in nbguard.audit(tiny_llama(), args=args, hardware="t4")
 
 
 def test_trainer_supplies_model_and_args(tmp_path):

@@ -48,6 +48,7 @@ def test_flagged_on_450_and_the_real_crash(tmp_path):
     f = nbguard.audit(trainer=trainer, hardware="a100").finding("cache-eval-crash")
     assert f is not None and f.severity.value == "error"
     assert f.evidence["cache_classes"] == ["HybridCache"] and f.evidence["transformers"].startswith("4.50")
+    assert f.evidence["eval_strategy"] == "steps" and f.evidence["embedding_dtype"] == "bfloat16"
     assert f.fixes == ["disable-use-cache"]
     with pytest.raises(AttributeError, match="'HybridCache' object has no attribute 'float'"):
         trainer.train()

@@ -168,9 +168,14 @@ class AuditContext:
         )
 
     @cached_property
-    def evaluates_during_training(self) -> bool:
+    def eval_strategy(self) -> str | None:
+        """"no", "steps" or "epoch" (``evaluation_strategy`` in older releases)."""
         strategy = getattr(self.args, "eval_strategy", None) or getattr(self.args, "evaluation_strategy", None)
-        return str(getattr(strategy, "value", strategy)) not in ("no", "None", "IntervalStrategy.NO")
+        return None if strategy is None else str(getattr(strategy, "value", strategy))
+
+    @cached_property
+    def evaluates_during_training(self) -> bool:
+        return self.eval_strategy not in (None, "no")
 
     @cached_property
     def optimizer_eps(self) -> float | None:

@@ -74,6 +74,9 @@ class AuditResult(Displayable):
                         fix_cells=cells, title="nbguard precision audit")
         if self.probe is not None:
             sections["probe"] = self.probe.to_dict()
-        if self.environment:
-            sections["environment"] = jsonable(self.environment)
+        if not self.environment:
+            from ..environment import environment_info
+
+            self.environment = environment_info()
+        sections["environment"] = jsonable(self.environment)
         return document("audit", **sections)

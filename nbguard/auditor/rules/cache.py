@@ -97,7 +97,7 @@ def cache_eval_crash(ctx):
         "does not need the cache: set use_cache=False.",
         {"transformers": str(tf), "accelerate": str(ctx.version("accelerate")), "cache_classes": carrying,
          "embedding_dtype": dtype_name(emb_dtype), "mixed_precision": ctx.mixed_precision,
-         "eval_strategy": str(getattr(ctx.args.eval_strategy, "value", ctx.args.eval_strategy)),
+         "eval_strategy": ctx.eval_strategy,
          "use_cache": True},
         fixes=["disable-use-cache"],
     )
