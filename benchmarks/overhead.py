@@ -1,0 +1,171 @@
+"""Step-time overhead of nbguard's watch against no watch, anomaly mode and DebugUnderflowOverflow.
+
+A Llama-shaped model (~21M parameters by default) trains on CPU with AdamW. Each variant has its own
+copy of the model and optimizer; the variants run interleaved, one step each per round, in a rotating
+order, so drift on a shared machine hits them all alike. Reported: median step time, the median of
+the per-round ratios against the baseline, then how quickly a planted fault is localised.
+
+    OMP_NUM_THREADS=1 python benchmarks/overhead.py --rounds 20
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import nbguard  # noqa: E402
+from nbguard.watcher import NanWatch  # noqa: E402
+
+
+def build_model(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
+                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=8,
+                         max_position_embeddings=args.seq_len, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).to(args.device)
+
+
+def make_batch(args, seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, args.vocab, (args.batch_size, args.seq_len), generator=gen).to(args.device)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def synchronize(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class Variant:
+    def __init__(self, name, model, args):
+        self.name = name
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        self.times: list[float] = []
+        self.extra = None
+        if name == "nbguard watch":
+            self.extra = NanWatch(model, optimizer=self.opt).attach()
+        elif name == "DebugUnderflowOverflow":
+            from transformers.debug_utils import DebugUnderflowOverflow
+
+            self.extra = DebugUnderflowOverflow(model)  # its hooks stay for the model's life
+
+    def step(self, batch, device):
+        anomaly = self.name == "detect_anomaly"
+        synchronize(device)
+        start = time.perf_counter()
+        with torch.autograd.set_detect_anomaly(anomaly):
+            loss = self.model(**batch).loss
+            loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        synchronize(device)
+        return time.perf_counter() - start
+
+
+def measure(args):
+    base = build_model(args)
+    n_params = sum(p.numel() for p in base.parameters())
+    names = ["baseline", "nbguard watch", "detect_anomaly", "DebugUnderflowOverflow"]
+    if args.skip_debug:
+        names.remove("DebugUnderflowOverflow")
+    variants = [Variant(n, copy.deepcopy(base) if i else base, args) for i, n in enumerate(names)]
+    batches = [make_batch(args, s) for s in range(4)]
+    for v in variants:  # warm-up: allocator, autograd caches, first AdamW state
+        for w in range(args.warmup):
+            v.step(batches[w % len(batches)], args.device)
+    ratios = {v.name: [] for v in variants}
+    for r in range(args.rounds):
+        order = variants[r % len(variants):] + variants[:r % len(variants)]
+        this_round = {}
+        for v in order:
+            this_round[v.name] = v.step(batches[r % len(batches)], args.device)
+            v.times.append(this_round[v.name])
+        for v in variants:
+            ratios[v.name].append(this_round[v.name] / this_round["baseline"])
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {t * 1e3:.0f} ms" for k, t in this_round.items()),
+              file=sys.stderr)
+    watch = variants[1].extra
+    assert watch.events == [], watch.summary()  # a healthy run raises no alarm
+    watch.detach()
+    return n_params, variants, ratios
+
+
+def localise(args):
+    """Plant a NaN into one weight at step ``k``; report the step it was named in and the replay cost."""
+    model = build_model(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    target = f"model.layers.{args.layers // 2}.mlp.down_proj"
+    fault_step = 3
+    watch = NanWatch(model, optimizer=opt).attach()
+    step_times = []
+    for step in range(fault_step + 2):
+        if step == fault_step:
+            with torch.no_grad():
+                model.get_submodule(target).weight[0, 0] = float("nan")
+        start = time.perf_counter()
+        model(**make_batch(args, step)).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step_times.append(time.perf_counter() - start)
+        if watch.events:
+            break
+    watch.detach()
+    event = watch.events[0]
+    origin = event.origins[0] if event.origins else None
+    return {
+        "target": target,
+        "named": origin.module if origin else None,
+        "cause": event.cause,
+        "steps_to_localise": event.step - fault_step,
+        "replay_s": event.evidence.get("replay_seconds"),
+        "step_s": statistics.median(step_times[:fault_step]),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: as set)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--skip-debug", action="store_true", help="leave out DebugUnderflowOverflow")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    n_params, variants, ratios = measure(args)
+    base_median = statistics.median(variants[0].times)
+    print(f"\n### nbguard watch overhead ({n_params / 1e6:.1f}M-parameter Llama, {args.device}, "
+          f"batch {args.batch_size}x{args.seq_len}, {torch.get_num_threads()} threads, {args.rounds} rounds)\n")
+    print("| variant | median step (ms) | ratio of medians | median per-round ratio |")
+    print("|---|---:|---:|---:|")
+    for v in variants:
+        med = statistics.median(v.times)
+        print(f"| {v.name} | {med * 1e3:.1f} | {med / base_median:.3f}x | {statistics.median(ratios[v.name]):.3f}x |")
+
+    loc = localise(args)
+    same = "same step" if loc["steps_to_localise"] == 0 else f"{loc['steps_to_localise']} steps later"
+    print(f"\n### time to localise (NaN planted in `{loc['target']}`)\n")
+    print("| planted in | named | cause | localised | replay wall time | normal step |")
+    print("|---|---|---|---|---:|---:|")
+    print(f"| {loc['target']} | {loc['named']} | {loc['cause']} | {same} | {loc['replay_s'] * 1e3:.0f} ms "
+          f"| {loc['step_s'] * 1e3:.0f} ms |")
+
+
+if __name__ == "__main__":
+    main()
