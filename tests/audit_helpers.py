@@ -31,6 +31,20 @@ def seed_peft_model(family: str = "gemma3", dtype=torch.bfloat16, zero_tokens: b
     return get_peft_model(model, LoraConfig(**options), autocast_adapter_dtype=False)
 
 
+def tiny_gemma3_multimodal(dtype=torch.float32):
+    """Gemma3ForConditionalGeneration (what Gemma 3 4B+ load as): the language model's settings live in text_config."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+                          boi_token_index=297, eoi_token_index=298)
+    torch.manual_seed(0)
+    return Gemma3ForConditionalGeneration(config).to(dtype)
+
+
 def healthy_peft_model():
     """fp32 model and fp32 LoRA adapters on q/v: nothing to complain about."""
     from peft import LoraConfig, get_peft_model

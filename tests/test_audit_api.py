@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from audit_helpers import healthy_peft_model, make_args, make_trainer, seed_peft_model
+from audit_helpers import healthy_peft_model, make_args, make_trainer, seed_peft_model, tiny_gemma3_multimodal
 
 import nbguard
 import nbguard.fixes
@@ -182,6 +182,12 @@ def test_gemma3_fp16_switches_to_what_the_hardware_has(tmp_path, hardware, targe
     assert "switch-precision" in f.fixes
     code = result.to_document(names={"model": "model", "args": "args"})["fix_cells"]["switch-precision"]["code"]
     assert f"args.bf16 = {target == 'bf16'}" in code
+
+
+def test_multimodal_gemma3_is_recognised_through_its_text_config(tmp_path):
+    model = tiny_gemma3_multimodal()
+    f = nbguard.audit(model, args=make_args(tmp_path, fp16=True), hardware="t4").finding("fp16-overflow-risk")
+    assert f.evidence["model_type"] == ["gemma3", "gemma3_text"]
 
 
 def test_gemma3_bf16_on_t4_is_unsupported(tmp_path):

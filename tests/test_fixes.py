@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from audit_helpers import (add_zero_tokens, healthy_peft_model, make_args, make_trainer, param_dtypes,
-                           seed_peft_model, state_copy)
+                           seed_peft_model, state_copy, tiny_gemma3_multimodal)
 
 import nbguard
 import nbguard.fixes as fixes
@@ -115,18 +115,16 @@ def test_disable_use_cache(tmp_path):
     assert other.config.use_cache is False
 
 
-def test_disable_use_cache_reaches_the_text_config_of_a_multimodal_config():
-    from transformers import Gemma3Config
-
-    model = tiny_llama()
-    model.config = Gemma3Config(text_config={"num_hidden_layers": 1, "hidden_size": 64, "vocab_size": 128},
-                                vision_config={"num_hidden_layers": 1, "hidden_size": 32})
-    model.config.use_cache = True
-    model.config.text_config.use_cache = True
+def test_disable_use_cache_reaches_the_text_config_of_multimodal_gemma3(tmp_path):
+    args = make_args(tmp_path, gradient_checkpointing=True)
+    model = tiny_gemma3_multimodal()
+    assert model.config.text_config is not model.config and model.config.text_config.use_cache
+    assert "cache-with-checkpointing" in nbguard.audit(model, args=args, hardware="a100")
     changed = fixes.apply("disable-use-cache", model=model).changed
-    assert "config.text_config.use_cache" in changed and model.config.text_config.use_cache is False
+    assert changed == {"config.text_config.use_cache": "True -> False"}
+    assert "cache-with-checkpointing" not in nbguard.audit(model, args=args, hardware="a100")
     model.config.text_config.use_cache = True
-    run_cell(fixes.code("disable-use-cache", model="model"), model=model)
+    run_cell(fixes.code("disable-use-cache", model="vlm"), vlm=model)
     assert model.config.text_config.use_cache is False
 
 
