@@ -1,0 +1,91 @@
+import { readFileSync } from 'fs';
+import { join } from 'path';
+import { describe, expect, it, vi } from 'vitest';
+
+import { COMM_TARGET, CommLike, InsertHost, handleCommMessage, registerCommTarget } from '../src/comm';
+import { EXTENSION_VERSION } from '../src/version';
+
+const packageVersion = JSON.parse(readFileSync(join(__dirname, '..', 'package.json'), 'utf8')).version;
+
+function host(fallback: 'executing-cell' | 'active-cell' | null = null): InsertHost & { insert: ReturnType<typeof vi.fn> } {
+  return { insert: vi.fn().mockResolvedValue({ fallback }) };
+}
+
+describe('handleCommMessage', () => {
+  it('answers hello with the extension version from package.json', async () => {
+    expect(EXTENSION_VERSION).toBe(packageVersion);
+    expect(await handleCommMessage({ action: 'hello', nbguard_version: '0.1.0' }, host())).toEqual({
+      action: 'hello',
+      extension_version: packageVersion
+    });
+  });
+
+  it('inserts below the output with that output_id and says where', async () => {
+    const h = host();
+    const reply = await handleCommMessage({ action: 'insert-cell', code: 'x = 1', output_id: 'o1', run: true }, h);
+    expect(h.insert).toHaveBeenCalledWith('x = 1', 'o1', true);
+    expect(reply).toEqual({ action: 'inserted', output_id: 'o1', fallback: null });
+  });
+
+  it('reports a fallback to the active cell', async () => {
+    const reply = await handleCommMessage({ action: 'insert-cell', code: 'x = 1', output_id: 'gone' }, host('active-cell'));
+    expect(reply).toMatchObject({ action: 'inserted', output_id: 'gone', fallback: 'active-cell' });
+    expect((reply as { message: string }).message).toContain('inserted below the active cell instead');
+  });
+
+  it('runs only when asked', async () => {
+    const h = host();
+    await handleCommMessage({ action: 'insert-cell', code: 'y = 2', output_id: 'o1' }, h);
+    expect(h.insert).toHaveBeenCalledWith('y = 2', 'o1', false);
+  });
+
+  it('answers bad messages with an error naming the problem', async () => {
+    const h = host();
+    expect(await handleCommMessage({ action: 'insert-cell', output_id: 'o1' }, h)).toEqual({
+      action: 'error',
+      message: 'nbguard comm: insert-cell needs a string "code"'
+    });
+    expect(await handleCommMessage({ action: 'insert-cell', code: 'x', run: 'yes' }, h)).toMatchObject({ action: 'error' });
+    expect(await handleCommMessage({ action: 'explode' }, h)).toEqual({
+      action: 'error',
+      message: 'nbguard comm: unknown action "explode"'
+    });
+    expect(await handleCommMessage('hello', h)).toMatchObject({ action: 'error' });
+    expect(h.insert).not.toHaveBeenCalled();
+  });
+
+  it('turns a failed insertion into an error reply', async () => {
+    const h: InsertHost = { insert: vi.fn().mockRejectedValue(new Error('the notebook is read-only')) };
+    expect(await handleCommMessage({ action: 'insert-cell', code: 'x' }, h)).toEqual({
+      action: 'error',
+      message: 'the notebook is read-only'
+    });
+  });
+});
+
+describe('registerCommTarget', () => {
+  function fakeKernel() {
+    const targets = new Map<string, (comm: CommLike, msg: { content: { data: unknown } }) => unknown>();
+    return { targets, registerCommTarget: vi.fn((name: string, cb: any) => targets.set(name, cb)) };
+  }
+
+  it('replies to hello on the opening comm, then serves insert-cell on the same comm', async () => {
+    const kernel = fakeKernel();
+    const h = host();
+    expect(registerCommTarget(kernel, h)).toBe(true);
+    const open = kernel.targets.get(COMM_TARGET)!;
+    const comm: CommLike = { send: vi.fn(), onMsg: null };
+    await open(comm, { content: { data: { action: 'hello', nbguard_version: '0.1.0' } } });
+    expect(comm.send).toHaveBeenCalledWith({ action: 'hello', extension_version: packageVersion });
+    await comm.onMsg!({ content: { data: { action: 'insert-cell', code: 'z = 3', output_id: 'o9', run: false } } });
+    expect(h.insert).toHaveBeenCalledWith('z = 3', 'o9', false);
+    expect(comm.send).toHaveBeenLastCalledWith({ action: 'inserted', output_id: 'o9', fallback: null });
+  });
+
+  it('registers once per kernel connection', () => {
+    const kernel = fakeKernel();
+    registerCommTarget(kernel, host());
+    expect(registerCommTarget(kernel, host())).toBe(false);
+    expect(kernel.registerCommTarget).toHaveBeenCalledTimes(1);
+  });
+});

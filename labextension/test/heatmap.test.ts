@@ -1,0 +1,147 @@
+import { beforeEach, describe, expect, it, vi } from 'vitest';
+
+import {
+  INF_COLOR,
+  NAN_COLOR,
+  aggregate,
+  bins,
+  buildHeatmapModel,
+  cellAt,
+  cellColor,
+  createHeatmap,
+  describeCell,
+  layoutFor,
+  logPosition
+} from '../src/heatmap';
+import { Num } from '../src/document';
+
+beforeEach(() => {
+  // jsdom has no canvas; drawing is exercised in the browser test.
+  vi.spyOn(HTMLCanvasElement.prototype, 'getContext').mockReturnValue(null);
+});
+
+describe('bins', () => {
+  it('covers every item exactly once in at most max bins', () => {
+    const b = bins(2000, 400);
+    expect(b).toHaveLength(400);
+    expect(b[0][0]).toBe(0);
+    expect(b[b.length - 1][1]).toBe(2000);
+    for (let i = 1; i < b.length; i++) {
+      expect(b[i][0]).toBe(b[i - 1][1]);
+    }
+  });
+
+  it('keeps one bin per item when they fit', () => {
+    expect(bins(3, 400)).toEqual([[0, 1], [1, 2], [2, 3]]);
+    expect(bins(0, 400)).toEqual([]);
+  });
+});
+
+describe('aggregate', () => {
+  it('lets NaN win over Inf and Inf over finite values', () => {
+    expect(aggregate([1, NaN, Infinity]).kind).toBe('nan');
+    expect(aggregate([1, Infinity, 3]).kind).toBe('inf');
+    expect(aggregate([1, -Infinity]).value).toBe(-Infinity);
+    expect(aggregate([1, 5, null, 3])).toEqual({ kind: 'finite', value: 5 });
+    expect(aggregate([null, null])).toEqual({ kind: 'missing', value: null });
+  });
+});
+
+describe('buildHeatmapModel', () => {
+  it('marks NaN, Inf, missing and skipped cells of a small history', () => {
+    const model = buildHeatmapModel({
+      groups: ['a', 'b'],
+      steps: [0, 1, 2],
+      values: [
+        [1, NaN, null],
+        [10, 100, Infinity]
+      ],
+      skippedSteps: [1]
+    });
+    expect(model.rows.map(r => r.label)).toEqual(['a', 'b']);
+    expect(model.cells[0].map(c => c.kind)).toEqual(['finite', 'nan', 'missing']);
+    expect(model.cells[1].map(c => c.kind)).toEqual(['finite', 'finite', 'inf']);
+    expect(model.columns.map(c => c.skipped)).toEqual([false, true, false]);
+    expect(model.min).toBe(1);
+    expect(model.max).toBe(100);
+    expect(model.nanCount).toBe(1);
+    expect(model.infCount).toBe(1);
+  });
+
+  it('downsamples 200 groups x 2000 steps without losing a single NaN or skipped step', () => {
+    const groups = Array.from({ length: 200 }, (_, i) => `model.layers.${i}`);
+    const steps = Array.from({ length: 2000 }, (_, i) => i);
+    const values: Num[][] = groups.map((_, g) => steps.map(s => 0.1 + ((g * 7 + s) % 13)));
+    values[123][1501] = NaN;
+    values[7][42] = Infinity;
+    const model = buildHeatmapModel({ groups, steps, values, skippedSteps: [1999] });
+    expect(model.rows.length).toBeLessThanOrEqual(96);
+    expect(model.columns.length).toBeLessThanOrEqual(400);
+    expect(model.nanCount).toBe(1);
+    expect(model.infCount).toBe(1);
+    const nanRow = model.rows.findIndex(r => r.groups.includes('model.layers.123'));
+    const nanCol = model.columns.findIndex(c => c.first <= 1501 && 1501 <= c.last);
+    expect(model.cells[nanRow][nanCol].kind).toBe('nan');
+    expect(model.columns[model.columns.length - 1].skipped).toBe(true);
+    expect(model.columns.filter(c => c.skipped)).toHaveLength(1);
+    // every group and step is still accounted for
+    expect(model.rows.reduce((n, r) => n + r.groups.length, 0)).toBe(200);
+    expect(model.columns[0].first).toBe(0);
+    expect(model.columns[model.columns.length - 1].last).toBe(1999);
+  });
+
+  it('handles ragged rows as missing values', () => {
+    const model = buildHeatmapModel({ groups: ['a'], steps: [0, 1, 2], values: [[1]] });
+    expect(model.cells[0].map(c => c.kind)).toEqual(['finite', 'missing', 'missing']);
+  });
+});
+
+describe('colours and hit-testing', () => {
+  const model = buildHeatmapModel({
+    groups: ['embed', 'layers.0'],
+    steps: [10, 11],
+    values: [
+      [0.001, 1000],
+      [NaN, Infinity]
+    ],
+    skippedSteps: [11]
+  });
+
+  it('uses a log scale and reserved colours for NaN and Inf', () => {
+    expect(logPosition(0.001, model.min, model.max)).toBe(0);
+    expect(logPosition(1000, model.min, model.max)).toBe(1);
+    expect(logPosition(1, model.min, model.max)).toBeCloseTo(0.5);
+    expect(cellColor(model.cells[1][0], model)).toBe(NAN_COLOR);
+    expect(cellColor(model.cells[1][1], model)).toBe(INF_COLOR);
+    expect(cellColor(model.cells[0][0], model)).not.toBe(cellColor(model.cells[0][1], model));
+  });
+
+  it('finds the cell under the pointer and describes group, step and value', () => {
+    const layout = layoutFor(model);
+    const x = layout.labelWidth + layout.cellWidth * 1 + 1;
+    const y = layout.markerHeight + layout.cellHeight * 1 + 1;
+    expect(cellAt(model, layout, x, y)).toEqual({ row: 1, column: 1 });
+    expect(cellAt(model, layout, 2, y)).toBeNull();
+    expect(cellAt(model, layout, layout.width + 5, y)).toBeNull();
+    expect(describeCell(model, 1, 1, 'grad norm')).toBe('layers.0 · step 11 · grad norm inf · optimizer step skipped');
+    expect(describeCell(model, 1, 0, 'grad norm')).toBe('layers.0 · step 10 · grad norm nan');
+  });
+
+  it('builds a canvas with a tooltip that follows the pointer', () => {
+    const el = createHeatmap('gradient norm', { groups: ['embed', 'layers.0'], steps: [10, 11], values: [[1, 2], [NaN, 3]] }, 'grad norm');
+    document.body.appendChild(el);
+    const canvas = el.querySelector('canvas')!;
+    const tooltip = el.querySelector('.nbg-heatmap-tooltip') as HTMLElement;
+    expect(canvas.getAttribute('aria-label')).toContain('1 NaN cells');
+    const layout = layoutFor(buildHeatmapModel({ groups: ['embed', 'layers.0'], steps: [10, 11], values: [[1, 2], [NaN, 3]] }));
+    canvas.dispatchEvent(
+      new MouseEvent('mousemove', { clientX: layout.labelWidth + 1, clientY: layout.markerHeight + layout.cellHeight + 1 })
+    );
+    expect(tooltip.hidden).toBe(false);
+    expect(tooltip.textContent).toBe('layers.0 · step 10 · grad norm nan');
+    canvas.dispatchEvent(new MouseEvent('mouseleave'));
+    expect(tooltip.hidden).toBe(true);
+    expect(el.querySelector('.nbg-swatch-nan')!.textContent).toContain('NaN (1)');
+    el.remove();
+  });
+});
