@@ -183,3 +183,38 @@ def test_replay_leaves_grads_params_and_rng_untouched():
         if g1 is not None:
             assert torch.equal(g1.isnan(), g2.isnan()) and torch.equal(g1.nan_to_num(), g2.nan_to_num())
     assert torch.equal(seen["rng"], after["rng"])
+
+
+@pytest.mark.parametrize("fault", ["forward", "backward"])
+def test_localisation_under_gradient_checkpointing(fault):
+    model = tiny_llama()
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if fault == "backward":
+        model.model.layers[1].mlp.act_fn = PoisonedSiLU()
+        expected = "model.layers.1.mlp.act_fn"
+    else:
+        with torch.no_grad():
+            model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+        expected = "model.layers.1.mlp.down_proj"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nbguard.watch(model, optimizer=opt) as watch:
+        train(model, opt, batches(1))
+    event = _one_event(watch)
+    assert event.origin(fault).module == expected
+
+
+def test_a_failing_replay_keeps_the_event_unlocalised():
+    model = tiny_llama()
+    model.model.layers[1].mlp.act_fn = PoisonedSiLU()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    watch = nbguard.watch(model, optimizer=opt)
+
+    def out_of_memory(micro_batches):
+        raise RuntimeError("simulated out of memory")
+
+    watch._replayer = type("Broken", (), {"run": staticmethod(out_of_memory)})()
+    train(model, opt, batches(1))
+    watch.detach()
+    event = _one_event(watch, "nonfinite-grad")
+    assert event.origins == [] and "simulated out of memory" in event.evidence["replay_error"]

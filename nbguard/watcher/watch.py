@@ -397,10 +397,14 @@ class NanWatch(Displayable):
         elif self.localize and self._micro_batches and self._replays < self.settings.max_replays:
             self._replays += 1
             started = time.perf_counter()
-            found = self._replay()
+            try:
+                found = self._replay()
+            except Exception as exc:  # e.g. out of memory: the event stands, unlocalised
+                evidence["replay_error"] = f"{type(exc).__name__}: {exc}"
+            else:
+                cause, origins = found.cause, found.origins
+                evidence.update(found.evidence)
             evidence["replay_seconds"] = time.perf_counter() - started
-            cause, origins = found.cause, found.origins
-            evidence.update(found.evidence)
         return Event(kind, self.step, self._message(kind, cause, origins, evidence), cause, origins, evidence)
 
     def _replay(self):
