@@ -119,6 +119,27 @@ def test_trl_config_is_accepted_as_args(tmp_path):
     assert "no-grad-clipping" in nbguard.audit(tiny_llama(), args=args, hardware="t4")
 
 
+def test_trl_sft_trainer_is_audited_and_fixed(tmp_path):
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    vocab = {f"t{i}": i for i in range(128)}  # a word-level tokenizer built in memory: nothing from a hub
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
+                                  pad_token="t0", eos_token="t2", unk_token="t1")
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=True, max_steps=1,
+                     per_device_train_batch_size=2)
+    trainer = SFTTrainer(model=healthy_peft_model(), args=args, processing_class=tok,
+                         train_dataset=Dataset.from_dict({"input_ids": [[3, 4, 5, 6, 7, 8]] * 4}))
+    result = nbguard.audit(trainer=trainer, hardware="t4")
+    assert "bf16-unsupported" in result and result.target == "trainer"
+    nbguard.fixes.apply("switch-precision", trainer=trainer, to="fp32")
+    assert trainer.accelerator.mixed_precision == "no"
+    assert "bf16-unsupported" not in nbguard.audit(trainer=trainer, hardware="t4")
+
+
 def test_trainer_supplies_model_and_args(tmp_path):
     model = tiny_llama()
     trainer = make_trainer(model, make_args(tmp_path, max_grad_norm=0.0, fp16=False, logging_nan_inf_filter=True))

@@ -74,6 +74,15 @@ def test_upcast_trainable_fp32():
     assert param_dtypes(other) == param_dtypes(model) and same_state(other, model)
 
 
+def test_model_cells_reach_the_model_through_a_trainer(tmp_path):
+    trainer = make_trainer(seed_peft_model(), make_args(tmp_path))
+    cell = fixes.code("upcast-trainable-fp32", trainer="my_trainer")
+    assert "my_trainer.model.named_parameters()" in cell
+    run_cell(cell, my_trainer=trainer)
+    assert "trainable-low-precision" not in nbguard.audit(trainer=trainer, hardware="a100")
+    assert fixes.apply("upcast-trainable-fp32", trainer=trainer).changed == {}
+
+
 # ---- init-new-embeddings ---------------------------------------------------------------------
 @pytest.mark.parametrize("build", [
     lambda: seed_peft_model(),  # Gemma 3, tied, LoRA on embed_tokens + lm_head
