@@ -344,7 +344,7 @@ class NanWatch(Displayable):
             if spike is not None:
                 ratios = sorted(zip(self.history.groups, stats.grad_norm), key=lambda gv: -gv[1])
                 spike["largest_group"] = ratios[0][0] if ratios else None
-                self._emit(Event("grad-spike", step, f"gradient norm spiked at step {step}: "
+                self._emit(Event("grad-spike", step, f"gradient norm spiked: "
                                  f"{spike['total_grad_norm']:.3g}, {spike['ratio']:.1f}x the recent median",
                                  evidence=spike))
         if stats.fingerprint is not None:
@@ -420,10 +420,10 @@ class NanWatch(Displayable):
         what = {
             "nonfinite-loss": "non-finite loss",
             "nonfinite-grad": "non-finite gradient",
-            "skipped-steps": f"GradScaler skipped {evidence.get('consecutive_skipped')} steps in a row "
-                             f"(loss scale now {evidence.get('loss_scale')})",
+            "skipped-steps": f"GradScaler skipped {evidence.get('consecutive_skipped')} optimizer steps in a row "
+                             f"(loss scale down to {evidence.get('loss_scale')})",
         }.get(kind, kind)
-        text = f"step {self.step}: {what}"
+        text = what  # renderers and summary() show the step themselves
         if cause == "no-supervised-tokens":
             return text + ": a micro-batch has every label -100, so the mean loss is 0/0"
         if origins:
@@ -442,7 +442,7 @@ class NanWatch(Displayable):
         lines = [f"nbguard watch ({'attached' if self.attached else 'detached'}, policy={self.policy}): "
                  f"{self.step} optimizer steps, {skipped} skipped, {len(self.events)} events"]
         for e in self.events:
-            lines.append(f"  [{e.kind}] {e.message}")
+            lines.append(f"  step {e.step} [{e.kind}] {e.message}")
         return "\n".join(lines)
 
     def to_document(self) -> dict[str, Any]:
