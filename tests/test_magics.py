@@ -175,17 +175,22 @@ def test_without_ipywidgets_shows_static_bundle_with_hint(shell, monkeypatch):
 
 
 def test_colab_gets_display_and_custom_widget_manager(shell, monkeypatch):
+    from nbguard.notebook import display
+
+    run(shell, SETUP + "import transformers, accelerate")  # real libraries first: they probe google.colab
+    monkeypatch.setattr(display, "_colab_widgets_enabled", False)
     calls = []
     colab = types.ModuleType("google.colab")
     colab.output = types.SimpleNamespace(enable_custom_widget_manager=lambda: calls.append("enabled"))
     monkeypatch.setitem(sys.modules, "google", types.ModuleType("google"))
     monkeypatch.setitem(sys.modules, "google.colab", colab)
     monkeypatch.setitem(sys.modules, "google.colab.output", colab.output)
-    run(shell, SETUP)
     cell = run(shell, "%precision_check --hardware t4")
     assert calls == ["enabled"]
     assert cell.result.result is None  # shown with display(), not as the cell's value
     assert WIDGET_MIME in cell.outputs[0]
+    run(shell, "%precision_check --hardware t4")
+    assert calls == ["enabled"]  # once per kernel
 
 
 # -- %nbguard fix / report ----------------------------------------------------------------------
@@ -269,6 +274,23 @@ def test_nanwatch_errors_are_one_line(shell, line, message):
     run(shell, WATCH_SETUP)
     cell = run(shell, line)
     assert len(cell.stderr.strip().splitlines()) == 1 and message in cell.stderr, cell.stderr
+
+
+def test_cell_nanwatch_around_trainer_train(shell):
+    cell = run(shell, """
+from transformers import Trainer, TrainingArguments
+from nbguard.testing import tiny_llama, TinyDataset
+trainer = Trainer(model=tiny_llama(), train_dataset=TinyDataset(8),
+                  args=TrainingArguments(output_dir="/tmp/nbguard-nanwatch", use_cpu=True, report_to=[],
+                                         max_steps=3, per_device_train_batch_size=2, save_strategy="no",
+                                         logging_strategy="no", disable_tqdm=True))
+""")
+    assert cell.error is None
+    cell = run(shell, "%%nanwatch\ntrainer.train()")
+    assert cell.error is None and cell.stderr.count("nbguard:") == 0, cell.stderr
+    assert "3 optimizer steps" in cell.stdout and "0 events" in cell.stdout
+    [live] = cell.updated_docs
+    assert live["history"]["steps"] == [0, 1, 2]
 
 
 def test_nanwatch_model_without_optimizer_says_so(shell):

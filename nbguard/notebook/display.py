@@ -33,8 +33,14 @@ def in_colab() -> bool:
     return "google.colab" in sys.modules
 
 
+_colab_widgets_enabled = False
+
+
 def enable_colab_widgets() -> bool:
-    """Turn on Colab's custom widget manager (third-party widgets need it); True when it was called."""
+    """Turn on Colab's custom widget manager (once per kernel); True when it is on."""
+    global _colab_widgets_enabled
+    if _colab_widgets_enabled:
+        return True
     if not in_colab():
         return False
     try:
@@ -45,6 +51,7 @@ def enable_colab_widgets() -> bool:
     if enable is None:
         return False
     enable()
+    _colab_widgets_enabled = True
     return True
 
 
