@@ -163,3 +163,24 @@ def audit_document(**extra) -> dict:
 
     return document("audit", title="audit", findings=[f.to_dict() for f in findings], probe=probe,
                     hardware=PROFILES["t4"].to_dict(), fix_cells=cells, **extra)
+
+
+def watched_run_with_planted_fault(steps: int = 4, bad_step: int = 2, policy: str = "skip"):
+    """A real ``nbguard.watch`` over a tiny Llama whose hostile-named module overflows on
+    ``bad_step``; returns (model, watch)."""
+    import nbguard
+
+    torch.manual_seed(0)
+    model = tiny_llama(seed=0)
+    mlp = model.model.layers[1].mlp
+    mlp.down_proj = Holder(mlp.down_proj)
+    overflow = getattr(mlp.down_proj, HOSTILE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nbguard.watch(model, optimizer=opt, policy=policy) as watch:
+        for step in range(steps):
+            overflow.armed = step == bad_step
+            model(**tiny_batch(2, 12, seed=step)).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    overflow.armed = False
+    return model, watch

@@ -298,6 +298,8 @@ def _diagnoses(doc: dict, images: bool) -> str:
         if d.get("exception"):
             body.append(f"<p><code>{esc(last_line(d['exception']))}</code></p>")
             body.append(_details("exception text", _code_block(d["exception"])))
+        if d.get("evidence"):
+            body.append(_details("evidence", _json_pre(d["evidence"])))
         for fix_id in d.get("fixes") or []:
             cell = cells.get(fix_id) if isinstance(cells.get(fix_id), dict) else None
             if cell:

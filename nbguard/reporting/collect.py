@@ -62,7 +62,7 @@ def merge_documents(docs: Iterable[dict], *, title: str | None = None, environme
         entries = list(doc.get("watches") or [])
         if any(doc.get(key) for key in WATCH_KEYS):
             entry = {key: doc[key] for key in WATCH_KEYS if doc.get(key)}
-            entry["title"] = doc.get("title") or f"Watch {len(watches) + 1}"
+            entry["title"] = doc.get("title") or "Watch"
             if doc.get("watch_id") is not None:
                 entry["watch_id"] = doc["watch_id"]
             if doc.get("summary") is not None:
@@ -79,6 +79,7 @@ def merge_documents(docs: Iterable[dict], *, title: str | None = None, environme
                 if wid is not None:
                     watch_index[str(wid)] = len(watches)
                 watches.append(entry)
+    _number_repeated_titles(watches)
     if "fixes_applied" in merged:
         merged["fixes_applied"].sort(key=lambda f: f.get("time") if isinstance(f.get("time"), (int, float)) else 0)
     sections: dict[str, Any] = {}
@@ -98,6 +99,14 @@ def merge_documents(docs: Iterable[dict], *, title: str | None = None, environme
     if fix_cells:
         sections["fix_cells"] = fix_cells
     return document("report", **sections)
+
+
+def _number_repeated_titles(watches: list[dict]) -> None:
+    """Watches share a default title; number them ("... (2)") so a reader can tell them apart."""
+    titles = [w.get("title") or "Watch" for w in watches]
+    for index, watch in enumerate(watches):
+        if titles.count(titles[index]) > 1:
+            watch["title"] = f"{titles[index]} ({titles[:index + 1].count(titles[index])})"
 
 
 def as_document(value: Any, name: str) -> dict:

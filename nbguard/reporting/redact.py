@@ -19,12 +19,35 @@ MIN_ENV_SECRET_LENGTH = 6  # shorter values ("1", "true") would erase ordinary t
 
 HF_TOKEN = re.compile(r"hf_[A-Za-z0-9]{20,}")
 WANDB_KEY = re.compile(r"(?<![0-9A-Za-z])[0-9a-f]{40}(?![0-9A-Za-z])")  # W&B API keys: 40 hex digits
-# "token=...", "api_key: ...", "--password ...", "Authorization: Bearer ..."
-ASSIGNMENT = re.compile(
-    r"(?i)((?:[\w.-]*(?:token|api[_-]?key|secret|password|passwd)[\w.-]*)\s*[=:]\s*['\"]?"
-    r"|--[\w-]*(?:token|key|secret|password)[\w-]*\s+['\"]?"
-    r"|\bbearer\s+)([^\s'\",;&]+)"
-)
+# "token=...", "api_key: ...", "--password ...". Each word start is tried (zero-width matches,
+# so "error: token=..." finds both "error" and "token"); the name is checked in Python, since a
+# regex searching inside names backtracks badly on long words.
+ASSIGNMENT = re.compile(r"(?<![\w.-])(?=([\w.-]+)(\s*[=:]\s*['\"]?)([^\s'\",;&]+))")
+FLAG = re.compile(r"(?<![\w-])(?=(--[\w-]+)(\s+['\"]?)([^\s'\",;&-][^\s'\",;&]*))")
+BEARER = re.compile(r"(?i)(?<![\w-])(?=(bearer)(\s+)([^\s'\",;&]+))")
+SECRET_NAME_HINT = re.compile(r"(?i)token|api[_-]?key|secret|password|passwd")
+SECRET_FLAG_HINT = re.compile(r"(?i)token|key|secret|password")
+ANY = re.compile(r"")  # matches every name: whatever follows "Bearer" is a credential
+
+
+def _hide_assigned(text: str, pattern: re.Pattern, hint: re.Pattern) -> str:
+    """Replace the values assigned to secret-looking names in ``text``."""
+    spans = []
+    for match in pattern.finditer(text):
+        name, sep, value = match.groups()
+        if hint.search(name) and not value.startswith("[REDACTED"):
+            start = match.start() + len(name) + len(sep)
+            spans.append((start, start + len(value)))
+    if not spans:
+        return text
+    out, last = [], 0
+    for start, end in sorted(spans):
+        if start < last:  # nested in a value already hidden
+            continue
+        out.append(text[last:start] + REDACTED)
+        last = end
+    return "".join(out) + text[last:]
+
 # dict keys whose (string) value is a secret: "hf_token", "WANDB_API_KEY", "password"
 SECRET_KEY = re.compile(r"(?i)(?:^|[_\-.])(?:token|api[_-]?key|secret|password|passwd)$")
 
@@ -49,7 +72,9 @@ class Redactor:
                 value = value.replace(secret, f"[REDACTED:{name}]")
         value = HF_TOKEN.sub(REDACTED, value)
         value = WANDB_KEY.sub(REDACTED, value)
-        value = ASSIGNMENT.sub(lambda m: m.group(1) + (m.group(2) if m.group(2).startswith("[REDACTED") else REDACTED), value)
+        value = _hide_assigned(value, ASSIGNMENT, SECRET_NAME_HINT)
+        value = _hide_assigned(value, FLAG, SECRET_FLAG_HINT)
+        value = _hide_assigned(value, BEARER, ANY)
         if self.home is not None:
             value = self.home.sub("~", value)
         return value

@@ -1,0 +1,88 @@
+"""``jupyter nbconvert --to nbguard notebook.ipynb``: the nbguard outputs saved in a notebook,
+collected into one report (self-contained HTML by default; ``--NbguardExporter.report_format``
+md or json). JupyterLab lists it under "Save and Export Notebook As" (export_from_notebook).
+
+Registered in pyproject.toml under ``[project.entry-points."nbconvert.exporters"]``.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from nbconvert.exporters import Exporter
+from traitlets import Bool, Unicode, default, observe
+
+from ..findings import MIME_TYPE
+from .collect import merge_documents
+from .report import Report
+
+_EXTENSIONS = {"html": ".html", "md": ".md", "json": ".json"}
+_MIMETYPES = {"html": "text/html", "md": "text/markdown", "json": "application/json"}
+
+
+def notebook_documents(nb: Any) -> list[dict]:
+    """Every nbguard document in the outputs of ``nb``'s code cells, in notebook order."""
+    docs = []
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") != "code":
+            continue
+        for output in cell.get("outputs", []):
+            if output.get("output_type") not in ("display_data", "execute_result", "update_display_data"):
+                continue
+            data = (output.get("data") or {}).get(MIME_TYPE)
+            if isinstance(data, str):  # some writers store JSON mime data as text
+                try:
+                    data = json.loads(data)
+                except json.JSONDecodeError:
+                    continue
+            if isinstance(data, dict) and data.get("schema_version") is not None and "kind" in data:
+                docs.append(data)
+    return docs
+
+
+class NbguardExporter(Exporter):
+    """Collects a notebook's nbguard outputs into one nbguard report."""
+
+    export_from_notebook = "nbguard report"
+    output_mimetype = "text/html"
+
+    report_format = Unicode("html", help="Report format: html (self-contained), md or json.").tag(config=True)
+    redact_home = Bool(True, help="Replace the home directory with ~ in the report.").tag(config=True)
+
+    @default("file_extension")
+    def _file_extension_default(self):
+        return _EXTENSIONS.get(self.report_format, ".html")
+
+    @observe("report_format")
+    def _report_format_changed(self, change):
+        if change["new"] not in _EXTENSIONS:
+            raise ValueError(f"NbguardExporter.report_format must be one of {', '.join(_EXTENSIONS)}, got {change['new']!r}")
+        self.file_extension = _EXTENSIONS[change["new"]]
+        self.output_mimetype = _MIMETYPES[change["new"]]
+
+    def from_notebook_node(self, nb, resources=None, **kw):
+        nb_copy, resources = super().from_notebook_node(nb, resources, **kw)
+        name = (resources.get("metadata") or {}).get("name") or "notebook"
+        docs = notebook_documents(nb_copy)
+        merged = merge_documents(docs, title=f"nbguard report: {name}")
+        if not docs:
+            merged["notes"] = [f"The notebook {name!r} has no saved nbguard outputs: run it with nbguard "
+                               "(audit, watch, explained exceptions) and save it before exporting."]
+        if "environment" not in merged:
+            from ..environment import environment_info
+
+            merged["environment"] = environment_info()
+            merged.setdefault("notes", []).append(
+                "The environment below is the one that converted the notebook, not the kernel that ran it.")
+        report = Report(merged, redact_home=self.redact_home)
+        resources["output_extension"] = self.file_extension
+        if self.report_format == "json":
+            return report.to_json(), resources
+        if self.report_format == "md":
+            images = {}
+            outputs = resources.setdefault("outputs", {})
+            for key, (file_name, png) in report.image_files(name).items():
+                outputs[file_name] = png  # FilesWriter saves these beside the .md
+                images[key] = file_name
+            return report.to_markdown(images), resources
+        return report.to_html(), resources
