@@ -65,7 +65,8 @@ class FixRow:
 
     def _on_reply(self, reply: dict) -> None:
         if reply.get("action") == "inserted":
-            self.result.value = "<em>Inserted a cell below this output.</em>"
+            where = reply.get("message") if reply.get("fallback") else "Inserted a cell below this output."
+            self.result.value = f"<em>{html.escape(str(where))}</em>"
         else:
             self.show_code()
             self.result.value = (f'<span style="color:#B2182B">Insert failed: {html.escape(str(reply.get("message")))}'
