@@ -39,11 +39,19 @@ def test_bf16_unsupported_from_bf16_trainable_weights():
     assert "bf16-unsupported" not in audit(tiny_qwen2(), hardware="v100")  # fp32: nothing asks for bf16
 
 
-def test_bf16_unsupported_from_bnb_compute_dtype():
+def bnb_4bit(compute_dtype):
+    """A BitsAndBytesConfig as from_pretrained(quantization_config=...) leaves on model.config."""
     from transformers import BitsAndBytesConfig
 
+    try:
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=compute_dtype)
+    except Exception as exc:  # older transformers insist on bitsandbytes being installed
+        pytest.skip(f"BitsAndBytesConfig needs bitsandbytes here: {exc}")
+
+
+def test_bf16_unsupported_from_bnb_compute_dtype():
     model = tiny_llama()
-    model.config.quantization_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    model.config.quantization_config = bnb_4bit(torch.bfloat16)
     assert "bnb_4bit_compute_dtype=bfloat16" in audit(model, hardware="t4").finding("bf16-unsupported").evidence[
         "requested_by"]
 
@@ -110,10 +118,8 @@ def test_mixed_param_dtypes():
 
 
 def test_bnb_compute_dtype_mismatch(tmp_path):
-    from transformers import BitsAndBytesConfig
-
     model = tiny_llama()
-    model.config.quantization_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float16)
+    model.config.quantization_config = bnb_4bit(torch.float16)
     f = audit(model, args=make_args(tmp_path, bf16=True)).finding("bnb-compute-dtype")
     assert f.evidence == {"bnb_4bit_compute_dtype": "float16", "mixed_precision": "bf16", "hardware": "a100"}
     assert "bnb-compute-dtype" not in audit(model, args=make_args(tmp_path, fp16=True))
@@ -140,7 +146,8 @@ def test_cache_with_checkpointing(tmp_path):
 def _reentrant_checkpointing_without_input_grads(model):
     """What older transformers/PEFT left behind: reentrant checkpointing and no input-grad hook."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    model.disable_input_require_grads()
+    if getattr(model, "_require_grads_hook", None) is not None:  # recent transformers add it themselves
+        model.disable_input_require_grads()
     return model
 
 
@@ -156,12 +163,42 @@ def test_checkpointing_no_input_grads_and_the_real_error():
 
 def test_checkpointing_no_input_grads_negatives():
     model = healthy_peft_model()
-    model.gradient_checkpointing_enable()  # transformers' default: non-reentrant + input-grad hook
-    assert "checkpointing-no-input-grads" not in audit(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert "checkpointing-no-input-grads" not in audit(model)  # non-reentrant checkpointing needs no hook
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
     assert "checkpointing-no-input-grads" not in audit(model)  # the hook is there
     full = _reentrant_checkpointing_without_input_grads(tiny_llama())
     assert "checkpointing-no-input-grads" not in audit(full)  # embeddings train: inputs need grad anyway
+
+
+@pytest.mark.tf450
+def test_plain_checkpointing_on_a_peft_model_fails_on_450():
+    # transformers 4.50's gradient_checkpointing_enable() defaults to reentrant checkpointing and adds the
+    # input-grad hook only for models with PEFT loaded through transformers, not for a PeftModel.
+    import nbguard.fixes
+
+    model = healthy_peft_model()
+    model.gradient_checkpointing_enable()
+    model.train()
+    assert "checkpointing-no-input-grads" in audit(model)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        model(**tiny_batch(2, 8)).loss.backward()
+    nbguard.fixes.apply("enable-input-require-grads", model=model)
+    assert "checkpointing-no-input-grads" not in audit(model)
+    model(**tiny_batch(2, 8)).loss.backward()
+
+
+def test_transformers_default_checkpointing_is_safe_on_current_releases():
+    from nbguard.environment import parsed_version
+
+    if parsed_version("transformers").major < 5:
+        pytest.skip("older releases default to reentrant checkpointing without the hook (see the tf450 test)")
+    model = healthy_peft_model()
+    model.gradient_checkpointing_enable()
+    model.train()
+    assert "checkpointing-no-input-grads" not in audit(model)
+    model(**tiny_batch(2, 8)).loss.backward()
 
 
 # ---- batch rules --------------------------------------------------------------------------------

@@ -154,7 +154,8 @@ def test_enable_grad_clipping(tmp_path):
 def _broken_checkpointing():
     model = healthy_peft_model()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    model.disable_input_require_grads()
+    if getattr(model, "_require_grads_hook", None) is not None:  # recent transformers add it themselves
+        model.disable_input_require_grads()
     model.train()
     return model
 
@@ -183,7 +184,7 @@ def test_switch_precision_on_model_and_args(tmp_path):
     assert "fp16-overflow-risk" in nbguard.audit(model, args=args, hardware="t4")
     changed = fixes.apply("switch-precision", model=model, args=args, to="fp32").changed
     assert changed["to"] == "fp32" and changed["args.fp16"] == "True -> False"
-    assert args.fp16 is False and args.bf16 is False and args.mixed_precision == "no"
+    assert args.fp16 is False and args.bf16 is False and getattr(args, "mixed_precision", "no") == "no"
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert "fp16-overflow-risk" not in nbguard.audit(model, args=args, hardware="t4")
     assert fixes.apply("switch-precision", model=model, args=args, to="fp32").changed == {}
@@ -191,13 +192,13 @@ def test_switch_precision_on_model_and_args(tmp_path):
     other_args, other = make_args(tmp_path, fp16=True), tiny_gemma3(dtype=torch.float16)
     run_cell(fixes.code("switch-precision", model="m", args="a", to="fp32"), m=other, a=other_args)
     assert same_state(other, model)
-    assert (other_args.fp16, other_args.bf16, other_args.mixed_precision) == (False, False, "no")
+    assert (other_args.fp16, other_args.bf16, getattr(other_args, "mixed_precision", "no")) == (False, False, "no")
 
 
 def test_switch_precision_to_bf16_keeps_trainable_weights_fp32(tmp_path):
     args, model = make_args(tmp_path, fp16=True), tiny_gemma3(dtype=torch.float16)
     fixes.apply("switch-precision", model=model, args=args, to="bf16")
-    assert (args.fp16, args.bf16, args.mixed_precision) == (False, True, "bf16")
+    assert (args.fp16, args.bf16, getattr(args, "mixed_precision", "bf16")) == (False, True, "bf16")
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # all trainable here
     assert "fp16-overflow-risk" not in nbguard.audit(model, args=args, hardware="l4")
     with pytest.raises(ValueError, match="to must be 'bf16', 'fp32' or None"):
