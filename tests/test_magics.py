@@ -135,6 +135,14 @@ def test_precision_check_errors_are_one_line(shell, line, message):
     assert "Traceback" not in cell.stdout + cell.stderr
 
 
+def test_precision_check_probe_with_named_batch(shell):
+    run(shell, SETUP + "my_batch = tiny_batch()")
+    cell = run(shell, "%precision_check my_model --probe --batch my_batch --hardware t4")
+    [doc] = cell.docs
+    assert cell.stderr == "" and doc["probe"]["modules"]
+    assert {m["module"] for m in doc["probe"]["modules"]} & {n for n, _ in shell.user_ns["my_model"].named_modules()}
+
+
 def test_precision_check_asks_when_ambiguous(shell):
     run(shell, SETUP + "other = tiny_llama()")
     cell = run(shell, "%precision_check")
@@ -291,6 +299,18 @@ trainer = Trainer(model=tiny_llama(), train_dataset=TinyDataset(8),
     assert "3 optimizer steps" in cell.stdout and "0 events" in cell.stdout
     [live] = cell.updated_docs
     assert live["history"]["steps"] == [0, 1, 2]
+
+
+def test_nanwatch_without_ipywidgets_is_static_with_hint(shell, monkeypatch):
+    run(shell, WATCH_SETUP)
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)
+    cell = run(shell, "%nanwatch net")
+    [data] = cell.outputs
+    assert WIDGET_MIME not in data and "pip install ipywidgets" in data["text/plain"]
+    run(shell, LOOP.format(steps=2))
+    cell = run(shell, "%nanwatch off")
+    assert cell.docs[0]["history"]["steps"] == [0, 1]
+    assert_fallbacks(cell.outputs + cell.updates)
 
 
 def test_nanwatch_model_without_optimizer_says_so(shell):

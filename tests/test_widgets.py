@@ -119,11 +119,13 @@ def test_dashboard_draws_heatmap_layers_events_and_origins():
 
     model = tiny_llama()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    announced = []
     with nbguard.watch(model, optimizer=opt, policy="skip") as watch:
-        dash = _dashboard(watch)
+        dash = _dashboard(watch, on_new_events=lambda: announced.append(len(dash.events)))
         _train(model, opt, 5, poison_at=3)
         dash.finish()
     assert dash.errors == []
+    assert announced and announced[0] >= 1 and announced[-1] == len(dash.events) == len(watch.events)
     assert dash.heatmap.value[:8] == b"\x89PNG\r\n\x1a\n"
     assert list(dash.steps) == [0, 1, 2, 3, 4] and dash.renders["heavy"] >= 5
     assert "model.layers.1.mlp" in dash.layer.options

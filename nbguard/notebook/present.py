@@ -59,12 +59,13 @@ class LiveWatch:
 
     def __init__(self, watch):
         self.watch = watch
+        self.handle = None
         self.doc = with_output_id(watch.to_document())
         self.dashboard = None
         if widgets_available():
             from .widgets.dashboard import WatchDashboard
 
-            self.dashboard = WatchDashboard(watch, self.doc["output_id"]).attach()
+            self.dashboard = WatchDashboard(watch, self.doc["output_id"], on_new_events=self.refresh_static).attach()
             OPEN_VIEWS.append(self)
         self.handle = publish(self.doc, self.widget, None if self.dashboard else NO_WIDGETS_HINT)
 
@@ -72,12 +73,16 @@ class LiveWatch:
     def widget(self):
         return self.dashboard.widget if self.dashboard is not None else None
 
+    def refresh_static(self) -> None:
+        """Bring the static copy of this output (text/HTML/JSON) up to date, in place."""
+        self.doc = with_output_id(self.watch.to_document(), self.doc["output_id"])
+        republish(self.handle, self.doc, self.widget, None if self.dashboard else NO_WIDGETS_HINT)
+
     def finish(self) -> None:
         """Final drawing, and the static copy of the output brought up to date."""
         if self.dashboard is not None:
             self.dashboard.finish()
-        self.doc = with_output_id(self.watch.to_document(), self.doc["output_id"])
-        republish(self.handle, self.doc, self.widget, None if self.dashboard else NO_WIDGETS_HINT)
+        self.refresh_static()
 
     def close(self) -> None:
         if self.dashboard is not None:

@@ -44,8 +44,11 @@ def _event_dict(event: Any) -> dict:
 
 class WatchDashboard:
     def __init__(self, watch, output_id: str = "", *, light_interval: float = 0.5, heavy_interval: float = 2.0,
-                 heavy_budget: float = 0.02, window: int = 2048, clock: Callable[[], float] = time.monotonic):
+                 heavy_budget: float = 0.02, window: int = 2048, clock: Callable[[], float] = time.monotonic,
+                 on_new_events: Callable[[], None] | None = None):
         self.watch, self.output_id = watch, output_id
+        self.on_new_events = on_new_events  # e.g. refresh the static copy so a saved notebook shows the event
+        self._events_announced = 0
         self.light_interval, self.heavy_interval, self.heavy_budget = light_interval, heavy_interval, heavy_budget
         self.clock = clock
         # host scalars appended by the listener, one entry per optimizer step
@@ -124,6 +127,9 @@ class WatchDashboard:
         if now - self._last_heavy >= wait:
             started = time.perf_counter()
             self.render_heavy()
+            if self.on_new_events is not None and len(self.events) > self._events_announced:
+                self._events_announced = len(self.events)
+                self.on_new_events()  # inside the timed part: its cost counts against the budget
             self._heavy_cost = time.perf_counter() - started
             self._last_heavy = self.clock()
 
