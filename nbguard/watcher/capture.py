@@ -13,7 +13,10 @@ import torch
 
 from .tensors import iter_tensors
 
-_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _autocast_devices() -> tuple[str, ...]:
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -33,28 +36,27 @@ def restore_rng(state: dict[str, Any]) -> None:
 def capture_autocast() -> list[tuple[str, torch.dtype]]:
     """The autocast regions active around this forward, to re-enter them in the replay."""
     active = []
-    for device in _AUTOCAST_DEVICES:
+    for device in _autocast_devices():
         try:
             if torch.is_autocast_enabled(device):
                 active.append((device, torch.get_autocast_dtype(device)))
-        except (RuntimeError, TypeError):  # device type unknown to this build
-            continue
+        except (RuntimeError, TypeError, AttributeError):  # torch < 2.4 has per-device functions
+            if device == "cpu" and torch.is_autocast_cpu_enabled():
+                active.append(("cpu", torch.get_autocast_cpu_dtype()))
+            elif device == "cuda" and torch.is_autocast_enabled():
+                active.append(("cuda", torch.get_autocast_gpu_dtype()))
     return active
 
 
 @contextlib.contextmanager
 def autocast_as(active: list[tuple[str, torch.dtype]]):
     with contextlib.ExitStack() as stack:
-        for device in _AUTOCAST_DEVICES:  # leave autocast the caller may have on exactly as captured
+        for device in _autocast_devices():  # leave autocast the caller may have on exactly as captured
             dtype = dict(active).get(device)
             if dtype is not None:
                 stack.enter_context(torch.autocast(device, dtype=dtype))
             else:
-                try:
-                    if torch.is_autocast_enabled(device):
-                        stack.enter_context(torch.autocast(device, enabled=False))
-                except (RuntimeError, TypeError):
-                    pass
+                stack.enter_context(torch.autocast(device, enabled=False))
         yield
 
 

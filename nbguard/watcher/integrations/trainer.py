@@ -27,6 +27,7 @@ class WatchCallback(TrainerCallback):
         self.watch._bind_trainer_parts()
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.watch._stop_requested = False  # a new train() call starts clean
         self._bind(control)
 
     def on_step_begin(self, args, state, control, **kwargs):
