@@ -78,6 +78,19 @@ def test_mime_bundle_has_all_three_entries_and_strict_json():
     assert data["schema_version"] == 1 and data["kind"] == "report"
 
 
+def test_mime_bundle_redacts_secrets(monkeypatch):
+    from report_helpers import HF_TOKEN
+
+    monkeypatch.setenv("MY_SERVICE_TOKEN", "service-secret-value")
+    doc = planted_watch_document()
+    doc["events"][0]["message"] += f" {HF_TOKEN} service-secret-value"
+    bundle = mime_bundle(doc)
+    for value in bundle.values():
+        text = value if isinstance(value, str) else json.dumps(value)
+        assert HF_TOKEN not in text and "service-secret-value" not in text
+    assert "[REDACTED:MY_SERVICE_TOKEN]" in bundle["text/plain"]
+
+
 def test_mime_bundle_rejects_non_documents():
     with pytest.raises(TypeError, match="doc"):
         mime_bundle(["not", "a", "document"])

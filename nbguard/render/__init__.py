@@ -20,9 +20,15 @@ __all__ = ["MIME_TYPE", "activations_png", "encode_document", "heatmap_png", "mi
 
 def mime_bundle(doc: dict[str, Any]) -> dict[str, Any]:
     """{"text/plain", "text/html", MIME_TYPE} for ``doc``; the JSON entry is strict JSON
-    (non-finite floats encoded as strings, numpy/torch values as plain numbers)."""
+    (non-finite floats encoded as strings, numpy/torch values as plain numbers).
+
+    Secrets are redacted (``nbguard.reporting.redact``): a displayed output is written into the
+    .ipynb file, which gets shared like any report.
+    """
     if not isinstance(doc, dict):
         raise TypeError(f"doc must be an nbguard document (dict from nbguard.findings.document), got {type(doc).__name__}")
-    data = encode_document(doc)
+    from ..reporting.redact import redact  # lazy: reporting imports render
+
+    data = redact(encode_document(doc), home=False)
     check_json(data)
     return {"text/plain": render_text(data), "text/html": render_html(data), MIME_TYPE: data}
