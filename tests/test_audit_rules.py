@@ -189,6 +189,37 @@ def test_plain_checkpointing_on_a_peft_model_fails_on_450():
     model(**tiny_batch(2, 8)).loss.backward()
 
 
+@pytest.mark.tf450
+def test_trainer_checkpointing_args_on_a_peft_model_predicted_on_450(tmp_path):
+    import nbguard.fixes
+    from audit_helpers import make_trainer
+
+    trainer = make_trainer(healthy_peft_model(), make_args(tmp_path, gradient_checkpointing=True))
+    f = audit(trainer=trainer).finding("checkpointing-no-input-grads")
+    assert f.evidence["enabled_by"].startswith("args.gradient_checkpointing")
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        trainer.train()
+    trainer = make_trainer(healthy_peft_model(), make_args(tmp_path, gradient_checkpointing=True))
+    nbguard.fixes.apply("enable-input-require-grads", trainer=trainer)
+    assert "checkpointing-no-input-grads" not in audit(trainer=trainer)
+    trainer.train()
+
+
+def test_trainer_checkpointing_args_not_flagged_where_safe(tmp_path):
+    from audit_helpers import make_trainer
+
+    from nbguard.auditor.rules.cache import transformers_checkpointing_defaults
+
+    safe = make_args(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert "checkpointing-no-input-grads" not in audit(trainer=make_trainer(healthy_peft_model(), safe))
+    reentrant_default, hooks_itself = transformers_checkpointing_defaults()
+    if reentrant_default and not hooks_itself:
+        pytest.skip("this transformers really fails with the defaults (see the tf450 test)")
+    trainer = make_trainer(healthy_peft_model(), make_args(tmp_path, gradient_checkpointing=True))
+    assert "checkpointing-no-input-grads" not in audit(trainer=trainer)
+    trainer.train()
+
+
 def test_transformers_default_checkpointing_is_safe_on_current_releases():
     from nbguard.environment import parsed_version
 

@@ -132,17 +132,60 @@ def _reentrant(module) -> bool:
     return func is not None
 
 
+@lru_cache(maxsize=None)
+def transformers_checkpointing_defaults() -> tuple[bool, bool]:
+    """(reentrant by default, hooks the input grads itself) for this transformers, read from its own code.
+
+    Older releases default to ``use_reentrant=True`` and add the input-grad hook only for PEFT loaded
+    through transformers; recent ones default to non-reentrant and hook the embeddings of token models.
+    """
+    try:
+        from transformers import PreTrainedModel
+    except Exception:
+        return True, False
+    src = ""
+    for name in ("_activation_checkpointing_enable", "activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        fn = getattr(PreTrainedModel, name, None)
+        try:
+            src += inspect.getsource(fn) if fn is not None else ""
+        except (OSError, TypeError):
+            continue
+    default = re.search(r'\{"use_reentrant":\s*(True|False)\}', src)
+    return (default is None or default.group(1) == "True"), "needs_embedding_grads" in src
+
+
+def _checkpointing_to_come(ctx) -> bool:
+    """The Trainer will turn checkpointing on at train() (args), reentrant and without the input-grad hook."""
+    args = ctx.args
+    if ctx.checkpointed_modules or not (getattr(args, "gradient_checkpointing", False)
+                                        or getattr(args, "activation_checkpointing", False)):
+        return False
+    kwargs = getattr(args, "gradient_checkpointing_kwargs", None) or getattr(
+        args, "activation_checkpointing_kwargs", None) or {}
+    default_reentrant, hooks_itself = transformers_checkpointing_defaults()
+    if kwargs.get("use_reentrant", default_reentrant) is False or hooks_itself:
+        return False
+    return not any(getattr(m, "_hf_peft_config_loaded", False) for _, m in ctx.modules)
+
+
 @rule("checkpointing-no-input-grads", "error")
 def checkpointing_no_input_grads(ctx):
     """Reentrant checkpointing over frozen embeddings: the loss ends up with no grad_fn."""
-    if ctx.model is None or not ctx.trainable:
+    if ctx.model is None or not ctx.trainable or ctx.input_grad_hooks:
         return None
     reentrant = [n for n, m in ctx.checkpointed_modules if _reentrant(m)]
-    if not reentrant or ctx.input_grad_hooks:
+    to_come = not reentrant and _checkpointing_to_come(ctx)
+    if not reentrant and not to_come:
         return None
     weight = getattr(ctx.input_embeddings, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.requires_grad:
         return None
+    evidence = {"use_reentrant": True, "input_embeddings_requires_grad": False, "peft": ctx.is_peft}
+    if reentrant:
+        evidence["checkpointed_modules"] = capped(reentrant)
+    else:
+        evidence["enabled_by"] = "args.gradient_checkpointing (the Trainer enables it at train())"
+        evidence["transformers"] = str(ctx.version("transformers"))
     return finding(
         "checkpointing-no-input-grads",
         "gradient checkpointing will see inputs that do not require grad",
@@ -150,7 +193,6 @@ def checkpointing_no_input_grads(ctx):
         "block requires grad. The embeddings are frozen (PEFT), so the hidden states entering each layer do "
         "not, the adapters inside the layers get no gradient and backward raises \"element 0 of tensors does "
         "not require grad and does not have a grad_fn\". Make the embedding output require grad.",
-        {"checkpointed_modules": capped(reentrant), "use_reentrant": True,
-         "input_embeddings_requires_grad": False, "peft": ctx.is_peft},
+        evidence,
         fixes=["enable-input-require-grads"],
     )
