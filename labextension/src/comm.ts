@@ -9,7 +9,7 @@
  *        document with that output_id (falling back to the executing, else the active, cell
  *        and saying so), runs it when asked, and replies
  *        {"action": "inserted", "output_id": ..., "fallback": null | "executing-cell" | "active-cell"}
- *        or {"action": "error", "message": ...}.
+ *        or {"action": "error", "output_id": ..., "message": ...}.
  */
 import { isObject } from './document';
 import { EXTENSION_VERSION } from './version';
@@ -21,7 +21,7 @@ export type Fallback = 'executing-cell' | 'active-cell' | null;
 export type CommReply =
   | { action: 'hello'; extension_version: string }
   | { action: 'inserted'; output_id: string | null; fallback: Fallback; message?: string }
-  | { action: 'error'; message: string };
+  | { action: 'error'; message: string; output_id?: string | null };
 
 /** What the comm needs from the notebook it serves. */
 export interface InsertHost {
@@ -53,7 +53,8 @@ export async function handleCommMessage(data: unknown, host: InsertHost): Promis
         }
         return reply;
       } catch (error) {
-        return { action: 'error', message: error instanceof Error ? error.message : String(error) };
+        const message = error instanceof Error ? error.message : String(error);
+        return { action: 'error', output_id: outputId, message };
       }
     }
     default:

@@ -346,6 +346,8 @@ export function createHeatmap(title: string, input: HeatmapInput, valueName: str
   );
   canvas.style.width = `${layout.width}px`;
   canvas.style.height = `${layout.height}px`;
+  // Geometry in CSS pixels, for tools (and the browser test) that point at a given cell.
+  canvas.dataset.layout = JSON.stringify(layout);
   const tooltip = document.createElement('div');
   tooltip.className = 'nbg-heatmap-tooltip';
   tooltip.hidden = true;

@@ -56,8 +56,9 @@ describe('handleCommMessage', () => {
 
   it('turns a failed insertion into an error reply', async () => {
     const h: InsertHost = { insert: vi.fn().mockRejectedValue(new Error('the notebook is read-only')) };
-    expect(await handleCommMessage({ action: 'insert-cell', code: 'x' }, h)).toEqual({
+    expect(await handleCommMessage({ action: 'insert-cell', code: 'x', output_id: 'o1' }, h)).toEqual({
       action: 'error',
+      output_id: 'o1',
       message: 'the notebook is read-only'
     });
   });
