@@ -6,7 +6,7 @@ import torch
 
 import nbguard
 from nbguard import fixes
-from nbguard.explainer import RULES, diagnose, explain
+from nbguard.explainer import RULES, diagnose
 from nbguard.session import SESSION
 
 

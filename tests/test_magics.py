@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from notebook_helpers import MIME, WIDGET_MIME, assert_fallbacks, run, shell  # noqa: F401
+from notebook_helpers import WIDGET_MIME, assert_fallbacks, run, shell  # noqa: F401
 
 SETUP = """
 import torch

@@ -3,7 +3,6 @@ nbguard's results without a kernel (text/plain + static text/html + the nbguard 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 import torch
 
-from notebook_helpers import MIME, WIDGET_MIME, assert_fallbacks, run, shell  # noqa: F401
+from notebook_helpers import MIME, WIDGET_MIME, run, shell  # noqa: F401
 
 
 def _view(shell):
