@@ -55,10 +55,6 @@ class AuditContext:
         return [(n, p) for n, p in self.floating_params if p.requires_grad]
 
     @cached_property
-    def frozen(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(n, p) for n, p in self.floating_params if not p.requires_grad]
-
-    @cached_property
     def dtype_counts(self) -> Counter:
         return Counter(p.dtype for _, p in self.floating_params)
 
