@@ -18,11 +18,13 @@ def _eval_loss(model, batch):
     return loss
 
 
-def test_scaler_skipping_every_step_is_the_constant_eval_loss_case():
+@pytest.mark.parametrize("fused", [False, True])
+def test_scaler_skipping_every_step_is_the_constant_eval_loss_case(fused):
     model = tiny_llama()
     data = batches(10)
     scale_output_to(model, model.model.layers[0].mlp.up_proj, data[0], 2e5)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # a fused AdamW is always called by scaler.step and skips inside its kernel
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     scaler = torch.amp.GradScaler("cpu")
     before = snapshot(model)
     eval_losses = []

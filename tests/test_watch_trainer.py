@@ -113,6 +113,29 @@ def test_trainer_detach_removes_callback_and_hooks():
     assert (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)) == (opt_before[0] - 1, opt_before[1] - 1)
 
 
+def test_trainer_with_a_grad_scaler_skipping_every_step_the_seed_case():
+    """fp16 Trainer runs on a GPU get accelerate's GradScaler; on CPU we hand the same accelerator one,
+    so the real path runs: AcceleratedOptimizer -> scaler.step -> fused AdamW that skips in-kernel."""
+    model = tiny_llama()
+    model.model.layers[1].mlp.act_fn = PoisonedSiLU()  # every backward is NaN, every forward finite
+    trainer = Trainer(model=model, args=_args(max_steps=10, eval_strategy="steps", eval_steps=3),
+                      train_dataset=TinyDataset(32), eval_dataset=TinyDataset(8, seed=1))
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    watch = nbguard.watch(trainer)
+    trainer.train()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert watch.history.skipped_steps == list(range(10))
+    kinds = [e.kind for e in watch.events]
+    assert kinds == ["frozen-eval-loss", "skipped-steps"], watch.summary()  # evals at steps 3 and 6
+    skipped = watch.events[1]
+    assert skipped.step == 7 and skipped.evidence["scale_trend"][0] == 65536.0
+    assert skipped.origin("backward").module == "model.layers.1.mlp.act_fn"
+    assert watch.events[0].evidence["evaluations"] == 2
+    watch.detach()
+    assert "update" not in vars(trainer.accelerator.scaler)
+
+
 def _tiny_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -245,14 +245,21 @@ class NanWatch(Displayable):
     # ---- hooks: step boundaries -----------------------------------------------------------
     def _read(self) -> StepStats:
         if self._stats is None:
-            scale = self._scaler_binding.scale() if self._scaler_binding is not None else None
+            binding = self._scaler_binding
+            scale = binding.scale() if binding is not None else None
+            found_inf = binding.found_inf() if binding is not None and binding.enabled else None
             # Trainer passes num_items_in_batch: each micro-batch loss is then a share of the step's loss
             shares = any("num_items_in_batch" in mb.kwargs for mb in self._micro_batches)
-            self._stats = self._collector.read(self._losses, scale, self._frozen.due(self.step), sum_losses=shares)
+            self._stats = self._collector.read(self._losses, scale, self._frozen.due(self.step), sum_losses=shares,
+                                               found_inf=found_inf)
         return self._stats
 
+    def _scaler_guards(self) -> bool:
+        """An enabled GradScaler already refuses non-finite updates: it decides, we count."""
+        return self._scaler_binding is not None and self._scaler_binding.enabled
+
     def _pre_step(self, optimizer, args, kwargs):
-        if not self._active():
+        if not self._active() or self._scaler_guards():
             return None
         try:
             self._check_update(self._read())
@@ -287,8 +294,12 @@ class NanWatch(Displayable):
         if not self._active():
             return
         try:
-            self._end_step(skipped=self._step_dropped or not self._optimizer_stepped,
-                           scaler_skipped=not self._optimizer_stepped)
+            stats = self._read()
+            if stats.found_inf is not None:
+                scaler_skipped = stats.found_inf > 0 or not self._optimizer_stepped
+            else:
+                scaler_skipped = self._scaler_guards() and not self._optimizer_stepped
+            self._end_step(skipped=self._step_dropped or scaler_skipped, scaler_skipped=scaler_skipped)
         except NonFiniteError:
             raise
         except Exception as exc:

@@ -51,10 +51,27 @@ class ScalerBinding:
         scaler.update = update
 
     def scale(self) -> torch.Tensor | None:
-        if not getattr(self.scaler, "is_enabled", lambda: True)():
+        if not self.enabled:
             return None
         scale = getattr(self.scaler, "_scale", None)
         return scale if isinstance(scale, torch.Tensor) else None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(getattr(self.scaler, "is_enabled", lambda: True)())
+
+    def found_inf(self) -> torch.Tensor | None:
+        """Sum of the scaler's found-inf flags for this step (read together with the sentinel).
+
+        Whether ``optimizer.step`` ran says nothing: optimizers with ``_step_supports_amp_scaling``
+        (fused AdamW, the Trainer's default) are always called and skip inside the kernel.
+        """
+        flags = [t for state in getattr(self.scaler, "_per_optimizer_states", {}).values()
+                 for t in state.get("found_inf_per_device", {}).values() if isinstance(t, torch.Tensor)]
+        if not flags:
+            return None
+        device = flags[0].device
+        return torch.stack([t.to(device).float().reshape(()) for t in flags]).sum()
 
     def remove(self) -> None:
         if self._had_own:
