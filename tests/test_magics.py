@@ -301,6 +301,16 @@ trainer = Trainer(model=tiny_llama(), train_dataset=TinyDataset(8),
     assert live["history"]["steps"] == [0, 1, 2]
 
 
+def test_cell_nanwatch_error_shows_traceback_diagnosis_and_detaches(shell):
+    run(shell, WATCH_SETUP)
+    net = shell.user_ns["net"]
+    before = _hook_counts(net)
+    cell = run(shell, "%%nanwatch net\n" + LOOP.format(steps=1) + "torch.randn(2).sum().backward()")
+    assert "element 0 of tensors does not require grad" in cell.stdout  # the traceback of the inner cell
+    assert [d["kind"] for d in cell.docs] == ["watch", "diagnosis"]
+    assert "1 optimizer steps" in cell.stdout and _hook_counts(net) == before
+
+
 def test_nanwatch_without_ipywidgets_is_static_with_hint(shell, monkeypatch):
     run(shell, WATCH_SETUP)
     monkeypatch.setitem(sys.modules, "ipywidgets", None)

@@ -17,7 +17,8 @@ Protocol (version 1; every message is a JSON object with an ``action`` key):
 * Closing: the kernel closes the comm on ``%unload_ext nbguard``; when the front end closes it,
   the kernel marks the extension absent again.
 
-Without a hello, "Insert cell" buttons fall back to a code block to copy. The comm is opened with
+No comm is opened where no front end can answer: without a kernel (terminal IPython) and in
+Colab. Without a hello, "Insert cell" buttons fall back to a code block to copy. The comm is opened with
 the ``comm`` package (ipykernel >= 6.18) or ``ipykernel.comm.Comm`` (ipykernel 6.17, as in Colab).
 """
 from __future__ import annotations
@@ -63,6 +64,10 @@ class LabChannel:
             return True
         if getattr(shell, "kernel", None) is None:
             return False
+        from .display import in_colab
+
+        if in_colab():
+            return False  # Colab's front end runs no JupyterLab extensions: nothing would answer
         from .. import __version__
 
         self.comm = _comm_factory()(target_name=TARGET_NAME, data={"action": "hello", "nbguard_version": __version__})

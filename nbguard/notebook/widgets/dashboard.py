@@ -82,6 +82,9 @@ class WatchDashboard:
             W.HBox([W.VBox([self.layer, self.layer_view]), W.VBox([self.event_list, self.event_view])]),
         ])
         self.attached = False
+        # import the renderer now, not on the first training step: a first draw that pays for
+        # importing matplotlib would look expensive and push every later draw far apart
+        from ...render import heatmap_png  # noqa: F401
 
     # -- wiring to the watch --------------------------------------------------------------------
     def attach(self) -> "WatchDashboard":
