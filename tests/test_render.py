@@ -274,3 +274,18 @@ def test_heatmap_rejects_bad_sections():
         heatmap_png({"groups": [], "steps": []})
     with pytest.raises(ValueError, match="limit"):
         activations_png({"groups": [], "steps": [], "absmax": [], "limit": "high"})
+
+
+def test_history_summary_names_the_group_or_counts_them():
+    one = {"groups": ["a", "b", "c"], "steps": [0, 1], "grad_norm": [[1, 1], [1, "nan"], [1, 1]]}
+    assert "first non-finite: NaN at step 1 in b\n" in render_text(document("watch", history=one))
+    spread = dict(one, grad_norm=[[1, "nan"], [1, "nan"], [1, "inf"]])
+    assert "in all 3 of 3 groups (first: a)" in render_text(document("watch", history=spread))
+    assert "all 3 of 3 groups (first: <code>a</code>)" in render_html(document("watch", history=spread))
+    assert "all 21 of 21 groups" in render_text(planted_watch_document())  # the real run: NaN spreads
+
+
+def test_standalone_page_opens_every_fold_for_print():
+    page = render_html(full_document(), standalone=True)
+    assert "<details>" not in page and "<details open>" in page
+    assert "<details open>" not in render_html(full_document())  # in a notebook they stay folded

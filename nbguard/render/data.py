@@ -125,8 +125,9 @@ def history_overview(history: dict | None) -> dict[str, Any]:
     if bad.any():
         cols = np.flatnonzero(bad.any(axis=0))
         col = int(cols[0])
-        row = int(np.flatnonzero(bad[:, col])[0])
-        first_bad = (steps[col], groups[row], fmt_num(float(values[row, col])))
+        rows = np.flatnonzero(bad[:, col])
+        row = int(rows[0])
+        first_bad = (steps[col], groups[row], fmt_num(float(values[row, col])), int(rows.size))
     loss = [as_float(v) for v in history.get("loss") or []]
     finite_loss = [v for v in loss if v is not None and math.isfinite(v)]
     return {

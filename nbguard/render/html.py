@@ -83,6 +83,9 @@ def render_html(doc: dict, *, standalone: bool = False, images: bool = True) -> 
     fragment = "\n".join(p for p in parts if p)
     if not standalone:
         return fragment
+    # A saved report opens every fold: printing shows closed <details> empty, and no script may
+    # open them. (Dynamic text is escaped, so only our own tags match.)
+    fragment = fragment.replace("<details>", "<details open>")
     title = esc(doc.get("title") or f"nbguard {doc.get('kind', 'report')}")
     return (
         "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
@@ -237,9 +240,12 @@ def _history_summary(overview: dict) -> str:
     items = [f"{overview['n_groups']} module groups × {overview['n_steps']} steps"
              + (f" (steps {esc(overview['first_step'])}–{esc(overview['last_step'])})" if overview["n_steps"] else "")]
     if overview["first_nonfinite"]:
-        step, group, value = overview["first_nonfinite"]
+        step, group, value, count = overview["first_nonfinite"]
+        where = (f"<code>{esc(group)}</code>" if count <= 1 else
+                 f"{'all ' if count == overview['n_groups'] else ''}{count} of {overview['n_groups']} groups "
+                 f"(first: <code>{esc(group)}</code>)")
         items.append(f'<span class="nbg-bad">first non-finite gradient: {esc(value)} at step {esc(step)} '
-                     f'in <code>{esc(group)}</code></span> ({overview["nonfinite_cells"]} non-finite cells)')
+                     f'in {where}</span> ({overview["nonfinite_cells"]} non-finite cells in all)')
     elif overview["n_steps"]:
         items.append("all gradient norms finite")
     skipped = overview["skipped_steps"]

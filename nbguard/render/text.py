@@ -170,8 +170,8 @@ def history_line(overview: dict) -> str:
     if overview["n_steps"]:
         text += f" (steps {overview['first_step']}–{overview['last_step']})"
     if overview["first_nonfinite"]:
-        step, group, value = overview["first_nonfinite"]
-        text += f"; first non-finite: {value} at step {step} in {group}"
+        step, group, value, count = overview["first_nonfinite"]
+        text += f"; first non-finite: {value} at step {step} in {where_bad(group, count, overview['n_groups'])}"
     else:
         text += "; all finite"
     if overview["loss_first"] is not None:
@@ -179,6 +179,14 @@ def history_line(overview: dict) -> str:
     if overview["nonfinite_loss_steps"]:
         text += f"; loss non-finite at {len(overview['nonfinite_loss_steps'])} steps"
     return text
+
+
+def where_bad(group: str, count: int, total: int) -> str:
+    """Where the first non-finite step hit: one group by name, or how many (all of them when
+    the NaN spread through the backward pass)."""
+    if count <= 1:
+        return group
+    return f"{'all ' if count == total else ''}{count} of {total} groups (first: {group})"
 
 
 def _diagnoses(doc: dict, lines: list[str]) -> None:

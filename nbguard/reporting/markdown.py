@@ -182,8 +182,10 @@ def _render(doc: dict, images: dict[str, str], compact: bool) -> str:
 def _overview_md(overview: dict) -> str:
     items = [f"{overview['n_groups']} module groups × {overview['n_steps']} steps"]
     if overview["first_nonfinite"]:
-        step, group, value = overview["first_nonfinite"]
-        items.append(f"**first non-finite gradient: {md_text(value)} at step {md_text(step)}** in {md_code(group)}")
+        step, group, value, count = overview["first_nonfinite"]
+        where = md_code(group) if count <= 1 else (
+            f"{'all ' if count == overview['n_groups'] else ''}{count} of {overview['n_groups']} groups (first: {md_code(group)})")
+        items.append(f"**first non-finite gradient: {md_text(value)} at step {md_text(step)}** in {where}")
     elif overview["n_steps"]:
         items.append("all gradient norms finite")
     if overview["skipped_steps"]:
