@@ -59,11 +59,23 @@ def unload_ipython_extension(ipython):
     unload(ipython)
 
 
+_LAZY_SUBMODULES = ("fixes", "testing")
+
+
+def __getattr__(name):
+    # `nbguard.fixes.apply(...)` after a plain `import nbguard`, without paying for torch at import.
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _jupyter_labextension_paths():
     return [{"src": "labextension", "dest": "nbguard"}]
 
 
 __all__ = [
     "Event", "Finding", "Hardware", "NbguardError", "NonFiniteError", "Origin", "Severity",
-    "audit", "explain", "report", "resolve_hardware", "watch", "__version__",
+    "audit", "explain", "fixes", "report", "resolve_hardware", "watch", "__version__",
 ]

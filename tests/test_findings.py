@@ -82,3 +82,15 @@ def test_jsonable_handles_dtypes_and_nesting():
     assert jsonable({"dtype": torch.float16, "shape": (2, 3), 1: {float("nan")}}) == {
         "dtype": "torch.float16", "shape": [2, 3], "1": ["nan"],
     }
+
+
+def test_plain_import_is_light_and_fixes_reachable():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, nbguard; assert 'torch' not in sys.modules, 'import nbguard must not load torch'; "
+        "assert callable(nbguard.fixes.apply); print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"
