@@ -69,6 +69,19 @@ def deepspeed_loss_scale():
     raise Exception("Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.")
 
 
+def watch_stop():
+    from nbguard.testing import tiny_batch, tiny_llama
+
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nbguard.watch(model, optimizer=opt, policy="stop"):
+        with torch.no_grad():
+            model.model.layers[0].mlp.up_proj.weight[0, 0] = float("inf")
+        opt.zero_grad()
+        model(**tiny_batch()).loss.backward()
+        opt.step()
+
+
 REAL = {
     "anomaly-nan-output": anomaly_nan,
     "cache-float-crash": hybrid_cache_float,
@@ -78,6 +91,7 @@ REAL = {
     "bf16-unsupported": bf16_on_this_machine,
     "sampling-nonfinite-probs": multinomial_nan,
     "loss-scale-minimum": deepspeed_loss_scale,
+    "nbguard-stopped": watch_stop,
 }
 EXPECTED_FIXES = {
     "cache-float-crash": ["disable-use-cache"],
@@ -180,6 +194,13 @@ def test_diagnosis_displays_with_text_and_html_fallbacks():
     assert {"text/plain", "text/html", "application/vnd.nbguard.v1+json"} <= set(bundle)
     assert "fp16-unscale-error" in bundle["text/plain"] or "FP16" in bundle["text/plain"]
     assert "upcast-trainable-fp32" in bundle["text/html"]
+
+
+def test_stop_policy_error_names_the_origin():
+    exc = raised(watch_stop)
+    d = diagnose(exc)
+    assert d.evidence["step"] == 0 and d.evidence["origin"]["module"] == exc.event.origins[0].module
+    assert exc.event.origins[0].module in d.title
 
 
 def test_bf16_unsupported_switches_to_fp32():

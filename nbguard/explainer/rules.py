@@ -210,3 +210,25 @@ def loss_scale_minimum(exc):
         "loss-scale-minimum", exc, "fp16 loss scale collapsed to its minimum", detail,
         ["switch-precision", "lower-learning-rate"],
     )
+
+
+@rule("nbguard-stopped")
+def nbguard_stopped(exc):
+    from ..errors import NonFiniteError
+
+    if not isinstance(exc, NonFiniteError):
+        return None
+    event = getattr(exc, "event", None)
+    if event is None:
+        return _diagnosis("nbguard-stopped", exc, "nbguard stopped training", str(exc))
+    origin = event.origins[0] if event.origins else None
+    where = f" in {origin.module} ({origin.phase})" if origin is not None else ""
+    detail = (
+        f"The watch's 'stop' policy ended training at optimizer step {event.step}: {event.message}. "
+        "The bad update was not applied, so the trainable weights are the last good ones. Look at "
+        "watch.events[-1].origins for where the value was born, fix the cause, and continue training."
+    )
+    evidence = {"kind": event.kind, "step": event.step, "cause": event.cause}
+    if origin is not None:
+        evidence["origin"] = origin.to_dict()
+    return _diagnosis("nbguard-stopped", exc, f"Stopped at step {event.step}: {event.kind}{where}", detail, **evidence)
