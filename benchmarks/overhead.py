@@ -78,6 +78,8 @@ def measure(args):
     names = ["baseline", "nbguard watch", "detect_anomaly", "DebugUnderflowOverflow"]
     if args.skip_debug:
         names.remove("DebugUnderflowOverflow")
+    if args.watch_only:  # a tighter estimate of the watch alone: more rounds in the same time
+        names = names[:2]
     variants = [Variant(n, copy.deepcopy(base) if i else base, args) for i, n in enumerate(names)]
     batches = [make_batch(args, s) for s in range(4)]
     for v in variants:  # warm-up: allocator, autograd caches, first AdamW state
@@ -120,6 +122,13 @@ def localise(args):
         if watch.events:
             break
     watch.detach()
+    anomaly_says = None
+    with torch.autograd.set_detect_anomaly(True):  # what anomaly mode reports for the same fault
+        try:
+            model(**make_batch(args, fault_step)).loss.backward()
+        except RuntimeError as exc:
+            anomaly_says = str(exc).splitlines()[0]
+    opt.zero_grad(set_to_none=True)
     event = watch.events[0]
     origin = event.origins[0] if event.origins else None
     return {
@@ -129,6 +138,7 @@ def localise(args):
         "steps_to_localise": event.step - fault_step,
         "replay_s": event.evidence.get("replay_seconds"),
         "step_s": statistics.median(step_times[:fault_step]),
+        "anomaly_says": anomaly_says,
     }
 
 
@@ -144,6 +154,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: as set)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip-debug", action="store_true", help="leave out DebugUnderflowOverflow")
+    parser.add_argument("--watch-only", action="store_true", help="only baseline and the watch")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -165,6 +176,7 @@ def main(argv=None):
     print("|---|---|---|---|---:|---:|")
     print(f"| {loc['target']} | {loc['named']} | {loc['cause']} | {same} | {loc['replay_s'] * 1e3:.0f} ms "
           f"| {loc['step_s'] * 1e3:.0f} ms |")
+    print(f"\n`detect_anomaly` on the same step says: {loc['anomaly_says']!r}")
 
 
 if __name__ == "__main__":
