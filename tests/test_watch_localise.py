@@ -54,6 +54,8 @@ def test_overflow_between_two_mlp_children_names_the_mlp_with_down_proj_as_evide
     assert origin.module == "model.layers.0.mlp"
     assert event.cause == "overflow"
     assert origin.evidence["received_by"] == "model.layers.0.mlp.down_proj"
+    assert origin.tensor == "intermediate passed to model.layers.0.mlp.down_proj as args[0]"
+    assert origin.output_absmax == math.inf and math.isfinite(origin.input_absmax)
 
 
 def test_nan_made_in_a_modules_backward_is_found_in_backward():

@@ -91,9 +91,9 @@ class _ForwardProbe:
                     "note": "the value arose in this module's own code, between its children"}
         if bad:
             evidence["nonfinite_values"] = bad
+        tensor = ", ".join(bad) if bad else f"intermediate passed to {child_name} as {inputs.first_bad}"
         self.origin = Origin(self.names.get(parent, "?"), "forward", inputs.dtype, parent_inputs.absmax,
-                             inputs.absmax, ", ".join(bad) if bad else inputs.first_bad, self.micro_batch,
-                             evidence)
+                             inputs.absmax, tensor, self.micro_batch, evidence)
 
     def post(self, module, args, kwargs, output):
         if self.done:
