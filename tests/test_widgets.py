@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 
 from notebook_helpers import MIME, WIDGET_MIME, run, shell  # noqa: F401
@@ -186,3 +187,36 @@ def test_dashboard_adds_no_host_sync(monkeypatch):
     off, on = reads(False), reads(True)
     assert off > 0  # the counter sees the watch's own single read per step
     assert on == off
+
+
+class _StaticWatch:
+    """A watch stand-in for the throttle test: a real GradHistory, listeners ignored."""
+
+    def __init__(self):
+        from nbguard.watcher.history import GradHistory
+
+        self.history = GradHistory(["model.layers.0.mlp", "model.layers.1.mlp"], 64)
+        for step in range(10):
+            self.history.append(step, [1.0, 2.0], 1.0, 2.0, None, False)
+
+    def add_listener(self, callback):
+        pass
+
+    def remove_listener(self, callback):
+        pass
+
+
+@pytest.mark.parametrize("budgets, expected", [((0.01, 0.02), 1), ((0.0, 0.0), None)])
+def test_drawing_cost_spaces_out_the_next_drawing(monkeypatch, budgets, expected):
+    from nbguard.notebook.widgets import dashboard as D
+
+    perf = itertools.count(0.0, 0.5)  # every timed drawing appears to cost 0.5 s
+    monkeypatch.setattr(D.time, "perf_counter", lambda: next(perf))
+    ticks = itertools.count(0.0, 1.0)
+    dash = D.WatchDashboard(_StaticWatch(), clock=lambda: next(ticks), light_budget=budgets[0], heavy_budget=budgets[1])
+    for step in range(10):
+        dash.on_watch(None, "step", {"step": step, "loss": 1.0, "total_grad_norm": 2.0})
+    if expected is not None:
+        assert dash.renders == {"light": expected, "heavy": expected}  # 0.5 s cost -> next one 25-50 s later
+    else:
+        assert dash.renders["light"] >= 9 and dash.renders["heavy"] >= 3  # only the intervals hold it back

@@ -3,10 +3,11 @@
 The update path is built for training loops: the watch calls :meth:`WatchDashboard.on_watch`
 after every optimizer step with host-side scalars it already has; the dashboard appends them and
 nothing else (no tensor is touched, so no host sync). Drawing happens on a time throttle:
-cheap parts (status line, SVG sparklines, events) at most ``light_interval`` apart, the heatmap
-PNG only when the time since the last one is at least ``heavy_interval`` and at least
-``1/heavy_budget`` times what the last drawing cost, so it never takes more than a small share
-of the run's wall time.
+cheap parts (status line, SVG sparklines, events) at least ``light_interval`` apart, the heatmap
+PNG at least ``heavy_interval`` apart, and each part only once the time since its last drawing
+is ``1/budget`` times what that drawing cost: the sparklines take at most ``light_budget`` (1 %)
+and the heatmap at most ``heavy_budget`` (2 %) of the run's wall time, however long the history
+grows (typically far less: a few ms every half second, a heatmap every few seconds).
 """
 from __future__ import annotations
 
@@ -44,12 +45,13 @@ def _event_dict(event: Any) -> dict:
 
 class WatchDashboard:
     def __init__(self, watch, output_id: str = "", *, light_interval: float = 0.5, heavy_interval: float = 2.0,
-                 heavy_budget: float = 0.02, window: int = 2048, clock: Callable[[], float] = time.monotonic,
+                 heavy_budget: float = 0.02, light_budget: float = 0.01, window: int = 2048, clock: Callable[[], float] = time.monotonic,
                  on_new_events: Callable[[], None] | None = None):
         self.watch, self.output_id = watch, output_id
         self.on_new_events = on_new_events  # e.g. refresh the static copy so a saved notebook shows the event
         self._events_announced = 0
-        self.light_interval, self.heavy_interval, self.heavy_budget = light_interval, heavy_interval, heavy_budget
+        self.light_interval, self.heavy_interval = light_interval, heavy_interval
+        self.light_budget, self.heavy_budget = light_budget, heavy_budget
         self.clock = clock
         # host scalars appended by the listener, one entry per optimizer step
         self.steps: deque[int] = deque(maxlen=window)
@@ -61,7 +63,7 @@ class WatchDashboard:
         self.renders = {"light": 0, "heavy": 0}
         self.errors: list[str] = []
         self._last_light = self._last_heavy = -math.inf
-        self._heavy_cost = 0.0
+        self._heavy_cost = self._light_cost = 0.0
         self._history: dict | None = None
         self._following = True  # the step range follows new steps until the user moves it
 
@@ -123,8 +125,11 @@ class WatchDashboard:
 
     def maybe_render(self) -> None:
         now = self.clock()
-        if now - self._last_light >= self.light_interval:
+        light_wait = max(self.light_interval, self._light_cost / self.light_budget if self.light_budget else 0.0)
+        if now - self._last_light >= light_wait:
+            started = time.perf_counter()
             self.render_light()
+            self._light_cost = time.perf_counter() - started
             self._last_light = now
         wait = max(self.heavy_interval, self._heavy_cost / self.heavy_budget if self.heavy_budget else 0.0)
         if now - self._last_heavy >= wait:

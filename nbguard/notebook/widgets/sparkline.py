@@ -26,6 +26,7 @@ def sparkline_svg(values: Sequence[Any], *, width: int = 240, height: int = 40, 
                   skipped: Sequence[bool] | None = None, label: str = "") -> str:
     vals = [_value(v) for v in values]
     n = len(vals)
+    drawn = _envelope(vals, width, log)  # at most ~2 points per pixel column: cheap for long runs
     finite = [v for v in vals if v is not None and math.isfinite(v) and (v > 0 or not log)]
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}" role="img" aria-label="{label}">']
@@ -36,7 +37,8 @@ def sparkline_svg(values: Sequence[Any], *, width: int = 240, height: int = 40, 
         x = (lambda i: 2 + (width - 4) * (i / max(n - 1, 1)))
         y = (lambda v: height - 3 - (height - 6) * ((tr(v) - lo) / span))
         points, segments = [], []
-        for i, v in enumerate(vals):
+        for i in drawn:
+            v = vals[i]
             if v is not None and math.isfinite(v) and (v > 0 or not log):
                 points.append(f"{x(i):.1f},{y(v):.1f}")
             elif points:
@@ -50,16 +52,32 @@ def sparkline_svg(values: Sequence[Any], *, width: int = 240, height: int = 40, 
                 parts.append(f'<circle cx="{cx}" cy="{cy}" r="1.5" fill="{LINE_COLOR}"/>')
             else:
                 parts.append(f'<polyline fill="none" stroke="{LINE_COLOR}" stroke-width="1.3" points="{" ".join(seg)}"/>')
-    for i, v in enumerate(vals):
-        if v is not None and not math.isfinite(v):
-            xi = 2 + (width - 4) * (i / max(n - 1, 1))
-            parts.append(f'<line x1="{xi:.1f}" x2="{xi:.1f}" y1="0" y2="{height}" stroke="{NAN_COLOR}" stroke-width="2"/>')
-    for i, k in enumerate(skipped or ()):
-        if k:
-            xi = 2 + (width - 4) * (i / max(n - 1, 1))
-            parts.append(f'<line x1="{xi:.1f}" x2="{xi:.1f}" y1="{height - 5}" y2="{height}" stroke="{SKIP_COLOR}" stroke-width="2"/>')
+    column = (lambda i: round(2 + (width - 4) * (i / max(n - 1, 1))))
+    for xi in sorted({column(i) for i, v in enumerate(vals) if v is not None and not math.isfinite(v)}):
+        parts.append(f'<line x1="{xi}" x2="{xi}" y1="0" y2="{height}" stroke="{NAN_COLOR}" stroke-width="2"/>')
+    for xi in sorted({column(i) for i, k in enumerate(skipped or ()) if k}):
+        parts.append(f'<line x1="{xi}" x2="{xi}" y1="{height - 5}" y2="{height}" stroke="{SKIP_COLOR}" stroke-width="2"/>')
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _envelope(vals: list, width: int, log: bool) -> list[int]:
+    """Indices to draw: all of them when they fit, else each pixel column's min and max
+    (and its first non-finite point, so the line breaks where the run broke)."""
+    n = len(vals)
+    if n <= width:
+        return list(range(n))
+    keep: list[int] = []
+    per = n / width
+    for col in range(width):
+        lo, hi = int(col * per), min(int((col + 1) * per), n)
+        good = [i for i in range(lo, hi) if vals[i] is not None and math.isfinite(vals[i]) and (vals[i] > 0 or not log)]
+        bad = [i for i in range(lo, hi) if vals[i] is None or not math.isfinite(vals[i])]
+        picks = set(bad[:1])
+        if good:
+            picks.update((min(good, key=vals.__getitem__), max(good, key=vals.__getitem__)))
+        keep.extend(sorted(picks))
+    return keep
 
 
 def last_value(values: Sequence[Any]) -> str:
