@@ -5,14 +5,6 @@ from __future__ import annotations
 from transformers import TrainerCallback
 
 
-def is_trainer(obj) -> bool:
-    try:
-        from transformers import Trainer
-    except ImportError:  # transformers is optional
-        return False
-    return isinstance(obj, Trainer)
-
-
 def trainer_scaler(trainer):
     accelerator = getattr(trainer, "accelerator", None)
     return getattr(accelerator, "scaler", None)
