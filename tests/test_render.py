@@ -142,7 +142,8 @@ def test_html_shows_every_section_and_embeds_the_heatmaps():
                    "Fixes applied (1, in order)", "Environment", "args.bf16 = True", "NVIDIA Tesla T4"):
         assert needle in text, needle
     images = [attrs for tag, attrs in parsed.tags if tag == "img"]
-    assert [img["alt"] for img in images] == ["gradient-norm heatmap", "activation abs-max heatmap"]
+    assert [img["alt"] for img in images] == ["gradient-norm heatmap", "loss, total grad norm and loss scale per step",
+                                              "activation abs-max heatmap"]
     for img in images:
         assert img["src"].startswith("data:image/png;base64,")
 
@@ -289,3 +290,13 @@ def test_standalone_page_opens_every_fold_for_print():
     page = render_html(full_document(), standalone=True)
     assert "<details>" not in page and "<details open>" in page
     assert "<details open>" not in render_html(full_document())  # in a notebook they stay folded
+
+
+def test_series_png_marks_non_finite_steps():
+    from nbguard.render import series_png
+    from nbguard.render.heatmap import NAN_COLOR
+
+    history = planted_watch_document()["history"]
+    healthy = dict(history, loss=[1.0] * 8, total_grad_norm=[1.0] * 8)
+    assert _count(_pixels(series_png(history)), NAN_COLOR) > _count(_pixels(series_png(healthy)), NAN_COLOR) + 100
+    assert series_png({"groups": [], "steps": [0], "grad_norm": []}) is None  # no series recorded: no picture

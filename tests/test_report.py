@@ -109,7 +109,7 @@ def test_html_is_self_contained_escaped_and_printable(tmp_path):
             if key in attrs:
                 assert attrs[key].startswith("data:"), (tag, key)
     assert not re.search(r"url\(|@import|https?://", page)  # nothing fetched by the CSS either
-    assert sum(1 for tag, a in parser.tags if tag == "img" and a["src"].startswith("data:image/png")) == 1
+    assert sum(1 for tag, a in parser.tags if tag == "img" and a["src"].startswith("data:image/png")) == 2
     assert "<script>" not in page and "&lt;script&gt;alert(&quot;x&quot;)" in page
     assert "@media print" in page and page.startswith("<!DOCTYPE html>")
 
@@ -120,6 +120,7 @@ def test_markdown_fits_an_issue_with_the_heatmap_beside_it(tmp_path):
     text = md_path.read_text(encoding="utf-8")
     assert (tmp_path / "sub" / "bug.heatmap.png").read_bytes().startswith(b"\x89PNG")
     assert "![gradient-norm heatmap](bug.heatmap.png)" in text
+    assert "![loss and grad-norm plot](bug.series.png)" in text and (tmp_path / "sub" / "bug.series.png").exists()
     assert "<details><summary>" in text and len(text) < GITHUB_BODY_LIMIT
     assert md_code(f"model.layers.1.mlp.down_proj.{HOSTILE}") in text  # the hostile name shown as code ...
     assert "<script" not in outside_code(text)      # ... and never as HTML

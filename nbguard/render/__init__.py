@@ -12,10 +12,11 @@ from ..findings import MIME_TYPE
 from .data import check_json, encode_document
 from .heatmap import activations_png, heatmap_png
 from .html import render_html
+from .series import series_png
 from .text import render_text
 
 __all__ = ["MIME_TYPE", "activations_png", "encode_document", "heatmap_png", "mime_bundle", "render_html",
-           "render_text"]
+           "render_text", "series_png"]
 
 
 def mime_bundle(doc: dict[str, Any]) -> dict[str, Any]:

@@ -210,6 +210,8 @@ def _watches(doc: dict, images: bool) -> str:
         out.append(_events(watch["events"]))
         if isinstance(history, dict) and images and overview.get("n_steps") and overview.get("n_groups"):
             out.append(_image(lambda: _heatmap(history), "gradient-norm heatmap"))
+        if isinstance(history, dict) and images and overview.get("n_steps"):
+            out.append(_image(lambda: _series(history), SERIES_ALT))
         acts = watch["activations"]
         if isinstance(acts, dict) and images and acts.get("steps") and acts.get("groups"):
             out.append(_image(lambda: _activations(acts), "activation abs-max heatmap"))
@@ -222,17 +224,28 @@ def _heatmap(history: dict) -> bytes:
     return heatmap_png(history)
 
 
+SERIES_ALT = "loss, total grad norm and loss scale per step"
+
+
+def _series(history: dict) -> bytes | None:
+    from .series import series_png
+
+    return series_png(history)
+
+
 def _activations(acts: dict) -> bytes:
     from .heatmap import activations_png
 
     return activations_png(acts)
 
 
-def _image(make: Callable[[], bytes], alt: str) -> str:
+def _image(make: Callable[[], "bytes | None"], alt: str) -> str:
     try:
         png = make()
     except Exception as exc:  # matplotlib missing or data odd: say so, keep the rest
         return f'<p class="nbg-note">{esc(alt)} not drawn: {esc(repr(exc))}</p>'
+    if png is None:  # nothing to draw
+        return ""
     return f'<p><img class="nbg-heatmap" alt="{esc(alt)}" src="{png_data_uri(png)}"></p>'
 
 

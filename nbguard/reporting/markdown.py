@@ -131,11 +131,14 @@ def _render(doc: dict, images: dict[str, str], compact: bool) -> str:
                     out.append(details("event evidence", _json_block(evidence, limit)))
         else:
             out.append("No events.")
-        for key, label in (("heatmap", "gradient-norm heatmap"), ("activations", "activation abs-max heatmap")):
-            section = watch["history"] if key == "heatmap" else watch["activations"]
+        for key, label in (("heatmap", "gradient-norm heatmap"), ("series", "loss and grad-norm plot"),
+                           ("activations", "activation abs-max heatmap")):
+            section = watch["activations"] if key == "activations" else watch["history"]
             if not isinstance(section, dict) or not section.get("steps"):
                 continue
             name = images.get(f"{key}-{number}")
+            if key == "series" and not name:
+                continue  # optional picture: no note when it is not there
             if name:
                 out.append(f"![{label}]({name})\n\n> The {label} is saved beside this file as {md_code(name)}: "
                            "drag it into the issue to attach it.")

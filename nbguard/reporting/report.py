@@ -86,7 +86,7 @@ class Report(Displayable):
 
     def image_files(self, stem: str) -> dict[str, tuple[str, bytes]]:
         """The heatmap PNGs of this report: {"heatmap-1": (file name, png bytes), ...}."""
-        from ..render import activations_png, heatmap_png
+        from ..render import activations_png, heatmap_png, series_png
 
         doc = self._written()
         watches = list(watch_sections(doc))
@@ -94,12 +94,15 @@ class Report(Displayable):
         for number, watch in enumerate(watches, start=1):
             suffix = "" if len(watches) == 1 else f"-{number}"
             for key, section, draw in (("heatmap", watch["history"], heatmap_png),
+                                       ("series", watch["history"], series_png),
                                        ("activations", watch["activations"], activations_png)):
-                if isinstance(section, dict) and section.get("steps") and section.get("groups"):
+                if isinstance(section, dict) and section.get("steps") and (section.get("groups") or key == "series"):
                     try:
-                        out[f"{key}-{number}"] = (f"{stem}.{key}{suffix}.png", draw(section))
-                    except Exception:  # a heatmap that cannot be drawn is left out with a note
+                        png = draw(section)
+                    except Exception:  # a picture that cannot be drawn is left out with a note
                         continue
+                    if png is not None:
+                        out[f"{key}-{number}"] = (f"{stem}.{key}{suffix}.png", png)
         return out
 
     def _write_images(self, path: Path) -> dict[str, str]:
