@@ -190,3 +190,36 @@ def test_gemma3_hybridcache_tf450(execute):
     assert "cache-eval-crash" not in _rules(_docs(nb, "after-fix", "audit"))
     assert "eval losses: [" in _text(nb, "after-fix", "run")
     assert (out / "05_gemma3_hybridcache_tf450.html").is_file()
+
+
+def test_committed_notebooks_have_no_outputs():
+    import nbformat
+
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        nbformat.validate(nb)
+        assert nb.metadata["kernelspec"]["name"] == "python3", path.name
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip outputs before committing"
+
+
+def test_runner_reports_a_failing_notebook(tmp_path):
+    """run.py exits non-zero on a failing cell, keeps the executed copy, and gives the kernel NBGUARD_OUT."""
+    import sys
+
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    nb = new_notebook(cells=[
+        new_code_cell("import os, sys\nprint(os.environ['NBGUARD_OUT'])\nprint(sys.executable)"),
+        new_code_cell("raise ValueError('planted failure')"),
+    ])
+    source = tmp_path / "failing.ipynb"
+    nbformat.write(nb, source)
+    out = tmp_path / "out"
+    assert _runner().main(["--out", str(out), str(source)]) == 1
+    executed = nbformat.read(out / "failing.ipynb", as_version=4)
+    printed = executed.cells[0].outputs[0]["text"].split()
+    assert printed == [str(out.resolve()), sys.executable]       # this interpreter's kernel, not a global one
+    assert executed.cells[1].outputs[0]["ename"] == "ValueError"
