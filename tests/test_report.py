@@ -14,6 +14,7 @@ import nbguard.fixes
 from nbguard.findings import MIME_TYPE, document
 from nbguard.reporting import Report, build_report, redact, schema
 from nbguard.reporting.markdown import GITHUB_BODY_LIMIT, md_code
+from nbguard.testing import tiny_batch
 from nbguard.session import SESSION, record_audit, record_diagnosis, record_fix, record_watch
 
 from report_helpers import (HF_TOKEN, HOSTILE, WANDB_KEY, audit_document, planted_watch_document,
@@ -198,7 +199,7 @@ def test_report_of_the_session_after_a_real_watched_run(tmp_path, secret_env):
     assert any(w is watch for w in SESSION.watches)
     event = next(e for e in watch.events if e.kind.startswith("nonfinite"))
     assert event.step == 2 and event.origin("forward").module.endswith(HOSTILE)
-    nbguard.audit(model, hardware="t4")
+    nbguard.audit(model, hardware="t4", batch=tiny_batch(2, 12), probe=True)
     try:
         raise AttributeError(f"'HybridCache' object has no attribute 'float' (HF_TOKEN={HF_TOKEN})")
     except AttributeError as exc:
@@ -213,6 +214,7 @@ def test_report_of_the_session_after_a_real_watched_run(tmp_path, secret_env):
     assert data["diagnoses"][0]["signature"] == "cache-float-crash"
     assert data["fixes_applied"][0]["fix"] == "disable-use-cache"
     assert data["hardware"]["name"] == "t4" and data["environment"]["python"]
+    assert any(m["module"].endswith(HOSTILE) for m in data["probe"]["modules"])  # the real probe section
     files = [report.save(tmp_path / f"session.{ext}") for ext in ("html", "md", "json")]
     for path in files:
         text = path.read_text(encoding="utf-8")
