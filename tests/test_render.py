@@ -300,3 +300,11 @@ def test_series_png_marks_non_finite_steps():
     healthy = dict(history, loss=[1.0] * 8, total_grad_norm=[1.0] * 8)
     assert _count(_pixels(series_png(history)), NAN_COLOR) > _count(_pixels(series_png(healthy)), NAN_COLOR) + 100
     assert series_png({"groups": [], "steps": [0], "grad_norm": []}) is None  # no series recorded: no picture
+
+
+def test_pretty_json_is_json_with_short_lists_inline():
+    from nbguard.render.data import pretty_json
+
+    value = {"shape": [2, 16, 64], "nested": {"rows": [{"a": 1}, [1, "x"]], "s": 'q"<>'}, "empty": [], "none": {}}
+    text = pretty_json(value)
+    assert json.loads(text) == value and '"shape": [2, 16, 64]' in text

@@ -142,3 +142,16 @@ def history_overview(history: dict | None) -> dict[str, Any]:
         "loss_first": finite_loss[0] if finite_loss else None,
         "loss_last": finite_loss[-1] if finite_loss else None,
     }
+
+
+def pretty_json(value: Any, indent: int = 0) -> str:
+    """Indented JSON whose lists of plain values stay on one line (shapes, ranges, versions)."""
+    pad, inner = "  " * indent, "  " * (indent + 1)
+    if isinstance(value, dict) and value:
+        items = [f"{inner}{json.dumps(str(k), ensure_ascii=False)}: {pretty_json(v, indent + 1)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(value, (list, tuple)) and value:
+        if all(not isinstance(v, (dict, list, tuple)) for v in value):
+            return json.dumps(list(value), ensure_ascii=False, default=str)
+        return "[\n" + ",\n".join(inner + pretty_json(v, indent + 1) for v in value) + "\n" + pad + "]"
+    return json.dumps(value, ensure_ascii=False, default=str)

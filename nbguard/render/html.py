@@ -14,7 +14,7 @@ import json
 import math
 from typing import Any, Callable
 
-from .data import as_float, fmt_num, history_overview, watch_sections
+from .data import as_float, fmt_num, history_overview, pretty_json, watch_sections
 from .text import _headroom_key, format_time, hardware_line, last_line, origin_summary
 
 MAX_PROBE_ROWS = 40
@@ -126,8 +126,7 @@ def _summary(doc: dict) -> str:
 
 
 def _json_pre(value: Any) -> str:
-    text = json.dumps(value, indent=2, ensure_ascii=False, default=str)
-    return f"<pre><code>{esc(text)}</code></pre>"
+    return f"<pre><code>{esc(pretty_json(value))}</code></pre>"
 
 
 def _details(summary: str, body: str, open_: bool = False) -> str:

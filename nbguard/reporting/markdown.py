@@ -9,11 +9,10 @@ long, a compact form drops evidence and long lists (the JSON report keeps everyt
 from __future__ import annotations
 
 import html
-import json
 import re
 from typing import Any
 
-from ..render.data import fmt_num, history_overview, watch_sections
+from ..render.data import fmt_num, history_overview, pretty_json, watch_sections
 from ..render.text import _headroom_key, format_time, hardware_line, last_line, origin_summary
 
 GITHUB_BODY_LIMIT = 65536
@@ -49,7 +48,7 @@ def details(summary: str, body: str) -> str:
 
 
 def _json_block(value: Any, limit: int) -> str:
-    text = json.dumps(value, indent=2, ensure_ascii=False, default=str)
+    text = pretty_json(value)
     if len(text) > limit:
         text = text[:limit] + "\n… (cut; the JSON report has all of it)"
     return md_fence(text, "json")
