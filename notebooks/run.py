@@ -66,7 +66,8 @@ def execute_notebook(path: str | os.PathLike, out_dir: str | os.PathLike, *, tim
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="nbguard-kernel-") as tmp:
         ksm = KernelSpecManager(kernel_dirs=[str(_write_kernelspec(Path(tmp)))], ensure_native_kernel=False)
-        km = KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=ksm)
+        # ipc: local sockets in the temporary folder, no TCP port opened (and no warning about one)
+        km = KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=ksm, transport="ipc", ip=str(Path(tmp) / "kernel-ipc"))
         client = NotebookClient(
             nb,
             km=km,
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=CELL_TIMEOUT_S, help="seconds allowed per cell")
     options = parser.parse_args(argv)
     out_dir = Path(options.out)
+    started = time.time()
     failures = 0
     for name in options.notebooks:
         nb_path = Path(name)
@@ -109,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
             failures += 1
             print(f"     {type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}",
                   file=sys.stderr)
-    reports = sorted(p for p in out_dir.glob("*") if p.suffix in {".html", ".md", ".json"}) if out_dir.exists() else []
+    # The reports the notebooks of this run wrote (an output folder may hold older ones).
+    reports = sorted(p for p in out_dir.glob("*") if p.suffix in {".html", ".md", ".json"}
+                     and p.stat().st_mtime >= started) if out_dir.exists() else []
     print(f"executed copies in {out_dir.resolve()}")
     for report in reports:
         print(f"report: {report.resolve()}")
