@@ -15,6 +15,9 @@ from ..findings import MIME_TYPE, SCHEMA_VERSION, encode_float
 __all__ = ["MIME_TYPE", "SCHEMA_VERSION", "encode_document", "as_float", "watch_sections", "fmt_num"]
 
 
+_PLAIN = frozenset({float, int, str, bool, type(None)})
+
+
 def encode_document(value: Any) -> Any:
     """``value`` as plain JSON data: non-finite floats as "nan"/"inf"/"-inf", numpy and torch
     scalars and arrays as numbers and lists, tuples as lists, anything else by its printed form.
@@ -32,6 +35,8 @@ def encode_document(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(encode_document(k) if not isinstance(k, str) else k): encode_document(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
+        if all(type(v) in _PLAIN for v in value):  # a row of a history: the fast path
+            return [v if type(v) is not float or math.isfinite(v) else encode_float(v) for v in value]
         return [encode_document(v) for v in value]
     # numpy / torch values without importing either: scalars have .item(), arrays .tolist()
     if hasattr(value, "tolist") and callable(value.tolist):
