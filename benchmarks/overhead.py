@@ -24,6 +24,11 @@ import nbguard  # noqa: E402
 from nbguard.watcher import NanWatch  # noqa: E402
 
 
+# "cpu" counts this thread's CPU time only: on a shared machine it ignores time spent descheduled
+# (valid with one intra-op thread on CPU, where all the work runs on the calling thread).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
 def build_model(args):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -59,17 +64,17 @@ class Variant:
 
             self.extra = DebugUnderflowOverflow(model)  # its hooks stay for the model's life
 
-    def step(self, batch, device):
+    def step(self, batch, device, clock=time.perf_counter):
         anomaly = self.name == "detect_anomaly"
         synchronize(device)
-        start = time.perf_counter()
+        start = clock()
         with torch.autograd.set_detect_anomaly(anomaly):
             loss = self.model(**batch).loss
             loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         synchronize(device)
-        return time.perf_counter() - start
+        return clock() - start
 
 
 def measure(args):
@@ -90,7 +95,7 @@ def measure(args):
         order = variants[r % len(variants):] + variants[:r % len(variants)]
         this_round = {}
         for v in order:
-            this_round[v.name] = v.step(batches[r % len(batches)], args.device)
+            this_round[v.name] = v.step(batches[r % len(batches)], args.device, CLOCKS[args.clock])
             v.times.append(this_round[v.name])
         for v in variants:
             ratios[v.name].append(this_round[v.name] / this_round["baseline"])
@@ -155,14 +160,20 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip-debug", action="store_true", help="leave out DebugUnderflowOverflow")
     parser.add_argument("--watch-only", action="store_true", help="only baseline and the watch")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall (default) or cpu: this thread's CPU time, steadier on a busy machine "
+                             "(use with --threads 1 on CPU only)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
+        parser.error("--clock cpu measures one thread: use it with --device cpu --threads 1")
 
     n_params, variants, ratios = measure(args)
     base_median = statistics.median(variants[0].times)
     print(f"\n### nbguard watch overhead ({n_params / 1e6:.1f}M-parameter Llama, {args.device}, "
-          f"batch {args.batch_size}x{args.seq_len}, {torch.get_num_threads()} threads, {args.rounds} rounds)\n")
+          f"batch {args.batch_size}x{args.seq_len}, {torch.get_num_threads()} threads, {args.rounds} rounds, "
+          f"{args.clock} clock)\n")
     print("| variant | median step (ms) | ratio of medians | median per-round ratio |")
     print("|---|---:|---:|---:|")
     for v in variants:
