@@ -308,3 +308,9 @@ def test_pretty_json_is_json_with_short_lists_inline():
     value = {"shape": [2, 16, 64], "nested": {"rows": [{"a": 1}, [1, "x"]], "s": 'q"<>'}, "empty": [], "none": {}}
     text = pretty_json(value)
     assert json.loads(text) == value and '"shape": [2, 16, 64]' in text
+
+
+def test_heatmap_of_a_watch_before_its_first_step():
+    for section in ({"groups": ["a"], "steps": [], "grad_norm": [[]]}, {"groups": [], "steps": [0], "grad_norm": []}):
+        png = heatmap_png(section)
+        assert png.startswith(PNG_MAGIC) and _pixels(png).shape[0] < 120  # a one-line note, not an error

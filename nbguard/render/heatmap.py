@@ -108,6 +108,8 @@ def _render(section: dict, *, key: str, limit: float | None, max_rows: int, max_
         raise ValueError("max_rows and max_cols must be at least 1")
     groups = [str(g) for g in section.get("groups") or []]
     steps = list(section.get("steps") or [])
+    if not groups or not steps:
+        return _placeholder(title, "no steps recorded yet" if groups else "no module groups recorded", dpi)
     values, missing = decode_grid(section.get(key), len(groups), len(steps))
     rows = row_bins(groups, max_rows)
     cols = column_bins(steps, max_cols)
@@ -195,6 +197,20 @@ def _render(section: dict, *, key: str, limit: float | None, max_rows: int, max_
                bbox_to_anchor=(right, 1 - 0.05 / height_in), handlelength=1.2, columnspacing=1.0)
     ax.set_xlabel("optimizer step", fontsize=8)
 
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi, facecolor="white")
+    return buffer.getvalue()
+
+
+def _placeholder(title: str, message: str, dpi: int) -> bytes:
+    """A small picture that says there is nothing to draw yet (a watch before its first step)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 0.9), dpi=dpi)
+    FigureCanvasAgg(fig)
+    fig.text(0.02, 0.7, title, fontsize=10, weight="bold", va="center")
+    fig.text(0.02, 0.3, message, fontsize=9, va="center")
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=dpi, facecolor="white")
     return buffer.getvalue()
