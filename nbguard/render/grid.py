@@ -34,10 +34,10 @@ def decode_grid(grid, n_rows: int, n_cols: int) -> tuple[np.ndarray, np.ndarray]
         is_none = [cell is None for cell in row]
         try:
             decoded = np.asarray(row, dtype=np.float64)  # parses "nan"/"inf"; None -> nan
-        except (TypeError, ValueError):
-            decoded = np.asarray([_cell(cell) for cell in row], dtype=np.float64)
-            is_none = [cell is None or _cell(cell) is None for cell in row]
-            decoded = np.where(np.isnan(decoded) & np.asarray(is_none, bool), np.nan, decoded)
+        except (TypeError, ValueError):  # an odd cell: unreadable ones count as missing
+            cells = [_cell(cell) for cell in row]
+            decoded = np.asarray([np.nan if c is None else c for c in cells], dtype=np.float64)
+            is_none = [c is None for c in cells]
         values[r, : len(row)] = decoded
         missing[r, : len(row)] = np.asarray(is_none, dtype=bool)
     return values, missing

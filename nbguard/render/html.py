@@ -15,7 +15,7 @@ import math
 from typing import Any, Callable
 
 from .data import as_float, fmt_num, history_overview, pretty_json, watch_sections
-from .text import _headroom_key, format_time, hardware_line, last_line, origin_summary
+from .text import headroom_key, format_time, hardware_line, last_line, origin_summary
 
 MAX_PROBE_ROWS = 40
 MAX_EVENTS = 100
@@ -177,12 +177,12 @@ def _probe(doc: dict, images: bool) -> str:
     probe = doc.get("probe")
     if not isinstance(probe, dict):
         return ""
-    modules = sorted(probe.get("modules") or [], key=_headroom_key)
+    modules = sorted(probe.get("modules") or [], key=headroom_key)
     limit = probe.get("limit", 65504.0)
-    over = sum(1 for m in modules if _headroom_key(m) < 1)
+    over = sum(1 for m in modules if headroom_key(m) < 1)
     rows = []
     for m in modules[:MAX_PROBE_ROWS]:
-        bad = _headroom_key(m) < 1
+        bad = headroom_key(m) < 1
         mark = ' class="num nbg-bad"' if bad else ' class="num"'
         headroom = "overflow" if m.get("headroom") is None and bad else f"{fmt_num(m.get('headroom'), 3)}×"
         flag = " ⚠ over limit" if bad else ""

@@ -95,11 +95,11 @@ def _probe(doc: dict, lines: list[str]) -> None:
         return
     modules = list(probe.get("modules") or [])
     limit = probe.get("limit", 65504.0)
-    modules.sort(key=_headroom_key)
-    over = sum(1 for m in modules if _headroom_key(m) < 1)
+    modules.sort(key=headroom_key)
+    over = sum(1 for m in modules if headroom_key(m) < 1)
     lines.append(f"Activation probe (limit {fmt_num(limit)}): {len(modules)} modules, {over} at or over the limit")
     for m in modules[:MAX_PROBE_ROWS]:
-        over_limit = _headroom_key(m) < 1
+        over_limit = headroom_key(m) < 1
         headroom = "overflow" if m.get("headroom") is None and over_limit else f"{fmt_num(m.get('headroom'), 3)}x"
         lines.append(f"  {str(m.get('module')):<48} {str(m.get('dtype', '')):<10} abs-max {fmt_num(m.get('absmax')):>10}"
                      f"  headroom {headroom}{'  OVER LIMIT' if over_limit else ''}")
@@ -107,7 +107,7 @@ def _probe(doc: dict, lines: list[str]) -> None:
         lines.append(f"  … {len(modules) - MAX_PROBE_ROWS} more")
 
 
-def _headroom_key(module: dict) -> float:
+def headroom_key(module: dict) -> float:
     """Sort key: least headroom first; an overflowed module (abs-max inf/nan) counts as 0."""
     headroom = as_float(module.get("headroom"))
     if headroom is not None and math.isfinite(headroom):

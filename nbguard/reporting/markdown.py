@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from ..render.data import fmt_num, history_overview, pretty_json, watch_sections
-from ..render.text import _headroom_key, format_time, hardware_line, last_line, origin_summary
+from ..render.text import headroom_key, format_time, hardware_line, last_line, origin_summary
 
 GITHUB_BODY_LIMIT = 65536
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]|~])")  # what can change meaning mid-line
@@ -94,12 +94,12 @@ def _render(doc: dict, images: dict[str, str], compact: bool) -> str:
 
     probe = doc.get("probe")
     if isinstance(probe, dict):
-        modules = sorted(probe.get("modules") or [], key=_headroom_key)
+        modules = sorted(probe.get("modules") or [], key=headroom_key)
         rows = modules[: 10 if compact else 25]
-        over = sum(1 for m in modules if _headroom_key(m) < 1)
+        over = sum(1 for m in modules if headroom_key(m) < 1)
         table = ["| module | dtype | abs-max | headroom |", "|---|---|---:|---:|"]
         for m in rows:
-            bad = _headroom_key(m) < 1
+            bad = headroom_key(m) < 1
             headroom = "overflow" if m.get("headroom") is None and bad else f"{fmt_num(m.get('headroom'), 3)}×"
             table.append(f"| {md_code(m.get('module'))} | {md_code(m.get('dtype'))} | {md_text(fmt_num(m.get('absmax')))} | "
                          f"{'**' + md_text(headroom) + ' ⚠**' if bad else md_text(headroom)} |")
