@@ -77,17 +77,25 @@ export interface KernelLike {
 
 const registered = new WeakSet<object>();
 
-/** Register the "nbguard" target on a kernel connection once; replies go back on the same comm. */
+/**
+ * Register the "nbguard" target on a kernel connection once; replies go back on the same comm.
+ *
+ * The handlers return at once and answer later: the kernel connection processes incoming
+ * messages one after another and awaits each comm handler, so a handler that waited for the
+ * inserted cell to run would wait for messages queued behind itself (a deadlock: the kernel's
+ * own idle status and outputs would never be handled).
+ */
 export function registerCommTarget(kernel: KernelLike, host: InsertHost): boolean {
   if (registered.has(kernel)) {
     return false;
   }
   registered.add(kernel);
-  kernel.registerCommTarget(COMM_TARGET, async (comm: CommLike, msg) => {
-    comm.onMsg = async message => {
-      comm.send(await handleCommMessage(message.content.data, host));
+  kernel.registerCommTarget(COMM_TARGET, (comm: CommLike, msg) => {
+    const answer = (data: unknown) => {
+      void handleCommMessage(data, host).then(reply => comm.send(reply));
     };
-    comm.send(await handleCommMessage(msg.content.data, host));
+    comm.onMsg = message => answer(message.content.data);
+    answer(msg.content.data);
   });
   return true;
 }

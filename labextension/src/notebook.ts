@@ -31,12 +31,16 @@ export function cellsOf(panel: NotebookPanel): CellLike[] {
   return out;
 }
 
-/** Insert `code` as a new code cell at index + 1 and make it the active cell; run it if asked. */
+/**
+ * Insert `code` as a new code cell at index + 1 and make it the active cell; run it if asked.
+ * With `waitForRun` false the returned promise resolves once the run is queued, not finished.
+ */
 export async function insertCodeCellBelow(
   panel: NotebookPanel,
   index: number,
   code: string,
-  run: boolean
+  run: boolean,
+  waitForRun = true
 ): Promise<void> {
   const notebook = panel.content;
   const model = notebook.model;
@@ -51,7 +55,10 @@ export async function insertCodeCellBelow(
   notebook.deselectAll();
   if (run) {
     // Runs the active (new) cell only: NotebookActions.run runs the selection or active cell.
-    await NotebookActions.run(notebook, panel.sessionContext);
+    const ran = NotebookActions.run(notebook, panel.sessionContext);
+    if (waitForRun) {
+      await ran;
+    }
   }
 }
 
@@ -88,7 +95,8 @@ export function notebookHost(panel: NotebookPanel): InsertHost {
         fallback = executing >= 0 ? 'executing-cell' : 'active-cell';
         index = executing >= 0 ? executing : panel.content.activeCellIndex;
       }
-      await insertCodeCellBelow(panel, index, code, run);
+      // Not waiting for the run: the reply must not wait on the kernel that asked (see comm.ts).
+      await insertCodeCellBelow(panel, index, code, run, false);
       return { fallback };
     }
   };

@@ -77,10 +77,28 @@ describe('registerCommTarget', () => {
     const open = kernel.targets.get(COMM_TARGET)!;
     const comm: CommLike = { send: vi.fn(), onMsg: null };
     await open(comm, { content: { data: { action: 'hello', nbguard_version: '0.1.0' } } });
-    expect(comm.send).toHaveBeenCalledWith({ action: 'hello', extension_version: packageVersion });
+    await vi.waitFor(() => expect(comm.send).toHaveBeenCalledWith({ action: 'hello', extension_version: packageVersion }));
     await comm.onMsg!({ content: { data: { action: 'insert-cell', code: 'z = 3', output_id: 'o9', run: false } } });
     expect(h.insert).toHaveBeenCalledWith('z = 3', 'o9', false);
-    expect(comm.send).toHaveBeenLastCalledWith({ action: 'inserted', output_id: 'o9', fallback: null });
+    await vi.waitFor(() =>
+      expect(comm.send).toHaveBeenLastCalledWith({ action: 'inserted', output_id: 'o9', fallback: null })
+    );
+  });
+
+  it('never makes the kernel connection wait for an insertion to finish', async () => {
+    // The connection awaits each comm handler before handling the next kernel message; an
+    // insertion waits for that kernel (its cell must run), so the handler must not wait for it.
+    const kernel = fakeKernel();
+    let finish: (v: { fallback: null }) => void = () => undefined;
+    const slow: InsertHost = { insert: vi.fn(() => new Promise<{ fallback: null }>(resolve => { finish = resolve; })) };
+    registerCommTarget(kernel, slow);
+    const comm: CommLike = { send: vi.fn(), onMsg: null };
+    kernel.targets.get(COMM_TARGET)!(comm, { content: { data: { action: 'hello' } } });
+    const handled = comm.onMsg!({ content: { data: { action: 'insert-cell', code: 'x', output_id: 'o1', run: true } } });
+    expect(handled).toBeUndefined(); // returned at once, nothing for the connection to await
+    expect(comm.send).not.toHaveBeenCalledWith(expect.objectContaining({ action: 'inserted' }));
+    finish({ fallback: null });
+    await vi.waitFor(() => expect(comm.send).toHaveBeenLastCalledWith({ action: 'inserted', output_id: 'o1', fallback: null }));
   });
 
   it('registers once per kernel connection', () => {

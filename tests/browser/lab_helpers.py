@@ -114,8 +114,8 @@ class LabServer:
 def write_notebook(path: Path, cells: list[tuple[str, str]], kernel: str = "python3") -> None:
     """A minimal nbformat 4 notebook: ``cells`` is [(cell_type, source)]."""
     nb_cells = []
-    for cell_type, source in cells:
-        cell = {"cell_type": cell_type, "metadata": {}, "source": source}
+    for i, (cell_type, source) in enumerate(cells):
+        cell = {"cell_type": cell_type, "id": f"cell-{i}", "metadata": {}, "source": source}
         if cell_type == "code":
             cell.update(execution_count=None, outputs=[])
         nb_cells.append(cell)

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.browser
 MIME = "application/vnd.nbguard.v1+json"
 RULE = "trainable-low-precision"
 FIX = "upcast-trainable-fp32"
-TIMEOUT_MS = 180_000  # two shared cores: kernel start + torch import can be slow
+TIMEOUT_MS = 120_000  # two shared cores: kernel start + torch import can be slow
 
 SETUP = """import torch
 import nbguard
@@ -39,12 +39,15 @@ AUDIT = """result = nbguard.audit(model, hardware="a100")
 display(result)"""
 LATER = 'print("a later cell")'
 SYNTHETIC_WATCH = """from IPython.display import display
-from nbguard.findings import Event, Origin, document
+from nbguard.findings import Event, Finding, Origin, document
 
 origin = Origin("model.layers.1.mlp", "backward", dtype="torch.bfloat16", output_absmax=float("inf"))
 watch_doc = document(
     "watch",
     title="synthetic watch",
+    output_id="synthetic-watch-1",
+    findings=[Finding("demo-rule", "info", "Demo finding", "A fix to insert and run.", {}, ["demo-fix"]).to_dict()],
+    fix_cells={"demo-fix": {"title": "Demo fix", "code": "inserted_and_ran = True"}},
     events=[Event("nonfinite-grad", 3, "grad norm is nan", cause="overflow", origins=[origin]).to_dict()],
     history={"groups": ["embed", "layers.0", "layers.1"], "steps": [0, 1, 2, 3],
              "grad_norm": [[0.5, 0.4, 0.3, 0.2], [1.0, 2.0, "inf", 3.0], [0.01, 0.02, 0.03, "nan"]],
@@ -52,6 +55,13 @@ watch_doc = document(
              "loss_scale": []},
 )
 display({MIME: watch_doc, "text/plain": "synthetic watch"}, raw=True)""".replace("MIME", repr(MIME))
+LOAD_EXT = "%load_ext nbguard"
+# The kernel side of the comm (nbguard.notebook.comm) asks the extension for a cell below the
+# output with output_id "synthetic-watch-1"; during Run All the hello answer is not in yet.
+COMM_INSERT = """from nbguard.notebook.comm import CHANNEL
+
+sent = CHANNEL.insert_cell("comm_cell = 1", "synthetic-watch-1", run=True)
+print("extension", CHANNEL.extension_version, "sent", sent)"""
 
 # Reads the notebook model (not the DOM) so sources and outputs are compared exactly.
 JS_STATE = """(path) => {
@@ -126,7 +136,18 @@ def wait_state(page, path: str, predicate, what: str, timeout_ms: int = TIMEOUT_
                 return state
         page.wait_for_timeout(250)
         waited += 0.25
-    raise AssertionError(f"timed out waiting for {what}; last state: {json.dumps(state)[:3000]}")
+    raise AssertionError(f"timed out waiting for {what}; last state:\n{summarise(state)}")
+
+
+def summarise(state: dict | None) -> str:
+    """One line per cell: index, execution count, first source line, text outputs."""
+    if state is None:
+        return "no notebook"
+    lines = [f"kernel={state['kernel']} active={state['active']}"]
+    for i, cell in enumerate(state["cells"]):
+        texts = [o.get("text", "") or o.get("data", {}).get("text/plain", "")[:80] for o in cell["outputs"]]
+        lines.append(f"[{i}] {cell['execution_count']} {cell['source'].splitlines()[0] if cell['source'] else ''!r} -> {texts}")
+    return "\n".join(lines)
 
 
 def executed(indices):
@@ -147,6 +168,8 @@ def test_report_renders_and_fix_cell_lands_below_its_cell(lab, browser_page):
         ("code", AUDIT),
         ("code", LATER),
         ("code", SYNTHETIC_WATCH),
+        ("code", LOAD_EXT),
+        ("code", COMM_INSERT),
     ])
     page.goto(f"{lab.url}/lab/tree/{path}")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=TIMEOUT_MS)
@@ -157,7 +180,7 @@ def test_report_renders_and_fix_cell_lands_below_its_cell(lab, browser_page):
 
     wait_state(page, path, lambda s: s["kernel"] == "idle", "the kernel to start")
     page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
-    state = wait_state(page, path, executed([1, 2, 3, 4]), "Run All to finish")
+    state = wait_state(page, path, executed([1, 2, 3, 4, 5, 6]), "Run All to finish")
 
     # The audit cell's output carries the nbguard document, and the lab shows our renderer for it.
     audit_cell = page.locator(".jp-Notebook .jp-Cell").nth(2)
@@ -223,6 +246,24 @@ def test_report_renders_and_fix_cell_lands_below_its_cell(lab, browser_page):
     assert pixel[:3] == [0xFF, 0x1F, 0x8E], pixel  # NAN_COLOR
     shoot(page, "04-heatmap-hover.png")
 
+    # "Insert and run" on the synthetic document: below its own cell (5), and executed.
+    synthetic = page.locator(".jp-Notebook .jp-Cell").nth(5)
+    synthetic.locator('.nbg-fix[data-fix="demo-fix"] button.nbg-insert-run').click()
+    state = wait_state(page, path, lambda s: len(s["cells"]) == n_before + 2 and executed([6])(s), "insert and run")
+    assert state["cells"][6]["source"] == "inserted_and_ran = True"
+    assert state["cells"][5]["source"] == SYNTHETIC_WATCH and state["cells"][7]["source"] == LOAD_EXT
+
+    # The kernel's comm: after the hello, insert-cell puts "comm_cell = 1" below output_id's cell and runs it.
+    comm_cell = page.locator(".jp-Notebook .jp-Cell").nth(8)
+    comm_cell.locator(".cm-content").click()
+    page.keyboard.press("Control+Enter")  # run in place: Shift+Enter on the last cell adds a cell
+    state = wait_state(page, path, lambda s: len(s["cells"]) == n_before + 3 and executed([6, 9])(s), "the comm insert")
+    assert state["cells"][6]["source"] == "comm_cell = 1"  # directly below the synthetic cell (5)
+    assert state["cells"][7]["source"] == "inserted_and_ran = True"
+    printed = "".join(o.get("text", "") for o in state["cells"][9]["outputs"])
+    assert "extension 0.1.0 sent True" in printed, printed
+    shoot(page, "05-insert-and-run-and-comm.png")
+
     # Save, close every kernel, and reopen a copy that cannot get a kernel: it still renders.
     page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
     page.wait_for_function(
@@ -246,7 +287,7 @@ def test_report_renders_and_fix_cell_lands_below_its_cell(lab, browser_page):
     assert cells.nth(2).locator(".nbg-card").count() == 0  # the saved, re-audited view
     cells.nth(5).locator(".nbg-history canvas").wait_for(state="attached", timeout=30_000)
     assert lab.api("/api/kernels") == []
-    shoot(reopened, "05-reopened-without-kernel.png")
+    shoot(reopened, "06-reopened-without-kernel.png")
 
     assert console_errors == [], "console errors in JupyterLab:\n" + "\n".join(console_errors)
 
