@@ -239,6 +239,8 @@ def test_decode_grid_reads_strings_nulls_and_ragged_rows():
     values, missing = decode_grid([[1, "nan", None], ["inf"], "junk"], 3, 3)
     assert values[0, 0] == 1 and math.isnan(values[0, 1]) and missing[0, 2] and not missing[0, 1]
     assert values[1, 0] == math.inf and missing[1, 1:].all() and missing[2].all()
+    values, missing = decode_grid([[2, "garbage", "-inf"]], 1, 3)
+    assert values[0, 0] == 2 and missing[0, 1] and values[0, 2] == -math.inf and not missing[0, 2]
 
 
 def test_heatmap_marks_inf_and_skipped_steps():
