@@ -289,6 +289,16 @@ def test_report_renders_and_fix_cell_lands_below_its_cell(lab, browser_page):
     assert lab.api("/api/kernels") == []
     shoot(reopened, "06-reopened-without-kernel.png")
 
+    # The renderer follows the JupyterLab theme: its colours change with the dark theme.
+    report = cells.nth(5).locator(".nbg-report")
+    light = report.evaluate("e => [getComputedStyle(e).color, getComputedStyle(e.querySelector('.nbg-card')).backgroundColor]")
+    reopened.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
+    reopened.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'", timeout=30_000)
+    reopened.wait_for_timeout(500)
+    dark = report.evaluate("e => [getComputedStyle(e).color, getComputedStyle(e.querySelector('.nbg-card')).backgroundColor]")
+    assert dark[0] != light[0] and dark[1] != light[1], (light, dark)
+    shoot(reopened, "07-dark-theme.png")
+
     assert console_errors == [], "console errors in JupyterLab:\n" + "\n".join(console_errors)
 
 
