@@ -82,6 +82,10 @@ def execute_notebook(path: str | os.PathLike, out_dir: str | os.PathLike, *, tim
                 client.execute(reset_kc=False)
         except Exception as exc:  # a failing cell: keep its traceback in the executed copy
             error = exc
+        finally:
+            # nbclient only shuts down kernels it created itself; this one is ours.
+            if km.has_kernel:
+                km.shutdown_kernel(now=False)
     seconds = time.perf_counter() - start
     # Keep the committed kernelspec name in the executed copy, not the temporary one.
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
