@@ -65,6 +65,10 @@ class LabServer:
             path = self.workdir / name.lower()
             path.mkdir(exist_ok=True)
             env[name] = str(path)
+        # No "get Jupyter news?" toast over the screenshots (user settings live in the temp config dir).
+        notification = Path(env["JUPYTER_CONFIG_DIR"]) / "lab" / "user-settings" / "@jupyterlab" / "apputils-extension"
+        notification.mkdir(parents=True)
+        (notification / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))
         # Only the extension under test: a config file, since a list trait is awkward on the CLI.
         lab_config = {"LabApp": {"labextensions_path": [str(extensions)], "extra_labextensions_path": []}}
         (Path(env["JUPYTER_CONFIG_DIR"]) / "jupyter_lab_config.json").write_text(json.dumps(lab_config))
