@@ -176,3 +176,16 @@ def test_grad_spike_is_an_event_without_a_replay():
     [event] = watch.events
     assert event.kind == "grad-spike" and event.step == 5 and event.evidence["ratio"] > 100
     Event.from_dict(event.to_dict())
+
+
+def test_watch_document_keeps_one_identity_across_displays():
+    import torch
+
+    from nbguard.testing import tiny_llama
+    from nbguard.watcher import NanWatch
+
+    model = tiny_llama()
+    watch = NanWatch(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    first, second = watch.to_document(), watch.to_document()
+    other = NanWatch(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)).to_document()
+    assert first["watch_id"] == second["watch_id"] != other["watch_id"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import time
 import traceback
+import uuid
 import warnings
 import weakref
 from typing import Any, Callable
@@ -44,6 +45,8 @@ class NanWatch(Displayable):
     def __init__(self, target, *, optimizer=None, scaler=None, policy: str = "warn", localize: bool = True,
                  settings: WatchSettings | None = None):
         self.policy = check_policy(policy)
+        # Stable identity across displays: merged notebook outputs keep only the latest view.
+        self.watch_id = uuid.uuid4().hex
         self.localize = bool(localize)
         self.settings = settings or WatchSettings()
         self.trainer = None
@@ -457,8 +460,8 @@ class NanWatch(Displayable):
         return "\n".join(lines)
 
     def to_document(self) -> dict[str, Any]:
-        return document("watch", title="nbguard NaN/Inf watch", events=[e.to_dict() for e in self.events],
-                        history=self.history.to_dict())
+        return document("watch", title="nbguard NaN/Inf watch", watch_id=self.watch_id,
+                        events=[e.to_dict() for e in self.events], history=self.history.to_dict())
 
     def __repr__(self) -> str:
         return (f"<NanWatch {type(self.target).__name__} policy={self.policy} step={self.step} "
