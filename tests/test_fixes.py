@@ -195,6 +195,20 @@ def test_switch_precision_on_model_and_args(tmp_path):
     assert (other_args.fp16, other_args.bf16, getattr(other_args, "mixed_precision", "no")) == (False, False, "no")
 
 
+def test_switch_precision_cell_for_a_plain_loop_touches_only_the_model():
+    """No trainer or args in a plain PyTorch loop: the cell must not reference names that don't exist."""
+    model, other = tiny_gemma3(dtype=torch.float16), tiny_gemma3(dtype=torch.float16)
+    result = nbguard.audit(model, hardware="t4")
+    cell = result.to_document(names={"model": "net"})["fix_cells"]["switch-precision"]["code"]
+    assert "trainer" not in cell and "args" not in cell and "net" in cell
+    run_cell(cell, net=other)  # a NameError here is the bug this guards against
+    assert {p.dtype for p in other.parameters()} == {torch.float32}
+    recorded = fixes.apply("switch-precision", model=model, to="fp32").code
+    assert "trainer" not in recorded and "args" not in recorded
+    with pytest.raises(ValueError, match="changes TrainingArguments"):
+        fixes.code("enable-grad-clipping", model="net")
+
+
 def test_switch_precision_to_bf16_keeps_trainable_weights_fp32(tmp_path):
     args, model = make_args(tmp_path, fp16=True), tiny_gemma3(dtype=torch.float16)
     fixes.apply("switch-precision", model=model, args=args, to="bf16")

@@ -63,7 +63,7 @@ def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None,
                 evidence={"exception": f"{type(exc).__name__}: {exc}"},
             ))
     result = AuditResult(findings=_run_rules(ctx) + extra, hardware=hw, probe=ctx.probe,
-                         target="trainer" if trainer is not None else "model")
+                         target="trainer" if trainer is not None else "model", with_args=args is not None)
     from ..session import record_audit
 
     record_audit(result)

@@ -14,6 +14,7 @@ class AuditResult(Displayable):
     hardware: Hardware
     probe: Any = None  # ProbeResult when the audit ran with probe=True
     target: str = "model"  # "trainer" when the audit was given a trainer: fix cells then use it
+    with_args: bool = False  # TrainingArguments were audited: fix cells may change them
     environment: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -62,10 +63,13 @@ class AuditResult(Displayable):
         from .. import fixes
 
         names = dict(names or {})
-        names.setdefault("model", "model")
-        names.setdefault("trainer", "trainer")
         if self.target == "trainer":
-            names.pop("model")  # the trainer's model is what gets fixed
+            names.setdefault("trainer", "trainer")
+            names.pop("model", None)  # the trainer's model is what gets fixed
+        else:
+            names.setdefault("model", "model")
+            if self.with_args:
+                names.setdefault("args", "args")
         cells = {}
         for fix_id in self.fix_ids:
             fix = fixes.get(fix_id)

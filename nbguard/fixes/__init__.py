@@ -43,7 +43,7 @@ def _names(names: dict[str, Any]) -> Names:
     return Names(
         model=names.get("model") or (f"{trainer}.model" if trainer else "model"),
         trainer=trainer,
-        args=names.get("args") or f"{trainer or 'trainer'}.args",
+        args=names.get("args") or (f"{trainer}.args" if trainer else None),
     )
 
 
@@ -52,7 +52,10 @@ def code(fix_id: str, **names_and_options: Any) -> str:
     fix = get(fix_id)
     names = {k: v for k, v in names_and_options.items() if k in _NAME_KEYS and v is not None}
     options = {k: v for k, v in names_and_options.items() if k not in _NAME_KEYS}
-    return fix.code(_names(names), **options)
+    resolved = _names(names)
+    if fix.needs == "args" and resolved.args is None:
+        raise ValueError(f"fix {fix_id!r} changes TrainingArguments: pass trainer= or args= with your variable name")
+    return fix.code(resolved, **options)
 
 
 def _target(fix: Fix, model, trainer, args) -> Target:
@@ -81,7 +84,11 @@ def apply(fix_id: str, *, model=None, trainer=None, **options: Any) -> FixResult
     args = options.pop("args", None)
     target = _target(fix, model, trainer, args)
     changed = fix.apply(target, **options)
-    names = {"trainer": "trainer"} if trainer is not None else ({"model": "model"} if model is not None else {"args": "args"})
+    # The recorded cell names what apply was given, so it has the same reach as the action.
+    if trainer is not None:
+        names = {"trainer": "trainer"}
+    else:
+        names = {key: key for key, value in (("model", model), ("args", args)) if value is not None}
     cell = code(fix_id, **names, **options)
     from ..session import record_fix
 

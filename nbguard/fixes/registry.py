@@ -26,7 +26,7 @@ class Names:
 
     model: str = "model"
     trainer: str | None = None
-    args: str = "trainer.args"
+    args: str | None = None  # None: no TrainingArguments in reach, so cells leave the args alone
 
 
 @dataclass(frozen=True)

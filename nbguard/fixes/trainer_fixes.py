@@ -165,17 +165,20 @@ def _switch_code(names, to=None, hardware=None, **_):
     to = _resolve_to(to, hardware)
     a, m, t = names.args, names.model, names.trainer
     mixed = "bf16" if to == "bf16" else "no"
-    code = f"""import os
-import torch
+    code = f"""import torch
 
 # Train in {to} instead of fp16{"/bf16" if to == "fp32" else ""}.
+"""
+    if a:
+        code += f"""import os
+
 {a}.fp16 = False
 {a}.bf16 = {to == "bf16"}
 {a}.fp16_full_eval = False
 """
-    if to == "fp32":
-        code += f"{a}.bf16_full_eval = False\n"
-    code += f"""if hasattr({a}, "mixed_precision"):
+        if to == "fp32":
+            code += f"{a}.bf16_full_eval = False\n"
+        code += f"""if hasattr({a}, "mixed_precision"):
     {a}.mixed_precision = "{mixed}"
 if "ACCELERATE_MIXED_PRECISION" in os.environ:  # older transformers pass it through the environment
     os.environ["ACCELERATE_MIXED_PRECISION"] = "{mixed}"
