@@ -43,7 +43,8 @@ def test_probe_records_every_module_with_headroom():
     names = {m.module for m in result.modules}
     assert {"model.layers.0.mlp.down_proj", "model.norm", "lm_head"} <= names
     for m in result.modules:
-        assert m.absmax >= 0 and (m.headroom is None or math.isclose(m.headroom, 65504.0 / m.absmax))
+        peak = max(m.absmax, m.input_absmax)
+        assert m.absmax >= 0 and (m.headroom is None or math.isclose(m.headroom, 65504.0 / peak))
     assert result.near_limit() == []
     doc = result.to_dict()
     assert doc["limit"] == 65504.0 and len(doc["modules"]) == len(result.modules)
@@ -69,3 +70,22 @@ def test_probe_on_a_meta_model_is_reported_not_raised():
     result = nbguard.audit(tiny_llama().to("meta"), probe=True, hardware="a100")
     assert result.probe is None
     assert "meta device" in result.finding("probe-error").detail
+
+
+def test_probe_sees_an_overflow_born_between_two_children():
+    """act(gate) * up inside LlamaMLP passes 65504 while every child's output stays far below it."""
+    model = tiny_llama()
+    mlp = model.model.layers[1].mlp
+    with torch.no_grad():
+        mlp.gate_proj.weight.mul_(600)
+        mlp.up_proj.weight.mul_(600)
+    result = run_probe(model, tiny_batch(2, 16))
+    by_name = {m.module: m for m in result.modules}
+    prefix = "model.layers.1.mlp"
+    assert all(by_name[f"{prefix}.{child}"].absmax < 65504 / 2 for child in ("gate_proj", "up_proj", "down_proj"))
+    assert by_name[f"{prefix}.down_proj"].input_absmax > 65504
+    near = {m["module"]: m for m in result.near_limit()}
+    assert f"{prefix}.down_proj" in near and near[f"{prefix}.down_proj"]["headroom"] < 1
+    finding = nbguard.audit(model, batch=tiny_batch(2, 16), hardware="t4", probe=True).finding("fp16-overflow-risk")
+    assert finding is not None
+    assert f"{prefix}.down_proj" in [m["module"] for m in finding.evidence["modules_near_limit"]["first"]]

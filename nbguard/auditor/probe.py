@@ -1,7 +1,10 @@
-"""The activation probe: one forward (and backward) pass that measures every module's output range.
+"""The activation probe: one forward (and backward) pass that measures every module's value range.
 
-Each forward hook keeps its module's output abs-max as a tensor on the device; the values are read
-with one host sync at the end. The model is left exactly as found: per-module train/eval flags,
+Each forward hook keeps its module's output abs-max, and the abs-max of its positional inputs, as
+tensors on the device; the values are read with one host sync at the end. Inputs matter because a
+value can be born in a parent's own code between two children (``act(gate) * up`` inside an MLP):
+no child's output shows it, but the next child's input does. Only positional inputs are read:
+keyword inputs include additive attention masks that hold -inf or finfo.min on purpose. The model is left exactly as found: per-module train/eval flags,
 every parameter's ``.grad`` (the previous tensors themselves), no hooks, no parameter changed.
 """
 from __future__ import annotations
@@ -23,17 +26,26 @@ NEAR_FACTOR = 2.0  # "near the limit" = within 2x of 65504
 class ProbeModule:
     module: str
     dtype: str | None
-    absmax: float
+    absmax: float  # of the module's outputs
+    input_absmax: float = 0.0  # of its positional floating inputs
+
+    @property
+    def peak(self) -> float:
+        """The largest value seen at the module's boundary, inputs or outputs (NaN wins)."""
+        if self.absmax != self.absmax or self.input_absmax != self.input_absmax:
+            return float("nan")
+        return max(self.absmax, self.input_absmax)
 
     @property
     def headroom(self) -> float | None:
-        if self.absmax != self.absmax:  # NaN: no headroom to speak of
+        peak = self.peak
+        if peak != peak:  # NaN: no headroom to speak of
             return None
-        return FP16_MAX / self.absmax if self.absmax > 0 else None
+        return FP16_MAX / peak if peak > 0 else None
 
     def to_dict(self) -> dict[str, Any]:
         return {"module": self.module, "dtype": self.dtype, "absmax": encode_float(self.absmax),
-                "headroom": encode_float(self.headroom)}
+                "input_absmax": encode_float(self.input_absmax), "headroom": encode_float(self.headroom)}
 
 
 @dataclass
@@ -45,10 +57,11 @@ class ProbeResult:
     limit: float = FP16_MAX
 
     def near_limit(self, factor: float = NEAR_FACTOR) -> list[dict[str, Any]]:
-        """Modules whose outputs are at or within ``factor`` of the fp16 limit (or non-finite), worst first."""
-        near = [m for m in self.modules if not (m.absmax * factor < self.limit)]  # NaN counts as near
-        near.sort(key=lambda m: -(m.absmax if m.absmax == m.absmax else float("inf")))
-        return [{"module": m.module, "dtype": m.dtype, "absmax": m.absmax, "headroom": m.headroom} for m in near]
+        """Modules whose inputs or outputs are at or within ``factor`` of the fp16 limit (or non-finite), worst first."""
+        near = [m for m in self.modules if not (m.peak * factor < self.limit)]  # NaN counts as near
+        near.sort(key=lambda m: -(m.peak if m.peak == m.peak else float("inf")))
+        return [{"module": m.module, "dtype": m.dtype, "absmax": m.absmax, "input_absmax": m.input_absmax,
+                 "headroom": m.headroom} for m in near]
 
     def absmax(self, module: str) -> float | None:
         return next((m.absmax for m in self.modules if m.module == module), None)
@@ -114,12 +127,17 @@ def run_probe(model: torch.nn.Module, batch: dict | None = None) -> ProbeResult:
     trainable = any(p.requires_grad for p in params)
     records: list[tuple[str, str | None, torch.Tensor]] = []
 
-    def hook(module, _inputs, output):
+    def amax(tensors) -> torch.Tensor:
+        if not tensors:
+            return torch.zeros((), device=device)
+        return torch.stack([t.detach().abs().amax().float().to(device) for t in tensors]).amax()
+
+    def hook(module, inputs, output):
         tensors = list(_floating_tensors(output))
         if not tensors:
             return
-        amax = torch.stack([t.detach().abs().amax().float() for t in tensors]).amax()
-        records.append((names[module], dtype_name(tensors[0].dtype), amax))
+        both = torch.stack([amax(tensors), amax(list(_floating_tensors(inputs)))])
+        records.append((names[module], dtype_name(tensors[0].dtype), both))
 
     handles = [m.register_forward_hook(hook) for m in names]
     loss, did_backward = None, False
@@ -133,8 +151,8 @@ def run_probe(model: torch.nn.Module, batch: dict | None = None) -> ProbeResult:
                 for p in params:
                     p.grad = None
                 loss.backward()
-        values = [r[2] for r in records] + ([loss.detach().float()] if loss is not None else [])
-        host = torch.stack(values).tolist() if values else []  # the one host sync
+        values = [r[2] for r in records] + ([loss.detach().float().reshape(1).repeat(2)] if loss is not None else [])
+        host = torch.stack(values).tolist() if values else []  # the one host sync: [[out, in], ...]
     finally:
         for h in handles:
             h.remove()
@@ -144,10 +162,13 @@ def run_probe(model: torch.nn.Module, batch: dict | None = None) -> ProbeResult:
             p.grad = g
     # A module called more than once (shared rotary embedding, tied layers) keeps its largest output.
     merged: dict[str, ProbeModule] = {}
-    for (name, dt, _), v in zip(records, host):
+    for (name, dt, _), (out_v, in_v) in zip(records, host):
         old = merged.get(name)
-        if old is None or not (v <= old.absmax):
-            merged[name] = ProbeModule(name, dt, v)
+        if old is None:
+            merged[name] = ProbeModule(name, dt, out_v, in_v)
+        else:  # max() would drop a NaN; keep it
+            old.absmax = out_v if not (out_v <= old.absmax) else old.absmax
+            old.input_absmax = in_v if not (in_v <= old.input_absmax) else old.input_absmax
     modules = list(merged.values())
-    return ProbeResult(modules=modules, loss=host[-1] if loss is not None else None,
+    return ProbeResult(modules=modules, loss=host[-1][0] if loss is not None else None,
                        backward=did_backward, synthetic_batch=synthetic)

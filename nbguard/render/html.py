@@ -188,10 +188,12 @@ def _probe(doc: dict, images: bool) -> str:
         flag = " ⚠ over limit" if bad else ""
         rows.append(f"<tr><td><code>{esc(m.get('module'))}</code></td><td>{esc(m.get('dtype', ''))}</td>"
                     f"<td{mark}>{esc(fmt_num(m.get('absmax')))}</td>"
+                    f"<td{mark}>{esc(fmt_num(m.get('input_absmax')))}</td>"
                     f"<td{mark}>{esc(headroom + flag)}</td></tr>")
     more = (f'<p class="nbg-note">{len(modules) - MAX_PROBE_ROWS} more modules with more headroom not shown.</p>'
             if len(modules) > MAX_PROBE_ROWS else "")
-    table = ("<table><thead><tr><th>module</th><th>dtype</th><th>abs-max</th><th>headroom</th></tr></thead>"
+    table = ("<table><thead><tr><th>module</th><th>dtype</th><th>output abs-max</th><th>input abs-max</th>"
+             "<th>headroom</th></tr></thead>"
              f"<tbody>{''.join(rows)}</tbody></table>{more}")
     return (f"<h3>Activation probe</h3><p>Limit {esc(fmt_num(limit))}: {len(modules)} modules, "
             f"<strong>{over}</strong> at or over the limit (least headroom first).</p>" + table)

@@ -102,6 +102,7 @@ def _probe(doc: dict, lines: list[str]) -> None:
         over_limit = headroom_key(m) < 1
         headroom = "overflow" if m.get("headroom") is None and over_limit else f"{fmt_num(m.get('headroom'), 3)}x"
         lines.append(f"  {str(m.get('module')):<48} {str(m.get('dtype', '')):<10} abs-max {fmt_num(m.get('absmax')):>10}"
+                     f"  input {fmt_num(m.get('input_absmax')):>10}"
                      f"  headroom {headroom}{'  OVER LIMIT' if over_limit else ''}")
     if len(modules) > MAX_PROBE_ROWS:
         lines.append(f"  … {len(modules) - MAX_PROBE_ROWS} more")

@@ -86,9 +86,11 @@ def fp16_overflow_risk(ctx):
         )
     if near:
         evidence["modules_near_limit"] = capped(
-            [{"module": m["module"], "absmax": m["absmax"], "headroom": m["headroom"]} for m in near])
+            [{"module": m["module"], "absmax": m["absmax"], "input_absmax": m["input_absmax"],
+              "headroom": m["headroom"]} for m in near])
         parts.append(
-            f"The probe saw {len(near)} module(s) whose outputs reach at least half of 65504 (headroom <= 2x); "
+            f"The probe saw {len(near)} module(s) whose outputs or inputs reach at least half of 65504 "
+            "(headroom <= 2x; an input that large was computed in the parent module, between two children); "
             "a slightly different batch or a few training steps push them past the fp16 range."
         )
     parts.append(f"Train in {target} on {ctx.hardware.display_name} instead.")
