@@ -45,12 +45,13 @@ def free_port() -> int:
 class LabServer:
     """``jupyter lab`` on 127.0.0.1 with a temporary root and isolated Jupyter dirs."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, app: str = "jupyterlab"):
+        self.app = app  # "jupyterlab", or "notebook" for Notebook 7 (same extension system)
         self.workdir = workdir
         self.root = workdir / "root"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = ARTIFACTS / "jupyter-lab.log"
+        self.log_path = ARTIFACTS / f"{app}-server.log"
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 120.0) -> "LabServer":
@@ -70,18 +71,25 @@ class LabServer:
         notification.mkdir(parents=True)
         (notification / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))
         # Only the extension under test: a config file, since a list trait is awkward on the CLI.
-        lab_config = {"LabApp": {"labextensions_path": [str(extensions)], "extra_labextensions_path": []}}
-        (Path(env["JUPYTER_CONFIG_DIR"]) / "jupyter_lab_config.json").write_text(json.dumps(lab_config))
+        paths = {"labextensions_path": [str(extensions)], "extra_labextensions_path": []}
+        (Path(env["JUPYTER_CONFIG_DIR"]) / "jupyter_lab_config.json").write_text(json.dumps({"LabApp": paths}))
+        # The language-server endpoint both front ends poll (jupyter-lsp comes with jupyterlab).
+        server = {"ServerApp": {"jpserver_extensions": {"jupyter_lsp": True}}}
+        (Path(env["JUPYTER_CONFIG_DIR"]) / "jupyter_server_config.json").write_text(json.dumps(server))
+        (Path(env["JUPYTER_CONFIG_DIR"]) / "jupyter_notebook_config.json").write_text(
+            json.dumps({"JupyterNotebookApp": paths})
+        )
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         cmd = [
-            sys.executable, "-m", "jupyterlab",
+            sys.executable, "-m", self.app,
             "--no-browser", "--ip=127.0.0.1", f"--port={self.port}",
             "--IdentityProvider.token=", "--ServerApp.password=", "--allow-root",
             f"--ServerApp.root_dir={self.root}",
             # window.jupyterapp: lets the test read cell sources and outputs exactly from the model
-            "--LabApp.expose_app_in_browser=True",
-            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            f"--{self.app_class}.expose_app_in_browser=True",
         ]
+        if self.app == "jupyterlab":
+            cmd.append("--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.workdir)
         deadline = time.monotonic() + timeout
@@ -96,6 +104,10 @@ class LabServer:
                 time.sleep(0.5)
         self.stop()
         raise AssertionError(f"jupyter lab did not answer on {self.url} within {timeout:.0f} s; see {self.log_path}")
+
+    @property
+    def app_class(self) -> str:
+        return "LabApp" if self.app == "jupyterlab" else "JupyterNotebookApp"
 
     def api(self, path: str):
         """GET a server REST endpoint (no token is configured)."""

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.browser
 MIME = "application/vnd.nbguard.v1+json"
 RULE = "trainable-low-precision"
 FIX = "upcast-trainable-fp32"
-TIMEOUT_MS = 120_000  # two shared cores: kernel start + torch import can be slow
+TIMEOUT_MS = 120_000
+NOTEBOOK7_SETTINGS_ERROR = "Cannot read properties of undefined (reading 'schema')"  # two shared cores: kernel start + torch import can be slow
 
 SETUP = """import torch
 import nbguard
@@ -66,7 +67,9 @@ print("extension", CHANNEL.extension_version, "sent", sent)"""
 # Reads the notebook model (not the DOM) so sources and outputs are compared exactly.
 JS_STATE = """(path) => {
   const app = window.jupyterapp;
-  const panel = Array.from(app.shell.widgets('main')).find(w => w.context && w.context.path === path);
+  const panel = Array.from(app.shell.widgets('main')).find(w => w.context && w.context.path === path)
+    || (app.shell.currentWidget && app.shell.currentWidget.context && app.shell.currentWidget.context.path === path
+        ? app.shell.currentWidget : null);
   if (!panel || !panel.content.model) { return null; }
   const cells = panel.content.model.cells;
   const out = [];
@@ -110,7 +113,7 @@ def browser_page():
 
         def watch(page):
             page.on("console", lambda m: console_errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
-            page.on("pageerror", lambda e: console_errors.append(f"pageerror: {e}"))
+            page.on("pageerror", lambda e: console_errors.append(f"pageerror: {e}\n{e.stack}"))
 
         context.on("page", watch)
         page = context.new_page()
@@ -319,3 +322,37 @@ def test_jupyter_labextension_list_shows_it_enabled(tmp_path):
     line = next((l for l in text.splitlines() if l.strip().startswith("nbguard ")), None)
     assert line is not None, text
     assert re.search(r"nbguard v0\.1\.0 enabled\s+OK \(python, nbguard\)", line), line
+
+
+def test_notebook7_renders_and_inserts_below_the_owning_cell(tmp_path, browser_page):
+    """Notebook 7 loads the same prebuilt extension: renderer, "Insert fix cell", the comm."""
+    notebook = pytest.importorskip("notebook", reason="Notebook 7 (pip install 'notebook>=7') not installed")
+    assert int(notebook.__version__.split(".")[0]) >= 7, notebook.__version__
+    page, console_errors = browser_page
+    server = LabServer(tmp_path, app="notebook").start()
+    try:
+        path = "nb7.ipynb"
+        write_notebook(server.root / path, [("code", SYNTHETIC_WATCH), ("code", LATER), ("code", LOAD_EXT), ("code", COMM_INSERT)])
+        page.goto(f"{server.url}/notebooks/{path}")
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=TIMEOUT_MS)
+        wait_state(page, path, lambda s: s["kernel"] == "idle", "the kernel to start")
+        page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        wait_state(page, path, executed([0, 1, 2, 3]), "Run All to finish")
+        cells = page.locator(".jp-Notebook .jp-Cell")
+        cells.nth(0).locator(".nbg-report .nbg-history canvas").wait_for(timeout=30_000)
+        cells.nth(0).locator('.nbg-fix[data-fix="demo-fix"] button.nbg-insert').click()
+        state = wait_state(page, path, lambda s: len(s["cells"]) == 5, "the fix cell")
+        assert [c["source"] for c in state["cells"][:3]] == [SYNTHETIC_WATCH, "inserted_and_ran = True", LATER]
+        cells.nth(4).locator(".cm-content").click()
+        page.keyboard.press("Control+Enter")
+        state = wait_state(page, path, lambda s: len(s["cells"]) == 6 and executed([1])(s), "the comm insert")
+        assert state["cells"][1]["source"] == "comm_cell = 1"
+        assert state["cells"][2]["source"] == "inserted_and_ran = True"
+        shoot(page, "08-notebook7.png")
+    finally:
+        server.stop()
+    # Notebook 7.6's own bundle throws one "reading 'schema'" page error while loading settings; it
+    # happens identically with nbguard's extension removed (checked by hand), so only that error,
+    # and only when raised from notebook_core, is not held against the extension.
+    ours = [e for e in console_errors if not (NOTEBOOK7_SETTINGS_ERROR in e and "/static/notebook/notebook_core" in e)]
+    assert ours == [], "console errors in Notebook 7:\n" + "\n".join(ours)
