@@ -208,8 +208,8 @@ export function layoutFor(model: HeatmapModel): HeatLayout {
   const markerHeight = 8;
   const cols = Math.max(1, model.columns.length);
   const rows = Math.max(1, model.rows.length);
-  const cellWidth = Math.max(2, Math.min(16, Math.floor(600 / cols)));
-  const cellHeight = Math.max(4, Math.min(16, Math.floor(320 / rows)));
+  const cellWidth = Math.max(2, Math.min(24, Math.floor(600 / cols)));
+  const cellHeight = Math.max(4, Math.min(18, Math.floor(320 / rows)));
   return {
     labelWidth,
     markerHeight,
