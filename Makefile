@@ -16,7 +16,7 @@ VENV := .venv
 COLAB_VENV := .venv-colab
 TF450_VENV := .venv-tf450
 
-.PHONY: demo test test-main test-colab test-tf450 install clean
+.PHONY: demo test test-main test-labextension test-colab test-tf450 install clean
 
 install: $(VENV)/.stamp
 
@@ -24,7 +24,8 @@ $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_QUIET) --upgrade pip
 	$(VENV)/bin/pip install $(PIP_QUIET) $(TORCH)
-	$(VENV)/bin/pip install $(PIP_QUIET) -e ".[hf,test]"
+	# pip builds the lab extension through hatch-jupyter-builder: needs node and npm on PATH.
+	$(VENV)/bin/pip install $(PIP_QUIET) -e ".[hf,test,browser]"
 	touch $@
 
 # The Colab lane: the versions a Colab GPU runtime ships, held by a constraints file.
@@ -48,10 +49,14 @@ $(TF450_VENV)/.stamp: pyproject.toml $(SHARED)/compat/transformers-4.50.txt
 demo: $(VENV)/.stamp
 	$(VENV)/bin/python notebooks/run.py --out build/demo notebooks/00_quickstart.ipynb
 
-test: test-main test-colab test-tf450
+test: test-main test-labextension test-colab test-tf450
 
 test-main: $(VENV)/.stamp
 	$(VENV)/bin/python -m pytest -m "not tf450"
+
+# TypeScript unit tests (vitest, jsdom) and a type check of the extension and its tests.
+test-labextension: $(VENV)/.stamp
+	cd labextension && { test -d node_modules || npm ci --no-audit --no-fund; } && npm run typecheck && npm test
 
 test-colab: $(COLAB_VENV)/.stamp
 	$(COLAB_VENV)/bin/python -m pytest -m "not tf450 and not browser and not slow"
@@ -60,4 +65,5 @@ test-tf450: $(TF450_VENV)/.stamp
 	$(TF450_VENV)/bin/python -m pytest -m tf450
 
 clean:
-	rm -rf $(VENV) $(COLAB_VENV) $(TF450_VENV) build
+	rm -rf $(VENV) $(COLAB_VENV) $(TF450_VENV) build test-artifacts
+	rm -rf labextension/node_modules labextension/lib labextension/build labextension/tsconfig.tsbuildinfo nbguard/labextension
