@@ -63,6 +63,8 @@ export interface ProbeModule {
   module: string;
   dtype: string | null;
   absmax: Num;
+  /** Abs-max of the module's positional inputs: a value born in the parent between two children. */
+  input_absmax: Num;
   headroom: Num;
 }
 
@@ -261,6 +263,7 @@ function parseProbe(raw: Record<string, unknown>): Probe {
         module: str(m.module, '?'),
         dtype: optStr(m.dtype),
         absmax: decodeNumber(m.absmax),
+        input_absmax: decodeNumber(m.input_absmax),
         headroom: decodeNumber(m.headroom)
       }))
   };

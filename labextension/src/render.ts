@@ -281,10 +281,20 @@ function renderHistory(history: History): HTMLElement {
 }
 
 function renderProbe(probe: Probe): HTMLElement {
-  const rows = probe.modules.map(m => [m.module, m.dtype ?? '', formatNumber(m.absmax), formatNumber(m.headroom)]);
+  const rows = probe.modules.map(m => [
+    m.module,
+    m.dtype ?? '',
+    formatNumber(m.absmax),
+    formatNumber(m.input_absmax),
+    formatNumber(m.headroom)
+  ]);
   const wrap = el('div', 'nbg-probe-box');
-  wrap.appendChild(el('div', 'nbg-muted', `limit ${formatNumber(probe.limit)}; headroom = limit / abs-max`));
-  wrap.appendChild(table(['module', 'dtype', 'abs-max', 'headroom'], rows, 'nbg-probe-table'));
+  wrap.appendChild(
+    el('div', 'nbg-muted', `limit ${formatNumber(probe.limit)}; headroom = limit / max(output, input abs-max)`)
+  );
+  wrap.appendChild(
+    table(['module', 'dtype', 'output abs-max', 'input abs-max', 'headroom'], rows, 'nbg-probe-table')
+  );
   return wrap;
 }
 

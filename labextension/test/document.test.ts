@@ -43,6 +43,8 @@ describe('parseDocument', () => {
     expect(doc.findings.map(f => f.rule)).toEqual(['trainable-low-precision', 'fp16-on-gemma3']);
     expect(doc.probe?.limit).toBe(65504);
     expect(doc.probe?.modules[0].absmax).toBe(Infinity);
+    expect(doc.probe?.modules[0].input_absmax).toBeNull();
+    expect(doc.probe?.modules[2].input_absmax).toBe(Infinity);
     expect(doc.events[0].origins[0].output_absmax).toBe(Infinity);
     expect(doc.events[0].origins[0].input_absmax).toBe(60000);
     const grad = doc.history!.grad_norm;

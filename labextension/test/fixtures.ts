@@ -29,7 +29,8 @@ export function sampleDocument(): Record<string, unknown> {
       limit: 65504.0,
       modules: [
         { module: 'model.layers.0.mlp', dtype: 'torch.float16', absmax: 'inf', headroom: 0.0 },
-        { module: 'model.layers.1.mlp', dtype: 'torch.float16', absmax: 1024.5, headroom: 63.93 }
+        { module: 'model.layers.1.mlp', dtype: 'torch.float16', absmax: 1024.5, headroom: 63.93 },
+        { module: 'model.layers.1.mlp.down_proj', dtype: 'torch.float16', absmax: 900, input_absmax: 'inf', headroom: null }
       ]
     },
     events: [

@@ -90,6 +90,7 @@ describe('renderDocument', () => {
     ]);
     expect(root.querySelector('.nbg-cause')!.textContent).toBe('overflow');
     expect(root.querySelector('.nbg-probe-table')!.textContent).toContain('inf');
+    expect(root.querySelector('.nbg-probe-table')!.textContent).toContain('input abs-max');
     expect(root.querySelector('.nbg-history canvas')).not.toBeNull();
     expect(root.querySelector('.nbg-history')!.textContent).toContain('Skipped optimizer steps: 3');
   });
