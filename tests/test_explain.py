@@ -182,11 +182,16 @@ def test_every_fix_offered_exists_and_renders_with_user_names():
         d = diagnose(raised(make))
         for fix_id in d.fixes:
             assert fix_id in fixes.available(), (signature, fix_id)
-        doc = d.to_document(names={"model": "my_model"})
+        doc = d.to_document(names={"trainer": "my_trainer"})
         assert doc["kind"] == "diagnosis" and doc["diagnoses"][0]["signature"] == signature
         assert set(doc["fix_cells"]) == set(d.fixes)
         for cell in doc["fix_cells"].values():
-            assert "my_model" in cell["code"] or "args" in cell["code"], cell["code"]
+            assert "my_trainer" in cell["code"], cell["code"]
+        model_only = d.to_document(names={"model": "my_model"})["fix_cells"]
+        needs_args = {f for f in d.fixes if fixes.get(f).needs == "args"}
+        assert set(model_only) == set(d.fixes) - needs_args  # no invented TrainingArguments name
+        for cell in model_only.values():
+            assert "my_model" in cell["code"], cell["code"]
 
 
 def test_diagnosis_displays_with_text_and_html_fallbacks():

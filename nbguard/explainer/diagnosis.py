@@ -34,7 +34,11 @@ class Diagnosis(Displayable):
         }
 
     def fix_cells(self, names: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
-        """Each fix as a notebook cell written with the user's variable names."""
+        """Each fix as a notebook cell written with the user's variable names.
+
+        A fix that needs a name the caller did not give (TrainingArguments for a plain model) gets
+        no cell rather than code naming a variable the user does not have.
+        """
         if not self.fixes:
             return {}
         from .. import fixes as fix_registry
@@ -42,11 +46,11 @@ class Diagnosis(Displayable):
         names = names or {}
         cells = {}
         for fix_id in self.fixes:
+            fix = fix_registry.get(fix_id)
+            if fix.needs == "args" and not (names.get("args") or names.get("trainer")):
+                continue
             options = self.fix_options.get(fix_id, {})
-            cells[fix_id] = {
-                "title": fix_registry.get(fix_id).title,
-                "code": fix_registry.code(fix_id, **names, **options),
-            }
+            cells[fix_id] = {"title": fix.title, "code": fix_registry.code(fix_id, **names, **options)}
         return cells
 
     def to_document(self, names: dict[str, str] | None = None) -> dict[str, Any]:

@@ -45,8 +45,12 @@ class ExtensionState:
                 model = R.unique(R.top_level_models(R.candidates(ns, R.is_model)), "models", "")
                 if model:
                     names["model"] = model[0]
+            if "trainer" not in names:
+                args = R.unique(R.candidates(ns, R.is_training_args), "TrainingArguments", "")
+                if args:
+                    names["args"] = args[0]
         except R.MagicError:
-            pass  # ambiguous: the fix code keeps the generic names "model" / "trainer"
+            pass  # ambiguous: no name is guessed; fixes that need one get no cell
         return names
 
     def show_diagnosis(self, diagnosis) -> None:

@@ -103,7 +103,8 @@ class DiagnosisView:
 
     def __init__(self, doc: dict, output_id: str, apply: ApplyFn | None):
         diagnosis = doc["diagnoses"][0]
-        self.rows = fix_rows(diagnosis["fixes"], doc.get("fix_cells", {}), output_id, apply)
+        cells = doc.get("fix_cells", {})
+        self.rows = fix_rows([f for f in diagnosis["fixes"] if f in cells], cells, output_id, apply)
         exception = f"<div><code>{esc(diagnosis['exception'])}</code></div>"
         self.widget = W.VBox([
             W.HTML(value="<b>nbguard diagnosis</b>"),
