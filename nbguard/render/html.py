@@ -162,15 +162,22 @@ def _findings(doc: dict, images: bool) -> str:
             body.append(f"<p>{esc(f['detail'])}</p>")
         if f.get("evidence"):
             body.append(_details("evidence", _json_pre(f["evidence"])))
-        for fix_id in f.get("fixes") or []:
-            cell = cells.get(fix_id) if isinstance(cells.get(fix_id), dict) else None
-            if cell:
-                body.append(_details(f"fix <code>{esc(fix_id)}</code>: {esc(cell.get('title', ''))}",
-                                     _code_block(cell.get("code", ""))))
-            else:
-                body.append(f"<p>fix: <code>{esc(fix_id)}</code></p>")
+        body.extend(_fix_blocks(f.get("fixes"), cells))
         out.append(f'<div class="nbg-card nbg-{sev_class}">{"".join(body)}</div>')
     return "".join(out)
+
+
+def _fix_blocks(fix_ids, cells: dict) -> list[str]:
+    """Each fix a card offers: its cell, folded, when the document carries one; else just its id."""
+    blocks = []
+    for fix_id in fix_ids or []:
+        cell = cells.get(fix_id) if isinstance(cells.get(fix_id), dict) else None
+        if cell:
+            blocks.append(_details(f"fix <code>{esc(fix_id)}</code>: {esc(cell.get('title', ''))}",
+                                   _code_block(cell.get("code", ""))))
+        else:
+            blocks.append(f"<p>fix: <code>{esc(fix_id)}</code></p>")
+    return blocks
 
 
 def _probe(doc: dict, images: bool) -> str:
@@ -320,13 +327,7 @@ def _diagnoses(doc: dict, images: bool) -> str:
             body.append(_details("exception text", _code_block(d["exception"])))
         if d.get("evidence"):
             body.append(_details("evidence", _json_pre(d["evidence"])))
-        for fix_id in d.get("fixes") or []:
-            cell = cells.get(fix_id) if isinstance(cells.get(fix_id), dict) else None
-            if cell:
-                body.append(_details(f"fix <code>{esc(fix_id)}</code>: {esc(cell.get('title', ''))}",
-                                     _code_block(cell.get("code", ""))))
-            else:
-                body.append(f"<p>fix: <code>{esc(fix_id)}</code></p>")
+        body.extend(_fix_blocks(d.get("fixes"), cells))
         out.append(f'<div class="nbg-card nbg-error">{"".join(body)}</div>')
     return "".join(out)
 
