@@ -9,12 +9,9 @@ import { IRenderMimeRegistry } from '@jupyterlab/rendermime';
 import { Kernel } from '@jupyterlab/services';
 
 import { registerCommTarget } from './comm';
-import { MIME_TYPE } from './document';
 import { insertBelowOwner, notebookHost, panelContaining } from './notebook';
-import { InserterFactory, rendererFactory } from './widget';
-
-// Preferred over text/html (rank 50) so JupyterLab shows this view, not the static fallback.
-export const RENDERER_RANK = 0;
+import { InserterFactory, RENDERER_RANK, rendererFactory } from './widget';
+import { notebookWidgetSource } from './widgethost';
 
 const plugin: JupyterFrontEndPlugin<void> = {
   id: 'nbguard:plugin',
@@ -31,14 +28,15 @@ const plugin: JupyterFrontEndPlugin<void> = {
         await insertBelowOwner(panel, { output: model, outputId, node: renderer.node }, code, run);
       };
     };
-    const factory = rendererFactory(inserterFor);
-    rendermime.addFactory(factory, RENDERER_RANK);
+    // Outside notebooks (consoles, output views): below ipywidgets' renderer, as before.
+    rendermime.addFactory(rendererFactory(inserterFor), RENDERER_RANK);
 
-    tracker.widgetAdded.connect((_, panel: NotebookPanel) => {
-      // A panel cloned its registry before this plugin ran would lack the renderer.
-      if (!panel.content.rendermime.mimeTypes.includes(MIME_TYPE)) {
-        panel.content.rendermime.addFactory(factory, RENDERER_RANK);
-      }
+    const setUp = (panel: NotebookPanel) => {
+      // Each notebook's registry gets a renderer that hosts the notebook's live widget views
+      // (replacing the one cloned from the application's registry, if any).
+      const registry = panel.content.rendermime;
+      const factory = rendererFactory(inserterFor, notebookWidgetSource(registry, panel.sessionContext));
+      registry.addFactory(factory, factory.defaultRank);
       const host = notebookHost(panel);
       const attach = (kernel: Kernel.IKernelConnection | null | undefined) => {
         if (kernel) {
@@ -47,7 +45,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
       };
       attach(panel.sessionContext.session?.kernel);
       panel.sessionContext.kernelChanged.connect((_, change) => attach(change.newValue));
-    });
+    };
+    tracker.forEach(setUp);
+    tracker.widgetAdded.connect((_, panel) => setUp(panel));
     console.debug(`nbguard extension activated (${app.name})`);
   }
 };

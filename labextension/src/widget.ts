@@ -1,39 +1,72 @@
-/** The MIME renderer widget: parse the document, draw it, wire the fix buttons. */
+/** The MIME renderer widget: parse the document, draw it, wire the fix buttons, host a live widget view. */
 import { IRenderMime } from '@jupyterlab/rendermime-interfaces';
-import { Widget } from '@lumino/widgets';
+import { Panel, Widget } from '@lumino/widgets';
 
 import { DocumentError, MIME_TYPE, parseDocument } from './document';
 import { FixInserter, renderDocument } from './render';
+import { WidgetHost, WidgetRendererSource, widgetModelId } from './widgethost';
+
+// Ahead of text/html (50): JupyterLab shows this view, not the bundle's static HTML fallback.
+export const RENDERER_RANK = 0;
+// In notebooks also ahead of ipywidgets' renderer (-10): this renderer hosts the bundle's widget
+// view itself, and only while the widget's model is alive (widgethost.ts).
+export const HOSTING_RANK = -20;
 
 /** Given the renderer and the model it shows, an inserter for its fix buttons (or null). */
 export type InserterFactory = (renderer: Widget, model: IRenderMime.IMimeModel, outputId: string | null) => FixInserter | null;
 
-export class NbguardRenderer extends Widget implements IRenderMime.IRenderer {
-  constructor(private readonly inserterFor: InserterFactory) {
+export class NbguardRenderer extends Panel implements IRenderMime.IRenderer {
+  constructor(
+    private readonly inserterFor: InserterFactory,
+    private readonly widgetSource: WidgetRendererSource | null = null
+  ) {
     super();
     this.addClass('nbg-renderer');
   }
 
   async renderModel(model: IRenderMime.IMimeModel): Promise<void> {
-    let content: HTMLElement;
+    const view = new Widget();
+    view.addClass('nbg-static');
+    view.node.append(this.draw(model));
+    // Only trusted outputs may host a widget: ipywidgets' renderer is not a safe one.
+    const modelId = this.widgetSource && model.trusted ? widgetModelId(model.data) : null;
+    const current = this.widgets[0];
+    if (modelId && current instanceof WidgetHost && current.modelId === modelId) {
+      current.setStaticView(view); // an updated display of the same widget: keep its live view
+      return;
+    }
+    for (const child of [...this.widgets]) {
+      child.dispose();
+    }
+    if (!modelId) {
+      this.addWidget(view);
+      return;
+    }
+    const host = new WidgetHost(modelId, view);
+    this.addWidget(host);
+    host.hostWidget(this.widgetSource!, model).catch(reason => console.warn('nbguard: cannot host the widget view', reason));
+  }
+
+  private draw(model: IRenderMime.IMimeModel): HTMLElement {
     try {
       const doc = parseDocument(model.data[MIME_TYPE]);
-      content = renderDocument(doc, { insertFix: this.inserterFor(this, model, doc.output_id) });
+      return renderDocument(doc, { insertFix: this.inserterFor(this, model, doc.output_id) });
     } catch (error) {
-      content = document.createElement('div');
+      const content = document.createElement('div');
       content.className = 'nbg-render-error';
       content.textContent =
         error instanceof DocumentError ? error.message : `nbguard: could not render this output (${String(error)})`;
+      return content;
     }
-    this.node.replaceChildren(content);
   }
 }
 
-export function rendererFactory(inserterFor: InserterFactory): IRenderMime.IRendererFactory {
+/** The renderer factory; with a widget source (a notebook's), it hosts widget views and outranks ipywidgets. */
+export function rendererFactory(inserterFor: InserterFactory, widgetSource: WidgetRendererSource | null = null): IRenderMime.IRendererFactory {
   return {
     safe: true, // built from text nodes only: fine for untrusted notebooks
     mimeTypes: [MIME_TYPE],
-    defaultRank: 0,
-    createRenderer: () => new NbguardRenderer(inserterFor)
+    defaultRank: widgetSource ? HOSTING_RANK : RENDERER_RANK,
+    createRenderer: () => new NbguardRenderer(inserterFor, widgetSource)
   };
 }

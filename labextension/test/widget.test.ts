@@ -1,15 +1,20 @@
 import { beforeEach, describe, expect, it, vi } from 'vitest';
 
 import { MIME_TYPE } from '../src/document';
-import { NbguardRenderer, rendererFactory } from '../src/widget';
+import { HOSTING_RANK, NbguardRenderer, RENDERER_RANK, rendererFactory } from '../src/widget';
+import { WIDGET_VIEW_MIME, WidgetHost } from '../src/widgethost';
 import { sampleDocument } from './fixtures';
 
 beforeEach(() => {
   vi.spyOn(HTMLCanvasElement.prototype, 'getContext').mockReturnValue(null);
 });
 
-function model(data: unknown): any {
-  return { data: { [MIME_TYPE]: data }, metadata: {}, trusted: false, setData: () => undefined };
+function model(data: unknown, widget: Record<string, unknown> = {}, trusted = false): any {
+  return { data: { [MIME_TYPE]: data, ...widget }, metadata: {}, trusted, setData: () => undefined };
+}
+
+function widgetView(modelId: string) {
+  return { [WIDGET_VIEW_MIME]: { version_major: 2, version_minor: 0, model_id: modelId } };
 }
 
 describe('NbguardRenderer', () => {
@@ -17,7 +22,15 @@ describe('NbguardRenderer', () => {
     const factory = rendererFactory(() => null);
     expect(factory.mimeTypes).toEqual([MIME_TYPE]);
     expect(factory.safe).toBe(true);
-    expect(factory.defaultRank).toBeLessThan(50); // text/html's rank
+    expect(factory.defaultRank).toBe(RENDERER_RANK);
+    expect(RENDERER_RANK).toBeLessThan(50); // text/html's rank
+    expect(RENDERER_RANK).toBeGreaterThan(-10); // outside notebooks ipywidgets' renderer still wins
+  });
+
+  it('outranks ipywidgets (-10) where it can host the widget view', () => {
+    const factory = rendererFactory(() => null, async () => null);
+    expect(factory.defaultRank).toBe(HOSTING_RANK);
+    expect(HOSTING_RANK).toBeLessThan(-10);
   });
 
   it('renders the document and hands its model and output_id to the inserter factory', async () => {
@@ -27,6 +40,7 @@ describe('NbguardRenderer', () => {
     await renderer.renderModel(m);
     expect(inserterFor).toHaveBeenCalledWith(renderer, m, 'out-123');
     expect(renderer.node.querySelectorAll('.nbg-card')).toHaveLength(2);
+    expect(renderer.node.querySelectorAll(':scope > .nbg-static > .nbg-report')).toHaveLength(1);
     expect((renderer.node.querySelector('button.nbg-insert') as HTMLButtonElement).disabled).toBe(false);
   });
 
@@ -34,5 +48,47 @@ describe('NbguardRenderer', () => {
     const renderer = new NbguardRenderer(() => null);
     await renderer.renderModel(model({ schema_version: 9 }));
     expect(renderer.node.querySelector('.nbg-render-error')!.textContent).toContain('unsupported schema_version 9');
+  });
+});
+
+describe('NbguardRenderer hosting a widget view', () => {
+  it('hosts the widget of a trusted bundle with a widget view, beside its static view', async () => {
+    const source = vi.fn().mockResolvedValue(null);
+    const renderer = new NbguardRenderer(() => null, source);
+    await renderer.renderModel(model(sampleDocument(), widgetView('w1'), true));
+    expect(source).toHaveBeenCalledWith('w1');
+    const host = renderer.widgets[0] as WidgetHost;
+    expect(host).toBeInstanceOf(WidgetHost);
+    expect(host.node.querySelectorAll(':scope > .nbg-static .nbg-card')).toHaveLength(2); // the static view meanwhile
+  });
+
+  it('never hosts for an untrusted output, a bundle without a widget view, or without a source', async () => {
+    const source = vi.fn().mockResolvedValue(null);
+    for (const m of [model(sampleDocument(), widgetView('w1'), false), model(sampleDocument(), {}, true)]) {
+      const renderer = new NbguardRenderer(() => null, source);
+      await renderer.renderModel(m);
+      expect(renderer.widgets[0]).not.toBeInstanceOf(WidgetHost);
+    }
+    const plain = new NbguardRenderer(() => null);
+    await plain.renderModel(model(sampleDocument(), widgetView('w1'), true));
+    expect(plain.widgets[0]).not.toBeInstanceOf(WidgetHost);
+    expect(source).not.toHaveBeenCalled();
+  });
+
+  it('keeps the hosted widget when the same widget is displayed again, and replaces it for another', async () => {
+    const source = vi.fn().mockResolvedValue(null);
+    const renderer = new NbguardRenderer(() => null, source);
+    await renderer.renderModel(model(sampleDocument(), widgetView('w1'), true));
+    const host = renderer.widgets[0];
+    const updated = { ...sampleDocument(), findings: [] };
+    await renderer.renderModel(model(updated, widgetView('w1'), true));
+    expect(renderer.widgets).toEqual([host]);
+    expect(host.node.querySelectorAll('.nbg-card')).toHaveLength(0); // the updated static view
+    expect(source).toHaveBeenCalledTimes(1);
+
+    await renderer.renderModel(model(updated, widgetView('w2'), true));
+    expect(host.isDisposed).toBe(true);
+    expect(renderer.widgets).toHaveLength(1);
+    expect(source).toHaveBeenLastCalledWith('w2');
   });
 });
