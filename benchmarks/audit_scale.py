@@ -4,14 +4,18 @@ The model lives on the meta device (no memory for weights), so this measures the
 work: walking ~2,700 modules and ~1,200 parameters once into the shared context and running every
 rule against it. Target: under 1 s.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python benchmarks/audit_scale.py [--runs 7]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/audit_scale.py [--runs 7]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 
 def build():
