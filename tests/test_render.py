@@ -316,3 +316,17 @@ def test_heatmap_of_a_watch_before_its_first_step():
     for section in ({"groups": ["a"], "steps": [], "grad_norm": [[]]}, {"groups": [], "steps": [0], "grad_norm": []}):
         png = heatmap_png(section)
         assert png.startswith(PNG_MAGIC) and _pixels(png).shape[0] < 120  # a one-line note, not an error
+
+
+def test_heading_names_the_document_once():
+    from nbguard.findings import document
+    from nbguard.render import render_html, render_text
+    from nbguard.reporting.markdown import render_markdown
+
+    titled = document("report", title="nbguard report", findings=[])
+    html_out = render_html(titled)
+    heading_html = html_out[html_out.index("<h2>"):html_out.index("</h2>")]
+    assert heading_html.count("nbguard report") == 1
+    assert render_text(titled).splitlines()[0].count("nbguard report") == 1
+    assert "nbguard audit" in render_text(document("audit", findings=[])).splitlines()[0]
+    assert render_markdown(titled).count("## nbguard report") == 1

@@ -160,3 +160,9 @@ def pretty_json(value: Any, indent: int = 0) -> str:
             return json.dumps(list(value), ensure_ascii=False, default=str)
         return "[\n" + ",\n".join(inner + pretty_json(v, indent + 1) for v in value) + "\n" + pad + "]"
     return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def heading(doc: dict) -> str:
+    """The document's heading: its own title (they already say "nbguard ..."), else its kind."""
+    title = doc.get("title")
+    return str(title) if title else f"nbguard {doc.get('kind', 'document')}"

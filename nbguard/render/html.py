@@ -14,7 +14,7 @@ import json
 import math
 from typing import Any, Callable
 
-from .data import as_float, fmt_num, history_overview, pretty_json, watch_sections
+from .data import as_float, fmt_num, heading, history_overview, pretty_json, watch_sections
 from .text import headroom_key, format_time, hardware_line, last_line, origin_summary
 
 MAX_PROBE_ROWS = 40
@@ -86,7 +86,7 @@ def render_html(doc: dict, *, standalone: bool = False, images: bool = True) -> 
     # A saved report opens every fold: printing shows closed <details> empty, and no script may
     # open them. (Dynamic text is escaped, so only our own tags match.)
     fragment = fragment.replace("<details>", "<details open>")
-    title = esc(doc.get("title") or f"nbguard {doc.get('kind', 'report')}")
+    title = esc(heading(doc))
     return (
         "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
@@ -99,9 +99,7 @@ def png_data_uri(png: bytes) -> str:
 
 
 def _header(doc: dict) -> str:
-    kind = doc.get("kind", "document")
-    title = doc.get("title")
-    name = f"nbguard {esc(kind)}" + (f" — {esc(title)}" if title else "")
+    name = esc(heading(doc))
     meta = f"nbguard {esc(doc.get('nbguard_version', '?'))} · schema v{esc(doc.get('schema_version', '?'))}"
     return f'<h2>{name} <span class="nbg-meta">{meta}</span></h2>' + _summary(doc)
 

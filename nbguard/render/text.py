@@ -7,7 +7,7 @@ import textwrap
 import time
 from typing import Any, Callable
 
-from .data import as_float, fmt_num, history_overview, watch_sections
+from .data import as_float, fmt_num, heading, history_overview, watch_sections
 
 WIDTH = 100
 MAX_PROBE_ROWS = 10
@@ -28,10 +28,7 @@ def render_text(doc: dict) -> str:
 
 
 def _header(doc: dict) -> str:
-    kind = doc.get("kind", "document")
-    title = doc.get("title")
-    head = f"nbguard {kind}" + (f": {title}" if title else "")
-    return head + f"  (nbguard {doc.get('nbguard_version', '?')}, schema v{doc.get('schema_version', '?')})"
+    return heading(doc) + f"  (nbguard {doc.get('nbguard_version', '?')}, schema v{doc.get('schema_version', '?')})"
 
 
 def _wrap(text: Any, indent: str) -> list[str]:

@@ -12,7 +12,7 @@ import html
 import re
 from typing import Any
 
-from ..render.data import fmt_num, history_overview, pretty_json, watch_sections
+from ..render.data import fmt_num, heading, history_overview, pretty_json, watch_sections
 from ..render.text import headroom_key, format_time, hardware_line, last_line, origin_summary
 
 GITHUB_BODY_LIMIT = 65536
@@ -68,8 +68,7 @@ def render_markdown(doc: dict, *, images: dict[str, str] | None = None) -> str:
 def _render(doc: dict, images: dict[str, str], compact: bool) -> str:
     limit = 400 if compact else 3000
     out: list[str] = []
-    title = doc.get("title")
-    out.append(f"## nbguard {md_text(doc.get('kind', 'report'))}" + (f": {md_text(title)}" if title else ""))
+    out.append(f"## {md_text(heading(doc))}")
     out.append(f"nbguard {md_text(doc.get('nbguard_version', '?'))} · schema v{md_text(doc.get('schema_version', '?'))}")
     for note in doc.get("notes") or []:
         out.append(f"> Note: {md_text(note)}")
