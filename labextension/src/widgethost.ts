@@ -38,8 +38,16 @@ export function showsLiveWidget(node: Element): boolean {
   return element;
 }
 
-/** The widget renderer for a model id while that model is alive, else null. */
-export type WidgetRendererSource = (modelId: string) => Promise<IRenderMime.IRenderer | null>;
+/** A widget renderer for a live model, and when the model is gone (its kernel restarted, changed or died). */
+export interface HostedWidget {
+  readonly renderer: IRenderMime.IRenderer;
+  readonly gone: Promise<void>;
+}
+
+/** The hosted widget for a model id while that model is alive, else null. */
+export type WidgetRendererSource = (modelId: string) => Promise<HostedWidget | null>;
+
+type WidgetKernel = Pick<Kernel.IKernelConnection, 'hasComm' | 'requestCommInfo' | 'statusChanged' | 'disposed'>;
 
 /** What a source needs from a notebook: its rendermime registry and its session context. */
 export interface WidgetRegistry {
@@ -48,7 +56,7 @@ export interface WidgetRegistry {
 }
 export interface WidgetSession {
   readonly ready: Promise<void>;
-  readonly session: { readonly kernel: Pick<Kernel.IKernelConnection, 'hasComm' | 'requestCommInfo'> | null } | null;
+  readonly session: { readonly kernel: WidgetKernel | null } | null;
 }
 
 /** Widget renderers from a notebook's registry, where jupyterlab-manager binds them to its widget manager. */
@@ -62,15 +70,33 @@ export function notebookWidgetSource(registry: WidgetRegistry, session: WidgetSe
     if (!kernel || !registry.mimeTypes.includes(WIDGET_VIEW_MIME) || !(await modelAlive(kernel, modelId))) {
       return null;
     }
-    return registry.createRenderer(WIDGET_VIEW_MIME);
+    return { renderer: registry.createRenderer(WIDGET_VIEW_MIME), gone: kernelGone(kernel) };
   };
+}
+
+/** Resolves when the kernel's widget models are gone: comms do not survive a restart. */
+function kernelGone(kernel: WidgetKernel): Promise<void> {
+  return new Promise(resolve => {
+    const done = () => {
+      kernel.statusChanged.disconnect(onStatus);
+      kernel.disposed.disconnect(done);
+      resolve();
+    };
+    const onStatus = (_: unknown, status: Kernel.Status) => {
+      if (status === 'restarting' || status === 'autorestarting' || status === 'dead') {
+        done();
+      }
+    };
+    kernel.statusChanged.connect(onStatus);
+    kernel.disposed.connect(done);
+  });
 }
 
 /**
  * Whether the kernel still holds the widget model. Asked before rendering, so ipywidgets' renderer
  * never meets a dead model (its "model not found" text and console error).
  */
-async function modelAlive(kernel: Pick<Kernel.IKernelConnection, 'hasComm' | 'requestCommInfo'>, modelId: string) {
+async function modelAlive(kernel: WidgetKernel, modelId: string): Promise<boolean> {
   if (kernel.hasComm(modelId)) {
     return true; // opened while this page listened: the live case, no round trip
   }
@@ -85,6 +111,7 @@ async function modelAlive(kernel: Pick<Kernel.IKernelConnection, 'hasComm' | 're
 /** The static view, plus the widget renderer once hosted: exactly one of them is shown. */
 export class WidgetHost extends Panel {
   private widgetView: Widget | null = null;
+  private widgetGone = false;
   private observer: MutationObserver | null = null;
 
   constructor(readonly modelId: string, private staticView: Widget) {
@@ -104,11 +131,12 @@ export class WidgetHost extends Panel {
 
   /** Ask `source` for the widget renderer; mount it, hidden until it shows a live view, and render `model`. */
   async hostWidget(source: WidgetRendererSource, model: IRenderMime.IMimeModel): Promise<void> {
-    const renderer = await source(this.modelId);
-    if (!renderer || this.isDisposed) {
-      renderer?.dispose();
+    const hosted = await source(this.modelId);
+    if (!hosted || this.isDisposed) {
+      hosted?.renderer.dispose();
       return;
     }
+    const renderer = hosted.renderer;
     renderer.hide();
     this.addWidget(renderer);
     this.widgetView = renderer;
@@ -117,6 +145,11 @@ export class WidgetHost extends Panel {
     this.observer = new MutationObserver(() => this.sync());
     this.observer.observe(renderer.node, { childList: true });
     renderer.renderModel(model).catch(reason => console.warn('nbguard: the widget view did not render', reason));
+    // ipywidgets keeps showing a view whose model died with its kernel: the static view replaces it.
+    void hosted.gone.then(() => {
+      this.widgetGone = true;
+      this.sync();
+    });
   }
 
   get showsWidget(): boolean {
@@ -132,7 +165,7 @@ export class WidgetHost extends Panel {
     if (this.isDisposed || !this.widgetView) {
       return;
     }
-    const live = showsLiveWidget(this.widgetView.node);
+    const live = !this.widgetGone && showsLiveWidget(this.widgetView.node);
     this.staticView.setHidden(live); // hide one before showing the other: never both at once
     this.widgetView.setHidden(!live);
   }

@@ -1,5 +1,6 @@
 import { afterEach, describe, expect, it, vi } from 'vitest';
 import { IRenderMime } from '@jupyterlab/rendermime-interfaces';
+import { Signal } from '@lumino/signaling';
 import { Widget } from '@lumino/widgets';
 
 import {
@@ -84,7 +85,7 @@ describe('WidgetHost', () => {
   it('shows the static view until the hosted renderer mounts a live view, and again after an error', async () => {
     const host = attach(new WidgetHost('m1', staticView()));
     const renderer = new FakeWidgetRenderer();
-    const source = vi.fn().mockResolvedValue(renderer);
+    const source = vi.fn().mockResolvedValue({ renderer, gone: new Promise(() => undefined) });
     await host.hostWidget(source, model);
 
     expect(source).toHaveBeenCalledWith('m1');
@@ -121,7 +122,7 @@ describe('WidgetHost', () => {
     const host = new WidgetHost('m1', staticView());
     const renderer = new FakeWidgetRenderer();
     let resolve: (r: FakeWidgetRenderer) => void = () => undefined;
-    const pending = host.hostWidget(() => new Promise(r => (resolve = r)), model);
+    const pending = host.hostWidget(() => new Promise<FakeWidgetRenderer>(r => (resolve = r)).then(renderer => ({ renderer, gone: Promise.resolve() })), model);
     host.dispose();
     resolve(renderer);
     await pending;
@@ -132,7 +133,7 @@ describe('WidgetHost', () => {
   it('swaps in a new static view without touching the live widget', async () => {
     const host = attach(new WidgetHost('m1', staticView()));
     const renderer = new FakeWidgetRenderer();
-    await host.hostWidget(vi.fn().mockResolvedValue(renderer), model);
+    await host.hostWidget(vi.fn().mockResolvedValue({ renderer, gone: new Promise(() => undefined) }), model);
     renderer.mountView();
     await mutationsDelivered();
     const updated = staticView();
@@ -140,6 +141,20 @@ describe('WidgetHost', () => {
     expect(host.widgets).toEqual([updated, renderer]);
     expect(updated.isHidden).toBe(true);
     expect(shown(host)).toEqual(['widget']);
+  });
+
+  it('shows the static view once the model is gone, though ipywidgets still shows the dead view', async () => {
+    const host = attach(new WidgetHost('m1', staticView()));
+    const renderer = new FakeWidgetRenderer();
+    let gone: () => void = () => undefined;
+    await host.hostWidget(vi.fn().mockResolvedValue({ renderer, gone: new Promise<void>(r => (gone = r)) }), model);
+    renderer.mountView();
+    await mutationsDelivered();
+    expect(shown(host)).toEqual(['widget']);
+    gone(); // the kernel restarted
+    await mutationsDelivered();
+    expect(renderer.node.querySelector('.widget-vbox')).not.toBeNull();
+    expect(shown(host)).toEqual(['static']);
   });
 });
 
@@ -157,6 +172,8 @@ describe('notebookWidgetSource', () => {
   }
   function kernel(hasComm: boolean, comms: Record<string, unknown> | Error = {}) {
     return {
+      statusChanged: new Signal<any, string>({}),
+      disposed: new Signal<any, void>({}),
       hasComm: vi.fn(() => hasComm),
       requestCommInfo: vi.fn(async () => {
         if (comms instanceof Error) {
@@ -170,7 +187,7 @@ describe('notebookWidgetSource', () => {
   it('creates the widget renderer right away for a comm this page holds', async () => {
     const reg = registry();
     const k = kernel(true);
-    expect(await notebookWidgetSource(reg, session(k))('m1')).toBe(reg.renderer);
+    expect((await notebookWidgetSource(reg, session(k))('m1'))?.renderer).toBe(reg.renderer);
     expect(reg.createRenderer).toHaveBeenCalledWith(WIDGET_VIEW_MIME);
     expect(k.hasComm).toHaveBeenCalledWith('m1');
     expect(k.requestCommInfo).not.toHaveBeenCalled();
@@ -179,7 +196,7 @@ describe('notebookWidgetSource', () => {
   it('asks the kernel for its widget comms otherwise (a reloaded page)', async () => {
     const reg = registry();
     const alive = kernel(false, { m1: { target_name: 'jupyter.widget' } });
-    expect(await notebookWidgetSource(reg, session(alive))('m1')).toBe(reg.renderer);
+    expect((await notebookWidgetSource(reg, session(alive))('m1'))?.renderer).toBe(reg.renderer);
     expect(alive.requestCommInfo).toHaveBeenCalledWith({ target_name: 'jupyter.widget' });
 
     const restarted = kernel(false, { other: { target_name: 'jupyter.widget' } });
@@ -201,6 +218,21 @@ describe('notebookWidgetSource', () => {
     await mutationsDelivered();
     expect(reg.createRenderer).not.toHaveBeenCalled();
     ready();
-    expect(await result).toBe(reg.renderer);
+    expect((await result)?.renderer).toBe(reg.renderer);
+  });
+
+  it('says the model is gone when the kernel restarts, dies or is replaced', async () => {
+    for (const [event, status] of [['statusChanged', 'restarting'], ['statusChanged', 'autorestarting'], ['statusChanged', 'dead'], ['disposed', undefined]] as const) {
+      const k = kernel(true);
+      const hosted = (await notebookWidgetSource(registry(), session(k))('m1'))!;
+      let gone = false;
+      void hosted.gone.then(() => (gone = true));
+      k.statusChanged.emit('busy');
+      await mutationsDelivered();
+      expect(gone).toBe(false);
+      (k[event] as Signal<any, any>).emit(status);
+      await mutationsDelivered();
+      expect(gone, `${event} ${status}`).toBe(true);
+    }
   });
 });
