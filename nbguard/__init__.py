@@ -26,11 +26,15 @@ def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, pro
     return run_audit(model=model, trainer=trainer, args=args, batch=batch, hardware=hardware, probe=probe)
 
 
-def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True):
-    """Attach a NaN/Inf watch to a model (with its optimizer) or a Trainer; returns a ``NanWatch``."""
+def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, activations=False):
+    """Attach a NaN/Inf watch to a model (with its optimizer) or a Trainer; returns a ``NanWatch``.
+
+    ``activations=True`` also records each module group's output abs-max per step (fp16 headroom).
+    """
     from .watcher import NanWatch
 
-    return NanWatch(target, optimizer=optimizer, scaler=scaler, policy=policy, localize=localize).attach()
+    return NanWatch(target, optimizer=optimizer, scaler=scaler, policy=policy, localize=localize,
+                    activations=activations).attach()
 
 
 def explain(exc):

@@ -22,14 +22,15 @@ def _setup():
     return model, opt, scaler
 
 
-def test_detach_restores_every_hook_count_and_attach_never_stacks():
+@pytest.mark.parametrize("activations", [False, True])
+def test_detach_restores_every_hook_count_and_attach_never_stacks(activations):
     model, opt, scaler = _setup()
     before = hook_counts(model, opt, scaler)
-    watch = nbguard.watch(model, optimizer=opt, scaler=scaler)
+    watch = nbguard.watch(model, optimizer=opt, scaler=scaler, activations=activations)
     once = hook_counts(model, opt, scaler)
     assert once != before
     assert watch.attach() is watch and hook_counts(model, opt, scaler) == once
-    second = nbguard.watch(model, optimizer=opt, scaler=scaler)  # replaces the first
+    second = nbguard.watch(model, optimizer=opt, scaler=scaler, activations=activations)  # replaces the first
     assert not watch.attached and second.attached and hook_counts(model, opt, scaler) == once
     train(model, opt, batches(2), scaler=scaler, autocast=torch.float16)
     second.detach()
@@ -51,7 +52,7 @@ def test_context_manager_and_replay_leave_no_hooks_behind():
     assert hook_counts(model, opt) == before
 
 
-def test_an_internal_error_is_recorded_and_the_watch_steps_aside():
+def test_an_internal_error_is_recorded_and_the_watches_aside():
     model, opt, _ = _setup()
     before = hook_counts(model, opt)
     watch = nbguard.watch(model, optimizer=opt)
@@ -92,7 +93,8 @@ def test_listeners_get_host_scalars_and_a_failing_one_is_removed():
     assert watch.step == 2  # the watch itself kept going
 
 
-def test_one_host_read_per_optimizer_step():
+@pytest.mark.parametrize("activations", [False, True])
+def test_one_host_read_per_optimizer_step(activations):
     counts = {}
     originals = {}
     names = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
@@ -107,10 +109,12 @@ def test_one_host_read_per_optimizer_step():
         originals[name] = original
         return wrapper
 
+    watches = []
+
     def run(watched):
         model, opt, _ = _setup()
         data = batches(4)
-        watch = nbguard.watch(model, optimizer=opt) if watched else None
+        watch = nbguard.watch(model, optimizer=opt, activations=activations) if watched else None
         counts.clear()
         for name in names:
             setattr(torch.Tensor, name, counting(name))
@@ -121,11 +125,14 @@ def test_one_host_read_per_optimizer_step():
                 setattr(torch.Tensor, name, originals[name])
         if watch is not None:
             watch.detach()
+            watches.append(watch)
         return dict(counts)
 
     plain, watched = run(False), run(True)
     extra = {k: watched.get(k, 0) - plain.get(k, 0) for k in set(plain) | set(watched)}
     assert {k: v for k, v in extra.items() if v} == {"tolist": 4}
+    if activations:  # the abs-max rode along in those four reads
+        assert watches[-1].activation_history.steps == [0, 1, 2, 3]
 
 
 def test_eval_forwards_are_not_micro_batches_and_batches_are_released():

@@ -1,7 +1,7 @@
 """The NaN/Inf watch: a one-read-per-step sentinel, replay localisation, guard policies."""
 from .detectors import WatchSettings
-from .history import GradHistory, group_name
+from .history import ActivationHistory, GradHistory, group_name
 from .policies import POLICIES
 from .watch import NanWatch
 
-__all__ = ["GradHistory", "NanWatch", "POLICIES", "WatchSettings", "group_name"]
+__all__ = ["ActivationHistory", "GradHistory", "NanWatch", "POLICIES", "WatchSettings", "group_name"]

@@ -1,4 +1,4 @@
-"""The per-step history: gradient norms per module group in a bounded ring buffer."""
+"""The per-step history: gradient norms (and, opt-in, activation abs-max) per module group in bounded ring buffers."""
 from __future__ import annotations
 
 import re
@@ -86,4 +86,39 @@ class GradHistory:
             "loss": [encode_float(v) for v in self._loss],
             "total_grad_norm": [encode_float(v) for v in self._total],
             "loss_scale": [encode_float(v) for v in self._scale],
+        }
+
+
+class ActivationHistory:
+    """Groups x steps output abs-max (bounded like :class:`GradHistory`), against a dtype limit."""
+
+    def __init__(self, groups: list[str], capacity: int = 2048, limit: float = 65504.0):
+        self.groups = list(groups)
+        self.capacity = capacity
+        self.limit = float(limit)
+        self._steps: deque[int] = deque(maxlen=capacity)
+        self._absmax: deque[list[float | None]] = deque(maxlen=capacity)
+
+    def append(self, step: int, absmax: list[float | None]) -> None:
+        self._steps.append(step)
+        self._absmax.append(list(absmax))
+
+    @property
+    def steps(self) -> list[int]:
+        return list(self._steps)
+
+    def absmax(self, group: str) -> list[float | None]:
+        i = self.groups.index(group)
+        return [row[i] for row in self._absmax]
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The "activations" section of the payload document (groups x steps)."""
+        return {
+            "groups": list(self.groups),
+            "steps": self.steps,
+            "absmax": [[encode_float(row[i]) for row in self._absmax] for i in range(len(self.groups))],
+            "limit": self.limit,
         }

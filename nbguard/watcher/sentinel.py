@@ -27,6 +27,7 @@ class StepStats:
     loss_scale: float | None
     fingerprint: list[float] | None
     found_inf: float | None = None  # the GradScaler's verdict, when one is used
+    activations: list[float] | None = None  # per probed group output abs-max (NOT_SEEN: no forward)
 
     @property
     def total_grad_norm(self) -> float:
@@ -97,7 +98,8 @@ class GradNormCollector:
         return torch.zeros(len(self.groups), device=device, dtype=torch.float32).index_add_(0, idx, stacked)
 
     def read(self, losses: list[torch.Tensor], scale: torch.Tensor | None, with_fingerprint: bool,
-             sum_losses: bool = False, found_inf: torch.Tensor | None = None) -> StepStats:
+             sum_losses: bool = False, found_inf: torch.Tensor | None = None,
+             activations: Callable[[torch.device], torch.Tensor] | None = None) -> StepStats:
         """Stack everything this step produced and read it with a single ``tolist()``."""
         ref = next((n for n in self._norms if n is not None), None)
         device = ref.device if ref is not None else (self.params[0].device if self.params else torch.device("cpu"))
@@ -110,6 +112,11 @@ class GradNormCollector:
             parts.append(scale.detach().float().reshape(1).to(device))
         if found_inf is not None:
             parts.append(found_inf.detach().float().reshape(1).to(device))
+        n_acts = 0
+        if activations is not None:
+            acts = activations(device)
+            n_acts = acts.numel()
+            parts.append(acts)
         if with_fingerprint:
             parts.append(self.fingerprint().to(device))
         values = torch.cat(parts).tolist()  # the one host sync of the step
@@ -118,6 +125,7 @@ class GradNormCollector:
         loss = rest.pop(0) if losses else None
         loss_scale = rest.pop(0) if scale is not None else None
         inf_flags = rest.pop(0) if found_inf is not None else None
+        acts_values, rest = (rest[:n_acts], rest[n_acts:]) if activations is not None else (None, rest)
         if loss_scale:
-            norms = [v / loss_scale for v in norms]
-        return StepStats(norms, loss, loss_scale, rest if with_fingerprint else None, inf_flags)
+            norms = [v / loss_scale for v in norms]  # activations are forward values: never scaled
+        return StepStats(norms, loss, loss_scale, rest if with_fingerprint else None, inf_flags, acts_values)

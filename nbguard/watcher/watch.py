@@ -13,9 +13,10 @@ import torch
 
 from ..errors import NonFiniteError
 from ..findings import Displayable, Event, document
+from .activations import FP16_LIMIT, ActivationProbe, host_values
 from .capture import MicroBatch, capture_autocast, capture_rng, model_loss
 from .detectors import EvalLossDetector, FrozenDetector, SkipStreak, SpikeDetector, WatchSettings
-from .history import GradHistory
+from .history import ActivationHistory, GradHistory
 from .integrations.loop import OptimizerBinding, ScalerBinding, unwrap_optimizer
 from .policies import check_policy, drop_update
 from .replay import Replayer
@@ -40,10 +41,14 @@ class NanWatch(Displayable):
 
     The normal path reads one small tensor per optimizer step; on the first bad step the step is
     replayed eagerly with hooks on every module to name where the NaN/Inf was born.
+    ``activations=True`` adds forward hooks on the module groups that record each group's output
+    abs-max per step (into the same read) for a heatmap against the fp16 limit.
     """
 
     def __init__(self, target, *, optimizer=None, scaler=None, policy: str = "warn", localize: bool = True,
-                 settings: WatchSettings | None = None):
+                 settings: WatchSettings | None = None, activations: bool = False):
+        if not isinstance(activations, bool):
+            raise TypeError(f"activations must be True or False, got {type(activations).__name__}")
         self.policy = check_policy(policy)
         # Stable identity across displays: merged notebook outputs keep only the latest view.
         self.watch_id = uuid.uuid4().hex
@@ -70,6 +75,14 @@ class NanWatch(Displayable):
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._collector = GradNormCollector(named, lambda exc: self._fail(exc, safe=False))
         self.history = GradHistory(self._collector.groups, self.settings.history_capacity)
+        self._probe: ActivationProbe | None = None
+        self.activation_history: ActivationHistory | None = None  # None unless activations=True
+        if activations:
+            self._probe = ActivationProbe(self.model, self._collector.groups,
+                                          lambda m: self._active() and self._training_forward(m),
+                                          lambda exc: self._fail(exc, safe=False))
+            self.activation_history = ActivationHistory(self._probe.groups, self.settings.history_capacity,
+                                                        FP16_LIMIT)
         self.events: list[Event] = []
         self.step = 0
         self.attached = False
@@ -104,6 +117,8 @@ class NanWatch(Displayable):
             self.model.register_forward_hook(self._root_post, with_kwargs=True),
         ]
         self._collector.attach()
+        if self._probe is not None:
+            self._probe.attach()
         if self.optimizer is not None:
             self._opt_binding = OptimizerBinding(self.optimizer, self._pre_step, self._post_step)
         if self.scaler is not None:
@@ -126,6 +141,8 @@ class NanWatch(Displayable):
             h.remove()
         self._handles = []
         self._collector.detach()
+        if self._probe is not None:
+            self._probe.detach()
         if self._opt_binding is not None:
             self._opt_binding.remove()
             self._opt_binding = None
@@ -254,7 +271,8 @@ class NanWatch(Displayable):
             # Trainer passes num_items_in_batch: each micro-batch loss is then a share of the step's loss
             shares = any("num_items_in_batch" in mb.kwargs for mb in self._micro_batches)
             self._stats = self._collector.read(self._losses, scale, self._frozen.due(self.step), sum_losses=shares,
-                                               found_inf=found_inf)
+                                               found_inf=found_inf,
+                                               activations=self._probe.values if self._probe is not None else None)
         return self._stats
 
     def _scaler_guards(self) -> bool:
@@ -345,6 +363,10 @@ class NanWatch(Displayable):
         stats = self._read()
         step = self.step
         self.history.append(step, stats.grad_norm, stats.loss, stats.total_grad_norm, stats.loss_scale, skipped)
+        activations = None
+        if self.activation_history is not None and stats.activations is not None:
+            activations = host_values(stats.activations)
+            self.activation_history.append(step, activations)
         stop_event = None
         if self._scaler_binding is not None:
             streak = self._skips.update(scaler_skipped, stats.loss_scale)
@@ -370,6 +392,8 @@ class NanWatch(Displayable):
         payload = {"step": step, "loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
                    "loss_scale": stats.loss_scale, "skipped": skipped,
                    "grad_norm": dict(zip(self.history.groups, stats.grad_norm))}
+        if activations is not None:
+            payload["activation_absmax"] = dict(zip(self.activation_history.groups, activations))
         self._release_step()
         self._notify("step", payload)
         if stop_event is not None:
@@ -383,6 +407,8 @@ class NanWatch(Displayable):
         self._optimizer_stepped = False
         self._step_dropped = False
         self._collector.reset()
+        if self._probe is not None:
+            self._probe.reset()
 
     def _on_eval_loss(self, eval_loss: float, global_step: int) -> None:
         if not self._active():
@@ -460,8 +486,10 @@ class NanWatch(Displayable):
         return "\n".join(lines)
 
     def to_document(self) -> dict[str, Any]:
-        return document("watch", title="nbguard NaN/Inf watch", watch_id=self.watch_id,
-                        events=[e.to_dict() for e in self.events], history=self.history.to_dict())
+        sections: dict[str, Any] = {"events": [e.to_dict() for e in self.events], "history": self.history.to_dict()}
+        if self.activation_history is not None:
+            sections["activations"] = self.activation_history.to_dict()
+        return document("watch", title="nbguard NaN/Inf watch", watch_id=self.watch_id, **sections)
 
     def __repr__(self) -> str:
         return (f"<NanWatch {type(self.target).__name__} policy={self.policy} step={self.step} "
