@@ -273,6 +273,35 @@ def test_nanwatch_attaches_with_the_unique_optimizer_and_off_detaches(shell):
     assert cell.stderr.startswith("nbguard: no watch")
 
 
+def test_nanwatch_activations_shows_the_abs_max_heatmap_live_and_in_the_static_copy(shell):
+    from nbguard.notebook.present import OPEN_VIEWS
+
+    run(shell, WATCH_SETUP)
+    cell = run(shell, "%nanwatch net --activations")
+    assert cell.stderr == "" and WIDGET_MIME in cell.outputs[0]
+    dash = OPEN_VIEWS[-1].dashboard
+    assert dash.watch.activation_history is not None and dash.activations_heatmap.layout.display != "none"
+    run(shell, LOOP.format(steps=2))
+    cell = run(shell, "%nanwatch off")
+    assert dash.errors == [] and dash.activations_heatmap.value[:8] == b"\x89PNG\r\n\x1a\n"
+    [doc] = cell.docs
+    assert doc["activations"]["steps"] == [0, 1] and "model.layers.1.mlp" in doc["activations"]["groups"]
+    [live] = cell.updates
+    assert "activation abs-max heatmap" in live["text/html"]  # the saved notebook keeps it too
+
+
+def test_nanwatch_without_activations_has_no_activation_heatmap(shell):
+    from nbguard.notebook.present import OPEN_VIEWS
+
+    run(shell, WATCH_SETUP)
+    run(shell, "%nanwatch net")
+    dash = OPEN_VIEWS[-1].dashboard
+    run(shell, LOOP.format(steps=1))
+    cell = run(shell, "%nanwatch off")
+    assert dash.activations_heatmap.layout.display == "none" and not dash.activations_heatmap.value
+    assert "activations" not in cell.docs[0]
+
+
 @pytest.mark.parametrize("line, message", [
     ("%nanwatch --policy explode", "invalid choice: 'explode'"),
     ("%nanwatch batch", "'batch' is a dict"),

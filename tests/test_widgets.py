@@ -143,6 +143,23 @@ def test_dashboard_draws_heatmap_layers_events_and_origins():
     assert "steps 0–2" in dash.layer_view.value
 
 
+def test_dashboard_draws_the_activation_heatmap_when_the_watch_probes_and_zooms_it():
+    import nbguard
+    from nbguard.testing import tiny_llama
+
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nbguard.watch(model, optimizer=opt, activations=True) as watch:
+        dash = _dashboard(watch)
+        _train(model, opt, 4)
+        dash.finish()
+    assert dash.errors == [] and dash.activations_heatmap.layout.display != "none"
+    png_all = dash.activations_heatmap.value
+    assert png_all[:8] == b"\x89PNG\r\n\x1a\n" and png_all != dash.heatmap.value
+    dash.step_range.value = (0, 1)  # zoom: both heatmaps follow the step range
+    assert dash.activations_heatmap.value[:8] == b"\x89PNG\r\n\x1a\n" and dash.activations_heatmap.value != png_all
+
+
 def test_dashboard_throttles_drawing():
     import nbguard
     from nbguard.notebook.widgets.dashboard import WatchDashboard

@@ -51,6 +51,7 @@ def _nanwatch_parser():
     p.add_argument("--policy", choices=POLICIES, default="warn")
     p.add_argument("--optimizer", default=None)
     p.add_argument("--scaler", default=None)
+    p.add_argument("--activations", action="store_true")
     return p
 
 
@@ -154,7 +155,7 @@ class NbguardMagics(Magics):
     # -- %nanwatch / %%nanwatch ------------------------------------------------------------------
     @line_cell_magic
     def nanwatch(self, line: str = "", cell: str | None = None):
-        """%nanwatch [OBJ] [--policy warn|skip|stop] [--optimizer NAME]; %nanwatch off; %%nanwatch [OBJ]."""
+        """%nanwatch [OBJ] [--policy warn|skip|stop] [--optimizer NAME] [--activations]; %nanwatch off; %%nanwatch [OBJ]."""
         if cell is None:
             return self._guarded(self._nanwatch_line, line)
         return self._guarded(self._nanwatch_cell, line, cell)
@@ -202,7 +203,8 @@ class NbguardMagics(Magics):
         elif opts.optimizer:
             raise MagicError("--optimizer is for a model; a Trainer brings its own optimizer")
         self.state.stop_watches()  # one %nanwatch at a time: never two watches on the same run
-        watch = nbguard.watch(target, optimizer=optimizer, scaler=scaler, policy=opts.policy)
+        watch = nbguard.watch(target, optimizer=optimizer, scaler=scaler, policy=opts.policy,
+                              activations=opts.activations)
         live = LiveWatch(watch)
         self.state.watches.append(live)
         return live

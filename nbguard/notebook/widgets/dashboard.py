@@ -1,13 +1,14 @@
-"""The live dashboard of a NanWatch: heatmap, sparklines, events, layer and step-range pickers.
+"""The live dashboard of a NanWatch: heatmaps, sparklines, events, layer and step-range pickers.
 
 The update path is built for training loops: the watch calls :meth:`WatchDashboard.on_watch`
 after every optimizer step with host-side scalars it already has; the dashboard appends them and
 nothing else (no tensor is touched, so no host sync). Drawing happens on a time throttle:
 cheap parts (status line, SVG sparklines, events) at least ``light_interval`` apart, the heatmap
-PNG at least ``heavy_interval`` apart, and each part only once the time since its last drawing
-is ``1/budget`` times what that drawing cost: the sparklines take at most ``light_budget`` (1 %)
-and the heatmap at most ``heavy_budget`` (2 %) of the run's wall time, however long the history
-grows (typically far less: a few ms every half second, a heatmap every few seconds).
+PNGs (grad norm; activation abs-max when the watch probes them) at least ``heavy_interval`` apart,
+and each part only once the time since its last drawing is ``1/budget`` times what that drawing
+cost: the sparklines take at most ``light_budget`` (1 %) and the heatmaps at most ``heavy_budget``
+(2 %) of the run's wall time, however long the history grows (typically far less: a few ms every
+half second, a heatmap every few seconds).
 """
 from __future__ import annotations
 
@@ -23,15 +24,20 @@ from .html import esc
 from .sparkline import last_value, sparkline_svg
 
 
-def slice_history(history: dict, lo: int | None, hi: int | None) -> dict:
-    """The history section restricted to steps in ``[lo, hi]`` (both optional)."""
+def slice_history(history: dict, lo: int | None, hi: int | None, key: str = "grad_norm") -> dict:
+    """The history section restricted to steps in ``[lo, hi]`` (both optional).
+
+    ``key`` names the groups x steps matrix: "grad_norm" (history) or "absmax" (activations).
+    """
     steps = history.get("steps", [])
     keep = [i for i, s in enumerate(steps) if (lo is None or s >= lo) and (hi is None or s <= hi)]
     if len(keep) == len(steps):
         return history
     out = dict(history)
     out["steps"] = [steps[i] for i in keep]
-    out["grad_norm"] = [[row[i] for i in keep] for row in history.get("grad_norm", [])]
+    out[key] = [[row[i] for i in keep] for row in history.get(key, [])]
+    if key != "grad_norm":
+        return out
     for key in ("loss", "total_grad_norm", "loss_scale"):
         if key in history and len(history[key]) == len(steps):
             out[key] = [history[key][i] for i in keep]
@@ -69,6 +75,11 @@ class WatchDashboard:
 
         self.status = W.HTML(value="<b>nbguard watch</b>: waiting for the first optimizer step…")
         self.heatmap = W.Image(format="png", layout=W.Layout(max_width="100%"))
+        # activation abs-max against the fp16 limit: only for a watch started with activations=True
+        self._activations: dict | None = None
+        self.activations_heatmap = W.Image(format="png", layout=W.Layout(max_width="100%"))
+        if getattr(watch, "activation_history", None) is None:
+            self.activations_heatmap.layout.display = "none"
         self.sparks = W.HTML()
         self.step_range = W.IntRangeSlider(value=(0, 0), min=0, max=0, description="Steps",
                                            continuous_update=False, layout=W.Layout(width="95%"))
@@ -80,13 +91,13 @@ class WatchDashboard:
         self.layer.observe(lambda _c: self.render_layer(), names="value")
         self.event_list.observe(lambda _c: self.render_event(), names="value")
         self.widget = W.VBox([
-            self.status, self.heatmap, self.sparks, self.step_range,
+            self.status, self.heatmap, self.activations_heatmap, self.sparks, self.step_range,
             W.HBox([W.VBox([self.layer, self.layer_view]), W.VBox([self.event_list, self.event_view])]),
         ])
         self.attached = False
         # import the renderer now, not on the first training step: a first draw that pays for
         # importing matplotlib would look expensive and push every later draw far apart
-        from ...render import heatmap_png  # noqa: F401
+        from ...render import activations_png, heatmap_png  # noqa: F401
 
     # -- wiring to the watch --------------------------------------------------------------------
     def attach(self) -> "WatchDashboard":
@@ -196,7 +207,18 @@ class WatchDashboard:
         section = slice_history(self._history, lo, hi)
         if section.get("steps"):
             self.heatmap.value = heatmap_png(section)
+        acts = getattr(self.watch, "activation_history", None)
+        if acts is not None:
+            self._activations = acts.to_dict()
+            self._draw_activations(lo, hi)
         self.render_layer()
+
+    def _draw_activations(self, lo: int, hi: int) -> None:
+        from ...render import activations_png
+
+        section = slice_history(self._activations, lo, hi, key="absmax")
+        if section.get("steps") and section.get("groups"):
+            self.activations_heatmap.value = activations_png(section)
 
     def render_layer(self) -> None:
         history, group = self._history, self.layer.value
@@ -265,6 +287,8 @@ class WatchDashboard:
                 from ...render import heatmap_png
 
                 self.heatmap.value = heatmap_png(section)
+            if self._activations is not None:
+                self._draw_activations(lo, hi)
             self.render_layer()
 
     @staticmethod
