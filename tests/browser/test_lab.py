@@ -190,7 +190,7 @@ def test_report_renders_and_fix_cell_lands_below_its_cell(lab, browser_page):
     card = audit_cell.locator(f'.nbg-card[data-rule="{RULE}"]')
     card.wait_for(timeout=TIMEOUT_MS)
     # Preferred over the bundle's text/html fallback: one output, drawn by our renderer widget.
-    assert audit_cell.locator(".jp-OutputArea-output.nbg-renderer > .nbg-report").count() == 1
+    assert audit_cell.locator(".jp-OutputArea-output.nbg-renderer > .nbg-static > .nbg-report").count() == 1
     assert audit_cell.locator(".jp-OutputArea-output.jp-RenderedHTMLCommon").count() == 0
     assert card.locator(".nbg-badge").text_content() == "warning"
     assert card.locator(f'.nbg-fix[data-fix="{FIX}"]').count() == 1
