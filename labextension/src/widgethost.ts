@@ -166,7 +166,7 @@ export class WidgetHost extends Panel {
       return;
     }
     const live = !this.widgetGone && showsLiveWidget(this.widgetView.node);
-    this.staticView.setHidden(live); // hide one before showing the other: never both at once
+    this.staticView.setHidden(live); // both in one synchronous step: never both shown
     this.widgetView.setHidden(!live);
   }
 }
