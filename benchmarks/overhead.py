@@ -1,4 +1,5 @@
-"""Step-time overhead of nbguard's watch against no watch, anomaly mode and DebugUnderflowOverflow.
+"""Step-time overhead of nbguard's watch (also with its activation probe) against no watch, anomaly mode and
+DebugUnderflowOverflow.
 
 A Llama-shaped model (~21M parameters by default) trains on CPU with AdamW. Each variant has its own
 copy of the model and optimizer; the variants run interleaved, one step each per round, in a rotating
@@ -57,8 +58,8 @@ class Variant:
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         self.times: list[float] = []
         self.extra = None
-        if name == "nbguard watch":
-            self.extra = NanWatch(model, optimizer=self.opt).attach()
+        if name.startswith("nbguard watch"):
+            self.extra = NanWatch(model, optimizer=self.opt, activations=name.endswith("+ activations")).attach()
         elif name == "DebugUnderflowOverflow":
             from transformers.debug_utils import DebugUnderflowOverflow
 
@@ -80,11 +81,11 @@ class Variant:
 def measure(args):
     base = build_model(args)
     n_params = sum(p.numel() for p in base.parameters())
-    names = ["baseline", "nbguard watch", "detect_anomaly", "DebugUnderflowOverflow"]
+    names = ["baseline", "nbguard watch", "nbguard watch + activations", "detect_anomaly", "DebugUnderflowOverflow"]
     if args.skip_debug:
         names.remove("DebugUnderflowOverflow")
     if args.watch_only:  # a tighter estimate of the watch alone: more rounds in the same time
-        names = names[:2]
+        names = names[:3]
     variants = [Variant(n, copy.deepcopy(base) if i else base, args) for i, n in enumerate(names)]
     batches = [make_batch(args, s) for s in range(4)]
     for v in variants:  # warm-up: allocator, autograd caches, first AdamW state
@@ -101,9 +102,9 @@ def measure(args):
             ratios[v.name].append(this_round[v.name] / this_round["baseline"])
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {t * 1e3:.0f} ms" for k, t in this_round.items()),
               file=sys.stderr)
-    watch = variants[1].extra
-    assert watch.events == [], watch.summary()  # a healthy run raises no alarm
-    watch.detach()
+    for watch in (variants[1].extra, variants[2].extra):
+        assert watch.events == [], watch.summary()  # a healthy run raises no alarm
+        watch.detach()
     return n_params, variants, ratios
 
 
@@ -159,7 +160,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: as set)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip-debug", action="store_true", help="leave out DebugUnderflowOverflow")
-    parser.add_argument("--watch-only", action="store_true", help="only baseline and the watch")
+    parser.add_argument("--watch-only", action="store_true", help="only baseline and the watch (plain and + activations)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall (default) or cpu: this thread's CPU time, steadier on a busy machine "
                              "(use with --threads 1 on CPU only)")
