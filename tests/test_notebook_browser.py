@@ -7,30 +7,13 @@ card says so. "Apply" fixes the model in the kernel and the re-audited card has 
 from __future__ import annotations
 
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
+from browser.lab_helpers import JS_NOTEBOOK_STATE as STATE
+from browser.lab_helpers import WIDGET_NOTEBOOK_CELLS as CELLS
+from browser.lab_helpers import WIDGETS_LABEXTENSION
 
 pytestmark = pytest.mark.browser
-
-WIDGETS_LABEXTENSION = Path(sys.prefix) / "share" / "jupyter" / "labextensions" / "@jupyter-widgets"
-CELLS = [
-    "%load_ext nbguard",
-    "import torch\nfrom nbguard.testing import tiny_llama\nmodel = tiny_llama(dtype=torch.float16)",
-    "%precision_check --hardware t4",
-    "print('a later cell')",
-]
-STATE = """(path) => { const app = window.jupyterapp;
-  const panel = Array.from(app.shell.widgets('main')).find(w => w.context && w.context.path === path);
-  if (!panel || !panel.content.model) { return null; }
-  const cells = [];
-  for (let i = 0; i < panel.content.model.cells.length; i++) {
-    const c = panel.content.model.cells.get(i);
-    cells.push({source: c.sharedModel.getSource(), n: c.type === 'code' ? c.executionCount : null});
-  }
-  const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
-  return {cells, kernel: kernel ? kernel.status : null}; }"""
 
 
 @pytest.fixture

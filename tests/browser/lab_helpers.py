@@ -145,3 +145,25 @@ def write_notebook(path: Path, cells: list[tuple[str, str]], kernel: str = "pyth
         "nbformat_minor": 5,
     }
     path.write_text(json.dumps(nb, indent=1))
+
+
+# A notebook whose %precision_check output carries a live widget next to nbguard's document:
+# what the widget browser tests open, run, restart and reload.
+WIDGETS_LABEXTENSION = Path(sys.prefix) / "share" / "jupyter" / "labextensions" / "@jupyter-widgets"
+WIDGET_NOTEBOOK_CELLS = [
+    "%load_ext nbguard",
+    "import torch\nfrom nbguard.testing import tiny_llama\nmodel = tiny_llama(dtype=torch.float16)",
+    "%precision_check --hardware t4",
+    "print('a later cell')",
+]
+# From the notebook model: cell sources, execution counts, the kernel's status and whether it is dirty.
+JS_NOTEBOOK_STATE = """(path) => { const app = window.jupyterapp;
+  const panel = Array.from(app.shell.widgets('main')).find(w => w.context && w.context.path === path);
+  if (!panel || !panel.content.model) { return null; }
+  const cells = [];
+  for (let i = 0; i < panel.content.model.cells.length; i++) {
+    const c = panel.content.model.cells.get(i);
+    cells.push({source: c.sharedModel.getSource(), n: c.type === 'code' ? c.executionCount : null});
+  }
+  const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
+  return {cells, kernel: kernel ? kernel.status : null, dirty: panel.context.model.dirty}; }"""

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
-from .lab_helpers import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, LabServer
+from .lab_helpers import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, WIDGETS_LABEXTENSION, LabServer
+from .lab_helpers import JS_NOTEBOOK_STATE as JS_STATE
+from .lab_helpers import WIDGET_NOTEBOOK_CELLS as CELLS
 
 pytestmark = pytest.mark.browser
 
@@ -26,25 +26,7 @@ MIME = "application/vnd.nbguard.v1+json"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 RULE = "trainable-low-precision"
 TIMEOUT_MS = 120_000  # two shared cores: kernel start + torch import can be slow
-WIDGETS_LABEXTENSION = Path(sys.prefix) / "share" / "jupyter" / "labextensions" / "@jupyter-widgets"
 PATH = "host.ipynb"
-CELLS = [
-    "%load_ext nbguard",
-    "import torch\nfrom nbguard.testing import tiny_llama\nmodel = tiny_llama(dtype=torch.float16)",
-    "%precision_check --hardware t4",
-    "print('a later cell')",
-]
-# From the notebook model: cell sources, execution counts, and the kernel's status.
-JS_STATE = """(path) => { const app = window.jupyterapp;
-  const panel = Array.from(app.shell.widgets('main')).find(w => w.context && w.context.path === path);
-  if (!panel || !panel.content.model) { return null; }
-  const cells = [];
-  for (let i = 0; i < panel.content.model.cells.length; i++) {
-    const c = panel.content.model.cells.get(i);
-    cells.push({source: c.sharedModel.getSource(), n: c.type === 'code' ? c.executionCount : null});
-  }
-  const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
-  return {cells, kernel: kernel ? kernel.status : null, dirty: panel.context.model.dirty}; }"""
 JS_RESTART = """(path) => { const panel = Array.from(window.jupyterapp.shell.widgets('main'))
   .find(w => w.context && w.context.path === path);
   return panel.sessionContext.session.kernel.restart(); }"""
