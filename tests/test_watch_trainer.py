@@ -173,3 +173,28 @@ def test_trl_sft_trainer_with_a_nan_embedding_row():
     assert origin.module == "model.embed_tokens" and origin.tensor == "weight"
     assert torch.equal(before, model.model.layers[0].mlp.up_proj.weight)  # the bad update was dropped
     watch.detach()
+
+
+def _masked_mean_loss(outputs, labels, num_items_in_batch=None):
+    """A custom token-mean loss: sum(ce * mask) / mask.sum() is 0/0 when every label is -100."""
+    logits, target = outputs.logits[:, :-1].float(), labels[:, 1:]
+    mask = (target != -100).float().reshape(-1)
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.clamp(min=0).reshape(-1),
+                                           reduction="none")
+    return (ce * mask).sum() / mask.sum()
+
+
+def test_trainer_compute_loss_func_batch_without_labels_is_named_as_such():
+    """compute_loss_func makes the Trainer pop the labels before the model sees them."""
+    data = TinyDataset(8)
+    for row in data.rows:
+        row["labels"] = torch.full_like(row["labels"], -100)  # prompt-only rows: nothing supervised
+    model = tiny_llama()
+    trainer = Trainer(model=model, args=_args(max_steps=1), train_dataset=data, compute_loss_func=_masked_mean_loss)
+    watch = nbguard.watch(trainer)
+    trainer.train()
+    event = watch.events[0]
+    assert event.cause == "no-supervised-tokens" and event.origins == []
+    assert event.evidence["micro_batches_without_labels"] == [0]
+    watch.detach()
+    assert "compute_loss" not in vars(trainer)  # the tap is gone; the class method answers again

@@ -86,6 +86,7 @@ class MicroBatch:
     rng: dict[str, Any]
     autocast: list[tuple[str, torch.dtype]]
     output_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    trainer_labels: torch.Tensor | None = None  # the Trainer's labels when it kept them from the model
 
     def record_output_grads(self, output: Any) -> None:
         """Hook the outputs so the real backward leaves us the gradient that reached them."""
@@ -99,7 +100,7 @@ class MicroBatch:
 
     def labels(self) -> torch.Tensor | None:
         labels = self.kwargs.get("labels")
-        return labels if isinstance(labels, torch.Tensor) else None
+        return labels if isinstance(labels, torch.Tensor) else self.trainer_labels
 
     def has_no_supervised_tokens(self) -> bool:
         """All labels -100 (after the causal shift): the mean loss is 0/0."""

@@ -93,6 +93,7 @@ class NanWatch(Displayable):
         self._opt_binding: OptimizerBinding | None = None
         self._scaler_binding: ScalerBinding | None = None
         self._callback = None
+        self._labels_tap = None  # Trainer only: labels the Trainer keeps from the model
         self._trainer_control = None
         self._stop_requested = False
         self._broken = False
@@ -124,10 +125,11 @@ class NanWatch(Displayable):
         if self.scaler is not None:
             self._scaler_binding = ScalerBinding(self.scaler, self._before_scaler_update, self._after_scaler_update)
         if self.trainer is not None:
-            from .integrations.trainer import WatchCallback
+            from .integrations.trainer import LabelsTap, WatchCallback
 
             self._callback = WatchCallback(self)
             self.trainer.add_callback(self._callback)
+            self._labels_tap = LabelsTap(self.trainer)
             self._bind_trainer_parts()
         self.attached = True
         _ATTACHED[self.target] = self
@@ -152,6 +154,9 @@ class NanWatch(Displayable):
         if self._callback is not None:
             self.trainer.remove_callback(self._callback)
             self._callback = None
+        if self._labels_tap is not None:
+            self._labels_tap.remove()
+            self._labels_tap = None
         self._release_step()
         self.attached = False
         if _ATTACHED.get(self.target) is self:
@@ -243,8 +248,10 @@ class NanWatch(Displayable):
         if not self._active() or not self._training_forward(module):
             return None
         try:
+            trainer_labels = self._labels_tap.take() if self._labels_tap is not None else None
             self._micro_batches.append(
-                MicroBatch(len(self._micro_batches), args, dict(kwargs), capture_rng(), capture_autocast()))
+                MicroBatch(len(self._micro_batches), args, dict(kwargs), capture_rng(), capture_autocast(),
+                           trainer_labels=trainer_labels))
         except Exception as exc:
             self._fail(exc, safe=True)
         return None
@@ -431,7 +438,8 @@ class NanWatch(Displayable):
             evidence["loss_scale"] = stats.loss_scale
         cause, origins = None, []
         empty = [mb.index for mb in self._micro_batches if mb.has_no_supervised_tokens()]
-        if empty and not stats.loss_finite:
+        # 0/0 shows in the loss, or only in the gradients when the loss is computed outside the model.
+        if empty and kind in ("nonfinite-loss", "nonfinite-grad"):
             cause = "no-supervised-tokens"
             evidence["micro_batches_without_labels"] = empty
         elif self.localize and self._micro_batches and self._replays < self.settings.max_replays:

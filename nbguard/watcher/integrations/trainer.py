@@ -2,12 +2,48 @@
 ``train()``) and the accelerator's GradScaler, ends training on ``stop``, and watches eval loss."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import torch
 from transformers import TrainerCallback
 
 
 def trainer_scaler(trainer):
     accelerator = getattr(trainer, "accelerator", None)
     return getattr(accelerator, "scaler", None)
+
+
+class LabelsTap:
+    """Keeps the labels the Trainer hands to ``compute_loss`` for the next training forward.
+
+    With ``compute_loss_func`` or label smoothing the Trainer pops the labels before calling the
+    model, where micro-batches are captured; without this tap an all -100 batch (a 0/0 loss) would
+    look like an unexplained NaN. Installed as an instance attribute and removed on detach.
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.labels: torch.Tensor | None = None
+        self._own = vars(trainer).get("compute_loss")  # a compute_loss the user set on the instance
+        original = trainer.compute_loss
+
+        def compute_loss(model, inputs, *args, **kwargs):
+            labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
+            self.labels = labels if isinstance(labels, torch.Tensor) else None
+            return original(model, inputs, *args, **kwargs)
+
+        trainer.compute_loss = compute_loss
+
+    def take(self) -> torch.Tensor | None:
+        """The labels of the forward about to run; each set is handed out once."""
+        labels, self.labels = self.labels, None
+        return labels
+
+    def remove(self) -> None:
+        if self._own is not None:
+            self.trainer.compute_loss = self._own
+        else:
+            vars(self.trainer).pop("compute_loss", None)
 
 
 class WatchCallback(TrainerCallback):
