@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 from functools import lru_cache
+from html.parser import HTMLParser
 
 import torch
 from torch import nn
@@ -81,13 +82,18 @@ def _first_nonfinite(model: nn.Module, batch: dict) -> Origin | None:
     return found[0] if found else None
 
 
-@lru_cache(maxsize=None)
-def _planted_run(steps: int, bad_step: int) -> tuple:
+def _model_with_hostile_overflow():
+    """A tiny Llama whose layer-1 down_proj sits under a module with a hostile name; arm it to overflow."""
     torch.manual_seed(0)
     model = tiny_llama(seed=0)
     mlp = model.model.layers[1].mlp
     mlp.down_proj = Holder(mlp.down_proj)
-    overflow = getattr(mlp.down_proj, HOSTILE)
+    return model, getattr(mlp.down_proj, HOSTILE)
+
+
+@lru_cache(maxsize=None)
+def _planted_run(steps: int, bad_step: int) -> tuple:
+    model, overflow = _model_with_hostile_overflow()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = list(dict.fromkeys(_group_of(n) for n, _ in params))
@@ -170,11 +176,7 @@ def watched_run_with_planted_fault(steps: int = 4, bad_step: int = 2, policy: st
     ``bad_step``; returns (model, watch)."""
     import nbguard
 
-    torch.manual_seed(0)
-    model = tiny_llama(seed=0)
-    mlp = model.model.layers[1].mlp
-    mlp.down_proj = Holder(mlp.down_proj)
-    overflow = getattr(mlp.down_proj, HOSTILE)
+    model, overflow = _model_with_hostile_overflow()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with nbguard.watch(model, optimizer=opt, policy=policy) as watch:
         for step in range(steps):
@@ -184,3 +186,14 @@ def watched_run_with_planted_fault(steps: int = 4, bad_step: int = 2, policy: st
             opt.zero_grad(set_to_none=True)
     overflow.armed = False
     return model, watch
+
+
+class Refs(HTMLParser):
+    """Every start tag of an HTML page with its attributes: what a report references."""
+
+    def __init__(self):
+        super().__init__()
+        self.tags = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +15,7 @@ from nbguard.reporting.markdown import GITHUB_BODY_LIMIT, md_code
 from nbguard.testing import tiny_batch
 from nbguard.session import SESSION, record_audit, record_diagnosis, record_fix, record_watch
 
-from report_helpers import (HF_TOKEN, HOSTILE, WANDB_KEY, audit_document, planted_watch_document,
+from report_helpers import (HF_TOKEN, HOSTILE, WANDB_KEY, Refs, audit_document, planted_watch_document,
                             watched_run_with_planted_fault)
 
 ENV_SECRET = "s3cr3t-Value-From-Env"
@@ -49,15 +47,6 @@ def planted_secrets_documents():
     fix = document("fix", fixes_applied=[{"fix": "disable-use-cache", "changed": {"use_cache": [True, False]},
                                           "code": f"os.environ['WANDB_API_KEY'] = '{WANDB_KEY}'", "time": 1.0}])
     return audit, watch, diagnosis, fix
-
-
-class Refs(HTMLParser):
-    def __init__(self):
-        super().__init__()
-        self.tags = []
-
-    def handle_starttag(self, tag, attrs):
-        self.tags.append((tag, dict(attrs)))
 
 
 def outside_code(markdown: str) -> str:

@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from nbguard.findings import MIME_TYPE  # noqa: E402
 from nbguard.reporting import schema  # noqa: E402
 from nbguard.reporting.nbconvert import NbguardExporter, notebook_documents  # noqa: E402
 
-from report_helpers import HF_TOKEN, HOSTILE  # noqa: E402
+from report_helpers import HF_TOKEN, HOSTILE, Refs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_SECRET = "kernel-side-Secret-4711"
@@ -69,15 +68,6 @@ def test_the_executed_notebook_holds_nbguard_outputs(executed):
     watch_doc = docs[0]
     event = next(e for e in watch_doc["events"] if e["kind"].startswith("nonfinite"))
     assert event["step"] == 2 and event["origins"][0]["module"].endswith(HOSTILE)
-
-
-class Refs(HTMLParser):
-    def __init__(self):
-        super().__init__()
-        self.tags = []
-
-    def handle_starttag(self, tag, attrs):
-        self.tags.append((tag, dict(attrs)))
 
 
 def test_exporter_api_makes_one_self_contained_html_report(executed, kernel_secret_env):

@@ -11,11 +11,10 @@ from __future__ import annotations
 import base64
 import html
 import json
-import math
 from typing import Any, Callable
 
-from .data import as_float, fmt_num, heading, history_overview, pretty_json, watch_sections
-from .text import headroom_key, format_time, hardware_line, last_line, origin_summary
+from .data import fmt_num, heading, history_overview, pretty_json, watch_sections
+from .text import headroom_key, format_time, hardware_line, last_line
 
 MAX_PROBE_ROWS = 40
 MAX_EVENTS = 100

@@ -108,7 +108,7 @@ def _render(doc: dict, images: dict[str, str], compact: bool) -> str:
         out.append(details("modules, least headroom first", "\n".join(table) + more))
 
     for number, watch in enumerate(watch_sections(doc), start=1):
-        out.append(f"### Watch" + (f": {md_text(watch['title'])}" if watch["title"] else ""))
+        out.append("### Watch" + (f": {md_text(watch['title'])}" if watch["title"] else ""))
         overview = history_overview(watch["history"])
         if overview:
             out.append(_overview_md(overview))
