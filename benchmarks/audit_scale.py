@@ -36,8 +36,9 @@ def main() -> None:
     parser.add_argument("--hardware", default="a100")
     opts = parser.parse_args()
 
-    import nbguard
     from transformers import TrainingArguments
+
+    import nbguard
 
     t0 = time.perf_counter()
     model = build()

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from nbguard.render import heatmap_png, mime_bundle
 from nbguard.findings import document
+from nbguard.render import heatmap_png, mime_bundle
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -21,9 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import nbguard  # noqa: E402
 from nbguard.watcher import NanWatch  # noqa: E402
-
 
 # "cpu" counts this thread's CPU time only: on a shared machine it ignores time spent descheduled
 # (valid with one intra-op thread on CPU, where all the work runs on the calling thread).

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import platform
 import sys
-from functools import lru_cache
+from functools import cache
 from importlib import metadata
 
 from packaging.version import InvalidVersion, Version
@@ -14,7 +14,7 @@ TRACKED_PACKAGES = (
 )
 
 
-@lru_cache(maxsize=None)
+@cache
 def package_version(name: str) -> str | None:
     """The installed version of ``name``, or None when it is not installed."""
     try:

@@ -90,7 +90,7 @@ class Finding:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Finding":
+    def from_dict(cls, data: dict[str, Any]) -> Finding:
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
 
@@ -115,7 +115,7 @@ class Origin:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Origin":
+    def from_dict(cls, data: dict[str, Any]) -> Origin:
         kwargs = {f.name: data[f.name] for f in fields(cls) if f.name in data}
         for key in ("input_absmax", "output_absmax"):
             if key in kwargs:
@@ -174,7 +174,7 @@ class Event:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Event":
+    def from_dict(cls, data: dict[str, Any]) -> Event:
         return cls(
             kind=data["kind"],
             step=data["step"],

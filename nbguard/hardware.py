@@ -86,7 +86,7 @@ def detect() -> Hardware:
     return replace(PROFILES["cpu"], detected=True)
 
 
-def resolve_hardware(spec: "str | Hardware | None" = None) -> Hardware:
+def resolve_hardware(spec: str | Hardware | None = None) -> Hardware:
     """A :class:`Hardware` from a profile name, an instance, or None (detect this machine)."""
     if spec is None:
         return detect()

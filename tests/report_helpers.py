@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
-from functools import lru_cache
+from functools import cache, lru_cache
 from html.parser import HTMLParser
 
 import torch
@@ -91,7 +91,7 @@ def _model_with_hostile_overflow():
     return model, getattr(mlp.down_proj, HOSTILE)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _planted_run(steps: int, bad_step: int) -> tuple:
     model, overflow = _model_with_hostile_overflow()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

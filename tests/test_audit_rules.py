@@ -86,7 +86,7 @@ def test_fp16_overflow_risk_from_the_probe(tmp_path):
 def test_trainable_low_precision_and_frozen_half_weights_are_fine():
     model = healthy_peft_model()
     assert "trainable-low-precision" not in audit(model)
-    for n, p in model.named_parameters():
+    for _name, p in model.named_parameters():
         if not p.requires_grad:  # a frozen bf16 base is the normal LoRA set-up
             p.data = p.data.bfloat16()
     assert "trainable-low-precision" not in audit(model)
@@ -193,8 +193,9 @@ def test_plain_checkpointing_on_a_peft_model_fails_on_450():
 
 @pytest.mark.tf450
 def test_trainer_checkpointing_args_on_a_peft_model_predicted_on_450(tmp_path):
-    import nbguard.fixes
     from audit_helpers import make_trainer
+
+    import nbguard.fixes
 
     trainer = make_trainer(healthy_peft_model(), make_args(tmp_path, gradient_checkpointing=True))
     f = audit(trainer=trainer).finding("checkpointing-no-input-grads")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 from notebook_helpers import WIDGET_MIME, run, shell  # noqa: F401
 
 pytestmark = pytest.mark.tf450

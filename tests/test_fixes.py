@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from audit_helpers import (add_zero_tokens, healthy_peft_model, make_args, make_trainer, param_dtypes,
-                           seed_peft_model, state_copy, tiny_gemma3_multimodal)
+from audit_helpers import (
+    add_zero_tokens,
+    healthy_peft_model,
+    make_args,
+    make_trainer,
+    param_dtypes,
+    seed_peft_model,
+    state_copy,
+    tiny_gemma3_multimodal,
+)
 
 import nbguard
 import nbguard.fixes as fixes

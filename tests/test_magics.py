@@ -6,7 +6,6 @@ import types
 
 import pytest
 import torch
-
 from notebook_helpers import WIDGET_MIME, assert_fallbacks, run, shell  # noqa: F401
 
 SETUP = """

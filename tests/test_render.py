@@ -8,12 +8,11 @@ from html.parser import HTMLParser
 
 import numpy as np
 import pytest
+from report_helpers import HOSTILE, audit_document, planted_watch_document
 
 from nbguard.findings import MIME_TYPE, Displayable, document
 from nbguard.render import activations_png, heatmap_png, mime_bundle, render_html, render_text
 from nbguard.render.grid import aggregate, column_bins, decode_grid, row_bins
-
-from report_helpers import HOSTILE, audit_document, planted_watch_document
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

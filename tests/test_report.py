@@ -6,17 +6,23 @@ import json
 import re
 
 import pytest
+from report_helpers import (
+    HF_TOKEN,
+    HOSTILE,
+    WANDB_KEY,
+    Refs,
+    audit_document,
+    planted_watch_document,
+    watched_run_with_planted_fault,
+)
 
 import nbguard
 import nbguard.fixes
 from nbguard.findings import MIME_TYPE, document
 from nbguard.reporting import Report, build_report, redact, schema
 from nbguard.reporting.markdown import GITHUB_BODY_LIMIT, md_code
-from nbguard.testing import tiny_batch
 from nbguard.session import SESSION, record_audit, record_diagnosis, record_fix, record_watch
-
-from report_helpers import (HF_TOKEN, HOSTILE, WANDB_KEY, Refs, audit_document, planted_watch_document,
-                            watched_run_with_planted_fault)
+from nbguard.testing import tiny_batch
 
 ENV_SECRET = "s3cr3t-Value-From-Env"
 PASSWORD = "pa55word-Of-The-User"

@@ -13,11 +13,11 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("nbconvert")
 
+from report_helpers import HF_TOKEN, HOSTILE, Refs  # noqa: E402
+
 from nbguard.findings import MIME_TYPE  # noqa: E402
 from nbguard.reporting import schema  # noqa: E402
 from nbguard.reporting.nbconvert import NbguardExporter, notebook_documents  # noqa: E402
-
-from report_helpers import HF_TOKEN, HOSTILE, Refs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_SECRET = "kernel-side-Secret-4711"

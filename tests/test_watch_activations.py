@@ -3,10 +3,10 @@ import json
 
 import pytest
 import torch
+from watch_helpers import autocast_ctx, batches, hook_counts, scale_output_to, train
 
 import nbguard
 from nbguard.testing import tiny_llama
-from watch_helpers import autocast_ctx, batches, hook_counts, scale_output_to, train
 
 torch.set_num_threads(1)
 LIMIT = 65504.0
@@ -123,7 +123,7 @@ def test_an_error_inside_an_activation_hook_is_recorded_and_training_goes_on(mon
     watch = nbguard.watch(model, optimizer=opt, activations=True)
     with pytest.warns(RuntimeWarning, match="detached after an internal error"):
         losses = train(model, opt, batches(3))
-    assert len(losses) == 3 and all(torch.isfinite(l) for l in losses)
+    assert len(losses) == 3 and all(torch.isfinite(loss) for loss in losses)
     assert [e.kind for e in watch.events] == ["watch-error"] and "boom in the probe" in watch.events[0].message
     assert not watch.attached and hook_counts(model, opt) == before
 

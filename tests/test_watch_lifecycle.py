@@ -5,12 +5,12 @@ import weakref
 
 import pytest
 import torch
+from watch_helpers import batches, hook_counts, train
 
 import nbguard
 from nbguard.findings import Event
 from nbguard.testing import tiny_llama
 from nbguard.watcher import NanWatch, WatchSettings
-from watch_helpers import batches, hook_counts, train
 
 torch.set_num_threads(1)
 

@@ -3,10 +3,10 @@ import math
 
 import pytest
 import torch
+from watch_helpers import PoisonedSiLU, batches, scale_output_to, train, with_token
 
 import nbguard
 from nbguard.testing import tiny_batch, tiny_llama
-from watch_helpers import PoisonedSiLU, batches, scale_output_to, train, with_token
 
 torch.set_num_threads(1)
 

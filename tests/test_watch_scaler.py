@@ -1,11 +1,11 @@
 """GradScaler runs: a skip streak is an event, a few skips at the start are not; healthy runs are quiet."""
 import pytest
 import torch
+from watch_helpers import batches, identical, scale_output_to, snapshot, train
 
 import nbguard
 from nbguard.testing import tiny_llama
 from nbguard.watcher import NanWatch, WatchSettings
-from watch_helpers import batches, identical, scale_output_to, snapshot, train
 
 torch.set_num_threads(1)
 

@@ -4,11 +4,11 @@ import tempfile
 import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from watch_helpers import PoisonedSiLU, hook_counts
 
 import nbguard
 from nbguard.testing import TinyDataset, tiny_llama
 from nbguard.watcher import NanWatch, WatchSettings
-from watch_helpers import PoisonedSiLU, hook_counts
 
 torch.set_num_threads(1)
 

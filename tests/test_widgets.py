@@ -5,7 +5,6 @@ import itertools
 
 import pytest
 import torch
-
 from notebook_helpers import MIME, WIDGET_MIME, run, shell  # noqa: F401
 
 

@@ -7,8 +7,8 @@ in the id and default severity so a rule body only says what it saw.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..findings import Finding, Severity
 

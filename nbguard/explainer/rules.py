@@ -6,7 +6,7 @@ with ``@rule("stable-id")``; the id is the diagnosis' ``signature`` and never ch
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from .diagnosis import Diagnosis, exception_text
 

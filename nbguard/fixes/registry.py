@@ -7,8 +7,9 @@ torch/transformers code so the user can keep it without nbguard.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass

@@ -24,7 +24,8 @@ the ``comm`` package (ipykernel >= 6.18) or ``ipykernel.comm.Comm`` (ipykernel 6
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 TARGET_NAME = "nbguard"
 

@@ -8,8 +8,8 @@ back on unload.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
-
+from collections.abc import Callable
+from typing import Any
 
 
 class ExplainerHandler:

@@ -5,7 +5,8 @@ Each ``show_*`` emits ONE output (see :mod:`.display`) and keeps the views it op
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .display import NO_WIDGETS_HINT, publish, republish, with_output_id
 

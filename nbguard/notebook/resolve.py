@@ -5,7 +5,8 @@ Magics report problems as one line; :class:`MagicError` carries that line.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class MagicError(Exception):

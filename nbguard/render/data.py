@@ -8,7 +8,8 @@ from __future__ import annotations
 import enum
 import json
 import math
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ..findings import MIME_TYPE, SCHEMA_VERSION, encode_float
 
@@ -118,9 +119,9 @@ def history_overview(history: dict | None) -> dict[str, Any]:
     the first non-finite cell (step and group)."""
     if not isinstance(history, dict):
         return {}
-    from .grid import decode_grid
-
     import numpy as np
+
+    from .grid import decode_grid
 
     groups = [str(g) for g in history.get("groups") or []]
     steps = list(history.get("steps") or [])

@@ -133,7 +133,7 @@ def _render(section: dict, *, key: str, limit: float | None, max_rows: int, max_
     rgba[agg.nan] = _rgba(NAN_COLOR)  # NaN wins over Inf in a bin: it is the worse news
 
     n_rows, n_cols = max(rows.count, 1), max(cols.count, 1)
-    label_width = max(min(max((len(_short(l)) for l in rows.labels), default=8), LABEL_CHARS), 11)
+    label_width = max(min(max((len(_short(label)) for label in rows.labels), default=8), LABEL_CHARS), 11)
     left_in = 0.3 + 0.056 * label_width
     width_in = left_in + 9.0
     map_h = max(1.3, 0.17 * n_rows)

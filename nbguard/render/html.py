@@ -11,10 +11,11 @@ from __future__ import annotations
 import base64
 import html
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .data import fmt_num, heading, history_overview, pretty_json, watch_sections
-from .text import headroom_key, format_time, hardware_line, last_line
+from .text import format_time, hardware_line, headroom_key, last_line
 
 MAX_PROBE_ROWS = 40
 MAX_EVENTS = 100
@@ -214,12 +215,12 @@ def _watches(doc: dict, images: bool) -> str:
             out.append(_history_summary(overview))
         out.append(_events(watch["events"]))
         if isinstance(history, dict) and images and overview.get("n_steps") and overview.get("n_groups"):
-            out.append(_image(lambda: _heatmap(history), "gradient-norm heatmap"))
+            out.append(_image(lambda history=history: _heatmap(history), "gradient-norm heatmap"))
         if isinstance(history, dict) and images and overview.get("n_steps"):
-            out.append(_image(lambda: _series(history), SERIES_ALT))
+            out.append(_image(lambda history=history: _series(history), SERIES_ALT))
         acts = watch["activations"]
         if isinstance(acts, dict) and images and acts.get("steps") and acts.get("groups"):
-            out.append(_image(lambda: _activations(acts), "activation abs-max heatmap"))
+            out.append(_image(lambda acts=acts: _activations(acts), "activation abs-max heatmap"))
     return "".join(out)
 
 
@@ -244,7 +245,7 @@ def _activations(acts: dict) -> bytes:
     return activations_png(acts)
 
 
-def _image(make: Callable[[], "bytes | None"], alt: str) -> str:
+def _image(make: Callable[[], bytes | None], alt: str) -> str:
     try:
         png = make()
     except Exception as exc:  # matplotlib missing or data odd: say so, keep the rest

@@ -5,7 +5,8 @@ import json
 import math
 import textwrap
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .data import as_float, fmt_num, heading, history_overview, watch_sections
 

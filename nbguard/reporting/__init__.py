@@ -6,7 +6,7 @@ The JSON schema of the v1 document is ``schema.json`` beside this file (:func:`s
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from .collect import merge_documents
@@ -16,7 +16,7 @@ from .report import FORMATS, Report, build_report
 SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _schema_text() -> str:
     return SCHEMA_PATH.read_text(encoding="utf-8")
 

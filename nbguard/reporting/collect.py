@@ -9,7 +9,8 @@ repeats, such as a result displayed twice, are kept once).
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from ..findings import SCHEMA_VERSION, document
 from ..render.data import encode_document

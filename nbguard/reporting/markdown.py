@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from ..render.data import fmt_num, heading, history_overview, pretty_json, watch_sections
-from ..render.text import headroom_key, format_time, hardware_line, last_line, origin_summary
+from ..render.text import format_time, hardware_line, headroom_key, last_line, origin_summary
 
 GITHUB_BODY_LIMIT = 65536
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]|~])")  # what can change meaning mid-line

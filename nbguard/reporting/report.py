@@ -42,11 +42,11 @@ class Report(Displayable):
         return redact(self._doc, home=self.redact_home)  # again: secrets set since build are caught too
 
     @classmethod
-    def from_dict(cls, data: dict, *, redact_home: bool = True) -> "Report":
+    def from_dict(cls, data: dict, *, redact_home: bool = True) -> Report:
         return cls(check_document(data, "data"), redact_home=redact_home)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Report":
+    def load(cls, path: str | os.PathLike) -> Report:
         """A report saved with ``save("....json")`` (or any saved v1 document)."""
         path = _as_path(path)
         try:

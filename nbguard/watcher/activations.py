@@ -6,7 +6,7 @@ collector folds :meth:`ActivationProbe.values` into the step's single host read.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -14,7 +14,6 @@ import torch
 from .tensors import iter_tensors
 
 
-
 def _autocast_devices() -> tuple[str, ...]:
     return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 

@@ -10,8 +10,8 @@ the full accumulated gradient, before clipping or unscaling.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -106,7 +106,7 @@ class GradNormCollector:
         zero = torch.zeros((), device=device)
         parts = [self._per_group([n if n is not None else zero for n in self._norms], square=True).sqrt()]
         if losses:
-            stacked = torch.stack([l.detach().float().to(device) for l in losses])
+            stacked = torch.stack([loss.detach().float().to(device) for loss in losses])
             parts.append((stacked.sum() if sum_losses else stacked.mean()).reshape(1))
         if scale is not None:
             parts.append(scale.detach().float().reshape(1).to(device))

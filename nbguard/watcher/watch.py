@@ -7,7 +7,8 @@ import traceback
 import uuid
 import warnings
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ from .sentinel import GradNormCollector, StepStats
 Listener = Callable[["NanWatch", str, Any], None]
 
 # target -> the watch attached to it, so a second watch on the same target replaces the first
-_ATTACHED: "weakref.WeakKeyDictionary[Any, NanWatch]" = weakref.WeakKeyDictionary()
+_ATTACHED: weakref.WeakKeyDictionary[Any, NanWatch] = weakref.WeakKeyDictionary()
 
 
 def _is_trainer(obj) -> bool:
@@ -106,7 +107,7 @@ class NanWatch(Displayable):
         self._release_step()
 
     # ---- attach / detach -------------------------------------------------------------------
-    def attach(self) -> "NanWatch":
+    def attach(self) -> NanWatch:
         if self.attached:
             return self
         previous = _ATTACHED.get(self.target)
@@ -138,7 +139,7 @@ class NanWatch(Displayable):
         record_watch(self)
         return self
 
-    def detach(self) -> "NanWatch":
+    def detach(self) -> NanWatch:
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -163,7 +164,7 @@ class NanWatch(Displayable):
             del _ATTACHED[self.target]
         return self
 
-    def __enter__(self) -> "NanWatch":
+    def __enter__(self) -> NanWatch:
         return self.attach()
 
     def __exit__(self, *exc) -> bool:

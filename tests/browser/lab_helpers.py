@@ -54,7 +54,7 @@ class LabServer:
         self.log_path = ARTIFACTS / f"{app}-server.log"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 120.0) -> "LabServer":
+    def start(self, timeout: float = 120.0) -> LabServer:
         built = require_built_extension()
         self.root.mkdir(parents=True, exist_ok=True)
         extensions = self.workdir / "labextensions"

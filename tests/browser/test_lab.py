@@ -319,7 +319,7 @@ def test_jupyter_labextension_list_shows_it_enabled(tmp_path):
         env=env, capture_output=True, text=True, timeout=120, check=True,
     )
     text = re.sub(r"\x1b\[[0-9;]*m", "", out.stdout + out.stderr)
-    line = next((l for l in text.splitlines() if l.strip().startswith("nbguard ")), None)
+    line = next((row for row in text.splitlines() if row.strip().startswith("nbguard ")), None)
     assert line is not None, text
     assert re.search(r"nbguard v0\.1\.0 enabled\s+OK \(python, nbguard\)", line), line
 

@@ -5,7 +5,6 @@ import functools
 import inspect
 import re
 import sys
-from functools import lru_cache
 
 import torch
 from packaging.specifiers import SpecifierSet
@@ -19,7 +18,7 @@ CACHE_DTYPE_RELEASES = SpecifierSet(">=4.50.0,<4.51.0")
 _DEFAULT_CACHE = re.compile(r"past_key_values\s*=\s*(\w+Cache)\(")
 
 
-@lru_cache(maxsize=None)
+@functools.cache
 def accelerate_converts_dtype_objects() -> bool:
     """Whether accelerate's fp32 output conversion treats any object with a half ``dtype`` as a tensor."""
     try:
@@ -132,7 +131,7 @@ def _reentrant(module) -> bool:
     return func is not None
 
 
-@lru_cache(maxsize=None)
+@functools.cache
 def transformers_checkpointing_defaults() -> tuple[bool, bool]:
     """(reentrant by default, hooks the input grads itself) for this transformers, read from its own code.
 

@@ -5,7 +5,8 @@ A card shows severity, title, why (detail), the evidence in a collapsed Accordio
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import ipywidgets as W
 

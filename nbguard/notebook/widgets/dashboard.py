@@ -16,7 +16,8 @@ import math
 import sys
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import ipywidgets as W
 
@@ -100,7 +101,7 @@ class WatchDashboard:
         from ...render import activations_png, heatmap_png  # noqa: F401
 
     # -- wiring to the watch --------------------------------------------------------------------
-    def attach(self) -> "WatchDashboard":
+    def attach(self) -> WatchDashboard:
         if not self.attached:
             self.watch.add_listener(self.on_watch)
             self.attached = True

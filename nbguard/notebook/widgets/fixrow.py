@@ -9,7 +9,8 @@ widget message does not have (``%nbguard fix ID`` does that from a cell).
 from __future__ import annotations
 
 import html
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import ipywidgets as W
 

@@ -6,7 +6,8 @@ cannot hide in a gap of the line.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 NAN_COLOR = "#D55E00"
 SKIP_COLOR = "#7F7F7F"
