@@ -74,47 +74,62 @@ def _unwrapped_model(trainer: Any) -> Any:
     return get_base() if callable(get_base) else model
 
 
-def loss_normaliser(trainer: Any) -> tuple[str, Callable] | None:
-    """Who must divide by ``num_items_in_batch`` under this Trainer, as (role, function); None: the Trainer divides."""
-    counts = bool(getattr(trainer, "model_accepts_loss_kwargs", False)) or trainer.compute_loss_func is not None
-    decided = getattr(trainer, "loss_is_scaled_for_ga", None)
-    scaled = decided if decided is not None else counts
-    if not scaled:
+def loss_normaliser(trainer: Any, labels_counted: bool = True) -> tuple[str, Callable] | None:
+    """Who must divide by ``num_items_in_batch`` under this Trainer, as (role, function); None: nobody needs to.
+
+    Mirrors ``Trainer.training_step``: the count exists when the batches carry labels and the model takes loss
+    kwargs (or ``compute_loss_func`` is set). A trainer class that sets ``loss_is_scaled_for_ga`` itself (TRL's
+    GRPO, RLOO, KTO) has declared how its loss is scaled and is trusted.
+    """
+    if getattr(trainer, "loss_is_scaled_for_ga", None) is not None:
         return None
     if trainer.compute_loss_func is not None:
         return "compute_loss_func", trainer.compute_loss_func
+    if not (getattr(trainer, "model_accepts_loss_kwargs", False) and labels_counted):
+        return None  # no count: training_step divides by the accumulation steps itself
     compute_loss = type(trainer).compute_loss
     if not _from_transformers(compute_loss) or "compute_loss" in vars(trainer):
         return "compute_loss", trainer.compute_loss
     return "model.forward", _unwrapped_model(trainer).forward
 
 
+def _old_signature(trainer: Any) -> Callable | None:
+    """A compute_loss override the Trainer cannot call: it passes num_items_in_batch= on every step."""
+    compute_loss = trainer.compute_loss
+    if _from_transformers(compute_loss) or accepts_num_items(compute_loss):
+        return None
+    return compute_loss
+
+
 @rule("accumulation-loss-scale", "warning")
 def accumulation_loss_scale(ctx):
     """Gradient accumulation with a loss that ignores num_items_in_batch: logged loss and gradients x accumulation steps."""
     trainer, args = ctx.trainer, ctx.args
-    steps = getattr(args, "gradient_accumulation_steps", 1) if args is not None else 1
-    if trainer is None or not isinstance(steps, int) or steps <= 1 or not hasattr(trainer, "compute_loss_func"):
+    if trainer is None or not hasattr(trainer, "compute_loss_func"):  # transformers < 4.46 has no count at all
         return None
-    found = loss_normaliser(trainer)
+    steps = getattr(args, "gradient_accumulation_steps", 1) if args is not None else 1
+    old = _old_signature(trainer)
+    if old is not None:
+        return finding(
+            "accumulation-loss-scale",
+            "compute_loss does not accept num_items_in_batch: train() will raise TypeError",
+            f"The Trainer calls compute_loss(model, inputs, num_items_in_batch=...) on every step; {_qualname(old)} has "
+            "no such parameter and no **kwargs. Add num_items_in_batch=None to its signature, and with gradient "
+            "accumulation divide the summed loss by it (or set trainer.loss_is_scaled_for_ga = False).",
+            {"gradient_accumulation_steps": steps, "function": _qualname(old), "accepts_num_items_in_batch": False},
+            severity="error",
+        )
+    if not isinstance(steps, int) or steps <= 1:
+        return None
+    # Without labels in the batches the Trainer counts nothing (DPO-style data); unsampled batches count as labelled.
+    labels_counted = not ctx.batches or any("labels" in b for b in ctx.batches)
+    found = loss_normaliser(trainer, labels_counted)
     if found is None:
         return None
     role, func = found
     if role == "model.forward" and (_from_transformers(func) or getattr(_unwrapped_model(trainer),
                                                                         "accepts_loss_kwargs", None) is not None):
         return None  # transformers' own models divide by it; a model that declares accepts_loss_kwargs is trusted
-    evidence = {"gradient_accumulation_steps": steps, "normaliser": role, "function": _qualname(func),
-                "model_accepts_loss_kwargs": getattr(trainer, "model_accepts_loss_kwargs", None),
-                "loss_is_scaled_for_ga": getattr(trainer, "loss_is_scaled_for_ga", None)}
-    if role == "compute_loss" and not accepts_num_items(func):
-        return finding(
-            "accumulation-loss-scale",
-            "compute_loss does not accept num_items_in_batch: train() will raise TypeError",
-            f"The Trainer calls compute_loss(model, inputs, num_items_in_batch=...); {_qualname(func)} has no such "
-            "parameter and no **kwargs. Add num_items_in_batch=None to its signature and divide the summed loss by it "
-            "(or tell the Trainer the loss is a per-batch mean).",
-            {**evidence, "accepts_num_items_in_batch": False}, fixes=["scale-loss-for-accumulation"], severity="error",
-        )
     if passes_num_items(func) is not False:
         return None
     return finding(
@@ -125,5 +140,8 @@ def accumulation_loss_scale(ctx):
         f"{_qualname(func)} never reads it, so each micro-batch loss is a mean and the step adds {steps} of them: the "
         f"logged loss is {steps}x the real one and so are the gradients (clipping and plain SGD see the difference). "
         "Divide the summed loss by num_items_in_batch, or set trainer.loss_is_scaled_for_ga = False.",
-        {**evidence, "reads_num_items_in_batch": False}, fixes=["scale-loss-for-accumulation"],
+        {"gradient_accumulation_steps": steps, "normaliser": role, "function": _qualname(func),
+         "model_accepts_loss_kwargs": getattr(trainer, "model_accepts_loss_kwargs", None),
+         "loss_is_scaled_for_ga": getattr(trainer, "loss_is_scaled_for_ga", None), "reads_num_items_in_batch": False},
+        fixes=["scale-loss-for-accumulation"],
     )
