@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from audit_helpers import make_args
-from data_helpers import EOS, ListDataset, lm_trainer, ragged_examples, word_tokenizer
+from data_helpers import EOS, lm_trainer, ragged_examples, word_tokenizer
+from notebook_helpers import run, shell  # noqa: F401  (the shell fixture)
 from transformers import DataCollatorForLanguageModeling
 
 import nbguard
@@ -244,6 +245,24 @@ def test_distinct_pad_cell_adds_a_token_and_resizes_when_there_is_no_unk():
         fixes.apply("distinct-pad-token", tokenizer=word_tokenizer(pad="eos", unk=False))
 
 
+def test_with_pad_equal_to_eos_the_model_never_learns_to_stop(tmp_path):
+    """Every example is "w3 ... w9 </s>" (right-padded to different lengths); after the same short training the
+    model predicts EOS after w9 only when the collator kept the EOS labels."""
+    rows = [{"input_ids": list(range(3, 10)) + [EOS]} for _ in range(6)] + [{"input_ids": [3, 4, 5, EOS]}] * 2
+
+    def p_eos_after_w9(pad: str) -> float:
+        tok = word_tokenizer(pad=pad)
+        model = tiny_llama()
+        args = make_args(tmp_path / pad, per_device_train_batch_size=8, max_steps=20, learning_rate=1e-2)
+        lm_trainer(model, args, rows, tokenizer=tok).train()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([list(range(3, 10))])).logits[0, -1]
+        return logits.softmax(-1)[EOS].item()
+
+    assert p_eos_after_w9("eos") < 0.05
+    assert p_eos_after_w9("unk") > 0.5
+
+
 # ---- item 5: labels shifted twice ----------------------------------------------------------------
 def shifted_rows(rows: int = 16):
     """The user's preprocessing that shifts for next-token prediction itself: labels[t] = input_ids[t + 1]."""
@@ -316,5 +335,13 @@ def test_unshift_cell_wraps_the_collator_once(tmp_path):
         fixes.code("unshift-labels", model="m")
 
 
-def test_list_dataset_is_a_plain_map_dataset():
-    assert len(ListDataset([{"input_ids": [1]}])) == 1
+def test_precision_check_cells_name_the_notebooks_tokenizer(tmp_path, shell):
+    tok = word_tokenizer(pad="unk", padding_side="left")
+    shell.user_ns.update(my_tok=tok, my_trainer=lm_trainer(tiny_llama(), make_args(tmp_path), ragged_examples(16),
+                                                           tokenizer=tok))
+    doc = run(shell, "%precision_check my_trainer").docs[0]
+    assert "left-padding-training" in {f["rule"] for f in doc["findings"]}
+    code = doc["fix_cells"]["pad-right-for-training"]["code"]
+    assert 'my_tok.padding_side = "right"' in code
+    run(shell, code)
+    assert tok.padding_side == "right"
