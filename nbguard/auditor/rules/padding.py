@@ -41,7 +41,7 @@ def model_attention_mask(config, attention_mask: torch.Tensor) -> torch.Tensor:
     batch, length = attention_mask.shape
     embeds = torch.empty((batch, length, 1), device=attention_mask.device)  # only its shape and device are read
     mask = create_causal_mask(cfg, embeds, attention_mask, None, allow_is_causal_skip=False)
-    if mask is None or mask.dtype != torch.bool or mask.dim() != 4:
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
         raise RuntimeError(f"create_causal_mask returned {type(mask).__name__}, not a boolean 4-D mask")
     return mask
 
