@@ -134,6 +134,7 @@ def test_left_padding_found_in_the_models_own_4d_mask(tmp_path):
     f = result.finding("left-padding-training")
     assert f is not None and f.fixes == ["pad-right-for-training"]
     assert f.evidence["padding_side"] == "left" and f.evidence["batch_source"] == "trainer"
+    assert f.evidence["mask_source"] == "transformers.masking_utils.create_causal_mask"
     assert f.evidence["masked_query_positions"] > 0 and f.evidence["supervised_from_masked_rows"] > 0
     assert "fully-masked-rows" not in result  # no 2-D row is all zeros: only the 4-D mask shows it
 
@@ -151,8 +152,10 @@ def test_right_padding_and_unpadded_kernels_are_fine(tmp_path):
 
 def test_masked_query_rows_are_the_causal_times_padding_mask():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
-    rows = masked_query_rows(tiny_llama().config, mask)
+    rows, source = masked_query_rows(tiny_llama().config, mask)
+    assert source == "transformers.masking_utils.create_causal_mask"
     assert rows.tolist() == [[True, True, False, False, False], [False] * 5, [False] * 5]
+    assert torch.equal(rows, mask.cumsum(dim=-1) == 0)  # the derived product used where masking_utils is missing
 
 
 def test_left_padding_mechanism_garbage_from_a_row_that_sees_nothing():

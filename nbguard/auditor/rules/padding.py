@@ -46,10 +46,17 @@ def model_attention_mask(config, attention_mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def masked_query_rows(config, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(batch, query) booleans: True where the query attends to no key in the model's 4-D mask."""
-    mask = model_attention_mask(config, attention_mask)
-    return ~mask.any(dim=-1).any(dim=1)
+def masked_query_rows(config, attention_mask: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """(batch, query) booleans, True where the query attends to no key, and where the mask came from.
+
+    Releases without ``masking_utils`` (before 4.53) or with another signature get the same causal x
+    padding product derived here: a query sees nothing when no key at or before it is real.
+    """
+    try:
+        mask = model_attention_mask(config, attention_mask)
+    except (ImportError, TypeError):
+        return attention_mask.cumsum(dim=-1) == 0, "causal x padding (derived)"
+    return ~mask.any(dim=-1).any(dim=1), "transformers.masking_utils.create_causal_mask"
 
 
 @rule("left-padding-training", "warning")
@@ -60,13 +67,12 @@ def left_padding_training(ctx):
         return None
     if not getattr(ctx.text_config, "is_causal", True) or getattr(ctx.config, "is_encoder_decoder", False):
         return None
-    rows, positions, supervised, seen = [], 0, 0, 0
+    rows, positions, supervised, source = [], 0, 0, None
     for b, batch in enumerate(ctx.batches):
         mask2d = batch.get("attention_mask")
         if not isinstance(mask2d, torch.Tensor) or mask2d.dim() != 2 or bool(mask2d.all()):
             continue
-        seen += 1
-        empty = masked_query_rows(ctx.text_config, mask2d.to(torch.long))
+        empty, source = masked_query_rows(ctx.text_config, mask2d.to(torch.long))
         # A row whose attention_mask is all 0 is the fully-masked-rows finding; here: rows with real tokens.
         real = mask2d.bool().any(dim=1)
         empty = empty & real[:, None]
@@ -82,7 +88,7 @@ def left_padding_training(ctx):
         return None
     tok = ctx.tokenizer
     evidence = {"rows": capped(rows), "masked_query_positions": positions,
-                "supervised_from_masked_rows": supervised, "attn_implementation": impl,
+                "supervised_from_masked_rows": supervised, "attn_implementation": impl, "mask_source": source,
                 "padding_side": getattr(tok, "padding_side", None), **ctx.sample.to_evidence()}
     return finding(
         "left-padding-training",
