@@ -74,6 +74,12 @@ def _unwrapped_model(trainer: Any) -> Any:
     return get_base() if callable(get_base) else model
 
 
+def _reads_scaled_flag(trainer: Any) -> bool:
+    """Whether this transformers Trainer reads ``loss_is_scaled_for_ga`` (5.19+); older ones ignore the attribute."""
+    return any(c.__module__.startswith("transformers.") and "loss_is_scaled_for_ga" in vars(c)
+               for c in type(trainer).__mro__)
+
+
 def loss_normaliser(trainer: Any, labels_counted: bool = True) -> tuple[str, Callable] | None:
     """Who must divide by ``num_items_in_batch`` under this Trainer, as (role, function); None: nobody needs to.
 
@@ -81,7 +87,7 @@ def loss_normaliser(trainer: Any, labels_counted: bool = True) -> tuple[str, Cal
     kwargs (or ``compute_loss_func`` is set). A trainer class that sets ``loss_is_scaled_for_ga`` itself (TRL's
     GRPO, RLOO, KTO) has declared how its loss is scaled and is trusted.
     """
-    if getattr(trainer, "loss_is_scaled_for_ga", None) is not None:
+    if _reads_scaled_flag(trainer) and getattr(trainer, "loss_is_scaled_for_ga", None) is not None:
         return None
     if trainer.compute_loss_func is not None:
         return "compute_loss_func", trainer.compute_loss_func

@@ -40,7 +40,12 @@ def model_attention_mask(config, attention_mask: torch.Tensor) -> torch.Tensor:
     cfg._attn_implementation = "sdpa"
     batch, length = attention_mask.shape
     embeds = torch.empty((batch, length, 1), device=attention_mask.device)  # only its shape and device are read
-    mask = create_causal_mask(cfg, embeds, attention_mask, None, allow_is_causal_skip=False)
+    try:
+        mask = create_causal_mask(cfg, embeds, attention_mask, None, allow_is_causal_skip=False)
+    except TypeError:  # before 5.2x: no such argument, and a mask with padding in it is always materialised
+        mask = create_causal_mask(cfg, embeds, attention_mask, None)
+    if mask is None:  # sdpa's is_causal path: a plain causal mask, every query sees itself
+        return torch.ones((batch, 1, length, length), dtype=torch.bool).tril()
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
         raise RuntimeError(f"create_causal_mask returned {type(mask).__name__}, not a boolean 4-D mask")
     return mask
