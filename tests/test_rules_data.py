@@ -83,6 +83,21 @@ def test_sampling_refuses_iterable_datasets_and_bad_counts(tmp_path):
         sample_trainer_batches(trainer, 0)
 
 
+def test_a_collator_that_raises_is_one_finding_not_a_rule_error_per_rule(tmp_path):
+    def broken(features):
+        raise KeyError("response_template")
+
+    trainer = lm_trainer(tiny_llama(), make_args(tmp_path), ragged_examples(8), collator=broken)
+    result = audit(trainer=trainer)
+    f = result.finding("batch-sampling-error")
+    assert f.severity == "warning" and "KeyError" in f.evidence["exception"]
+    assert "rule-error" not in result
+    with pytest.raises(KeyError, match="response_template"):
+        trainer.train()  # what the finding predicts
+    fine = lm_trainer(tiny_llama(), make_args(tmp_path), ragged_examples(8), tokenizer=word_tokenizer(pad="unk"))
+    assert "batch-sampling-error" not in audit(trainer=fine)
+
+
 # ---- item 3: rows with no supervised token --------------------------------------------------
 def completion_only_rows(rows: int = 16, empty_every: int = 4, max_length: int = 12):
     """Prompt tokens labelled -100, completion tokens supervised, then truncated to max_length the way a

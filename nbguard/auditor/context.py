@@ -151,7 +151,11 @@ class AuditContext:
         if self.batch is not None:
             return BatchSample(batches=[self.batch], source="batch")
         if self.trainer is not None:
-            return sample_trainer_batches(self.trainer)
+            try:
+                return sample_trainer_batches(self.trainer)
+            except Exception as exc:  # one finding says so (batch-sampling-error); the batch rules see no batch
+                return BatchSample(source="trainer", note="the trainer's dataloader raised",
+                                   error=f"{type(exc).__name__}: {exc}")
         return BatchSample(note="no batch= and no trainer= to sample from")
 
     @cached_property

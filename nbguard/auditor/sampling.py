@@ -28,6 +28,7 @@ class BatchSample:
     batches: list[dict[str, torch.Tensor]] = field(default_factory=list)
     source: str = "none"  # "batch" (given to the audit), "trainer" (sampled) or "none"
     note: str | None = None  # why nothing was sampled, when nothing was
+    error: str | None = None  # the exception the trainer's dataloader raised while sampling
 
     def to_evidence(self) -> dict[str, Any]:
         out: dict[str, Any] = {"batch_source": self.source, "batches_seen": len(self.batches)}

@@ -41,6 +41,21 @@ def _row_ids(per_batch: list[torch.Tensor]) -> list[Any]:
     return [[b, r] for b, rows in enumerate(per_batch) for r in rows.nonzero().flatten().tolist()]
 
 
+@rule("batch-sampling-error", "warning")
+def batch_sampling_error(ctx):
+    """The trainer's own dataloader raised while the audit drew batches from it: train() will too."""
+    error = ctx.sample.error if ctx.trainer is not None and ctx.batch is None else None
+    if error is None:
+        return None
+    return finding(
+        "batch-sampling-error",
+        "the trainer's dataloader raised while the audit sampled it",
+        f"trainer.get_train_dataloader() (dataset, column removal, collator) raised {error}. train() builds the same "
+        "loader and will fail the same way; the batch rules (labels, padding) could not look at any batch.",
+        {"exception": error},
+    )
+
+
 @rule("no-supervised-tokens", "error")
 def no_supervised_tokens(ctx):
     """Rows (or whole batches) whose labels are all -100: a 0/0 mean loss, or a step built on few examples."""
