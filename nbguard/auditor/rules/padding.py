@@ -2,14 +2,13 @@
 
 With causal attention, a left-padded row's pad positions come first, so each pad query's keys
 (itself and what precedes it) are all padding. The softmax over such a row is undefined: a plain
-softmax over -inf (torch SDPA before 2.5, hand-written attention) gives NaN, and NaN * 0 in the
-backward then poisons every gradient; transformers' eager attention masks with the dtype's
-finite minimum, so the row spreads uniformly over every key, future tokens included; torch >= 2.5
-SDPA returns zeros for the row (observed on CPU with torch 2.13: no NaN, but the loss differs
-between eager and sdpa). Whatever the kernel does, the last pad
-position is where a causal LM predicts the row's first real token, so that label is learned from
-a row that saw nothing of the sequence. Right padding puts the pad queries after real tokens:
-every row sees something.
+softmax over -inf (hand-written attention, older torch SDPA) gives NaN, and NaN * 0 in the
+backward then poisons every gradient; transformers' eager attention masks with the dtype's finite
+minimum, so the row spreads uniformly over every key, future tokens included; current torch SDPA
+returns zeros for the row (observed on CPU with torch 2.13, fp32/fp16/bf16: no NaN, but the loss
+differs between eager and sdpa). Whatever the kernel does, the last pad position is where a causal
+LM predicts the row's first real token, so that label is learned from a row that saw nothing of
+the sequence. Right padding puts the pad queries after real tokens: every row sees something.
 """
 from __future__ import annotations
 
@@ -99,10 +98,10 @@ def left_padding_training(ctx):
         "left-padding-training",
         f"{len(rows)} left-padded row(s): {positions} query position(s) attend to nothing",
         "In the causal x padding mask the model builds, these padded query positions have every key masked. "
-        "Their softmax is undefined: a plain softmax over -inf (torch SDPA before 2.5, hand-written attention) "
-        "gives NaN, which the backward spreads to every gradient (NaN * 0 is NaN); eager attention spreads them over "
-        f"every key, future tokens included, and current SDPA zeroes them. {supervised} label(s) are predicted from such a position (the first real token after the "
-        "padding). Pad on the right for training (tokenizer.padding_side = 'right'); keep left padding for "
-        "batched generation.",
+        "Their softmax is undefined: a plain softmax over -inf (hand-written attention, older torch SDPA) gives "
+        "NaN, which the backward spreads to every gradient (NaN * 0 is NaN); transformers' eager attention spreads "
+        "them over every key, future tokens included, and current torch SDPA zeroes them. "
+        f"{supervised} label(s) are predicted from such a position (the first real token after the padding). "
+        "Pad on the right for training (tokenizer.padding_side = 'right'); keep left padding for batched generation.",
         evidence, fixes=["pad-right-for-training"],
     )
