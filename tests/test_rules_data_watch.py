@@ -89,4 +89,8 @@ def test_counts_follow_the_causal_shift_and_skip_non_token_labels():
     detector = FewTokensDetector()
     detector.capture(0, torch.zeros(4))  # regression targets: nothing to count
     detector.capture(1, None)
-    assert detector.update() is None
+    assert detector.pending() == [] and detector.update(None) is None
+    detector.capture(2, labels)
+    [count] = detector.pending()
+    assert count.shape == () and detector.update([0.0]) == {"micro_batch": 2, "supervised_tokens": 0,
+                                                           "recent_median": None, "step_counts": [0]}

@@ -5,9 +5,8 @@ micro-batch with a handful of labels (or none). Its mean loss then weighs as muc
 micro-batch's while resting on a few tokens (a noisy, outsized update), or under
 ``num_items_in_batch`` contributes nothing at all; with none and a mean loss it is 0/0.
 
-Cost: the count is taken on the device when the micro-batch is captured and copied to the host
-with ``non_blocking=True``; it is read only after the sentinel's one synchronising read of the
-step, by which time the copy, queued earlier on the same stream, is complete: no extra sync.
+Cost: the count is one reduction on the device when the micro-batch is captured; the counts ride
+along in the sentinel's one host read of the step (``StepStats.extra``): no extra sync.
 """
 from __future__ import annotations
 
@@ -46,18 +45,22 @@ class FewTokensDetector:
     def capture(self, index: int, labels: torch.Tensor | None) -> None:
         if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
             return  # regression targets or masks: there are no tokens to count
-        count = supervised_count(labels)
-        if count.device.type != "cpu":
-            count = count.to("cpu", non_blocking=True)  # lands in pinned memory; read after the step's sync
-        self._pending.append((index, count))
+        self._pending.append((index, supervised_count(labels)))
+
+    def pending(self) -> list[torch.Tensor]:
+        """This step's counts, still on the device: the sentinel reads them with everything else."""
+        return [count for _, count in self._pending]
 
     def reset(self) -> None:
         self._pending = []
 
-    def update(self) -> dict[str, Any] | None:
-        """Call after the step's synchronising read: evidence for the fewest-token micro-batch, if it is few."""
-        counts = [(index, int(count)) for index, count in self._pending]
+    def update(self, values: list[float] | None) -> dict[str, Any] | None:
+        """With this step's counts as read by the sentinel: evidence for the fewest-token micro-batch, if few."""
+        indices = [index for index, _ in self._pending]
         self._pending = []
+        if not values or len(values) != len(indices):
+            return None
+        counts = [(index, int(value)) for index, value in zip(indices, values)]
         worst: dict[str, Any] | None = None
         for index, count in counts:
             enough = len(self.recent) >= self.settings.min_history

@@ -284,7 +284,8 @@ class NanWatch(Displayable):
             shares = any("num_items_in_batch" in mb.kwargs for mb in self._micro_batches)
             self._stats = self._collector.read(self._losses, scale, self._frozen.due(self.step), sum_losses=shares,
                                                found_inf=found_inf,
-                                               activations=self._probe.values if self._probe is not None else None)
+                                               activations=self._probe.values if self._probe is not None else None,
+                                               extra=self._few_tokens.pending())
         return self._stats
 
     def _scaler_guards(self) -> bool:
@@ -414,7 +415,7 @@ class NanWatch(Displayable):
 
     def _check_few_tokens(self, step: int, stats: StepStats) -> None:
         """One event for the first micro-batch built on few supervised tokens; later ones are counted on it."""
-        found = self._few_tokens.update()
+        found = self._few_tokens.update(stats.extra)
         if found is None or (found["supervised_tokens"] == 0 and not stats.loss_finite):
             return  # a 0/0 loss is already a non-finite event with cause no-supervised-tokens
         if self._few_tokens_event is not None:
