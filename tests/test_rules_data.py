@@ -30,6 +30,23 @@ def collate(tokenizer, rows=8, seed=0):
     return DataCollatorForLanguageModeling(tokenizer, mlm=False)(ragged_examples(rows, seed=seed))
 
 
+def test_rules_and_fixes_are_registered_with_what_they_need():
+    from nbguard.auditor import RULES
+
+    severities = {r: RULES[r].severity.value for r in ("left-padding-training", "eos-never-supervised",
+                                                       "labels-shifted-twice", "accumulation-loss-scale",
+                                                       "no-supervised-tokens", "batch-sampling-error")}
+    assert severities == {"left-padding-training": "warning", "eos-never-supervised": "warning",
+                          "labels-shifted-twice": "error", "accumulation-loss-scale": "warning",
+                          "no-supervised-tokens": "error", "batch-sampling-error": "warning"}
+    needs = {f: fixes.get(f).needs for f in ("pad-right-for-training", "distinct-pad-token", "unshift-labels",
+                                             "scale-loss-for-accumulation")}
+    assert needs == {"pad-right-for-training": "tokenizer", "distinct-pad-token": "tokenizer",
+                     "unshift-labels": "trainer", "scale-loss-for-accumulation": "trainer"}
+    with pytest.raises(ValueError, match="needs trainer="):
+        fixes.apply("scale-loss-for-accumulation", model=tiny_llama())
+
+
 # ---- sampling from the trainer's own dataloader -----------------------------------------------
 class SpyCollator:
     """Records the first input id of every row it collates: the order the sampler handed examples out."""

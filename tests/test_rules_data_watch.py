@@ -1,8 +1,10 @@
 """Item 3 of issue 13, the watch part: a micro-batch whose loss is built on few supervised tokens."""
 from __future__ import annotations
 
+import json
 import math
 
+import pytest
 import torch
 from audit_helpers import make_args
 from transformers import Trainer
@@ -94,3 +96,17 @@ def test_counts_follow_the_causal_shift_and_skip_non_token_labels():
     [count] = detector.pending()
     assert count.shape == () and detector.update([0.0]) == {"micro_batch": 2, "supervised_tokens": 0,
                                                            "recent_median": None, "step_counts": [0]}
+
+
+def test_the_event_reaches_every_document_view():
+    from nbguard.render import render_text
+
+    watch, _ = train_loop(16, few_at=(10,))
+    doc = watch.to_document()
+    [event] = [e for e in doc["events"] if e["kind"] == "few-supervised-tokens"]
+    assert event["evidence"]["supervised_tokens"] == 2
+    assert "few-supervised-tokens" in render_text(doc) and "built on 2 supervised token(s)" in render_text(doc)
+    jsonschema = pytest.importorskip("jsonschema")
+    from nbguard.reporting import build_report, schema
+
+    jsonschema.Draft202012Validator(schema()).validate(json.loads(json.dumps(build_report(watch=watch).to_dict())))
