@@ -50,12 +50,14 @@ def eos_never_supervised(ctx):
     eos, pad = eos_and_pad_ids(ctx)
     if not pairs or not eos:
         return None
-    eos_t = torch.tensor(sorted(eos))
-    in_labels = sum(int(torch.isin(labels, eos_t).sum()) for _, labels, _ in pairs)
+    def is_eos(t: torch.Tensor) -> torch.Tensor:
+        return torch.isin(t, torch.tensor(sorted(eos), device=t.device))  # batches may sit on the GPU
+
+    in_labels = sum(int(is_eos(labels).sum()) for _, labels, _ in pairs)
     if in_labels:
         return None
     # EOS tokens the model reads (attention_mask 1) whose label was masked: real ends of examples, never a target.
-    masked_ends = sum(int((torch.isin(ids, eos_t) & (labels == IGNORE_INDEX)
+    masked_ends = sum(int((is_eos(ids) & (labels == IGNORE_INDEX)
                            & (mask.bool() if mask is not None else True)).sum()) for ids, labels, mask in pairs)
     pad_is_eos = pad is not None and pad in eos
     if not (pad_is_eos or masked_ends):

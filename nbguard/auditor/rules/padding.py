@@ -44,7 +44,7 @@ def model_attention_mask(config, attention_mask: torch.Tensor) -> torch.Tensor:
     except TypeError:  # before 5.2x: no such argument, and a mask with padding in it is always materialised
         mask = create_causal_mask(cfg, embeds, attention_mask, None)
     if mask is None:  # sdpa's is_causal path: a plain causal mask, every query sees itself
-        return torch.ones((batch, 1, length, length), dtype=torch.bool).tril()
+        return torch.ones((batch, 1, length, length), dtype=torch.bool, device=attention_mask.device).tril()
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
         raise RuntimeError(f"create_causal_mask returned {type(mask).__name__}, not a boolean 4-D mask")
     return mask
