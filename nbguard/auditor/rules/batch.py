@@ -78,9 +78,10 @@ def no_supervised_tokens(ctx):
         title = (f"{n_empty} row(s) have no supervised tokens" if len(empty) == 1
                  else f"{n_empty} of {rows_seen} sampled rows ({share:.0%}) have no supervised tokens")
         detail = ("These rows are all -100 (after the causal shift). In this batch the other rows keep the loss finite, "
-                  "but a micro-batch made only of such rows gives a 0/0 = NaN loss, and every such row is an example "
-                  "the model never learns from (a completion-only collator that did not find its response template "
-                  "leaves exactly this). ")
+                  "but a micro-batch made only of such rows gives a 0/0 = NaN mean loss (under the Trainer's "
+                  "num_items_in_batch: a step made only of them), and every such row is an example the model never "
+                  "learns from (a completion-only collator that did not find its response template, or truncation "
+                  "that cut the answer away, leaves exactly this). ")
     evidence = {"rows": capped(_row_ids(empty)), "batch_size": int(all_labels[0].shape[0]),
                 "shifted": _is_causal_lm(ctx), "rows_seen": rows_seen, "empty_share": share,
                 "empty_batches": whole, **ctx.sample.to_evidence()}
