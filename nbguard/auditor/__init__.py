@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from ..findings import Finding, Severity
 from ..hardware import resolve_hardware
+from ..introspect.inputs import check_args, check_batch, check_model, check_trainer
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .context import AuditContext
-from .inputs import check_args, check_batch, check_model, check_trainer
 from .probe import ProbeResult, run_probe
 from .registry import RULES, Rule, rule
 from .result import AuditResult

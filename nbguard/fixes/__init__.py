@@ -59,7 +59,7 @@ def code(fix_id: str, **names_and_options: Any) -> str:
 
 
 def _target(fix: Fix, model, trainer, args) -> Target:
-    from ..auditor.inputs import check_args, check_model, check_trainer
+    from ..introspect.inputs import check_args, check_model, check_trainer
 
     if trainer is not None:
         check_trainer(trainer)

@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from ..auditor.context import HALF_DTYPES, QUANTIZED_PARAM_CLASSES, dtype_name
 from ..hardware import resolve_hardware
+from ..introspect.dtypes import HALF_DTYPES, QUANTIZED_PARAM_CLASSES, dtype_name
 from .registry import Fix, register
 
 

@@ -90,6 +90,11 @@ def render_html(doc: dict, *, standalone: bool = False, images: bool = True) -> 
     )
 
 
+def styled(inner: str) -> str:
+    """A piece of the view (a card, a table) with the stylesheet, for a widget to show on its own."""
+    return f'<div class="nbguard"><style>{_css()}</style>{inner}</div>'
+
+
 def png_data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 

@@ -9,7 +9,7 @@ import sys
 import torch
 from packaging.specifiers import SpecifierSet
 
-from ..context import HALF_DTYPES, dtype_name
+from ...introspect.dtypes import HALF_DTYPES, dtype_name
 from ..registry import capped, finding, rule
 
 # Releases whose caches are Cache objects built by the model's forward; the feature checks below
@@ -40,7 +40,8 @@ def accelerate_converts_dtype_objects() -> bool:
 
 def _default_cache_classes(model) -> list[type]:
     """The cache classes the model's own forward builds when none is passed (read from its modelling code)."""
-    names, modules = set(), set()
+    names: set[str] = set()
+    modules: set[str] = set()
     for sub in model.modules():
         mod = sys.modules.get(type(sub).__module__)
         if mod is not None and mod.__name__.startswith("transformers.models.") and mod not in modules:
