@@ -5,6 +5,7 @@ import platform
 import sys
 from functools import cache
 from importlib import metadata
+from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
@@ -37,7 +38,7 @@ def environment_info() -> dict:
     """What a maintainer asks for first in a bug report; plain data, safe to serialise."""
     from .hardware import detect
 
-    info = {
+    info: dict[str, Any] = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "packages": {name: package_version(name) for name in TRACKED_PACKAGES if package_version(name)},

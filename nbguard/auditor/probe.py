@@ -115,10 +115,8 @@ def run_probe(model: torch.nn.Module, batch: dict | None = None) -> ProbeResult:
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("probe=True needs real weights; this model is on the meta device")
     synthetic = batch is None
-    if synthetic:
-        batch = synthetic_batch(model)
     device = _model_device(model)
-    batch = {k: v.to(device) for k, v in batch.items()}
+    batch = {k: v.to(device) for k, v in (synthetic_batch(model) if batch is None else batch).items()}
 
     names = {m: n or type(model).__name__ for n, m in model.named_modules()}
     modes = {m: m.training for m in names}
@@ -147,7 +145,7 @@ def run_probe(model: torch.nn.Module, batch: dict | None = None) -> ProbeResult:
             out = model(**_forward_kwargs(model, batch))
             loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
             did_backward = bool(trainable and loss is not None and loss.requires_grad)
-            if did_backward:
+            if did_backward and loss is not None:
                 for p in params:
                     p.grad = None
                 loss.backward()
