@@ -9,6 +9,8 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
+from .hardware import detect
+
 TRACKED_PACKAGES = (
     "torch", "transformers", "peft", "accelerate", "trl", "bitsandbytes", "unsloth",
     "ipython", "ipywidgets", "ipykernel", "jupyterlab", "notebook", "numpy", "matplotlib",
@@ -36,8 +38,6 @@ def parsed_version(name: str) -> Version | None:
 
 def environment_info() -> dict:
     """What a maintainer asks for first in a bug report; plain data, safe to serialise."""
-    from .hardware import detect
-
     info: dict[str, Any] = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),

@@ -17,6 +17,7 @@ import torch
 
 from ..findings import encode_float
 from ..introspect.dtypes import dtype_name
+from ..introspect.embeddings import embedding_shape
 
 FP16_MAX = 65504.0
 NEAR_FACTOR = 2.0  # "near the limit" = within 2x of 65504
@@ -91,8 +92,6 @@ def _model_device(model) -> torch.device:
 
 def synthetic_batch(model, batch_size: int = 1, seq_len: int = 16) -> dict[str, torch.Tensor]:
     """Random token ids within the vocabulary, labels = inputs (a causal LM step)."""
-    from ..introspect.embeddings import embedding_shape
-
     shape = embedding_shape(model)
     vocab = shape[0] if shape else int(getattr(getattr(model, "config", None), "vocab_size", 32))
     gen = torch.Generator().manual_seed(0)

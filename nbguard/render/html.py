@@ -14,6 +14,7 @@ from typing import Any
 
 from ..document.palette import palette
 from ..document.view import Card, Chart, Fact, Fold, Section, Table, lookup, view
+from .charts import chart_png
 
 CSS = """
 .nbguard{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;font-size:13px;line-height:1.45;
@@ -181,8 +182,6 @@ def section_html(section: Section, draw) -> str:
 def _image(doc: dict, chart: Chart) -> str:
     if chart.empty:
         return f'<p class="nbg-note">{esc(chart.alt)}: {esc(chart.empty)}</p>'
-    from .charts import chart_png  # matplotlib: only when a picture is drawn
-
     try:
         png = chart_png(chart.kind, lookup(doc, chart.source))
     except Exception as exc:  # matplotlib missing or data odd: say so, keep the rest

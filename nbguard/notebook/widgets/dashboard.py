@@ -22,6 +22,7 @@ from typing import Any
 import ipywidgets as W
 
 from ...document.view import event_card
+from ...render import activations_png, heatmap_png
 from ...render.html import card_html, styled
 from .html import esc
 from .sparkline import last_value, sparkline_svg
@@ -100,8 +101,6 @@ class WatchDashboard:
         self.attached = False
         # import the renderer now, not on the first training step: a first draw that pays for
         # importing matplotlib would look expensive and push every later draw far apart
-        from ...render import activations_png, heatmap_png  # noqa: F401
-
     # -- wiring to the watch --------------------------------------------------------------------
     def attach(self) -> WatchDashboard:
         if not self.attached:
@@ -196,8 +195,6 @@ class WatchDashboard:
         self._update_range_bounds()
 
     def render_heavy(self) -> None:
-        from ...render import heatmap_png
-
         self.renders["heavy"] += 1
         self._history = self.watch.history.to_dict()
         groups = self._history.get("groups", [])
@@ -217,8 +214,6 @@ class WatchDashboard:
         self.render_layer()
 
     def _draw_activations(self, lo: int, hi: int) -> None:
-        from ...render import activations_png
-
         if self._activations is None:
             return
         section = slice_history(self._activations, lo, hi, key="absmax")
@@ -279,8 +274,6 @@ class WatchDashboard:
         if self._history is not None:
             section = slice_history(self._history, lo, hi)
             if section.get("steps"):
-                from ...render import heatmap_png
-
                 self.heatmap.value = heatmap_png(section)
             if self._activations is not None:
                 self._draw_activations(lo, hi)
