@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..introspect.inputs import check_args, check_model, check_trainer
+from ..session import record_fix
 from . import data_fixes, model_fixes, trainer_fixes  # noqa: F401  (registers the fixes)
 from .registry import FIXES, Fix, Names, Target
 from .result import FixResult
@@ -67,8 +69,6 @@ def _trainer_tokenizer(trainer) -> Any:
 
 
 def _target(fix: Fix, model, trainer, args, tokenizer=None) -> Target:
-    from ..auditor.inputs import check_args, check_model, check_trainer
-
     if trainer is not None:
         check_trainer(trainer)
         model = trainer.model if model is None else model
@@ -108,8 +108,6 @@ def apply(fix_id: str, *, model=None, trainer=None, **options: Any) -> FixResult
     if tokenizer is not None:
         names["tokenizer"] = "tokenizer"
     cell = code(fix_id, **names, **options)
-    from ..session import record_fix
-
     record_fix(fix_id, changed, cell)
     return FixResult(fix=fix_id, changed=changed, code=cell)
 
