@@ -122,7 +122,7 @@ class GradNormCollector:
         if with_fingerprint:
             parts.append(self.fingerprint().to(device))
         n_extra = len(extra) if extra else 0
-        if n_extra:
+        if extra:
             parts.append(torch.stack([t.detach().float().reshape(()).to(device) for t in extra]))
         values = torch.cat(parts).tolist()  # the one host sync of the step
         extra_values = values[len(values) - n_extra:] if n_extra else None
