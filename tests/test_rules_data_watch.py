@@ -85,6 +85,20 @@ def test_trainer_micro_batch_with_no_tokens_under_num_items_in_batch(tmp_path):
     assert few_kinds(clean_watch) == []
 
 
+def test_counts_come_from_the_trainers_labels_when_compute_loss_func_pops_them(tmp_path):
+    def token_sum_loss(outputs, labels, num_items_in_batch=None):
+        logits, targets = outputs.logits[:, :-1].float(), labels[:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="sum")
+        return loss / num_items_in_batch
+
+    args = make_args(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=4)
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=EmptyRowsDataset(), compute_loss_func=token_sum_loss)
+    watch = nbguard.watch(trainer)
+    trainer.train()
+    [event] = few_kinds(watch)  # the model never saw the labels: the Trainer's own were counted
+    assert event.evidence["supervised_tokens"] == 0
+
+
 def test_counts_follow_the_causal_shift_and_skip_non_token_labels():
     labels = torch.tensor([[5, -100, 7, 8], [-100, -100, -100, 9]])
     assert int(supervised_count(labels)) == 3  # the first label of each row is never predicted
