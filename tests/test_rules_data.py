@@ -13,7 +13,7 @@ import nbguard
 import nbguard.fixes as fixes
 from nbguard.auditor.rules.padding import masked_query_rows
 from nbguard.auditor.sampling import sample_trainer_batches
-from nbguard.testing import tiny_llama
+from nbguard.testing import tiny_gemma3, tiny_llama, tiny_qwen2
 
 
 def audit(*a, **kw):
@@ -182,6 +182,14 @@ def test_right_padding_and_unpadded_kernels_are_fine(tmp_path):
     assert "left-padding-training" in audit(model, batch=left)
     model.config._attn_implementation = "flash_attention_2"  # varlen kernels drop the padding: no 4-D mask
     assert "left-padding-training" not in audit(model, batch=left)
+
+
+@pytest.mark.parametrize("build", [tiny_gemma3, tiny_qwen2], ids=["gemma3", "qwen2"])
+def test_left_padding_on_other_architectures(build):
+    model = build()
+    f = audit(model, batch=collate(word_tokenizer(pad="unk", padding_side="left"))).finding("left-padding-training")
+    assert f is not None and f.evidence["batch_source"] == "batch" and f.evidence["supervised_from_masked_rows"] > 0
+    assert "left-padding-training" not in audit(model, batch=collate(word_tokenizer(pad="unk")))
 
 
 def test_masked_query_rows_are_the_causal_times_padding_mask():
