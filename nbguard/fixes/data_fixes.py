@@ -78,7 +78,7 @@ else:
     if len({t}) > {m}.get_input_embeddings().weight.shape[0]:
         {m}.resize_token_embeddings(len({t}))
 {m}.config.pad_token_id = {t}.pad_token_id
-if {m}.generation_config is not None:
+if getattr({m}, "generation_config", None) is not None:
     {m}.generation_config.pad_token_id = {t}.pad_token_id
 """
 
