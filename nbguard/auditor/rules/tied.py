@@ -1,0 +1,58 @@
+"""Rules about tied input/output embeddings under PEFT."""
+from __future__ import annotations
+
+from ..registry import finding, rule
+
+
+def _adaptation(module) -> str | None:
+    """How PEFT adapts ``module`` ('lora', 'modules_to_save', 'trainable_tokens'), or None (read off its PEFT classes)."""
+    if module is None:
+        return None
+    names = {c.__name__ for c in type(module).__mro__ if c.__module__.startswith("peft.")}
+    if "ModulesToSaveWrapper" in names:
+        return "modules_to_save"
+    if names & {"TrainableTokensWrapper", "TrainableTokensLayer"}:
+        return "trainable_tokens"
+    if "BaseTunerLayer" in names:
+        return "lora"
+    return None
+
+
+def _getter(model, name):
+    fn = getattr(model, name, None)
+    try:
+        return fn() if callable(fn) else None
+    except (NotImplementedError, AttributeError):
+        return None
+
+
+def _weight_tying_ensured(model) -> bool:
+    configs = getattr(model, "peft_config", None) or {}
+    return any(getattr(c, "ensure_weight_tying", False) for c in configs.values())
+
+
+@rule("tied-embeddings-one-side", "warning")
+def tied_embeddings_one_side(ctx):
+    """Tied input/output embeddings with an adapter (LoRA, modules_to_save) on only one of the pair."""
+    if not ctx.is_peft or not any(getattr(c, "tie_word_embeddings", False) for c in ctx.configs):
+        return None
+    if _weight_tying_ensured(ctx.model):
+        return None
+    sides = {"input (get_input_embeddings)": _adaptation(_getter(ctx.model, "get_input_embeddings")),
+             "output (get_output_embeddings)": _adaptation(_getter(ctx.model, "get_output_embeddings"))}
+    adapted = {k: v for k, v in sides.items() if v}
+    if len(adapted) != 1:
+        return None
+    side, how = next(iter(adapted.items()))
+    return finding(
+        "tied-embeddings-one-side",
+        f"only the {side.split()[0]} side of the tied embeddings is adapted ({how})",
+        "The model ties its input embeddings and its output head to one matrix (tie_word_embeddings=True), "
+        f"but the adapter ({how}) sits on the {side.split()[0]} side only. While training, the other side keeps "
+        "the original weights, so the pair is no longer tied; merge_and_unload() then writes the update into "
+        "the shared matrix and changes the other side as well (the merged model computes something else than "
+        "the model you trained), and a reload re-ties the pair and drops a modules_to_save copy. Adapt both "
+        "sides together: LoraConfig(..., ensure_weight_tying=True) (PEFT >= 0.18), or neither.",
+        {"tie_word_embeddings": True, "adapted": adapted,
+         "not_adapted": [k for k, v in sides.items() if not v], "ensure_weight_tying": False},
+    )
