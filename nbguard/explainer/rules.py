@@ -151,7 +151,9 @@ def _mismatch_cause(facts, dtypes: list[str]) -> tuple[str, str]:
     if facts.compute_dtypes and facts.input_dtype in facts.compute_dtypes and facts.input_dtype != facts.weight_dtype:
         return "4bit-compute-dtype", (
             f"The model holds bitsandbytes 4-bit layers that compute in {', '.join(facts.compute_dtypes)} "
-            f"(bnb_4bit_compute_dtype), and {layer} received their {facts.input_dtype} output. Load the model "
+            f"(bnb_4bit_compute_dtype), and {layer} received a {facts.input_dtype} tensor, the 4-bit compute "
+            "dtype, while its own weights are another: part of the model runs in the compute dtype and part "
+            f"in {facts.weight_dtype}. Load the model "
             f"with bnb_4bit_compute_dtype={facts.weight_dtype} so the 4-bit layers hand on the dtype the rest of "
             "the model holds (or set each Linear4bit's compute_dtype to it)."
         )
