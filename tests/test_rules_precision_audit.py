@@ -276,3 +276,16 @@ def test_bf16_on_a_t4_wording_matches_current_transformers():
     source = inspect.getsource(import_utils.is_torch_bf16_gpu_available)
     assert "return torch.cuda.is_bf16_supported()" in source
     assert inspect.signature(torch.cuda.is_bf16_supported).parameters["including_emulation"].default is True
+
+
+def test_fully_masked_rows_wording_matches_current_torch():
+    batch = tiny_batch(2, 8, pad_rows=1)
+    f = audit(tiny_llama(), batch=batch).finding("fully-masked-rows")
+    assert "zeros in sdpa" in f.detail and "older PyTorch" in f.detail
+    # What the wording says: today the padding-only row stays finite under sdpa and eager, in fp32 and fp16.
+    for impl in ("sdpa", "eager"):
+        for dtype in (torch.float32, torch.float16):
+            model = tiny_llama(dtype=dtype)
+            model.config._attn_implementation = impl
+            with torch.no_grad():
+                assert torch.isfinite(model(**batch).logits[1]).all(), (impl, dtype)

@@ -91,3 +91,19 @@ def test_probe_without_trainable_parameters_has_no_gradients():
     assert not result.backward and all(m.grad_absmax is None for m in result.modules)
     assert result.backward_near_limit() == []
 
+
+
+def test_backward_probe_and_its_finding_fit_the_report_schema(tmp_path):
+    import json
+
+    import pytest
+
+    from nbguard.reporting import build_report, schema
+
+    jsonschema = pytest.importorskip("jsonschema")
+    result = nbguard.audit(backward_only_overflow(), args=make_args(tmp_path, fp16=True), batch=answer_batch(),
+                           hardware="t4", probe=True)
+    data = json.loads(build_report(audit=result).to_json())
+    jsonschema.Draft202012Validator(schema()).validate(data)
+    probe = json.dumps(data)
+    assert '"grad_absmax"' in probe and '"backward_near_limit"' in probe

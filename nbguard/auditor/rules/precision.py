@@ -149,9 +149,9 @@ def trainable_low_precision(ctx):
     return finding(
         "trainable-low-precision",
         f"{len(half)} trainable parameters are stored in half precision",
-        "The optimizer updates these parameters in fp16/bf16. bf16 keeps only 8 bits of mantissa, so an "
-        "update smaller than about 1/256 of a weight rounds away and the weight stops learning; fp16 updates "
-        "underflow and its gradients cannot be unscaled. Keep trainable weights (LoRA adapters, embeddings) "
+        "The optimizer updates these parameters in fp16/bf16. bf16 keeps 8 significant bits (7 stored), so an "
+        "update smaller than about 1/256 of a weight rounds away and the weight stops learning; fp16 keeps 11 "
+        "bits but small updates underflow, and under fp16=True the GradScaler refuses to unscale its gradients. Keep trainable weights (LoRA adapters, embeddings) "
         "in float32 and let autocast run the matmuls in half precision.",
         {"parameters": _param_list(half), "dtypes": sorted({dtype_name(p.dtype) for _, p in half})},
         fixes=["upcast-trainable-fp32"],
