@@ -107,3 +107,28 @@ def test_backward_probe_and_its_finding_fit_the_report_schema(tmp_path):
     jsonschema.Draft202012Validator(schema()).validate(data)
     probe = json.dumps(data)
     assert '"grad_absmax"' in probe and '"backward_near_limit"' in probe
+
+
+
+def test_probe_leaves_no_hook_on_a_parameter_a_module_returns():
+    class Table(torch.nn.Module):  # a learned table handed on as is: its output is a leaf parameter
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(4, 8))
+
+        def forward(self):
+            return self.weight
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = Table()
+            self.proj = torch.nn.Linear(8, 1)
+
+        def forward(self, input_ids):
+            return {"loss": self.proj(self.table()[input_ids]).sum()}
+
+    model = Model()
+    result = run_probe(model, {"input_ids": torch.tensor([[0, 1]])})
+    assert result.backward and {m.module for m in result.modules} >= {"table", "proj"}
+    assert not model.table.weight._backward_hooks  # nothing of the probe outlives it

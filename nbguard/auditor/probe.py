@@ -167,7 +167,9 @@ def run_probe(model: torch.nn.Module, batch: dict | None = None) -> ProbeResult:
         name = names[module]
         records.append((name, dtype_name(tensors[0].dtype), both))
         for t in tensors:
-            if t.requires_grad:  # the hook lives on this forward's tensor and is freed with the graph
+            # A hook on a non-leaf lives and dies with this forward's graph; one on a leaf (a module that
+            # returns a parameter) would outlive the probe, and its gradient is the parameter's anyway.
+            if t.requires_grad and not t.is_leaf:
                 t.register_hook(lambda g, name=name: grads.append((name, g.detach().abs().amax().float().to(device))))
 
     handles = [m.register_forward_hook(hook) for m in names]

@@ -272,7 +272,8 @@ def half_op_on_cpu(exc):
     found = match(_HALF_NOT_IMPLEMENTED, str(exc))
     if not found:
         return None
-    op = re.search(re.escape(found.group(1)), str(exc), re.IGNORECASE).group(0)
+    original = re.search(re.escape(found.group(1)), str(exc), re.IGNORECASE)  # the op as spelled
+    op = original.group(0) if original else found.group(1)
     if "cpu" not in op.lower() and op not in _CPU_KERNELS:
         return None
     detail = (
