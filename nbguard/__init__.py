@@ -12,10 +12,8 @@ In a notebook, ``%load_ext nbguard`` adds ``%precision_check`` and ``%nanwatch``
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from .document import Event, Finding, Origin, Severity, __version__
 from .errors import NbguardError, NonFiniteError
-from .findings import Event, Finding, Origin, Severity
 from .hardware import Hardware, resolve_hardware
 
 

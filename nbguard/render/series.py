@@ -9,7 +9,7 @@ import io
 
 import numpy as np
 
-from .heatmap import NAN_COLOR, SKIP_COLOR
+from ..document.palette import LINE_COLOR, NAN_COLOR, SKIP_COLOR
 
 SERIES = (("loss", "loss", False), ("total_grad_norm", "total grad norm", True), ("loss_scale", "loss scale", True))
 
@@ -56,7 +56,7 @@ def series_png(history: dict, *, dpi: int = 100) -> bytes | None:
         if log:
             finite &= values > 0
             ax.set_yscale("log")
-        ax.plot(steps, np.where(finite, values, np.nan), color="#0072B2", linewidth=1.1)  # gaps at bad steps
+        ax.plot(steps, np.where(finite, values, np.nan), color=LINE_COLOR, linewidth=1.1)  # gaps at bad steps
         if log:
             ax.yaxis.set_minor_formatter(NullFormatter())
         for step in steps[bad]:

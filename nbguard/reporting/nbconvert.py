@@ -12,8 +12,8 @@ from typing import Any
 from nbconvert.exporters import Exporter
 from traitlets import Bool, Unicode, default, observe
 
+from ..document.merge import merge_documents
 from ..findings import MIME_TYPE
-from .collect import merge_documents
 from .report import Report
 
 _EXTENSIONS = {"html": ".html", "md": ".md", "json": ".json"}
