@@ -85,7 +85,9 @@ WIDENED = {
     "matmul-dtype-mismatch": mixed_dtype_model,
 }
 EXACT = [UNSCALE_BF16, ADDMM_HALF, VLLM_BF16, FLASH_AMPERE, SRC_INDEX, DEVICE_ASSERT,
-         "value cannot be converted to type at::Half without overflow"]
+         "value cannot be converted to type at::Half without overflow",
+         "expected mat1 and mat2 to have the same dtype, but got: c10::Half != float",
+         "element 0 of tensors does not require grad and does not have a grad_fn"]
 
 
 def pasted_forms(text: str) -> list[str]:
@@ -210,6 +212,11 @@ def test_dtype_mismatch_from_a_4bit_compute_dtype():
     assert d.evidence["cause"] == "4bit-compute-dtype"
     assert d.evidence["linear4bit_compute_dtypes"] == {"float16": 1}
     assert "bnb_4bit_compute_dtype=float32" in d.detail
+
+
+def test_dtype_mismatch_read_from_a_pasted_message():
+    pasted = "RuntimeError: expected mat1 and mat2 to have the same\ndtype, but got: c10::Half != float"
+    assert diagnose(RuntimeError(pasted)).evidence["dtypes"] == ["float16", "float32"]
 
 
 def test_dtype_mismatch_without_a_traceback_says_so():

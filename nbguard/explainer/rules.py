@@ -126,8 +126,9 @@ def fp16_unscale_error(exc):
     )
 
 
+# Written against the normalised message (lower case, no c10::/at::), as pasted messages arrive.
 _DTYPE_MISMATCH = (
-    re.compile(r"expected (?:m1|mat1) and (?:m2|mat2) to have the same dtype, but got: ([\w:]+) != ([\w:]+)"),
+    re.compile(r"expected (?:m1|mat1) and (?:m2|mat2) to have the same dtype, but got: (\w+) != (\w+)"),
     re.compile(r"expected (?:m1|mat1) and (?:m2|mat2) to have the same dtype"),
     re.compile(r"mat1 and mat2 must have the same dtype"),
     re.compile(r"expected scalar type (\w+) but found (\w+)"),
@@ -135,8 +136,7 @@ _DTYPE_MISMATCH = (
 
 
 def _dtype_name(text: str) -> str:
-    return {"float": "float32", "Float": "float32", "Half": "float16", "BFloat16": "bfloat16",
-            "double": "float64", "Double": "float64"}.get(text.replace("c10::", ""), text.replace("c10::", ""))
+    return {"float": "float32", "half": "float16", "bfloat16": "bfloat16", "double": "float64"}.get(text, text)
 
 
 def _mismatch_cause(facts, dtypes: list[str]) -> tuple[str, str]:
@@ -180,8 +180,7 @@ def _mismatch_cause(facts, dtypes: list[str]) -> tuple[str, str]:
 
 @rule("matmul-dtype-mismatch")
 def matmul_dtype_mismatch(exc):
-    message = str(exc)
-    found = next((m for m in (p.search(message) for p in _DTYPE_MISMATCH) if m), None)
+    found = next((m for m in (match(p, str(exc)) for p in _DTYPE_MISMATCH) if m), None)
     if not found:
         return None
     dtypes = [_dtype_name(g) for g in found.groups()]
@@ -206,7 +205,7 @@ def matmul_dtype_mismatch(exc):
 
 @rule("no-grad-input")
 def no_grad_input(exc):
-    if "element 0 of tensors does not require grad" not in str(exc):
+    if "element 0 of tensors does not require grad" not in normalised(str(exc)):
         return None
     detail = (
         "backward() was called on a loss that no trainable parameter contributed to. With gradient "
@@ -385,7 +384,7 @@ def token_ids_out_of_range(exc):
 
 @rule("sampling-nonfinite-probs")
 def sampling_nonfinite_probs(exc):
-    if "probability tensor contains either" not in str(exc):
+    if "probability tensor contains either" not in normalised(str(exc)):
         return None
     detail = (
         "Sampling (generate with do_sample=True, or torch.multinomial) got logits that were NaN or Inf. "
@@ -400,7 +399,7 @@ def sampling_nonfinite_probs(exc):
 
 @rule("loss-scale-minimum")
 def loss_scale_minimum(exc):
-    if "loss scale already at minimum" not in str(exc).lower():
+    if "loss scale already at minimum" not in normalised(str(exc)):
         return None
     detail = (
         "The dynamic loss scaler of fp16 training (DeepSpeed or apex) halved its scale on every step "
