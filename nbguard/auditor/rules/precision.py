@@ -164,7 +164,8 @@ def fp16_unscale_error(ctx):
     if ctx.mixed_precision != "fp16":
         return None
     fp16 = [(n, p) for n, p in ctx.trainable if p.dtype == torch.float16]
-    # The CUDA unscale kernel has no bfloat16 version; the CPU one has (GradScaler("cpu") unscales bf16 fine).
+    # The CUDA unscale kernel has no bfloat16 version (aten/src/ATen/native/cuda/AmpKernels.cu dispatches
+    # FLOATING_TYPES_AND_HALF); the CPU one dispatches the reduced types too, so GradScaler("cpu") takes bf16.
     bf16 = [(n, p) for n, p in ctx.trainable if p.dtype == torch.bfloat16] if ctx.hardware.device_type == "cuda" else []
     if not fp16 and not bf16:
         return None
