@@ -85,7 +85,7 @@ class ProbeResult:
         scale (65536 at the start), so a module listed here overflows at any scale of 1 or more.
         """
         near = [m for m in self.modules if m.grad_absmax is not None and not (m.grad_absmax * factor < self.limit)]
-        near.sort(key=lambda m: -(m.grad_absmax if m.grad_absmax == m.grad_absmax else float("inf")))
+        near.sort(key=lambda m: -(m.grad_absmax if m.grad_absmax == m.grad_absmax else float("inf")))  # type: ignore[operator]
         return [{"module": m.module, "dtype": m.dtype, "grad_absmax": m.grad_absmax, "grad_headroom": m.grad_headroom}
                 for m in near]
 

@@ -26,8 +26,8 @@ class ModelFacts:
     minority: dict[str, list[str]] = field(default_factory=dict)  # dtype -> first modules holding it
 
 
-def _dtype(value: Any) -> str | None:
-    return None if value is None else str(value).replace("torch.", "")
+def _dtype(value: Any) -> str:
+    return str(value).replace("torch.", "")
 
 
 def _first_floating_tensor(local_vars: dict[str, Any], torch) -> Any:

@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable
 
 from .diagnosis import Diagnosis, exception_text
-from .frames import model_facts
+from .frames import ModelFacts, model_facts
 from .match import normalised
 from .match import search as match
 
@@ -100,7 +100,7 @@ _UNSCALE_BF16 = re.compile(
 
 
 @rule("fp16-unscale-error")
-def fp16_unscale_error(exc):
+def fp16_unscale_error(exc: BaseException) -> Diagnosis | None:
     message = str(exc)
     if "attempting to unscale fp16 gradients" in normalised(message):
         grad_dtype = "float16"
@@ -139,7 +139,7 @@ def _dtype_name(text: str) -> str:
     return {"float": "float32", "half": "float16", "bfloat16": "bfloat16", "double": "float64"}.get(text, text)
 
 
-def _mismatch_cause(facts, dtypes: list[str]) -> tuple[str, str]:
+def _mismatch_cause(facts: ModelFacts | None, dtypes: list[str]) -> tuple[str, str]:
     """(cause, what to do) from what the failing model really held."""
     if facts is None:
         return "unknown", (
@@ -179,7 +179,7 @@ def _mismatch_cause(facts, dtypes: list[str]) -> tuple[str, str]:
 
 
 @rule("matmul-dtype-mismatch")
-def matmul_dtype_mismatch(exc):
+def matmul_dtype_mismatch(exc: BaseException) -> Diagnosis | None:
     found = next((m for m in (match(p, str(exc)) for p in _DTYPE_MISMATCH) if m), None)
     if not found:
         return None
@@ -191,7 +191,7 @@ def matmul_dtype_mismatch(exc):
         f"Two tensors of different dtypes{seen} met in a matrix multiply. Outside autocast PyTorch does not "
         f"convert between float32 and float16/bfloat16. {todo}"
     )
-    evidence = {"dtypes": dtypes, "cause": cause}
+    evidence: dict[str, object] = {"dtypes": dtypes, "cause": cause}
     if facts is not None:
         evidence.update({"layer": facts.layer_name or facts.layer, "layer_class": facts.layer,
                          "weight_dtype": facts.weight_dtype, "input_dtype": facts.input_dtype,
@@ -228,7 +228,7 @@ _YOUR_GPU = re.compile(r"Your\s+(.+?)\s+GPU\s+has\s+compute\s+capability\s+(\d+\
 
 
 @rule("bf16-unsupported")
-def bf16_unsupported(exc):
+def bf16_unsupported(exc: BaseException) -> Diagnosis | None:
     if not match(_BF16_UNSUPPORTED, str(exc)):
         return None
     gpu = _YOUR_GPU.search(str(exc))
@@ -250,7 +250,7 @@ _HALF_OVERFLOW = re.compile(r"value cannot be converted to type half without ove
 
 
 @rule("half-overflow-value")
-def half_overflow_value(exc):
+def half_overflow_value(exc: BaseException) -> Diagnosis | None:
     if not match(_HALF_OVERFLOW, str(exc)):
         return None
     detail = (
@@ -267,7 +267,7 @@ _CPU_KERNELS = ("LayerNormKernelImpl",)  # CPU kernels whose names do not say cp
 
 
 @rule("half-op-on-cpu")
-def half_op_on_cpu(exc):
+def half_op_on_cpu(exc: BaseException) -> Diagnosis | None:
     found = match(_HALF_NOT_IMPLEMENTED, str(exc))
     if not found:
         return None
@@ -291,7 +291,7 @@ _FLASH_AMPERE = re.compile(
 
 
 @rule("flash-attention-unsupported")
-def flash_attention_unsupported(exc):
+def flash_attention_unsupported(exc: BaseException) -> Diagnosis | None:
     found = match(_FLASH_AMPERE, str(exc))
     if not found:
         return None
@@ -311,7 +311,7 @@ _SDPA_SOFTCAP = re.compile(r"'sdpa' attention does not support 'softcap'")
 
 
 @rule("softcap-unsupported-attention")
-def softcap_unsupported_attention(exc):
+def softcap_unsupported_attention(exc: BaseException) -> Diagnosis | None:
     if not match(_SDPA_SOFTCAP, str(exc)):
         return None
     detail = (
@@ -330,7 +330,7 @@ _DEVICE_ASSERT = re.compile(r"cuda error: device-side assert triggered")
 _INDEX_CPU = re.compile(r"index out of range in self")
 
 
-def _embedding_in_traceback(exc) -> dict | None:
+def _embedding_in_traceback(exc: BaseException) -> dict | None:
     """num_embeddings and the largest id of the nn.Embedding the traceback failed in, if it did."""
     import sys
 
@@ -348,7 +348,7 @@ def _embedding_in_traceback(exc) -> dict | None:
 
 
 @rule("token-ids-out-of-range")
-def token_ids_out_of_range(exc):
+def token_ids_out_of_range(exc: BaseException) -> Diagnosis | None:
     message = str(exc)
     embedding = _embedding_in_traceback(exc)
     if match(_INDEX_ASSERT, message):

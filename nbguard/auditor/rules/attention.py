@@ -5,6 +5,8 @@ import functools
 import inspect
 import re
 
+from ...findings import Finding
+from ..context import AuditContext
 from ..registry import finding, rule
 
 _FLASH = re.compile(r"^flash_attention_(\d+)$")
@@ -15,7 +17,7 @@ FLASH_MIN_MAJOR = {2: 8, 3: 8, 4: 9}
 SOFTCAP_IMPLEMENTATIONS = ("eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
-def _implementations(ctx) -> dict[str, str]:
+def _implementations(ctx: AuditContext) -> dict[str, str]:
     """{config path: attention implementation} for the config and its text config."""
     out = {}
     for path, cfg in zip(("config", "config.text_config"), ctx.configs):
@@ -36,9 +38,11 @@ def flash_min_major(version: int) -> int | None:
 
 
 @rule("flash-attention-unsupported", "error")
-def flash_attention_unsupported(ctx):
+def flash_attention_unsupported(ctx: AuditContext) -> Finding | None:
     """FlashAttention selected for a device it cannot run on (compute capability below what it needs, or no GPU)."""
     hw = ctx.hardware
+    if hw is None:  # run_audit always resolves one; a bare context may not
+        return None
     for path, impl in _implementations(ctx).items():
         match = _FLASH.match(impl)
         if not match:
@@ -79,7 +83,7 @@ def sdpa_raises_on_softcap() -> bool:
 
 
 @rule("softcap-unsupported-attention", "error")
-def softcap_unsupported_attention(ctx):
+def softcap_unsupported_attention(ctx: AuditContext) -> Finding | None:
     """attn_logit_softcapping (Gemma 2) with an attention implementation that does not apply it."""
     for path, impl in _implementations(ctx).items():
         cfg = ctx.configs[0] if path == "config" else ctx.configs[-1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint import checkpoint_dtype
-from ..context import HALF_DTYPES, dtype_name
+from ..context import HALF_DTYPES, AuditContext, dtype_name
 from ..registry import capped, finding, rule
 
 FP16_MAX = 65504.0
@@ -63,7 +63,7 @@ def bf16_unsupported(ctx):
     )
 
 
-def _checkpoint_bf16(ctx) -> str | None:
+def _checkpoint_bf16(ctx: AuditContext) -> str | None:
     """Where the config says the checkpoint was saved in bf16 (a saved config.json or model.config.dtype)."""
     for cfg in ctx.configs:
         saved = checkpoint_dtype(cfg)

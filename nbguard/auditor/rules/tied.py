@@ -1,10 +1,14 @@
 """Rules about tied input/output embeddings under PEFT."""
 from __future__ import annotations
 
+from typing import Any
+
+from ...findings import Finding
+from ..context import AuditContext
 from ..registry import finding, rule
 
 
-def _adaptation(module) -> str | None:
+def _adaptation(module: Any) -> str | None:
     """How PEFT adapts ``module`` ('lora', 'modules_to_save', 'trainable_tokens'), or None (read off its PEFT classes)."""
     if module is None:
         return None
@@ -18,7 +22,7 @@ def _adaptation(module) -> str | None:
     return None
 
 
-def _getter(model, name):
+def _getter(model: Any, name: str) -> Any:
     fn = getattr(model, name, None)
     try:
         return fn() if callable(fn) else None
@@ -26,13 +30,13 @@ def _getter(model, name):
         return None
 
 
-def _weight_tying_ensured(model) -> bool:
+def _weight_tying_ensured(model: Any) -> bool:
     configs = getattr(model, "peft_config", None) or {}
     return any(getattr(c, "ensure_weight_tying", False) for c in configs.values())
 
 
 @rule("tied-embeddings-one-side", "warning")
-def tied_embeddings_one_side(ctx):
+def tied_embeddings_one_side(ctx: AuditContext) -> Finding | None:
     """Tied input/output embeddings with an adapter (LoRA, modules_to_save) on only one of the pair."""
     if not ctx.is_peft or not any(getattr(c, "tie_word_embeddings", False) for c in ctx.configs):
         return None

@@ -1,15 +1,19 @@
 """Rules about token ids against the embedding matrix (tokens added without resize_token_embeddings)."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from ...findings import Finding
+from ..context import AuditContext
 from ..embeddings import embedding_shape
 from ..registry import capped, finding, rule
 
 IGNORE_INDEX = -100
 
 
-def tokenizer_of(trainer) -> object | None:
+def tokenizer_of(trainer: Any) -> Any:
     """The tokenizer the Trainer holds (processing_class; tokenizer in older releases), if any."""
     for attr in ("processing_class", "tokenizer"):
         tok = getattr(trainer, attr, None)
@@ -27,7 +31,7 @@ def _out_of_range(tensor: torch.Tensor | None, rows: int) -> list[int]:
 
 
 @rule("token-ids-out-of-range", "error")
-def token_ids_out_of_range(ctx):
+def token_ids_out_of_range(ctx: AuditContext) -> Finding | None:
     """Token ids (tokenizer size, batch input_ids or labels) beyond the embedding matrix: tokens added without a resize."""
     if ctx.model is None:
         return None
