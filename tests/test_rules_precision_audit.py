@@ -289,3 +289,25 @@ def test_fully_masked_rows_wording_matches_current_torch():
             model.config._attn_implementation = impl
             with torch.no_grad():
                 assert torch.isfinite(model(**batch).logits[1]).all(), (impl, dtype)
+
+
+def test_checkpoint_dtype_read_from_the_local_hub_cache(tmp_path, monkeypatch):
+    """A model loaded by hub id: its config.json is found in the hub cache, without any network."""
+    import json
+
+    from nbguard.auditor.checkpoint import checkpoint_dtype
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--someorg--tiny-bf16" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0123abcd")
+    tiny_llama(dtype=torch.bfloat16).save_pretrained(snapshot)  # config.json says dtype: bfloat16
+    assert json.loads((snapshot / "config.json").read_text())["dtype"] == "bfloat16"
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    model = tiny_llama(dtype=torch.float16)
+    model.config._name_or_path = "someorg/tiny-bf16"
+    model.config.dtype = torch.float16  # what from_pretrained(..., dtype=torch.float16) leaves
+    assert checkpoint_dtype(model.config) == ("bfloat16", str(snapshot / "config.json"))
+    model.config._name_or_path = "someorg/not-cached"
+    assert checkpoint_dtype(model.config) == ("float16", "model.config.dtype")

@@ -350,15 +350,17 @@ def _embedding_in_traceback(exc: BaseException) -> dict | None:
 @rule("token-ids-out-of-range")
 def token_ids_out_of_range(exc: BaseException) -> Diagnosis | None:
     message = str(exc)
+    if not (match(_INDEX_ASSERT, message) or match(_INDEX_CPU, message) or match(_DEVICE_ASSERT, message)):
+        return None
     embedding = _embedding_in_traceback(exc)
     if match(_INDEX_ASSERT, message):
-        certainty = "the embedding lookup's assert"
-    elif match(_INDEX_CPU, message) and embedding is not None:
+        certainty: str | None = "the embedding lookup's assert"
+    elif match(_INDEX_CPU, message):
+        if embedding is None:  # index_select and friends say the same: not necessarily a token id
+            return None
         certainty = "the embedding lookup on the CPU"
-    elif match(_DEVICE_ASSERT, message):
-        certainty = None
     else:
-        return None
+        certainty = None
     if certainty is None:
         detail = (
             "A CUDA kernel's assert fired; the message does not say which. In fine-tuning it is most often a "
