@@ -179,6 +179,30 @@ def test_lora_on_the_input_side_of_tied_embeddings_changes_the_model_on_merge():
     assert not torch.allclose(trained, merged, atol=1e-4)
 
 
+def test_untie_embeddings_fix_makes_the_merged_model_the_trained_one():
+    model = tied_peft(target_modules=["embed_tokens", "q_proj"], init_lora_weights=False)
+    result = fixes.apply("untie-embeddings", model=model)
+    assert result.changed == {"base_model.model.lm_head.weight": "own copy of the input embeddings",
+                              "config.tie_word_embeddings": "True -> False"}
+    assert "tied-embeddings-one-side" not in audit(model)
+    batch = tiny_batch(1, 8)
+    model.eval()
+    with torch.no_grad():
+        trained = model(**batch).logits
+        merged = model.merge_and_unload()(**batch).logits
+    torch.testing.assert_close(trained, merged, atol=1e-5, rtol=1e-5)
+
+
+def test_untie_embeddings_cell_does_the_same():
+    model = tied_peft(target_modules=["embed_tokens"], init_lora_weights=False)
+    exec(compile(fixes.code("untie-embeddings", model="peft_model"), "<cell>", "exec"), {"peft_model": model})  # noqa: S102
+    base = model.get_base_model()
+    assert base.lm_head.weight is not base.model.embed_tokens.base_layer.weight
+    assert torch.equal(base.lm_head.weight, base.model.embed_tokens.base_layer.weight)
+    assert "tied-embeddings-one-side" not in audit(model)
+    assert not fixes.apply("untie-embeddings", model=model).changed  # idempotent
+
+
 def test_modules_to_save_on_the_head_of_tied_embeddings():
     f = audit(tied_peft(target_modules=["q_proj"], modules_to_save=["lm_head"])).finding("tied-embeddings-one-side")
     assert f.evidence["adapted"] == {"output (get_output_embeddings)": "modules_to_save"}

@@ -120,3 +120,55 @@ register(Fix("resize-token-embeddings", "Resize the embeddings to the tokenizer"
              "model.resize_token_embeddings(len(tokenizer), mean_resizing=True) when the tokenizer has more tokens "
              "than the embedding has rows.",
              _resize, _resize_code))
+
+
+# ---- untie-embeddings -------------------------------------------------------------------------
+def _input_embedding_weight(model: Any) -> Any:
+    import torch
+
+    getter = getattr(model, "get_input_embeddings", None)
+    emb = getter() if callable(getter) else None
+    inner = next((m for m in emb.modules() if isinstance(m, torch.nn.Embedding)), None) if emb is not None else None
+    if inner is None:
+        raise ValueError(f"untie-embeddings needs a model with input embeddings; {type(model).__name__} has none")
+    return inner.weight
+
+
+def _untie(target, **_: Any) -> dict:
+    import torch
+
+    model = target.model
+    weight = _input_embedding_weight(model)
+    changed: dict = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module.weight is weight:
+            module.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+            changed[f"{name}.weight"] = "own copy of the input embeddings"
+    from .model_fixes import _configs
+
+    for path, cfg in _configs(model):
+        if getattr(cfg, "tie_word_embeddings", False):
+            cfg.tie_word_embeddings = False
+            changed[f"{path}.tie_word_embeddings"] = "True -> False"
+    return changed
+
+
+def _untie_code(names, **_: Any) -> str:
+    m = names.model
+    return f"""import torch
+
+# Give the output head its own copy of the tied embedding matrix, so an adapter on one side no longer
+# changes the other (merging, saving, reloading). Costs one more vocab x hidden matrix of memory.
+_emb = next(x for x in {m}.get_input_embeddings().modules() if isinstance(x, torch.nn.Embedding))
+for _name, _module in {m}.named_modules():
+    if isinstance(_module, torch.nn.Linear) and _module.weight is _emb.weight:
+        _module.weight = torch.nn.Parameter(_emb.weight.detach().clone(), requires_grad=_emb.weight.requires_grad)
+{m}.config.tie_word_embeddings = False
+{m}.config.get_text_config().tie_word_embeddings = False
+"""
+
+
+register(Fix("untie-embeddings", "Untie the input and output embeddings",
+             "Give the output head its own copy of the tied embedding matrix and set tie_word_embeddings=False, "
+             "so an adapter on one side of the pair stays on that side.",
+             _untie, _untie_code))

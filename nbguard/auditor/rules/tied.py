@@ -48,15 +48,24 @@ def tied_embeddings_one_side(ctx: AuditContext) -> Finding | None:
     if len(adapted) != 1:
         return None
     side, how = next(iter(adapted.items()))
+    where = side.split()[0]
+    if how == "modules_to_save":
+        effect = (f"PEFT trains a separate copy of the {where} side, so the pair is untied in effect while "
+                  "config.tie_word_embeddings still says True: anything that honours the flag and keeps one matrix "
+                  "for both sides loses the trained copy (PEFT warns that merging and converting to formats "
+                  "other than safetensors get complicated).")
+    else:
+        effect = (f"Training applies the adapter on the {where} side only, while merge_and_unload() writes it into "
+                  "the shared matrix and so changes the other side as well: the merged model computes something "
+                  "else than the model you trained.")
     return finding(
         "tied-embeddings-one-side",
-        f"only the {side.split()[0]} side of the tied embeddings is adapted ({how})",
+        f"only the {where} side of the tied embeddings is adapted ({how})",
         "The model ties its input embeddings and its output head to one matrix (tie_word_embeddings=True), "
-        f"but the adapter ({how}) sits on the {side.split()[0]} side only. While training, the other side keeps "
-        "the original weights, so the pair is no longer tied; merge_and_unload() then writes the update into "
-        "the shared matrix and changes the other side as well (the merged model computes something else than "
-        "the model you trained), and a reload re-ties the pair and drops a modules_to_save copy. Adapt both "
-        "sides together: LoraConfig(..., ensure_weight_tying=True) (PEFT >= 0.18), or neither.",
+        f"but the adapter ({how}) sits on the {where} side only. {effect} Adapt both sides together "
+        "(LoraConfig(..., ensure_weight_tying=True) when you build the adapter), or untie the pair so the "
+        "output head gets its own copy of the matrix.",
         {"tie_word_embeddings": True, "adapted": adapted,
          "not_adapted": [k for k, v in sides.items() if not v], "ensure_weight_tying": False},
+        fixes=["untie-embeddings"],
     )
