@@ -12,8 +12,9 @@ from ..registry import finding, rule
 _FLASH = re.compile(r"^flash_attention_(\d+)$")
 # Minimum CUDA compute capability (major) per FlashAttention version, when transformers does not say.
 FLASH_MIN_MAJOR = {2: 8, 3: 8, 4: 9}
-# Implementations whose code applies attn_logit_softcapping (eager: the model's own eager_attention_forward;
-# flash: the kernel's softcap argument; flex: a score_mod). Read from transformers' integrations.
+# Implementations whose code applies attn_logit_softcapping, as read in transformers 5.23: eager (the
+# model's own eager_attention_forward), flash (the kernel's softcap argument, integrations/flash_attention.py)
+# and flex (a score_mod, integrations/flex_attention.py). What sdpa does with it is read at run time below.
 SOFTCAP_IMPLEMENTATIONS = ("eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
