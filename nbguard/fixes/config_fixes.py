@@ -1,8 +1,13 @@
-"""Fixes that change the model's configuration: attention implementation, vocabulary size."""
+"""Fixes that change the model's configuration: attention implementation, vocabulary size, tied embeddings."""
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from ..introspect.embeddings import embedding_shape
+from ..introspect.tokenizer import tokenizer_of
+from .model_fixes import _configs
 from .registry import Fix, register
 
 ATTN_CHOICES = ("eager", "sdpa")
@@ -73,8 +78,6 @@ def _vocab_size(target, num_tokens: int | None) -> int:
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens <= 0:
             raise ValueError(f"num_tokens must be a positive int (len(tokenizer)); got {num_tokens!r}")
         return num_tokens
-    from ..auditor.rules.tokens import tokenizer_of
-
     tok = tokenizer_of(target.trainer)
     if tok is None:
         raise ValueError("resize-token-embeddings needs num_tokens=len(tokenizer), or trainer= with its tokenizer "
@@ -83,8 +86,6 @@ def _vocab_size(target, num_tokens: int | None) -> int:
 
 
 def _resize(target, num_tokens: int | None = None, tokenizer: str | None = None, **_: Any) -> dict:
-    from ..auditor.embeddings import embedding_shape
-
     model = target.model
     if not callable(getattr(model, "resize_token_embeddings", None)):
         raise ValueError(f"resize-token-embeddings needs a transformers model; {type(model).__name__} cannot resize")
@@ -124,8 +125,6 @@ register(Fix("resize-token-embeddings", "Resize the embeddings to the tokenizer"
 
 # ---- untie-embeddings -------------------------------------------------------------------------
 def _input_embedding_weight(model: Any) -> Any:
-    import torch
-
     getter = getattr(model, "get_input_embeddings", None)
     emb = getter() if callable(getter) else None
     inner = next((m for m in emb.modules() if isinstance(m, torch.nn.Embedding)), None) if emb is not None else None
@@ -135,8 +134,6 @@ def _input_embedding_weight(model: Any) -> Any:
 
 
 def _untie(target, **_: Any) -> dict:
-    import torch
-
     model = target.model
     weight = _input_embedding_weight(model)
     changed: dict = {}
@@ -144,8 +141,6 @@ def _untie(target, **_: Any) -> dict:
         if isinstance(module, torch.nn.Linear) and module.weight is weight:
             module.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
             changed[f"{name}.weight"] = "own copy of the input embeddings"
-    from .model_fixes import _configs
-
     for path, cfg in _configs(model):
         if getattr(cfg, "tie_word_embeddings", False):
             cfg.tie_word_embeddings = False

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from ...introspect.dtypes import HALF_DTYPES, dtype_name
 from ..checkpoint import checkpoint_dtype
-from ..context import HALF_DTYPES, AuditContext, dtype_name
+from ..context import AuditContext
 from ..registry import capped, finding, rule
 
 FP16_MAX = 65504.0

@@ -1,26 +1,15 @@
 """Rules about token ids against the embedding matrix (tokens added without resize_token_embeddings)."""
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ...findings import Finding
+from ...introspect.embeddings import embedding_shape
+from ...introspect.tokenizer import tokenizer_of
 from ..context import AuditContext
-from ..embeddings import embedding_shape
 from ..registry import capped, finding, rule
 
 IGNORE_INDEX = -100
-
-
-def tokenizer_of(trainer: Any) -> Any:
-    """The tokenizer the Trainer holds (processing_class; tokenizer in older releases), if any."""
-    for attr in ("processing_class", "tokenizer"):
-        tok = getattr(trainer, attr, None)
-        if tok is not None and hasattr(tok, "__len__"):
-            inner = getattr(tok, "tokenizer", None)  # a processor wraps the tokenizer
-            return inner if inner is not None and hasattr(inner, "__len__") else tok
-    return None
 
 
 def _out_of_range(tensor: torch.Tensor | None, rows: int) -> list[int]:
