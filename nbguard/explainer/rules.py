@@ -21,7 +21,7 @@ def rule(signature: str) -> Callable[[Rule], Rule]:
     def register(func: Rule) -> Rule:
         if signature in RULES:
             raise ValueError(f"duplicate explainer rule id {signature!r}")
-        func.signature = signature
+        func.signature = signature  # type: ignore[attr-defined]  # the id travels with the function
         RULES[signature] = func
         return func
 
