@@ -64,6 +64,9 @@ VLLM_BF16 = ("Bfloat16 is only supported on GPUs with compute capability of at l
              "compute capability 7.5. You can use float16 instead by explicitly setting the`dtype` flag in CLI, "
              "for example: --dtype=half.")
 FLASH_AMPERE = "FlashAttention only supports Ampere GPUs or newer."
+# transformers' own check (modeling_utils.py, _check_and_adjust_attn_implementation's FlashAttention branch)
+FLASH_TRANSFORMERS = ("FlashAttention4 has been toggled on, but it cannot be used due to the following error: "
+                      "FlashAttention4 requires compute capability >= 9, but found (8, 0) with compute capability 8.x")
 SRC_INDEX = ("../aten/src/ATen/native/cuda/Indexing.cu:1289: indexSelectLargeIndex: block: [0,0,0], thread: [0,0,0] "
              "Assertion `srcIndex < srcSelectDimSize` failed.")
 DEVICE_ASSERT = ("CUDA error: device-side assert triggered\nCUDA kernel errors might be asynchronously reported at "
@@ -84,7 +87,7 @@ WIDENED = {
     "token-ids-out-of-range": message(RuntimeError, DEVICE_ASSERT),
     "matmul-dtype-mismatch": mixed_dtype_model,
 }
-EXACT = [UNSCALE_BF16, ADDMM_HALF, VLLM_BF16, FLASH_AMPERE, SRC_INDEX, DEVICE_ASSERT,
+EXACT = [UNSCALE_BF16, ADDMM_HALF, VLLM_BF16, FLASH_AMPERE, FLASH_TRANSFORMERS, SRC_INDEX, DEVICE_ASSERT,
          "value cannot be converted to type at::Half without overflow",
          "expected mat1 and mat2 to have the same dtype, but got: c10::Half != float",
          "element 0 of tensors does not require grad and does not have a grad_fn"]
@@ -168,6 +171,9 @@ def test_vllm_bf16_message_reads_the_gpu():
 def test_flash_and_softcap_choose_their_attention():
     flash = diagnose(raised(CASES["flash-attention-unsupported"]))
     assert flash.fix_options == {"set-attn-implementation": {"to": "sdpa"}}
+    assert flash.evidence == {"min_compute_capability": "8.0"}
+    hopper = diagnose(ImportError(FLASH_TRANSFORMERS))
+    assert hopper.signature == "flash-attention-unsupported" and hopper.evidence == {"min_compute_capability": "9.0"}
     softcap = diagnose(raised(CASES["softcap-unsupported-attention"]))
     assert softcap.fix_options == {"set-attn-implementation": {"to": "eager"}}
     cell = softcap.fix_cells({"model": "gemma"})["set-attn-implementation"]["code"]

@@ -295,15 +295,17 @@ def flash_attention_unsupported(exc: BaseException) -> Diagnosis | None:
     found = match(_FLASH_AMPERE, str(exc))
     if not found:
         return None
+    need = int(found.group(1) or 8)
+    gpus = "Ampere: A100, A10G, L4, RTX 30xx/40xx, H100; a T4 or V100 cannot run them" if need == 8 else "Hopper: H100"
     detail = (
-        "FlashAttention's kernels need an NVIDIA GPU of compute capability 8.0 or newer (Ampere: A100, A10G, L4, "
-        "RTX 30xx/40xx, H100); a T4 or V100 cannot run them. Load the model with attn_implementation=\"sdpa\" "
-        "(PyTorch's fused attention, which runs on every GPU), or switch it on the loaded model."
+        f"FlashAttention's kernels need an NVIDIA GPU of compute capability {need}.0 or newer ({gpus}). Load the "
+        "model with attn_implementation=\"sdpa\" (PyTorch's fused attention, which runs on every GPU), or "
+        "switch it on the loaded model."
     )
     return _diagnosis(
-        "flash-attention-unsupported", exc, "FlashAttention needs an Ampere or newer GPU", detail,
+        "flash-attention-unsupported", exc, f"FlashAttention needs compute capability {need}.0 or newer", detail,
         ["set-attn-implementation"], options={"set-attn-implementation": {"to": "sdpa"}},
-        min_compute_capability=f"{found.group(1) or 8}.0",
+        min_compute_capability=f"{need}.0",
     )
 
 
