@@ -102,7 +102,8 @@ def softcap_unsupported_attention(ctx: AuditContext) -> Finding | None:
             f"attention softcapping ({cap}) is not applied by {impl}",
             f"The model caps its attention scores with tanh (attn_logit_softcapping={cap}), which only the eager, "
             f"flex_attention and FlashAttention implementations apply. With attn_implementation=\"{impl}\" "
-            f"{effect}. Train Gemma 2 with eager attention, as transformers recommends.",
+            f"{effect}. Use eager attention (what current transformers picks for Gemma 2 by default; older "
+            "releases warned to train it with eager).",
             {"attn_logit_softcapping": cap, f"{path}._attn_implementation": impl,
              "sdpa_raises": impl == "sdpa" and sdpa_raises_on_softcap()},
             fixes=["set-attn-implementation"],
