@@ -107,8 +107,11 @@ def fully_masked_rows(ctx):
     return finding(
         "fully-masked-rows",
         f"{n_empty} row(s) of attention_mask attend to nothing",
-        "A query whose keys are all masked has a softmax over nothing: with sdpa/flash attention and "
-        "-inf masking that is 0/0 = NaN, which then spreads through the whole row and, through the loss "
-        "or the gradients, to the whole step. Remove padding-only rows from the batch.",
+        "A query whose keys are all masked has a softmax over nothing. Current PyTorch (2.5 and later) gives "
+        "such a row zeros in sdpa, and transformers' eager attention, which masks with the dtype's minimum, "
+        "an average over the padding; but older PyTorch's sdpa and attention code that masks with -inf "
+        "compute 0/0 = NaN there, which spreads through the loss or the gradients to the whole step. Even "
+        "where it stays finite the row is pure padding, computed for nothing. Remove padding-only rows from "
+        "the batch.",
         {"rows": capped(_row_ids(empty)), "batch_size": int(masks[0].shape[0]), **ctx.sample.to_evidence()},
     )
