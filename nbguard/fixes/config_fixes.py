@@ -6,7 +6,6 @@ from typing import Any
 import torch
 
 from ..introspect.embeddings import embedding_shape
-from ..introspect.tokenizer import tokenizer_of
 from .model_fixes import _configs
 from .registry import Fix, register
 
@@ -78,14 +77,13 @@ def _vocab_size(target, num_tokens: int | None) -> int:
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens <= 0:
             raise ValueError(f"num_tokens must be a positive int (len(tokenizer)); got {num_tokens!r}")
         return num_tokens
-    tok = tokenizer_of(target.trainer)
-    if tok is None:
-        raise ValueError("resize-token-embeddings needs num_tokens=len(tokenizer), or trainer= with its tokenizer "
-                         "as processing_class")
-    return len(tok)
+    if target.tokenizer is None or not hasattr(target.tokenizer, "__len__"):
+        raise ValueError("resize-token-embeddings needs tokenizer= (or num_tokens=len(tokenizer)), or trainer= with "
+                         "its tokenizer as processing_class")
+    return len(target.tokenizer)
 
 
-def _resize(target, num_tokens: int | None = None, tokenizer: str | None = None, **_: Any) -> dict:
+def _resize(target, num_tokens: int | None = None, **_: Any) -> dict:
     model = target.model
     if not callable(getattr(model, "resize_token_embeddings", None)):
         raise ValueError(f"resize-token-embeddings needs a transformers model; {type(model).__name__} cannot resize")
@@ -98,17 +96,9 @@ def _resize(target, num_tokens: int | None = None, tokenizer: str | None = None,
     return {"embedding_rows": f"{old} -> {size}"}
 
 
-def _resize_code(names, num_tokens: int | None = None, tokenizer: str | None = None, **_: Any) -> str:
-    """``tokenizer`` is the user's variable name for the tokenizer (a trainer's processing_class otherwise)."""
+def _resize_code(names, num_tokens: int | None = None, **_: Any) -> str:
     m = names.model
-    if tokenizer is not None and not (isinstance(tokenizer, str) and tokenizer.isidentifier()):
-        raise ValueError(f"tokenizer must be the variable name of your tokenizer, such as 'tok'; got {tokenizer!r}")
-    if num_tokens is not None:
-        size = repr(num_tokens)
-    elif tokenizer is None and names.trainer:
-        size = f"len({names.trainer}.processing_class)"
-    else:
-        size = f"len({tokenizer or 'tokenizer'})"
+    size = repr(num_tokens) if num_tokens is not None else f"len({names.tokenizer})"
     return f"""# Give every token of the tokenizer an embedding row; new rows start at the mean of the trained
 # rows (mean_resizing), not at random or zero values.
 _size = {size}
