@@ -77,8 +77,9 @@ def _vocab_size(target, num_tokens: int | None) -> int:
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens <= 0:
             raise ValueError(f"num_tokens must be a positive int (len(tokenizer)); got {num_tokens!r}")
         return num_tokens
+    # fixes.apply already fills target.tokenizer from tokenizer=, or the trainer's processing_class.
     if target.tokenizer is None or not hasattr(target.tokenizer, "__len__"):
-        raise ValueError("resize-token-embeddings needs tokenizer= (or num_tokens=len(tokenizer)), or trainer= with "
+        raise ValueError("resize-token-embeddings needs num_tokens=len(tokenizer), tokenizer=, or trainer= with "
                          "its tokenizer as processing_class")
     return len(target.tokenizer)
 
@@ -97,6 +98,7 @@ def _resize(target, num_tokens: int | None = None, **_: Any) -> dict:
 
 
 def _resize_code(names, num_tokens: int | None = None, **_: Any) -> str:
+    """``names.tokenizer`` is the user's tokenizer (the trainer's processing_class when only a trainer is named)."""
     m = names.model
     size = repr(num_tokens) if num_tokens is not None else f"len({names.tokenizer})"
     return f"""# Give every token of the tokenizer an embedding row; new rows start at the mean of the trained
