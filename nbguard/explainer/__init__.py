@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .diagnosis import Diagnosis, exception_text
 from .rules import RULES, rule
+from .warnings import WARNING_SIGNATURES, diagnose_warning, warning_signature
 
 
 def exception_chain(exc: BaseException):
@@ -41,4 +42,5 @@ def explain(exc: BaseException) -> Diagnosis | None:
     return diagnosis
 
 
-__all__ = ["Diagnosis", "RULES", "diagnose", "exception_chain", "exception_text", "explain", "rule"]
+__all__ = ["Diagnosis", "RULES", "WARNING_SIGNATURES", "diagnose", "diagnose_warning", "exception_chain",
+           "exception_text", "explain", "rule", "warning_signature"]

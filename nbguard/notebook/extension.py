@@ -1,9 +1,10 @@
 """``%load_ext nbguard`` / ``%unload_ext nbguard``: what the extension adds, and taking it all back.
 
-Load registers the magics, the exception explainer (an IPython custom exception handler that
-chains to any earlier one) and the comm to the lab extension. Unload restores the earlier
-exception handler and any magics nbguard shadowed, detaches watches started by ``%nanwatch``,
-closes the widgets it opened and the comm. Loading twice is harmless.
+Load registers the magics, their tab completers, the explainer of exceptions and of known warnings
+(``post_run_cell`` callbacks: nbguard owns no exception handler), the warning listeners and the
+comm to the lab extension. Unload removes exactly those, puts back any magics nbguard shadowed,
+detaches watches started by ``%nanwatch``, closes the widgets it opened and the comm. Loading
+twice is harmless.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from . import present
 from . import resolve as R
+from .cellwarnings import WarningExplainer
 from .comm import CHANNEL
 from .exceptions import ExplainerHandler
 
@@ -26,7 +28,9 @@ class ExtensionState:
         self.last_audit = None
         self.shadowed: dict[str, dict[str, Any]] = {}  # magics of the same name that existed before
         self.magics = None
+        self.completers = None
         self.handler = ExplainerHandler(shell, show=self.show_diagnosis)
+        self.warnings = WarningExplainer(shell, show=self.show_diagnosis)
 
     # -- names and objects for fix code -------------------------------------------------------
     def names_for_fixes(self) -> dict[str, str]:
@@ -59,11 +63,13 @@ class ExtensionState:
         def apply(fix_id: str):
             from nbguard import fixes
 
-            targets = {k: R.lookup(self.shell.user_ns, v) for k, v in names.items() if k in ("model", "trainer")}
+            # looked up at click time: the view keeps names, never the user's objects
+            targets = {k: R.lookup(self.shell.user_ns, v) for k, v in names.items() if k in ("model", "trainer", "args")}
             if not targets:
-                raise R.MagicError("no model or trainer variable found to apply the fix to")
+                raise R.MagicError("no model, trainer or TrainingArguments variable found to apply the fix to")
             options = diagnosis.fix_options.get(fix_id, {})
-            return fixes.apply(fix_id, **targets, **options).changed, fixes.code(fix_id, **names, **options)
+            applied = fixes.apply(fix_id, **targets, names=names, **options)
+            return applied.changed, applied.code
 
         present.show_diagnosis(diagnosis, names=names, apply=apply)
 
@@ -72,7 +78,9 @@ class ExtensionState:
         if live in self.watches:
             self.watches.remove(live)
         try:
-            live.watch.detach()
+            watch = live.watch
+            if watch is not None:
+                watch.detach()
         finally:
             live.finish()
 
@@ -101,6 +109,11 @@ def load(ipython) -> ExtensionState:
     state.magics = NbguardMagics(ipython, state)
     ipython.register_magics(state.magics)
     state.handler.install()
+    state.warnings.install()
+    from .complete import Completers
+
+    state.completers = Completers(ipython, state.magics)
+    state.completers.install()
     try:
         CHANNEL.open(ipython)
     except Exception as err:  # no comm: "Insert cell" falls back to a code block
@@ -115,6 +128,9 @@ def unload(ipython) -> None:
         return
     state.stop_watches()
     state.handler.uninstall()
+    state.warnings.uninstall()
+    if state.completers is not None:
+        state.completers.uninstall()
     manager = ipython.magics_manager
     for kind, names in MAGIC_NAMES.items():
         for name in names:
