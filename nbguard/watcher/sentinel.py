@@ -10,6 +10,7 @@ the full accumulated gradient, before clipping or unscaling.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,8 +70,14 @@ class GradNormCollector:
         self.handles.clear()
 
     def _hook(self, i: int):
+        # Weakly: the garbage collector does not see into a tensor's post-accumulate-grad hooks, so a
+        # hook holding the collector (and through it the watch and the model) would be a cycle that is
+        # never freed: `del model` would not give the memory back while the watch is attached.
+        collector = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
-            if not self.enabled:
+            self = collector()
+            if self is None or not self.enabled:
                 return
             try:
                 if param.grad is not None:
