@@ -74,7 +74,7 @@ class WarningExplainer:
     def uninstall(self) -> None:
         if not self.installed:
             return
-        if warnings.showwarning is self._showwarning:
+        if warnings.showwarning == self._showwarning:  # == : a bound method is a new object each time
             warnings.showwarning = self._previous_showwarning
         # else: wrapped again after us; our wrapper stays in that chain as a pass-through
         for logger in self._loggers:

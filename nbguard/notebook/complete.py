@@ -48,10 +48,13 @@ class Completers:
         if self._added:
             return
         self._created_dispatcher = HOOK not in self.shell.strdispatchers
-        for key, func in (("%precision_check", self.precision_check), ("%nanwatch", self.nanwatch),
-                          ("%%nanwatch", self.nanwatch), ("%nbguard", self.nbguard)):
-            self.shell.set_hook(HOOK, func, str_key=key)
-            self._added.append((key, func))
+        for key, method in (("%precision_check", self.precision_check), ("%nanwatch", self.nanwatch),
+                            ("%%nanwatch", self.nanwatch), ("%nbguard", self.nbguard)):
+            def hook(_shell, event, method=method):  # set_hook binds hooks to the shell: (shell, event)
+                return method(event)
+
+            self.shell.set_hook(HOOK, hook, str_key=key)
+            self._added.append((key, hook))
 
     def uninstall(self) -> None:
         dispatcher = self.shell.strdispatchers.get(HOOK)
@@ -59,7 +62,7 @@ class Completers:
             chain = dispatcher.strs.get(key) if dispatcher is not None else None
             if chain is None:
                 continue
-            chain.chain = [(priority, f) for priority, f in chain.chain if f != func]
+            chain.chain = [(priority, f) for priority, f in chain.chain if getattr(f, "__func__", f) is not func]
             if not chain.chain:
                 del dispatcher.strs[key]
         if self._created_dispatcher and dispatcher is not None and not dispatcher.strs and not dispatcher.regexs:
@@ -92,8 +95,9 @@ class Completers:
         return _names(self.ns, R.is_trainer, R.is_model) + ["off"]
 
     def nbguard(self, event) -> list[str]:
-        words = (event.text_until_cursor if hasattr(event, "text_until_cursor") else event.line).split()
-        completing_new = event.line.endswith(" ") or len(words) < 2
+        before = event.text_until_cursor if hasattr(event, "text_until_cursor") else event.line
+        words = before.split()
+        completing_new = before.endswith(" ") or len(words) < 2
         position = len(words) if completing_new else len(words) - 1  # index of the word being completed
         if position <= 1:
             return list(NBGUARD_COMMANDS)
