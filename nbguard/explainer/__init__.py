@@ -1,8 +1,10 @@
 """The exception explainer: known error signatures -> a diagnosis with fixes.
 
 ``explain(exc)`` walks the exception chain (``__cause__`` / ``__context__``) and returns the first
-:class:`Diagnosis` a registered rule gives, or None. The notebook front end calls it from an
-IPython custom exception handler; it works just as well on an exception caught in a script.
+:class:`Diagnosis` a registered rule gives, or None. The notebook front end calls it from
+IPython's ``post_run_cell`` event; it works just as well on an exception caught in a script.
+Known warnings that announce a failure have their own signatures (:mod:`.warnings`,
+``diagnose_warning(text, origin)``).
 """
 from __future__ import annotations
 
