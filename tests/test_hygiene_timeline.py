@@ -74,6 +74,7 @@ def test_a_detached_watch_entry_is_only_a_document_and_frees_the_model():
     watches = SESSION.entries("watch")
     assert all(e.live() is None for e in watches)
     assert [d["history"]["steps"] for d in SESSION.watches] == [[0, 1, 2], [0, 1]]
+    assert [w["history"]["steps"] for w in nbguard.report().to_dict()["watches"]] == [[0, 1, 2], [0, 1]]
 
 
 def test_an_attached_watch_entry_shows_the_live_watch():

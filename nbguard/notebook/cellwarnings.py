@@ -32,8 +32,9 @@ class _Handler(logging.Handler):
             self._on_record(record.getMessage(), record.name)
         except Exception:  # noticing a warning must never disturb the code that logged it
             pass
-        if self._only_handler(record) and record.levelno >= logging.lastResort.level:
-            logging.lastResort.handle(record)  # what logging would have done without us
+        last_resort = logging.lastResort
+        if last_resort is not None and self._only_handler(record) and record.levelno >= last_resort.level:
+            last_resort.handle(record)  # what logging would have done without us
 
     def _only_handler(self, record: logging.LogRecord) -> bool:
         """True when no other handler is on the record's way up (so Python would use lastResort)."""
@@ -74,8 +75,8 @@ class WarningExplainer:
     def uninstall(self) -> None:
         if not self.installed:
             return
-        if warnings.showwarning == self._showwarning:  # == : a bound method is a new object each time
-            warnings.showwarning = self._previous_showwarning
+        if warnings.showwarning == self._showwarning and self._previous_showwarning is not None:
+            warnings.showwarning = self._previous_showwarning  # (==: a bound method is a new object each time)
         # else: wrapped again after us; our wrapper stays in that chain as a pass-through
         for logger in self._loggers:
             logger.removeHandler(self._handler)

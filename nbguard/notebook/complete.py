@@ -20,7 +20,7 @@ def _names(ns: dict[str, Any], *predicates: Callable[[Any], bool]) -> list[str]:
 
 
 def _options(parser_func: Callable) -> list[str]:
-    parser = parser_func.parser
+    parser = getattr(parser_func, "parser")  # noqa: B009  (set by @magic_arguments)
     return sorted(opt for action in parser._actions for opt in action.option_strings if opt.startswith("--"))
 
 

@@ -20,7 +20,7 @@ class ExplainerHandler:
         self.shell = shell
         self.show = show  # shows a Diagnosis (the card with fix buttons, or the static bundle)
         self.installed = False
-        self.last_diagnosis = None
+        self.last_diagnosis: Any = None
         self._shown: BaseException | None = None  # an error already explained under an inner cell
 
     def install(self) -> None:

@@ -56,7 +56,10 @@ class _WeakObjects:
             try:
                 self._refs[key] = weakref.ref(obj)
             except TypeError:
-                self._refs[key] = lambda key=key: R.lookup(self._ns, self._names[key])
+                self._refs[key] = self._by_name(key)
+
+    def _by_name(self, key: str) -> Callable[[], Any]:
+        return lambda: R.lookup(self._ns, self._names[key])
 
     def get(self) -> dict[str, Any]:
         objects = {}
