@@ -24,7 +24,7 @@ RESPONSE_KEY = ("Could not find response key `### Response:` in the following in
                 "The answer is 4. This instance will be ignored in loss calculation. Note, if this happens often, "
                 "consider increasing the `max_length`.")
 GEMMA2 = ("It is strongly recommended to train Gemma2 models with the `eager` attention implementation instead of "
-          "`sdpa`. Use `eager` with `AutoModelForCausalLM.from_pretrained('<path-to-checkpoint>', "
+          "`flash_attention_2`. Use `eager` with `AutoModelForCausalLM.from_pretrained('<path-to-checkpoint>', "
           "attn_implementation='eager')`.")
 
 CHECKPOINTED = """
@@ -33,7 +33,8 @@ from nbguard.testing import tiny_llama, tiny_batch
 model = tiny_llama()
 model.model.embed_tokens.weight.requires_grad_({embed_grad})  # frozen embeddings, as under LoRA
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": True}})
-model.disable_input_require_grads()  # transformers 5 turns it on by itself; PEFT set-ups lose it
+if hasattr(model, "_require_grads_hook"):  # transformers 5 turns it on by itself; PEFT set-ups lose it
+    model.disable_input_require_grads()
 model.train()
 model(**tiny_batch()).loss
 """
@@ -48,6 +49,7 @@ layer(torch.randn(2, 64, dtype=torch.{dtype}))
 def seen_by_user():
     """The user's own ``showwarning`` (what they would see), installed BEFORE nbguard loads."""
     ip = InteractiveShell.instance()
+    before = set(ip.user_ns)
     shown: list[str] = []
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -55,8 +57,8 @@ def seen_by_user():
         run(ip, "%load_ext nbguard")
         yield ip, shown
         run(ip, "%unload_ext nbguard")
-    for name in ("model", "layer", "torch", "bnb", "tiny_llama", "tiny_batch", "warnings", "logging"):
-        ip.user_ns.pop(name, None)
+    for name in set(ip.user_ns) - before:
+        del ip.user_ns[name]
 
 
 def _signatures(cell) -> list[str]:
@@ -125,7 +127,7 @@ def test_gemma2_recommendation_through_the_transformers_logger_is_explained(seen
         logger.removeHandler(users_handler)
     assert records == [GEMMA2]  # every other handler still gets the record
     assert _signatures(cell) == ["gemma2-eager-attention"]
-    assert cell.docs[0]["diagnoses"][0]["evidence"]["attn_implementation"] == "sdpa"
+    assert cell.docs[0]["diagnoses"][0]["evidence"]["attn_implementation"] == "flash_attention_2"
 
 
 def test_an_unknown_warning_is_shown_and_not_explained(seen_by_user):
