@@ -243,3 +243,9 @@ def test_widget_apply_records_the_notebooks_own_names(shell):
     [record] = SESSION.fixes_applied
     assert "my_model" in record["code"]
     assert all(p.dtype == torch.float32 for p in shell.user_ns["my_model"].parameters() if p.requires_grad)
+
+
+def test_a_fix_that_does_not_fit_the_object_is_a_usage_error_not_a_bug(shell):
+    run(shell, "import torch\nnet = torch.nn.Linear(4, 4)")
+    line = usage_line(run(shell, "%nbguard fix enable-input-require-grads --apply"))
+    assert "enable-input-require-grads cannot apply here" in line and "transformers" in line

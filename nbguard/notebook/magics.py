@@ -378,7 +378,10 @@ class NbguardMagics(Magics):
         except ValueError as err:  # the cell needs a name the notebook does not have
             raise MagicError(f"{err.args[0]}; no such variable in the notebook") from None
         if apply_now:
-            applied = fixes.apply(fix_id, **objects, names=names, **options)
+            try:
+                applied = fixes.apply(fix_id, **objects, names=names, **options)
+            except (TypeError, ValueError) as err:  # the fix's own checks of the objects it was given
+                raise MagicError(f"{fix_id} cannot apply here: {err}") from None
             print(f"nbguard: applied {fix_id}: {applied.changed or 'nothing to change'}")
         self.shell.set_next_input(code, replace=False)
 
