@@ -17,7 +17,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from .findings import document
+from .document import document
 
 KINDS = ("audit", "watch", "fix", "diagnosis", "verification")
 
@@ -55,7 +55,10 @@ class TimelineEntry:
         return self._ref() if self._ref is not None else None
 
     def document(self) -> dict[str, Any]:
-        """The v1 document of this moment (fresh from a live watch, else the snapshot)."""
+        """The v1 document of this moment (fresh from a live watch, else the snapshot), with its ``time``."""
+        return {**self._document(), "time": self.time}
+
+    def _document(self) -> dict[str, Any]:
         if self.kind == "watch":
             live = self.live()
             if live is not None:
@@ -64,6 +67,8 @@ class TimelineEntry:
             return document("fix", fixes_applied=[dict(self._held)])
         if self._snapshot is not None:
             return self._snapshot
+        if self.kind == "diagnosis" and not hasattr(self._held, "to_document"):
+            return document("diagnosis", diagnoses=[self._held.to_dict()])  # raises for a broken record
         return _document_of(self._held)
 
     def holds(self, obj: Any) -> bool:
@@ -102,7 +107,7 @@ class SessionRecord:
             try:
                 docs.append(entry.document())
             except Exception as exc:
-                docs.append(document(entry.kind, notes=[
+                docs.append(document(entry.kind, time=entry.time, notes=[
                     f"the session's {entry.kind} {counts[entry.kind]} could not be included: {exc!r}"]))
         return docs
 
@@ -140,6 +145,8 @@ class SessionRecord:
         self.timeline.append(entry)
         return entry
 
+
+Entry = TimelineEntry  # the name the reporting package uses
 
 SESSION = SessionRecord()
 

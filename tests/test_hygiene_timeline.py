@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import nbguard
+from nbguard.document import document
+from nbguard.document.merge import gather
 from nbguard.session import SESSION, record_verification
 from nbguard.testing import tiny_batch, tiny_llama
 
@@ -74,7 +76,9 @@ def test_a_detached_watch_entry_is_only_a_document_and_frees_the_model():
     watches = SESSION.entries("watch")
     assert all(e.live() is None for e in watches)
     assert [d["history"]["steps"] for d in SESSION.watches] == [[0, 1, 2], [0, 1]]
-    assert [w["history"]["steps"] for w in nbguard.report().to_dict()["watches"]] == [[0, 1, 2], [0, 1]]
+    data = nbguard.report().to_dict()
+    assert [w["history"]["steps"] for w in gather(data, "watches")] == [[0, 1, 2], [0, 1]]
+    assert [e["kind"] for e in data["entries"]] == ["audit", "watch", "diagnosis", "fix", "watch", "audit"]
 
 
 def test_an_attached_watch_entry_shows_the_live_watch():
@@ -101,13 +105,13 @@ def test_the_audit_entry_is_the_document_at_record_time():
     assert "trainable-low-precision" in {f["rule"] for f in entry.document()["findings"]}  # as it was then
     del result
     gc.collect()
-    assert SESSION.last_audit == entry.document() and SESSION.last_audit["kind"] == "audit"
+    assert {**SESSION.last_audit, "time": entry.time} == entry.document() and SESSION.last_audit["kind"] == "audit"
 
 
 def test_verifications_are_recorded_from_any_object_with_to_document():
     class Verification:
         def to_document(self):
-            return nbguard.findings.document("verification", title="fix verified", verified=True)
+            return document("verification", title="fix verified", verified=True)
 
     record_verification(Verification())
     [entry] = SESSION.entries("verification")
@@ -133,5 +137,6 @@ def test_a_broken_entry_becomes_a_note_and_the_rest_of_the_story_stays():
 def test_the_report_still_builds_from_the_session():
     _before_and_after_a_fix()
     data = nbguard.report().to_dict()
-    assert len(data["watches"]) == 2 and data["fixes_applied"][0]["fix"] == "upcast-trainable-fp32"
-    assert data["diagnoses"][0]["signature"] == "sampling-nonfinite-probs"
+    assert len(gather(data, "watches")) == 2
+    assert gather(data, "fixes_applied")[0]["fix"] == "upcast-trainable-fp32"
+    assert gather(data, "diagnoses")[0]["signature"] == "sampling-nonfinite-probs"

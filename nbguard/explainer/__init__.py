@@ -8,6 +8,7 @@ Known warnings that announce a failure have their own signatures (:mod:`.warning
 """
 from __future__ import annotations
 
+from ..session import record_diagnosis
 from .diagnosis import Diagnosis, exception_text
 from .rules import RULES, rule
 from .warnings import WARNING_SIGNATURES, diagnose_warning, warning_signature
@@ -38,8 +39,6 @@ def explain(exc: BaseException) -> Diagnosis | None:
     """The diagnosis of a known error signature in ``exc`` (or its chain), recorded for the report."""
     diagnosis = diagnose(exc)
     if diagnosis is not None:
-        from ..session import record_diagnosis
-
         record_diagnosis(diagnosis)
     return diagnosis
 

@@ -61,7 +61,7 @@ class ExtensionState:
         names = self.names_for_fixes()
 
         def apply(fix_id: str):
-            from nbguard import fixes
+            from .. import fixes
 
             # looked up at click time: the view keeps names, never the user's objects
             targets = {k: R.lookup(self.shell.user_ns, v) for k, v in names.items() if k in ("model", "trainer", "args")}

@@ -118,8 +118,7 @@ class NbguardMagics(Magics):
         return self._guarded("precision_check", self._precision_check, line)
 
     def _precision_check(self, line: str) -> None:
-        import nbguard
-        from nbguard import fixes
+        from .. import api, fixes
 
         opts = _parse(self.precision_check, line)
         targets, names = self._audit_targets(opts.objects)
@@ -130,7 +129,7 @@ class NbguardMagics(Magics):
                 raise MagicError(f"--batch {opts.batch!r} is a {R.describe(batch)}, expected a dict of tensors")
             names["batch"] = opts.batch
         hardware = self._hardware(opts.hardware)
-        result = nbguard.audit(**targets, batch=batch, hardware=hardware, probe=opts.probe)
+        result = api.audit(**targets, batch=batch, hardware=hardware, probe=opts.probe)
         self.state.last_names = {k: v for k, v in names.items() if k != "batch"}
         self.state.last_audit = result
         held = _WeakObjects(self.ns, dict(targets, batch=batch), names)
@@ -138,7 +137,7 @@ class NbguardMagics(Magics):
 
         def rerun():
             objects = held.get()
-            return nbguard.audit(**objects, hardware=hardware, probe=opts.probe)
+            return api.audit(**objects, hardware=hardware, probe=opts.probe)
 
         def apply(fix_id: str):
             objects = held.get()
@@ -265,8 +264,7 @@ class NbguardMagics(Magics):
                 raise UsageError(f"nbguard: the watched cell raised {type(error).__name__} (traceback above)")
 
     def _start_watch(self, opts):
-        import nbguard
-
+        from .. import api
         from .present import LiveWatch
 
         if opts.target:
@@ -283,8 +281,8 @@ class NbguardMagics(Magics):
         elif opts.optimizer:
             raise MagicError("--optimizer is for a model; a Trainer brings its own optimizer")
         self.state.stop_watches()  # one %nanwatch at a time: never two watches on the same run
-        watch = nbguard.watch(target, optimizer=optimizer, scaler=scaler, policy=opts.policy,
-                              activations=opts.activations)
+        watch = api.watch(target, optimizer=optimizer, scaler=scaler, policy=opts.policy,
+                          activations=opts.activations)
         live = LiveWatch(watch)
         self.state.watches.append(live)
         return live
@@ -350,20 +348,20 @@ class NbguardMagics(Magics):
             self._explain_last()
 
     def _report(self, path: str) -> None:
-        import nbguard
-        from nbguard.reporting.report import FORMATS
+        from .. import api
+        from ..reporting.report import FORMATS
 
         suffix = "." + path.rsplit(".", 1)[-1].lower() if "." in path else ""
         if suffix not in FORMATS:
             raise MagicError(f"cannot tell the report format from {path!r}: end it with {', '.join(FORMATS)}")
         try:
-            nbguard.report().save(path)
+            api.report().save(path)
         except OSError as err:
             raise MagicError(f"could not write {path!r}: {err.strerror or err}") from None
         print(f"nbguard: report written to {path}")
 
     def _fix(self, fix_id: str, apply_now: bool) -> None:
-        from nbguard import fixes
+        from .. import fixes
 
         try:
             fix = fixes.get(fix_id)
@@ -404,6 +402,6 @@ class NbguardMagics(Magics):
         if exc is None:
             raise MagicError("no exception to explain yet in this session")
         if self.state.handler.explain(exc) is None:
-            from nbguard.explainer import exception_text
+            from ..explainer import exception_text
 
             print(f"nbguard: no known signature in the last exception ({exception_text(exc)[:200]})")
