@@ -92,7 +92,7 @@ class WarningExplainer:
                 self._noticed(str(message), getattr(category, "__name__", str(category)))
             except Exception:
                 pass
-        previous = self._previous_showwarning or warnings._showwarning_orig  # type: ignore[attr-defined]
+        previous = self._previous_showwarning or warnings._showwarning_orig
         return previous(message, category, filename, lineno, file, line)
 
     def _noticed(self, text: str, origin: str) -> None:

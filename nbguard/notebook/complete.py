@@ -34,7 +34,7 @@ def _previous_word(event) -> str:
 
 
 class Completers:
-    def __init__(self, shell, magics):
+    def __init__(self, shell: Any, magics: Any) -> None:
         self.shell = shell
         self.magics = magics
         self._added: list[tuple[str, Callable]] = []

@@ -21,14 +21,14 @@ MAGIC_NAMES = {"line": ("precision_check", "nanwatch", "nbguard"), "cell": ("nan
 
 
 class ExtensionState:
-    def __init__(self, shell):
+    def __init__(self, shell: Any) -> None:
         self.shell = shell
         self.watches: list[Any] = []  # LiveWatch objects started by %nanwatch
         self.last_names: dict[str, str] = {}  # the user's names from the last %precision_check
         self.last_audit = None
         self.shadowed: dict[str, dict[str, Any]] = {}  # magics of the same name that existed before
-        self.magics = None
-        self.completers = None
+        self.magics: Any = None
+        self.completers: Any = None
         self.handler = ExplainerHandler(shell, show=self.show_diagnosis)
         self.warnings = WarningExplainer(shell, show=self.show_diagnosis)
 

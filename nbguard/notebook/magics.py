@@ -79,8 +79,13 @@ class NbguardMagics(Magics):
         self.state = state  # the extension's state (watches started here, last names, ...)
 
     @property
+    def ip(self) -> Any:
+        """The shell (``Magics.shell`` is typed optional; a registered magic always has one)."""
+        return self.shell
+
+    @property
     def ns(self) -> dict[str, Any]:
-        return self.shell.user_ns
+        return self.ip.user_ns
 
     def _guarded(self, magic: str, func: Callable, *args: Any) -> Any:
         try:
@@ -246,10 +251,10 @@ class NbguardMagics(Magics):
         opts = _parse(self.nanwatch, line)
         if opts.target == "off":
             raise MagicError("%%nanwatch watches the cell it heads; use %nanwatch off on its own line")
-        outer = self.shell.displayhook.exec_result  # this cell's ExecutionResult (None outside run_cell)
+        outer = self.ip.displayhook.exec_result  # this cell's ExecutionResult (None outside run_cell)
         live = self._start_watch(opts)
         try:
-            inner = self.shell.run_cell(cell, store_history=False)
+            inner = self.ip.run_cell(cell, store_history=False)
         finally:
             self.state.stop_watch(live)
             print(live.summary())
@@ -381,7 +386,7 @@ class NbguardMagics(Magics):
             except (TypeError, ValueError) as err:  # the fix's own checks of the objects it was given
                 raise MagicError(f"{fix_id} cannot apply here: {err}") from None
             print(f"nbguard: applied {fix_id}: {applied.changed or 'nothing to change'}")
-        self.shell.set_next_input(code, replace=False)
+        self.ip.set_next_input(code, replace=False)
 
     def _fix_objects(self, fix, names: dict[str, str]) -> dict[str, Any]:
         """Every object the fix acts on, looked up by the notebook's names; a missing one is named."""
