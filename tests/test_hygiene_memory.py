@@ -155,3 +155,24 @@ def test_lab_comm_path_leaves_the_model_collectable(kernel, tmp_path):
     assert kernel.value("ref() is None") is True  # an Insert-cell request still pending, and freed
     kernel.comm_send(opened["comm_id"], {"action": "inserted", "output_id": doc["output_id"]})
     assert kernel.value("len(__import__('nbguard.session').session.SESSION.watches)") == 1
+
+
+def test_a_trainer_watch_never_detached_frees_trainer_and_model(tmp_path):
+    """The README's `nbguard.watch(trainer); trainer.train()`, with no detach, then `del`."""
+    from transformers import Trainer, TrainingArguments
+
+    from nbguard.testing import TinyDataset, tiny_llama
+
+    model = tiny_llama()
+    trainer = Trainer(model=model, train_dataset=TinyDataset(8),
+                      args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=2,
+                                             per_device_train_batch_size=2, save_strategy="no",
+                                             logging_strategy="no", disable_tqdm=True))
+    nbguard.watch(trainer)
+    trainer.train()
+    ref = weakref.ref(model)
+    del model, trainer
+    gc.collect()
+    assert ref() is None
+    [doc] = SESSION.watches
+    assert doc["history"]["steps"] == [0, 1]
