@@ -22,6 +22,14 @@ from .document import document
 KINDS = ("audit", "watch", "fix", "diagnosis", "verification")
 
 
+class Snapshot(dict):
+    """A recorded document standing in for an object that is gone: a dict, with ``to_document()``
+    like the result object it replaces, so code that asked a watch for its document keeps working."""
+
+    def to_document(self) -> dict[str, Any]:
+        return dict(self)
+
+
 def _document_of(value: Any) -> dict[str, Any]:
     """A v1 document from a result object (``to_document()``) or a document dict."""
     if isinstance(value, dict):
@@ -81,7 +89,7 @@ class TimelineEntry:
     def release(self, obj: Any) -> None:
         """Snapshot ``obj``'s document (a watch detaching or being collected)."""
         try:
-            self._snapshot = _document_of(obj)
+            self._snapshot = Snapshot(_document_of(obj))
         except Exception:  # a broken record keeps its last snapshot; the report notes it
             pass
 
@@ -153,7 +161,7 @@ SESSION = SessionRecord()
 
 def _snapshot_or_none(value: Any) -> dict[str, Any] | None:
     try:
-        return _document_of(value)
+        return Snapshot(_document_of(value))
     except Exception:  # kept as the object: the report turns it into a note
         return None
 
@@ -212,5 +220,5 @@ def record_fix(fix_id: str, changed: Any, code: str) -> None:
 
 def record_verification(verification: Any) -> None:
     """A verification (anything with ``to_document()``), stored as its document."""
-    snapshot = _document_of(verification)
+    snapshot = Snapshot(_document_of(verification))
     SESSION._add(TimelineEntry("verification", time.time(), _snapshot=snapshot))

@@ -76,6 +76,8 @@ def test_a_detached_watch_entry_is_only_a_document_and_frees_the_model():
     watches = SESSION.entries("watch")
     assert all(e.live() is None for e in watches)
     assert [d["history"]["steps"] for d in SESSION.watches] == [[0, 1, 2], [0, 1]]
+    # what the quickstart does after %%nanwatch, whether or not the watch was collected yet
+    assert SESSION.watches[-1].to_document()["history"]["steps"] == [0, 1]
     data = nbguard.report().to_dict()
     assert [w["history"]["steps"] for w in gather(data, "watches")] == [[0, 1, 2], [0, 1]]
     assert [e["kind"] for e in data["entries"]] == ["audit", "watch", "diagnosis", "fix", "watch", "audit"]
