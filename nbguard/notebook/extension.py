@@ -34,28 +34,32 @@ class ExtensionState:
 
     # -- names and objects for fix code -------------------------------------------------------
     def names_for_fixes(self) -> dict[str, str]:
-        """The user's variable names: from the last audit, else the one trainer/model in the namespace."""
+        """The user's variable names: from the last audit, else the one trainer/model in the namespace
+        (plus the one TrainingArguments and tokenizer when there is no trainer to reach them through)."""
         names = dict(self.last_names)
         ns = self.shell.user_ns
-        if "trainer" in names or "model" in names:
-            if all(name.split(".")[0] in ns for name in names.values()):
-                return names
-        names = {}
-        try:
-            trainer = R.unique(R.candidates(ns, R.is_trainer), "trainers", "")
-            if trainer:
-                names["trainer"] = trainer[0]
-            else:
-                model = R.unique(R.top_level_models(R.candidates(ns, R.is_model)), "models", "")
-                if model:
-                    names["model"] = model[0]
+        if not (("trainer" in names or "model" in names) and all(n.split(".")[0] in ns for n in names.values())):
+            names = {}
+            self._find_name(names, "trainer", R.is_trainer, "trainers")
             if "trainer" not in names:
-                args = R.unique(R.candidates(ns, R.is_training_args), "TrainingArguments", "")
-                if args:
-                    names["args"] = args[0]
-        except R.MagicError:
-            pass  # ambiguous: no name is guessed; fixes that need one get no cell
+                self._find_name(names, "model", R.is_model, "models", top_level=True)
+        if "trainer" not in names:
+            if "args" not in names:
+                self._find_name(names, "args", R.is_training_args, "TrainingArguments")
+            self._find_name(names, "tokenizer", R.is_tokenizer, "tokenizers")
         return names
+
+    def _find_name(self, names: dict[str, str], key: str, predicate, what: str, top_level: bool = False) -> None:
+        """``names[key]`` = the one variable passing ``predicate``; nothing when none or ambiguous."""
+        found = R.candidates(self.shell.user_ns, predicate)
+        if top_level:
+            found = R.top_level_models(found)
+        try:
+            one = R.unique(found, what, "")
+        except R.MagicError:
+            return  # ambiguous: no name is guessed; fixes that need one get no cell
+        if one:
+            names[key] = one[0]
 
     def show_diagnosis(self, diagnosis) -> None:
         names = self.names_for_fixes()
@@ -64,7 +68,8 @@ class ExtensionState:
             from .. import fixes
 
             # looked up at click time: the view keeps names, never the user's objects
-            targets = {k: R.lookup(self.shell.user_ns, v) for k, v in names.items() if k in ("model", "trainer", "args")}
+            targets = {k: R.lookup(self.shell.user_ns, v) for k, v in names.items()
+                       if k in ("model", "trainer", "args", "tokenizer")}
             if not targets:
                 raise R.MagicError("no model, trainer or TrainingArguments variable found to apply the fix to")
             options = diagnosis.fix_options.get(fix_id, {})
