@@ -249,3 +249,27 @@ def test_a_fix_that_does_not_fit_the_object_is_a_usage_error_not_a_bug(shell):
     run(shell, "import torch\nnet = torch.nn.Linear(4, 4)")
     line = usage_line(run(shell, "%nbguard fix enable-input-require-grads --apply"))
     assert "enable-input-require-grads cannot apply here" in line and "transformers" in line
+
+
+TOKENIZER = """
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+backend = Tokenizer(models.WordLevel({"[PAD]": 0, "[UNK]": 1, "hi": 2}, unk_token="[UNK]"))
+backend.pre_tokenizer = pre_tokenizers.Whitespace()
+my_tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", padding_side="left")
+"""
+
+
+def test_fix_apply_passes_the_notebooks_tokenizer(shell):
+    run(shell, SETUP + TOKENIZER)
+    cell = run(shell, "%nbguard fix pad-right-for-training --apply")
+    assert cell.error is None, cell.stderr
+    assert shell.user_ns["my_tok"].padding_side == "right"
+    [record] = SESSION.fixes_applied
+    assert 'my_tok.padding_side = "right"' in record["code"] and "my_tok" in shell.rl_next_input
+
+
+def test_fix_apply_names_a_missing_tokenizer(shell):
+    run(shell, SETUP)
+    line = usage_line(run(shell, "%nbguard fix pad-right-for-training --apply"))
+    assert "acts on a tokenizer or a Trainer" in line and SESSION.fixes_applied == []
