@@ -15,8 +15,12 @@ from report_helpers import _model_with_hostile_overflow
 
 import nbguard
 import nbguard.fixes
+from nbguard.auditor import AuditResult
 from nbguard.document import MIME_TYPE
+from nbguard.explainer.diagnosis import Diagnosis
+from nbguard.reporting import Report
 from nbguard.testing import tiny_batch, tiny_gemma3
+from nbguard.watcher import NanWatch
 
 
 def view_strings(view: dict) -> list[str]:
@@ -47,18 +51,18 @@ def view_strings(view: dict) -> list[str]:
     return [s for s in out if s]
 
 
-def payload(result) -> dict:
+def payload(result: AuditResult | NanWatch | Diagnosis | Report) -> dict:
     """What the notebook front end receives when ``result`` is displayed (document + view)."""
     return result._repr_mimebundle_()[MIME_TYPE]
 
 
-def audit_with_errors_and_fix_cells():
+def audit_with_errors_and_fix_cells() -> AuditResult:
     """A bf16 PEFT Gemma 3 with zero embedding rows, audited for a T4: bf16 unsupported (error),
     trainable bf16 parameters and untrained token rows (warnings), each with its fix cell."""
     return nbguard.audit(seed_peft_model(), hardware="t4")
 
 
-def audit_with_probe():
+def audit_with_probe() -> AuditResult:
     """fp16 training args on a T4, with the probe's forward pass over a tiny Llama whose layer-1
     down_proj (under a hostile module name) really overflows."""
     model, overflow = _model_with_hostile_overflow()
@@ -70,7 +74,7 @@ def audit_with_probe():
     return result
 
 
-def watch_with_nan_origin(steps: int = 8, bad_step: int = 3):
+def watch_with_nan_origin(steps: int = 8, bad_step: int = 3) -> NanWatch:
     """A watch (policy "skip", activations recorded) over a tiny Llama whose planted module
     overflows on one step: a non-finite loss localised to its module, the step skipped."""
     model, overflow = _model_with_hostile_overflow()
@@ -85,7 +89,7 @@ def watch_with_nan_origin(steps: int = 8, bad_step: int = 3):
     return watch
 
 
-def diagnosis_of_real_exception():
+def diagnosis_of_real_exception() -> Diagnosis:
     """The exception torch really raises on a float32 x bfloat16 linear, explained."""
     try:
         torch.nn.functional.linear(torch.randn(2, 3), torch.randn(4, 3).to(torch.bfloat16))
@@ -98,7 +102,7 @@ def diagnosis_of_real_exception():
     return diagnosis
 
 
-def session_report():
+def session_report() -> Report:
     """The session story: the runs above plus an audit, a fix applied and the audit after it."""
     model = seed_peft_model()
     nbguard.audit(model, hardware="a100")
@@ -107,7 +111,7 @@ def session_report():
     return nbguard.report()
 
 
-def healthy_audit():
+def healthy_audit() -> AuditResult:
     """A passing audit: no findings."""
     return nbguard.audit(tiny_gemma3(), hardware="a100")
 
