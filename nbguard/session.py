@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .document import document
+
 
 @dataclass
 class Entry:
@@ -18,8 +20,6 @@ class Entry:
     value: Any  # a result object with to_document(), or a fix record (dict)
 
     def document(self) -> dict:
-        from .document import document
-
         if self.kind == "fix":
             doc = document("fix", fixes_applied=[dict(self.value)])
         elif isinstance(self.value, dict) and "schema_version" in self.value:  # recorded as a document

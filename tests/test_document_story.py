@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import html
 
+import jsonschema
+import pytest
 from audit_helpers import seed_peft_model
 
 import nbguard
 import nbguard.fixes
 from nbguard.document import document
+from nbguard.document.schema import schema
 from nbguard.document.view import view
 from nbguard.render import render_html, render_text
 from nbguard.render.markdown import render_markdown
@@ -29,6 +32,9 @@ def test_report_shows_the_error_before_the_fix_and_the_clean_audit_after_it():
     assert "trainable-low-precision" in {f["rule"] for f in first["findings"]}
     assert "trainable-low-precision" not in {f["rule"] for f in second["findings"]}
     assert fix["fixes_applied"][0]["fix"] == "upcast-trainable-fp32"
+    jsonschema.Draft202012Validator(schema()).validate(data)
+    with pytest.raises(jsonschema.ValidationError):  # the schema does describe entries
+        jsonschema.Draft202012Validator(schema()).validate({**data, "entries": [{"kind": "no-such-kind"}]})
 
     titles = [s.title for s in view(data).sections if s.kind == "entry"]
     def findings(n: int) -> str:
@@ -65,3 +71,13 @@ def test_the_palette_is_one_definition_for_matplotlib_and_the_view():
     assert heatmap.NAN_COLOR == palette.NAN_COLOR and heatmap.SKIP_COLOR == palette.SKIP_COLOR
     shown = view(document("audit", findings=[])).palette
     assert shown["nan"] == palette.NAN_COLOR and shown["scale"] == list(palette.SCALE)
+
+
+def test_a_series_with_no_finite_value_is_labelled_not_left_blank():
+    from nbguard.render.series import nonfinite_caption, series_png
+
+    assert nonfinite_caption("loss", 6, 0) == "every loss recorded is non-finite (NaN/Inf): nothing to plot"
+    assert nonfinite_caption("loss", 1, 5) == "non-finite at 1 step (vermillion lines)"
+    assert nonfinite_caption("loss", 0, 6) == ""
+    history = {"groups": ["a"], "steps": list(range(6)), "grad_norm": [[1.0] * 6], "loss": ["nan"] * 6}
+    assert series_png(history).startswith(b"\x89PNG")  # drawn, with the sentence, not an error

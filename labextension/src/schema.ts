@@ -19,7 +19,7 @@ export interface NbguardDocument {
   /** Version of this schema. Bumped only for incompatible changes. */
   schema_version: 1;
   /** What is mainly inside; renderers do not depend on it. */
-  kind: "audit" | "watch" | "diagnosis" | "report" | "fix";
+  kind: "audit" | "watch" | "diagnosis" | "report" | "fix" | "verification";
   /** The nbguard that wrote the document. */
   nbguard_version?: string;
   title?: string;
@@ -52,6 +52,14 @@ export interface NbguardDocument {
    * first).
    */
   watches?: Watch[];
+  /**
+   * Report documents: the story in order, one entry per audit, watch, fix applied, explained
+   * exception or verification (a later view of the same watch_id replaces the earlier one in
+   * place). Each entry is a document without its envelope.
+   */
+  entries?: Entry[];
+  /** When it happened (seconds since the epoch): entries of a session report carry it. */
+  time?: number;
   /** Explained exceptions. */
   diagnoses?: Diagnosis[];
   /** Fixes applied in the kernel, oldest first. */
@@ -229,6 +237,28 @@ export interface FixApplied {
 export interface FixCell {
   title?: string;
   code: string;
+}
+
+/**
+ * One step of a report's story: the sections of an audit, watch, fix, diagnosis or verification
+ * document, with its kind and time.
+ */
+export interface Entry {
+  kind: NbguardDocument["kind"];
+  time?: NbguardDocument["time"];
+  title?: NbguardDocument["title"];
+  watch_id?: NbguardDocument["watch_id"];
+  hardware?: NbguardDocument["hardware"];
+  findings?: NbguardDocument["findings"];
+  probe?: NbguardDocument["probe"];
+  events?: NbguardDocument["events"];
+  history?: NbguardDocument["history"];
+  activations?: NbguardDocument["activations"];
+  summary?: NbguardDocument["summary"];
+  diagnoses?: NbguardDocument["diagnoses"];
+  fixes_applied?: NbguardDocument["fixes_applied"];
+  fix_cells?: NbguardDocument["fix_cells"];
+  notes?: NbguardDocument["notes"];
 }
 
 /** View: what every renderer shows of a document, computed once (nbguard/document/view.py). */

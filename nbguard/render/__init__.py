@@ -10,6 +10,7 @@ from typing import Any
 
 from ..document import MIME_TYPE
 from ..document.codec import check_json, encode_document
+from ..document.redact import redact
 from ..document.view import view, without_view
 from .heatmap import activations_png, heatmap_png
 from .html import render_html
@@ -29,8 +30,6 @@ def mime_bundle(doc: dict[str, Any]) -> dict[str, Any]:
     """
     if not isinstance(doc, dict):
         raise TypeError(f"doc must be an nbguard document (dict from nbguard.findings.document), got {type(doc).__name__}")
-    from ..document.redact import redact
-
     data = redact(encode_document(without_view(doc)), home=False)
     check_json(data)
     presented = view(data)

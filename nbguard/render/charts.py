@@ -1,12 +1,13 @@
 """The pictures a view names (``Chart.kind``), drawn from the document section it points at."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .heatmap import activations_png, heatmap_png
 from .series import series_png
 
-DRAW = {"heatmap": heatmap_png, "series": series_png, "activations": activations_png}
+DRAW: dict[str, Callable[[dict], bytes | None]] = {"heatmap": heatmap_png, "series": series_png, "activations": activations_png}
 
 
 def chart_png(kind: str, section: Any) -> bytes | None:

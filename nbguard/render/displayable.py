@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import mime_bundle
+from .text import render_text
+
 
 class Displayable:
     """Result objects (audit results, watches, diagnoses, reports) implement ``to_document()``;
@@ -12,11 +15,7 @@ class Displayable:
         raise NotImplementedError
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
-        from . import mime_bundle  # the renderers import matplotlib helpers: only when displayed
-
         return mime_bundle(self.to_document())
 
     def __str__(self) -> str:
-        from .text import render_text
-
         return render_text(self.to_document())

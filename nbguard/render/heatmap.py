@@ -136,9 +136,9 @@ def _render(section: dict, *, key: str, limit: float | None, max_rows: int, max_
     left = left_in / width_in
     right = 1 - 1.3 / width_in
     bottom = 0.55 / height_in
-    ax = fig.add_axes([left, bottom, right - left, map_h / height_in])
-    tax = fig.add_axes([left, bottom + (map_h + 0.08) / height_in, right - left, track_h / height_in], sharex=ax)
-    cax = fig.add_axes([right + 0.15 / width_in, bottom, 0.18 / width_in, map_h / height_in])
+    ax = fig.add_axes((left, bottom, right - left, map_h / height_in))
+    tax = fig.add_axes((left, bottom + (map_h + 0.08) / height_in, right - left, track_h / height_in), sharex=ax)
+    cax = fig.add_axes((right + 0.15 / width_in, bottom, 0.18 / width_in, map_h / height_in))
 
     ax.imshow(rgba, aspect="auto", interpolation="nearest", origin="upper",
               extent=(-0.5, n_cols - 0.5, n_rows - 0.5, -0.5))

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..document.palette import palette
 from ..document.view import Card, Chart, Fact, Fold, Section, Table, lookup, view
+from .charts import chart_png
 
 CSS = """
 .nbguard{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;font-size:13px;line-height:1.45;
@@ -21,6 +22,7 @@ CSS = """
 .nbguard h2{font-size:16px;margin:.2em 0 .4em}
 .nbguard h3{font-size:14px;margin:1em 0 .35em;border-bottom:1px solid rgba(128,128,128,.35);padding-bottom:2px}
 .nbguard h4{font-size:13px;margin:.6em 0 .2em}
+.nbguard h3.nbg-entry{font-size:15px;margin-top:1.6em;border-bottom:2px solid rgba(128,128,128,.6)}
 .nbguard .nbg-meta{opacity:.7;font-size:12px;font-weight:normal}
 .nbguard table{border-collapse:collapse;margin:.3em 0;font-size:12px}
 .nbguard th,.nbguard td{border:1px solid rgba(128,128,128,.35);padding:2px 6px;text-align:left;vertical-align:top}
@@ -88,6 +90,11 @@ def render_html(doc: dict, *, standalone: bool = False, images: bool = True) -> 
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
         f"<title>{esc(v.title)}</title>\n<style>{PAGE_CSS}</style>\n</head>\n<body>\n{fragment}\n</body>\n</html>\n"
     )
+
+
+def styled(inner: str) -> str:
+    """A piece of the view (a card, a table) with the stylesheet, for a widget to show on its own."""
+    return f'<div class="nbguard"><style>{_css()}</style>{inner}</div>'
 
 
 def png_data_uri(png: bytes) -> str:
@@ -176,8 +183,6 @@ def section_html(section: Section, draw) -> str:
 def _image(doc: dict, chart: Chart) -> str:
     if chart.empty:
         return f'<p class="nbg-note">{esc(chart.alt)}: {esc(chart.empty)}</p>'
-    from .charts import chart_png  # matplotlib: only when a picture is drawn
-
     try:
         png = chart_png(chart.kind, lookup(doc, chart.source))
     except Exception as exc:  # matplotlib missing or data odd: say so, keep the rest

@@ -28,6 +28,15 @@ def _present(values) -> bool:
     return any(v is not None for v in values or [])
 
 
+def nonfinite_caption(label: str, n_bad: int, n_finite: int) -> str:
+    """What a series panel says about its non-finite steps ("" when there are none)."""
+    if not n_bad:
+        return ""
+    if not n_finite:
+        return f"every {label} recorded is non-finite (NaN/Inf): nothing to plot"
+    return f"non-finite at {n_bad} step{'s' if n_bad != 1 else ''} (vermillion lines)"
+
+
 def series_png(history: dict, *, dpi: int = 100) -> bytes | None:
     """The series panel for ``history`` (the document's "history" section), or None when it
     records none of loss / total_grad_norm / loss_scale."""
@@ -64,9 +73,12 @@ def series_png(history: dict, *, dpi: int = 100) -> bytes | None:
         ax.set_ylabel(label, fontsize=8)
         ax.tick_params(which="both", labelsize=7)
         ax.grid(alpha=0.25)
-        if bad.any():
-            ax.text(0.005, 0.92, f"non-finite at {int(bad.sum())} step{'s' if bad.sum() != 1 else ''} (vermillion lines)",
-                    transform=ax.transAxes, fontsize=7, color=NAN_COLOR, va="top")
+        caption = nonfinite_caption(label, int(bad.sum()), int(finite.sum()))
+        if caption and not finite.any():  # an empty axis would read as "nothing happened"
+            ax.set_yticks([])
+            ax.text(0.5, 0.5, caption, transform=ax.transAxes, fontsize=9, color=NAN_COLOR, ha="center", va="center")
+        elif caption:
+            ax.text(0.005, 0.92, caption, transform=ax.transAxes, fontsize=7, color=NAN_COLOR, va="top")
     marks = [s for s in steps if int(s) in skipped]
     if marks:
         bottom = axes[-1]

@@ -18,7 +18,9 @@ from ..document.view import lookup, view
 from ..environment import environment_info
 from ..findings import Displayable
 from ..render import encode_document, render_html, render_text
+from ..render.charts import chart_png
 from ..render.markdown import render_markdown
+from ..session import SESSION
 
 FORMATS = {".html": "html", ".htm": "html", ".md": "markdown", ".json": "json"}
 
@@ -86,8 +88,6 @@ class Report(Displayable):
 
     def image_files(self, stem: str) -> dict[str, tuple[str, bytes]]:
         """The heatmap PNGs of this report: {"heatmap-1": (file name, png bytes), ...}."""
-        from ..render.charts import chart_png
-
         doc = self._written()
         charts = [c for s in view(doc).sections for c in s.charts if not c.empty]
         totals = {kind: sum(c.kind == kind for c in charts) for kind in {c.kind for c in charts}}
@@ -137,8 +137,6 @@ def build_report(audit: Any = None, watch: Any = None) -> Report:
 
     ``audit``/``watch`` may be result objects (anything with ``to_document()``) or documents.
     """
-    from ..session import SESSION
-
     docs: list[dict] = []
     notes: list[str] = []
     if audit is None and watch is None:

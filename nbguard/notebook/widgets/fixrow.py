@@ -39,6 +39,8 @@ class FixRow:
 
     def apply(self) -> None:
         """Run the fix; any error is shown in the row, never raised into the widget callback."""
+        if self._apply is None:  # no kernel-side action here: the button is disabled
+            return
         self.apply_button.disabled = True
         try:
             changed, code = self._apply(self.fix_id)
