@@ -11,7 +11,7 @@ import type { Palette } from './schema';
 
 /** The colours a heatmap needs, from the view's palette (nbguard/document/palette.py): the canvas
  * keeps no colour of its own, so it matches the static HTML's matplotlib picture. */
-export type HeatPalette = Pick<Palette, 'nan' | 'inf' | 'missing' | 'skipped' | 'scale'>;
+export type HeatPalette = Pick<Palette, 'nan' | 'inf' | 'over' | 'missing' | 'skipped' | 'scale'>;
 
 export type CellKind = 'finite' | 'nan' | 'inf' | 'missing';
 
@@ -42,6 +42,9 @@ export interface HeatmapModel {
   max: number | null;
   nanCount: number;
   infCount: number;
+  /** A finite value above it is drawn in the palette's "over" colour (activations: 65504 for fp16). */
+  limit: number | null;
+  overCount: number;
 }
 
 export interface HeatmapInput {
@@ -49,6 +52,7 @@ export interface HeatmapInput {
   steps: number[];
   values: Num[][];
   skippedSteps?: number[];
+  limit?: number | null;
 }
 
 export interface HeatmapOptions {
@@ -123,6 +127,8 @@ export function buildHeatmapModel(input: HeatmapInput, options: HeatmapOptions =
   let max: number | null = null;
   let nanCount = 0;
   let infCount = 0;
+  let overCount = 0;
+  const limit = input.limit ?? null;
   const cells = rowBins.map(([ra, rb]) =>
     columnBins.map(([ca, cb]) => {
       const values: Num[] = [];
@@ -139,13 +145,14 @@ export function buildHeatmapModel(input: HeatmapInput, options: HeatmapOptions =
         infCount++;
       } else if (cell.kind === 'finite' && (cell.value as number) > 0) {
         const v = cell.value as number;
+        overCount += limit !== null && v > limit ? 1 : 0;
         min = min === null || v < min ? v : min;
         max = max === null || v > max ? v : max;
       }
       return cell;
     })
   );
-  return { rows, columns, cells, min, max, nanCount, infCount };
+  return { rows, columns, cells, min, max, nanCount, infCount, limit, overCount };
 }
 
 /** Position of a finite value on the log colour scale, 0 (smallest) to 1 (largest). */
@@ -193,6 +200,9 @@ export function cellColor(cell: HeatCell, model: HeatmapModel, palette: HeatPale
     case 'inf':
       return palette.inf;
     case 'finite':
+      if (model.limit !== null && (cell.value as number) > model.limit) {
+        return palette.over;
+      }
       return scaleColor(logPosition(cell.value as number, model.min, model.max), palette.scale);
     default:
       return palette.missing;
@@ -252,7 +262,9 @@ export function describeCell(model: HeatmapModel, row: number, column: number, v
   const steps = c.first === c.last ? `step ${c.first}` : `steps ${c.first}–${c.last}`;
   const value = cell.kind === 'missing' ? 'no value' : `${valueName} ${formatNumber(cell.value)}`;
   const group = r.groups.length > 1 ? `${r.label} (${r.groups.length} groups)` : r.label;
-  return `${group} · ${steps} · ${value}${c.skipped ? ' · optimizer step skipped' : ''}`;
+  const over = cell.kind === 'finite' && model.limit !== null && (cell.value as number) > model.limit;
+  const marks = `${over ? ` · over the limit ${formatNumber(model.limit)}` : ''}${c.skipped ? ' · optimizer step skipped' : ''}`;
+  return `${group} · ${steps} · ${value}${marks}`;
 }
 
 /** Draw the model; a no-op where the canvas has no 2D context (e.g. jsdom). */
@@ -395,6 +407,9 @@ function legend(model: HeatmapModel, valueName: string, palette: HeatPalette): H
   el.appendChild(scale);
   el.appendChild(swatch(palette.nan, `NaN (${model.nanCount})`, 'nbg-swatch-nan'));
   el.appendChild(swatch(palette.inf, `Inf (${model.infCount})`, 'nbg-swatch-inf'));
+  if (model.limit !== null) {
+    el.appendChild(swatch(palette.over, `over the limit ${formatNumber(model.limit)} (${model.overCount})`, 'nbg-swatch-over'));
+  }
   el.appendChild(swatch(palette.missing, 'no value', 'nbg-swatch-missing'));
   el.appendChild(swatch(palette.skipped, 'skipped step (strip above)', 'nbg-swatch-skip'));
   if (model.columns.length > 0 && model.columns[0].first !== model.columns[0].last) {

@@ -291,7 +291,8 @@ function heatmap(chart: Chart, data: unknown, palette: Palette): HTMLElement | n
       groups: data.groups.map(String),
       steps: data.steps.map(Number),
       values: (data[values] as unknown[]).map(row => (Array.isArray(row) ? row.map(decodeNumber) : [])),
-      skippedSteps: Array.isArray(data.skipped_steps) ? data.skipped_steps.map(Number) : []
+      skippedSteps: Array.isArray(data.skipped_steps) ? data.skipped_steps.map(Number) : [],
+      limit: chart.kind === 'activations' ? decodeNumber(data.limit) : null // cells above it: the "over" colour
     },
     VALUE_NAMES[chart.kind] ?? 'value',
     palette

@@ -132,6 +132,18 @@ describe('colours and hit-testing', () => {
     expect(() => scaleColor(0.5, ['red'])).toThrow(/#rrggbb/);
   });
 
+  it('draws finite values above an activation limit in the palette\'s over colour, and says so', () => {
+    const acts = buildHeatmapModel({ groups: ['mlp'], steps: [0, 1, 2], values: [[100, 70000, NaN]], limit: 65504 });
+    expect(acts.overCount).toBe(1);
+    expect(cellColor(acts.cells[0][1], acts, palette)).toBe(palette.over);
+    expect(cellColor(acts.cells[0][0], acts, palette)).not.toBe(palette.over);
+    expect(cellColor(acts.cells[0][2], acts, palette)).toBe(palette.nan); // NaN stays NaN
+    expect(describeCell(acts, 0, 1, 'abs-max')).toBe('mlp · step 1 · abs-max 70000 · over the limit 65504');
+    const gradients = buildHeatmapModel({ groups: ['mlp'], steps: [0, 1], values: [[100, 70000]] });
+    expect(gradients.overCount).toBe(0);
+    expect(cellColor(gradients.cells[0][1], gradients, palette)).not.toBe(palette.over); // no limit: no over
+  });
+
   it('finds the cell under the pointer and describes group, step and value', () => {
     const layout = layoutFor(model);
     const x = layout.labelWidth + layout.cellWidth * 1 + 1;

@@ -120,6 +120,8 @@ describe('renderPayload', () => {
     expect(root.querySelector('script')).toBeNull();
     expect(root.querySelector('.nbg-history canvas')).not.toBeNull();
     expect(root.querySelector('.nbg-chart-activations canvas')).not.toBeNull();
+    expect(root.querySelector('.nbg-chart-activations .nbg-swatch-over')!.textContent).toContain(`over the limit ${raw.activations!.limit}`);
+    expect(root.querySelector('.nbg-history .nbg-swatch-over')).toBeNull(); // gradient norms have no limit
     const nan = root.querySelector('.nbg-history .nbg-swatch-nan .nbg-legend-swatch') as HTMLElement;
     expect(nan.style.background).toBe(rgb(raw.view.palette.nan));
     const series = root.querySelector('.nbg-chart-series svg')!;
