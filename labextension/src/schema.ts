@@ -124,7 +124,10 @@ export interface Finding {
   fixes?: string[];
 }
 
-/** Activation abs-max per module against a limit (65504 for fp16). */
+/**
+ * Activation abs-max per module against a limit (65504 for fp16), and the backward gradient
+ * abs-max when the probe ran backward.
+ */
 export interface Probe {
   limit?: number;
   modules: ({
@@ -139,6 +142,16 @@ export interface Probe {
     input_absmax?: EncodedNumberOrNull;
     /** limit / max(absmax, input_absmax); null when either is not finite (overflowed). */
     headroom?: EncodedNumberOrNull;
+    /**
+     * Largest magnitude of the gradient reaching the module's outputs in the probe's backward
+     * (unscaled); null when the probe ran no backward.
+     */
+    grad_absmax?: EncodedNumberOrNull;
+    /**
+     * limit / grad_absmax: the largest fp16 loss scale at which this module's backward fits; null
+     * when not finite or no backward.
+     */
+    grad_headroom?: EncodedNumberOrNull;
   })[];
 }
 
@@ -156,7 +169,7 @@ export interface Origin {
 }
 
 export interface NbEvent {
-  kind: "nonfinite-loss" | "nonfinite-grad" | "skipped-steps" | "frozen-params" | "frozen-eval-loss" | "grad-spike" | "watch-error";
+  kind: "nonfinite-loss" | "nonfinite-grad" | "skipped-steps" | "frozen-params" | "frozen-eval-loss" | "grad-spike" | "few-supervised-tokens" | "watch-error";
   /** 0-based optimizer step, skipped steps counted. */
   step: number;
   message: string;
