@@ -17,6 +17,7 @@ from ..findings import Displayable, Event, document
 from .activations import FP16_LIMIT, ActivationProbe, host_values
 from .capture import MicroBatch, capture_autocast, capture_rng, model_loss
 from .detectors import EvalLossDetector, FrozenDetector, SkipStreak, SpikeDetector, WatchSettings
+from .guard import guarded_call, watch_hook
 from .history import ActivationHistory, GradHistory
 from .integrations.loop import OptimizerBinding, ScalerBinding, unwrap_optimizer
 from .policies import check_policy, drop_update
@@ -80,7 +81,7 @@ class NanWatch(Displayable):
         self.activation_history: ActivationHistory | None = None  # None unless activations=True
         if activations:
             self._probe = ActivationProbe(self.model, self._collector.groups,
-                                          lambda m: self._active() and self._training_forward(m),
+                                          lambda m: self.active and self._training_forward(m),
                                           lambda exc: self._fail(exc, safe=False))
             self.activation_history = ActivationHistory(self._probe.groups, self.settings.history_capacity,
                                                         FP16_LIMIT)
@@ -131,7 +132,8 @@ class NanWatch(Displayable):
             self._callback = WatchCallback(self)
             self.trainer.add_callback(self._callback)
             self._labels_tap = LabelsTap(self.trainer)
-            self._bind_trainer_parts()
+            self.attached = True
+            self.bind_trainer_step()
         self.attached = True
         _ATTACHED[self.target] = self
         from ..session import record_watch
@@ -171,29 +173,60 @@ class NanWatch(Displayable):
         self.detach()
         return False
 
-    def _bind_trainer_parts(self) -> None:
-        """The Trainer creates its optimizer (and accelerate its GradScaler) inside ``train()``."""
-        if not self._active():
-            return
-        try:
-            from .integrations.trainer import trainer_scaler
+    # ---- the interface integrations use (Trainer callback, distributed helpers) ---------------
+    @property
+    def active(self) -> bool:
+        """Attached and not stepped aside after an internal error: hooks do their work."""
+        return self.attached and not self._broken
 
-            opt = self.trainer.optimizer
-            if opt is not None:
-                inner = unwrap_optimizer(opt)
-                if self._opt_binding is None or self._opt_binding.optimizer is not inner:
-                    if self._opt_binding is not None:
-                        self._opt_binding.remove()
-                    self.optimizer = inner
-                    self._opt_binding = OptimizerBinding(inner, self._pre_step, self._post_step)
-            scaler = trainer_scaler(self.trainer)
-            if scaler is not None and (self._scaler_binding is None or self._scaler_binding.scaler is not scaler):
-                if self._scaler_binding is not None:
-                    self._scaler_binding.remove()
-                self.scaler = scaler
-                self._scaler_binding = ScalerBinding(scaler, self._before_scaler_update, self._after_scaler_update)
-        except Exception as exc:
-            self._fail(exc, safe=False)
+    @property
+    def stop_requested(self) -> bool:
+        """The stop policy asked the training loop to end (a Trainer ends after this step)."""
+        return self._stop_requested
+
+    def begin_training(self, control: Any = None) -> None:
+        """A (new) ``Trainer.train()`` starts: forget an earlier stop, bind the optimizer and scaler."""
+        self._stop_requested = False
+        self.bind_trainer_step(control)
+
+    @watch_hook(safe=False)
+    def bind_trainer_step(self, control: Any = None) -> None:
+        """Keep the Trainer's ``control`` (to end training on ``stop``) and bind the optimizer and
+        GradScaler, which the Trainer and accelerate create inside ``train()``."""
+        if control is not None:
+            self._trainer_control = control
+        if self.trainer is None:
+            return
+        from .integrations.trainer import trainer_scaler
+
+        opt = self.trainer.optimizer
+        if opt is not None:
+            inner = unwrap_optimizer(opt)
+            if self._opt_binding is None or self._opt_binding.optimizer is not inner:
+                if self._opt_binding is not None:
+                    self._opt_binding.remove()
+                self.optimizer = inner
+                self._opt_binding = OptimizerBinding(inner, self._pre_step, self._post_step)
+        scaler = trainer_scaler(self.trainer)
+        if scaler is not None and (self._scaler_binding is None or self._scaler_binding.scaler is not scaler):
+            if self._scaler_binding is not None:
+                self._scaler_binding.remove()
+            self.scaler = scaler
+            self._scaler_binding = ScalerBinding(scaler, self._before_scaler_update, self._after_scaler_update)
+
+    @watch_hook(safe=False)
+    def record_eval_loss(self, eval_loss: float, global_step: int) -> None:
+        """An evaluation's loss: bit-identical repeats mean the weights are not changing."""
+        found = self._eval.update(float(eval_loss))
+        if found is not None:
+            found["global_step"] = global_step
+            self._emit(Event("frozen-eval-loss", max(self.step - 1, 0),
+                             f"eval loss is bit-identical across {found['evaluations']} evaluations "
+                             f"({eval_loss!r}): the weights are not changing", evidence=found))
+
+    def end_training(self) -> None:
+        """The loop ended: drop every reference to the unfinished step's batches."""
+        self._release_step()
 
     # ---- listeners ----------------------------------------------------------------------------
     def add_listener(self, callback: Listener) -> None:
@@ -208,22 +241,19 @@ class NanWatch(Displayable):
             self._listeners.remove(callback)
 
     def _notify(self, kind: str, payload: Any) -> None:
-        for callback in list(self._listeners):
-            try:
-                callback(self, kind, payload)
-            except Exception as exc:  # a broken dashboard must not break training
-                self.remove_listener(callback)
-                self._emit(Event("watch-error", self.step, f"a watch listener failed and was removed: "
-                                 f"{type(exc).__name__}: {exc}", evidence={"listener": repr(callback)}))
+        for callback in list(self._listeners):  # a broken dashboard must not break training
+            guarded_call(lambda exc, cb=callback: self._drop_listener(cb, exc), callback, self, kind, payload)
+
+    def _drop_listener(self, callback: Listener, exc: BaseException) -> None:
+        self.remove_listener(callback)
+        self._emit(Event("watch-error", self.step, f"a watch listener failed and was removed: "
+                         f"{type(exc).__name__}: {exc}", evidence={"listener": repr(callback)}))
 
     def _emit(self, event: Event) -> None:
         self.events.append(event)
         self._notify("event", event)
 
     # ---- failure handling -------------------------------------------------------------------
-    def _active(self) -> bool:
-        return self.attached and not self._broken
-
     def _fail(self, exc: BaseException, safe: bool) -> None:
         """Record an internal error and step aside; removal waits for a point where it is safe
         (not while torch iterates the optimizer's hook dicts or the Trainer its callbacks)."""
@@ -246,28 +276,27 @@ class NanWatch(Displayable):
         if self._broken and self.attached:
             self.detach()  # a safe point: module hooks were copied before being called
             return None
-        if not self._active() or not self._training_forward(module):
-            return None
-        try:
-            trainer_labels = self._labels_tap.take() if self._labels_tap is not None else None
-            self._micro_batches.append(
-                MicroBatch(len(self._micro_batches), args, dict(kwargs), capture_rng(), capture_autocast(),
-                           trainer_labels=trainer_labels))
-        except Exception as exc:
-            self._fail(exc, safe=True)
+        self._capture_micro_batch(module, args, kwargs)
         return None
 
+    @watch_hook(safe=True)
+    def _capture_micro_batch(self, module, args, kwargs) -> None:
+        if not self._training_forward(module):
+            return
+        trainer_labels = self._labels_tap.take() if self._labels_tap is not None else None
+        self._micro_batches.append(
+            MicroBatch(len(self._micro_batches), args, dict(kwargs), capture_rng(), capture_autocast(),
+                       trainer_labels=trainer_labels))
+
+    @watch_hook(safe=False)
     def _root_post(self, module, args, kwargs, output):
-        if not self._active() or not self._training_forward(module) or not self._micro_batches:
+        if not self._training_forward(module) or not self._micro_batches:
             return None
-        try:
-            loss = model_loss(output)
-            if loss is not None:
-                self._losses.append(loss.detach())
-            if self.localize:
-                self._micro_batches[-1].record_output_grads(output)
-        except Exception as exc:
-            self._fail(exc, safe=False)
+        loss = model_loss(output)
+        if loss is not None:
+            self._losses.append(loss.detach())
+        if self.localize:
+            self._micro_batches[-1].record_output_grads(output)
         return None
 
     # ---- hooks: step boundaries -----------------------------------------------------------
@@ -287,52 +316,31 @@ class NanWatch(Displayable):
         """An enabled GradScaler already refuses non-finite updates: it decides, we count."""
         return self._scaler_binding is not None and self._scaler_binding.enabled
 
+    @watch_hook(safe=False)
     def _pre_step(self, optimizer, args, kwargs):
-        if not self._active() or self._scaler_guards():
-            return None
-        try:
+        if not self._scaler_guards():
             self._check_update(self._read())
-        except NonFiniteError:
-            raise
-        except Exception as exc:
-            self._fail(exc, safe=False)
         return None
 
+    @watch_hook(safe=False)
     def _post_step(self, optimizer, args, kwargs):
-        if not self._active():
-            return None
-        try:
-            self._optimizer_stepped = True
-            if self._scaler_binding is None:
-                self._end_step(skipped=self._step_dropped)
-        except NonFiniteError:
-            raise
-        except Exception as exc:
-            self._fail(exc, safe=False)
+        self._optimizer_stepped = True
+        if self._scaler_binding is None:
+            self._end_step(skipped=self._step_dropped)
         return None
 
+    @watch_hook(safe=False)
     def _before_scaler_update(self) -> None:
-        if not self._active():
-            return
-        try:
-            self._read()  # a skipped step never reached the optimizer hooks: read it here
-        except Exception as exc:
-            self._fail(exc, safe=False)
+        self._read()  # a skipped step never reached the optimizer hooks: read it here
 
+    @watch_hook(safe=True)
     def _after_scaler_update(self) -> None:
-        if not self._active():
-            return
-        try:
-            stats = self._read()
-            if stats.found_inf is not None:
-                scaler_skipped = stats.found_inf > 0 or not self._optimizer_stepped
-            else:
-                scaler_skipped = self._scaler_guards() and not self._optimizer_stepped
-            self._end_step(skipped=self._step_dropped or scaler_skipped, scaler_skipped=scaler_skipped)
-        except NonFiniteError:
-            raise
-        except Exception as exc:
-            self._fail(exc, safe=True)
+        stats = self._read()
+        if stats.found_inf is not None:
+            scaler_skipped = stats.found_inf > 0 or not self._optimizer_stepped
+        else:
+            scaler_skipped = self._scaler_guards() and not self._optimizer_stepped
+        self._end_step(skipped=self._step_dropped or scaler_skipped, scaler_skipped=scaler_skipped)
 
     # ---- the decisions --------------------------------------------------------------------
     def _check_update(self, stats: StepStats) -> None:
@@ -417,16 +425,6 @@ class NanWatch(Displayable):
         self._collector.reset()
         if self._probe is not None:
             self._probe.reset()
-
-    def _on_eval_loss(self, eval_loss: float, global_step: int) -> None:
-        if not self._active():
-            return
-        found = self._eval.update(eval_loss)
-        if found is not None:
-            found["global_step"] = global_step
-            self._emit(Event("frozen-eval-loss", max(self.step - 1, 0),
-                             f"eval loss is bit-identical across {found['evaluations']} evaluations "
-                             f"({eval_loss!r}): the weights are not changing", evidence=found))
 
     # ---- events and localisation ----------------------------------------------------------
     def _make_event(self, kind: str, stats: StepStats, extra: dict | None = None) -> Event:
