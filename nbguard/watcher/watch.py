@@ -26,6 +26,24 @@ from .sentinel import GradNormCollector, StepStats
 
 Listener = Callable[["NanWatch", str, Any], None]
 
+
+def fold_skip_streaks(events: list[Event]) -> list[tuple[Event, int, int]]:
+    """(first event, last step, count): the scaler-skip events of one streak become one entry
+    (the streak's first, localised event); every other event stands alone."""
+    folded: list[tuple[Event, int, int]] = []
+    open_streak: dict[Any, int] = {}  # streak_start -> index in folded
+    for e in events:
+        start = e.evidence.get("streak_start") if e.kind == "scaler-skip" else None
+        if start is not None and start in open_streak:
+            i = open_streak[start]
+            first, _, count = folded[i]
+            folded[i] = (first, e.step, count + 1)
+            continue
+        if start is not None:
+            open_streak[start] = len(folded)
+        folded.append((e, e.step, 1))
+    return folded
+
 # target -> the watch attached to it, so a second watch on the same target replaces the first
 _ATTACHED: weakref.WeakKeyDictionary[Any, NanWatch] = weakref.WeakKeyDictionary()
 
@@ -90,7 +108,9 @@ class NanWatch(Displayable):
         self.attached = False
         self._listeners: list[Listener] = []
         self._replayer: Replayer | None = None
-        self._replays = 0
+        self._replays = 0  # replays of nonfinite-loss/grad events
+        self._skip_replays = 0  # replays of the first step of each GradScaler skip streak (own budget)
+        self._streak_first: Event | None = None  # the scaler-skip event that opened the current streak
         self._handles: list = []
         self._opt_binding: OptimizerBinding | None = None
         self._scaler_binding: ScalerBinding | None = None
@@ -385,9 +405,11 @@ class NanWatch(Displayable):
             self.activation_history.append(step, activations)
         stop_event = None
         if self._scaler_binding is not None:
-            streak = self._skips.update(scaler_skipped, stats.loss_scale)
+            if scaler_skipped:
+                self._emit(self._scaler_skip_event(stats))
+            streak = self._skips.update(scaler_skipped, stats.loss_scale, step)
             if streak is not None:
-                event = self._make_event("skipped-steps", stats, streak)
+                event = self._streak_event(stats, streak)
                 self._emit(event)
                 if self.policy == "stop":
                     stop_event = event
@@ -427,7 +449,32 @@ class NanWatch(Displayable):
             self._probe.reset()
 
     # ---- events and localisation ----------------------------------------------------------
-    def _make_event(self, kind: str, stats: StepStats, extra: dict | None = None) -> Event:
+    def _scaler_skip_event(self, stats: StepStats) -> Event:
+        """One event per step the GradScaler skipped. The first of a streak is localised by replay;
+        the others point at it (``streak_start``), so views fold a streak into one line."""
+        first = self._skips.streak == 0
+        start = self.step if first else self._skips.start
+        if first:
+            event = self._make_event("scaler-skip", stats, {"streak_start": start}, budget="skip")
+            self._streak_first = event
+            return event
+        evidence = {"streak_start": start, "loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
+                    "loss_scale": stats.loss_scale, "localised_at_step": start}
+        return Event("scaler-skip", self.step, self._message("scaler-skip", None, [], evidence), evidence=evidence)
+
+    def _streak_event(self, stats: StepStats, streak: dict) -> Event:
+        """The alarm after a streak: localised by the replay of the streak's first step when it had one."""
+        first = self._streak_first
+        if first is None or first.cause is None:
+            return self._make_event("skipped-steps", stats, streak)
+        evidence = {**streak, "streak_start": first.step, "localised_at_step": first.step,
+                    **{k: v for k, v in first.evidence.items() if k in ("micro_batch", "replay_seconds")}}
+        evidence.update({"loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
+                         "loss_scale": stats.loss_scale})
+        return Event("skipped-steps", self.step, self._message("skipped-steps", first.cause, first.origins, evidence),
+                     first.cause, list(first.origins), evidence)
+
+    def _make_event(self, kind: str, stats: StepStats, extra: dict | None = None, budget: str = "nonfinite") -> Event:
         groups = self.history.groups
         evidence: dict[str, Any] = dict(extra or {})
         evidence.update({"loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
@@ -441,8 +488,7 @@ class NanWatch(Displayable):
         if empty and kind in ("nonfinite-loss", "nonfinite-grad"):
             cause = "no-supervised-tokens"
             evidence["micro_batches_without_labels"] = empty
-        elif self.localize and self._micro_batches and self._replays < self.settings.max_replays:
-            self._replays += 1
+        elif self.localize and self._micro_batches and self._take_replay(budget):
             started = time.perf_counter()
             try:
                 found = self._replay()
@@ -453,6 +499,17 @@ class NanWatch(Displayable):
                 evidence.update(found.evidence)
             evidence["replay_seconds"] = time.perf_counter() - started
         return Event(kind, self.step, self._message(kind, cause, origins, evidence), cause, origins, evidence)
+
+    def _take_replay(self, budget: str) -> bool:
+        """Skip streaks (a fresh fp16 run has a few at start-up) do not use up the NaN events' replays."""
+        used = self._skip_replays if budget == "skip" else self._replays
+        if used >= self.settings.max_replays:
+            return False
+        if budget == "skip":
+            self._skip_replays += 1
+        else:
+            self._replays += 1
+        return True
 
     def _replay(self):
         if self._replayer is None:
@@ -469,6 +526,8 @@ class NanWatch(Displayable):
             "nonfinite-grad": "non-finite gradient",
             "skipped-steps": f"GradScaler skipped {evidence.get('consecutive_skipped')} optimizer steps in a row "
                              f"(loss scale down to {evidence.get('loss_scale')})",
+            "scaler-skip": f"GradScaler skipped this step: non-finite gradients at loss scale "
+                           f"{evidence.get('loss_scale')}",
         }.get(kind, kind)
         text = what  # renderers and summary() show the step themselves
         if cause == "no-supervised-tokens":
@@ -488,8 +547,11 @@ class NanWatch(Displayable):
         skipped = len(self.history.skipped_steps)
         lines = [f"nbguard watch ({'attached' if self.attached else 'detached'}, policy={self.policy}): "
                  f"{self.step} optimizer steps, {skipped} skipped, {len(self.events)} events"]
-        for e in self.events:
-            lines.append(f"  step {e.step} [{e.kind}] {e.message}")
+        for e, last, count in fold_skip_streaks(self.events):
+            if count > 1:
+                lines.append(f"  steps {e.step}-{last} [{e.kind}] x{count}: {e.message}")
+            else:
+                lines.append(f"  step {e.step} [{e.kind}] {e.message}")
         return "\n".join(lines)
 
     def to_document(self) -> dict[str, Any]:
