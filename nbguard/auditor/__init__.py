@@ -34,6 +34,17 @@ def _run_rules(ctx: AuditContext) -> list[Finding]:
     return found
 
 
+def stack_facts(ctx: AuditContext) -> dict:
+    """The quantization (and Unsloth) facts the audit read, for the document even when no rule fired."""
+    facts = {}
+    try:
+        if ctx.quantization.any:
+            facts["quantization"] = ctx.quantization.to_dict()
+    except Exception as exc:  # facts are a courtesy: never fail the audit over them
+        facts["error"] = f"{type(exc).__name__}: {exc}"
+    return facts
+
+
 def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False) -> AuditResult:
     """Audit a fine-tuning setup; see ``nbguard.audit``."""
     if trainer is not None:
@@ -63,7 +74,8 @@ def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None,
                 evidence={"exception": f"{type(exc).__name__}: {exc}"},
             ))
     result = AuditResult(findings=_run_rules(ctx) + extra, hardware=hw, probe=ctx.probe,
-                         target="trainer" if trainer is not None else "model", with_args=args is not None)
+                         target="trainer" if trainer is not None else "model", with_args=args is not None,
+                         stack=stack_facts(ctx))
     from ..session import record_audit
 
     record_audit(result)

@@ -115,6 +115,13 @@ class AuditContext:
         return None
 
     @cached_property
+    def quantization(self):
+        """The bitsandbytes 4/8-bit layers and the dtype each 4-bit layer really computes in."""
+        from .quantization import read_quantization
+
+        return read_quantization(self.model, self.quantization_config)
+
+    @cached_property
     def is_peft(self) -> bool:
         return hasattr(self.model, "peft_config") or any(
             c.__module__.startswith("peft.") for c in type(self.model).__mro__

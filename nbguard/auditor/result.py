@@ -16,6 +16,7 @@ class AuditResult(Displayable):
     target: str = "model"  # "trainer" when the audit was given a trainer: fix cells then use it
     with_args: bool = False  # TrainingArguments were audited: fix cells may change them
     environment: dict = field(default_factory=dict)
+    stack: dict = field(default_factory=dict)  # quantization / unsloth / memory facts, as data
 
     def __post_init__(self) -> None:
         # Worst first; ties keep the registration order of the rules.
@@ -57,6 +58,7 @@ class AuditResult(Displayable):
             "hardware": self.hardware.to_dict(),
             "findings": [f.to_dict() for f in self.findings],
             "probe": self.probe.to_dict() if self.probe is not None else None,
+            **({"stack": jsonable(self.stack)} if self.stack else {}),
         }
 
     def to_document(self, names: dict | None = None) -> dict[str, Any]:
@@ -78,6 +80,8 @@ class AuditResult(Displayable):
                         fix_cells=cells, title="nbguard precision audit")
         if self.probe is not None:
             sections["probe"] = self.probe.to_dict()
+        if self.stack:
+            sections["stack"] = jsonable(self.stack)
         if not self.environment:
             from ..environment import environment_info
 

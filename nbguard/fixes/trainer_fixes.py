@@ -7,6 +7,7 @@ import os
 import torch
 
 from ..auditor.context import HALF_DTYPES, QUANTIZED_PARAM_CLASSES, dtype_name
+from ..auditor.quantization import set_compute_dtype
 from ..hardware import resolve_hardware
 from .registry import Fix, register
 
@@ -158,6 +159,9 @@ def _switch(target, to=None, hardware=None, **_):
                 p.data = p.data.to(dtype)
         if casts:
             changed["parameters"] = casts
+        compute = set_compute_dtype(target.model, torch.float32 if to == "fp32" else torch.bfloat16)
+        if compute:
+            changed["4bit_compute_dtype"] = compute
     return {"to": to, **changed} if changed else {}
 
 
@@ -205,6 +209,19 @@ AcceleratorState._reset_state()
 for _name, _param in {m}.named_parameters():
     if _param.is_floating_point() and {rule}:
         _param.data = _param.data.to({cast})
+"""
+    compute = "torch.float32" if to == "fp32" else "torch.bfloat16"
+    code += f"""
+# bitsandbytes 4-bit layers cast their input to their own compute_dtype: move them too (the 4-bit
+# weights stay quantised). When you reload, pass the same dtype:
+#   BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype={compute}, ...)
+for _module in {m}.modules():
+    if type(_module).__module__.startswith("bitsandbytes") and hasattr(_module, "compute_dtype"):
+        _module.compute_dtype = {compute}
+        _module.compute_type_is_set = True
+_qconfig = getattr({m}.config, "quantization_config", None)
+if getattr(_qconfig, "load_in_4bit", False):
+    _qconfig.bnb_4bit_compute_dtype = {compute}
 """
     return code
 
