@@ -16,7 +16,7 @@ def qlora(family: str = "llama", compute_dtype=torch.float16, dtype=None, prepar
     model = tiny_4bit(family, compute_dtype=compute_dtype, dtype=dtype)
     if prepare:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets), **lora)
+    config = LoraConfig(**{"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": list(targets), **lora})
     return get_peft_model(model, config, autocast_adapter_dtype=adapter_dtype_fp32)
 
 
