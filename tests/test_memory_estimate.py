@@ -2,12 +2,18 @@
 shapes users fine-tune (Llama 3.2 1B, Gemma 3 4B's language model, Llama 3 8B): no weight memory."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from audit_helpers import make_args
+from watch_helpers import batches, scale_output_to, train
 
+import nbguard
+import nbguard.fixes
 from nbguard.auditor.memory import GIB, RESERVE_BYTES, bf16_gpus_that_fit, estimate_memory
-from nbguard.hardware import resolve_hardware
-from nbguard.testing import meta_llama_8b
+from nbguard.hardware import Hardware, resolve_hardware
+from nbguard.testing import meta_llama_8b, tiny_llama
 
 
 def _meta(config_cls, model_cls, dtype=torch.float16, **shape):
@@ -109,3 +115,66 @@ def test_bf16_gpus_that_fit_the_8b_and_errors():
     assert 16 * GIB < estimate_memory(_lora_like(llama_8b()), "bf16").total_bytes < 18 * GIB
     with pytest.raises(ValueError, match="precision must be one of"):
         estimate_memory(llama_1b(), "fp8")
+
+
+# ---- what switch-precision offers when fp32 does not fit ------------------------------------------
+def test_the_audit_offers_the_partial_variant_when_fp32_does_not_fit_and_shows_the_estimate(tmp_path):
+    model = _lora_like(gemma3_4b())  # fp16, a family that overflows fp16
+    result = nbguard.audit(model, args=make_args(tmp_path, fp16=True), hardware="t4")
+    f = result.finding("fp16-overflow-risk")
+    memory = f.evidence["memory"]
+    assert memory["fits"] is False and memory["fp32_gb"] > 15 and memory["memory_gb"] == 15.0
+    assert memory["bf16_gpus"][0] == "l4" and memory["partial_fp32_gb"] < 10
+    assert result.stack["memory"]["offer"] == {"to": "fp32", "only": []}  # no probe on meta: no layer named
+    assert result.fix_options("switch-precision") == {"to": "fp32", "only": []}
+    cell = result.to_document()["fix_cells"]["switch-precision"]["code"]
+    assert "_fp32_layers = []" in cell and "bf16-capable GPU" in cell
+    # the same model fits an A100 in fp32: the full switch as always, no memory note
+    big = nbguard.audit(model, args=make_args(tmp_path, fp16=True), hardware="a100")
+    assert big.fix_options("switch-precision") == {"to": "bf16"} and "memory" not in big.finding(
+        "fp16-overflow-risk").evidence
+    assert big.stack["memory"]["target_fits"] is True
+
+
+def test_the_partial_variant_runs_only_the_overflowing_layers_in_fp32_and_training_is_finite(tmp_path):
+    """A tiny model audited against a GPU too small for it in fp32 (memory between the two): the probe
+    names the MLP whose product overflows; the offered fix makes that MLP fp32 and nothing else."""
+    model = tiny_llama()
+    data = batches(3)
+    scale_output_to(model, model.model.layers[1].mlp.up_proj, data[0], 2e5)
+    model.half()
+    for n, p in model.named_parameters():
+        p.requires_grad = "layers.1" in n
+    # a T4-like GPU whose memory lies between what this model needs as it is and in full fp32
+    between = (estimate_memory(model, "as-is").total_bytes + estimate_memory(model, "fp32").total_bytes) / 2
+    small_t4 = Hardware("t4", "NVIDIA Tesla T4 (small)", "cuda", (7, 5), between / 0.9 / GIB)
+    pristine = copy.deepcopy(model)
+    result = nbguard.audit(model, args=make_args(tmp_path, fp16=True), batch=data[0], probe=True, hardware=small_t4)
+    options = result.fix_options("switch-precision")
+    assert options == {"to": "fp32", "only": ["model.layers.1.mlp"]}
+    assert result.stack["memory"]["partial_fits"] is True and result.stack["memory"]["target_fits"] is False
+    with torch.autocast("cpu", dtype=torch.float16), torch.no_grad():
+        assert not torch.isfinite(model(**data[0]).loss)  # the overflow, before
+    changed = nbguard.fixes.apply("switch-precision", model=model, **options).changed
+    assert changed["scope"] == "partial" and changed["model.layers.1.mlp.forward"].startswith("runs in float32")
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert dtypes["model.layers.1.mlp.up_proj.weight"] == torch.float32
+    assert dtypes["model.layers.0.mlp.up_proj.weight"] == torch.float16  # the rest stays as it was
+    assert dtypes["model.layers.1.self_attn.q_proj.weight"] == torch.float32  # trainable: fp32 for the scaler
+    assert nbguard.fixes.apply("switch-precision", model=model, **options).changed == {}  # idempotent
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    losses = train(model, opt, data, scaler=scaler, autocast=torch.float16)
+    assert all(torch.isfinite(x) for x in losses)
+    # the cell does the same on the untouched copy
+    exec(nbguard.fixes.code("switch-precision", model="m", **options), {"m": pristine})
+    with torch.autocast("cpu", dtype=torch.float16), torch.no_grad():
+        assert torch.isfinite(pristine(**data[0]).loss)
+    assert pristine.model.layers[0].mlp.up_proj.weight.dtype == torch.float16
+
+
+def test_only_names_must_be_modules():
+    with pytest.raises(ValueError, match="is not a module of the model"):
+        nbguard.fixes.apply("switch-precision", model=tiny_llama(), to="fp32", only=["model.layers.9"])
+    with pytest.raises(ValueError, match="only must be a list of module names"):
+        nbguard.fixes.code("switch-precision", model="m", only="model.layers.0")

@@ -11,6 +11,7 @@ from ..hardware import resolve_hardware
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .context import AuditContext
 from .inputs import check_args, check_batch, check_model, check_trainer
+from .memory_offer import memory_facts, memory_note
 from .probe import ProbeResult, run_probe
 from .registry import RULES, Rule, rule
 from .result import AuditResult
@@ -40,9 +41,22 @@ def stack_facts(ctx: AuditContext) -> dict:
     try:
         if ctx.quantization.any:
             facts["quantization"] = ctx.quantization.to_dict()
+        memory = memory_facts(ctx)
+        if memory is not None:
+            facts["memory"] = memory
     except Exception as exc:  # facts are a courtesy: never fail the audit over them
         facts["error"] = f"{type(exc).__name__}: {exc}"
     return facts
+
+
+def _note_memory(findings: list[Finding], stack: dict) -> None:
+    """Findings that offer switch-precision show the estimate that decides what it does here."""
+    memory = stack.get("memory")
+    if memory is None or memory.get("target_fits") is not False:  # it fits: the full switch, as always
+        return
+    for f in findings:
+        if "switch-precision" in f.fixes:
+            f.evidence["memory"] = memory_note(memory)
 
 
 def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False) -> AuditResult:
@@ -73,9 +87,12 @@ def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None,
                 detail=f"The probe forward pass raised {type(exc).__name__}: {exc}.",
                 evidence={"exception": f"{type(exc).__name__}: {exc}"},
             ))
-    result = AuditResult(findings=_run_rules(ctx) + extra, hardware=hw, probe=ctx.probe,
+    findings = _run_rules(ctx) + extra
+    stack = stack_facts(ctx)
+    _note_memory(findings, stack)
+    result = AuditResult(findings=findings, hardware=hw, probe=ctx.probe,
                          target="trainer" if trainer is not None else "model", with_args=args is not None,
-                         stack=stack_facts(ctx))
+                         stack=stack)
     from ..session import record_audit
 
     record_audit(result)

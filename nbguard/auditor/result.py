@@ -50,6 +50,9 @@ class AuditResult(Displayable):
     def fix_options(self, fix_id: str) -> dict:
         """Options the findings chose for a fix (e.g. switch-precision's target)."""
         if fix_id == "switch-precision":
+            offer = (self.stack.get("memory") or {}).get("offer")
+            if offer is not None:  # fp32 does not fit this GPU: the partial variant (memory_offer.py)
+                return dict(offer)
             return {"to": self.hardware.best_half_precision}
         return {}
 

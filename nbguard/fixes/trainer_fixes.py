@@ -9,6 +9,7 @@ import torch
 from ..auditor.context import HALF_DTYPES, QUANTIZED_PARAM_CLASSES, dtype_name
 from ..auditor.quantization import set_compute_dtype
 from ..hardware import resolve_hardware
+from .partial_fp32 import apply_partial_fp32, partial_fp32_code
 from .registry import Fix, register
 
 
@@ -141,7 +142,28 @@ def _rebuild_accelerator(trainer, changed):
     changed["trainer.accelerator.mixed_precision"] = f"{old} -> {trainer.accelerator.mixed_precision}"
 
 
-def _switch(target, to=None, hardware=None, **_):
+def _check_only(only, model=None) -> list[str] | None:
+    """``only``: module names for the partial fp32 variant (None: the whole model switches)."""
+    if only is None:
+        return None
+    if isinstance(only, str) or not all(isinstance(n, str) for n in only):
+        raise ValueError(f"only must be a list of module names such as ['model.layers.3.mlp']; got {only!r}")
+    for name in only if model is not None else ():
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"only={name!r} is not a module of the model; use names from "
+                             "model.named_modules() (the probe and the watch report them)") from None
+    return list(only)
+
+
+def _switch(target, to=None, hardware=None, only=None, **_):
+    only = _check_only(only, target.model)
+    if only is not None:  # the variant for a model that does not fit the GPU in fp32
+        if to not in (None, "fp32") or target.model is None:
+            raise ValueError("only= is the partial fp32 variant: it needs model= and to='fp32'")
+        changed = apply_partial_fp32(target.model, only)
+        return {"to": "fp32", "scope": "partial", **changed} if changed else {}
     to = _resolve_to(to, hardware)
     changed = {}
     if target.args is not None:
@@ -165,7 +187,10 @@ def _switch(target, to=None, hardware=None, **_):
     return {"to": to, **changed} if changed else {}
 
 
-def _switch_code(names, to=None, hardware=None, **_):
+def _switch_code(names, to=None, hardware=None, only=None, **_):
+    only = _check_only(only)
+    if only is not None:
+        return partial_fp32_code(names.model, only)
     to = _resolve_to(to, hardware)
     a, m, t = names.args, names.model, names.trainer
     mixed = "bf16" if to == "bf16" else "no"
