@@ -41,6 +41,8 @@ def stack_facts(ctx: AuditContext) -> dict:
     try:
         if ctx.quantization.any:
             facts["quantization"] = ctx.quantization.to_dict()
+        if ctx.unsloth.any:
+            facts["unsloth"] = ctx.unsloth.to_dict()
         memory = memory_facts(ctx)
         if memory is not None:
             facts["memory"] = memory
@@ -57,6 +59,14 @@ def _note_memory(findings: list[Finding], stack: dict) -> None:
     for f in findings:
         if "switch-precision" in f.fixes:
             f.evidence["memory"] = memory_note(memory)
+
+
+def _unsloth_fixes(findings: list[Finding]) -> None:
+    """On an Unsloth setup the precision fix is Unsloth's own (reload with dtype=, its trainer
+    flags): switch-precision would cast weights and rebuild the accelerator behind Unsloth's back."""
+    for f in findings:
+        if "switch-precision" in f.fixes:
+            f.fixes = ["unsloth-precision" if x == "switch-precision" else x for x in f.fixes]
 
 
 def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False) -> AuditResult:
@@ -90,6 +100,8 @@ def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None,
     findings = _run_rules(ctx) + extra
     stack = stack_facts(ctx)
     _note_memory(findings, stack)
+    if ctx.unsloth.any:
+        _unsloth_fixes(findings)
     result = AuditResult(findings=findings, hardware=hw, probe=ctx.probe,
                          target="trainer" if trainer is not None else "model", with_args=args is not None,
                          stack=stack)

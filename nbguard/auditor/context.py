@@ -122,6 +122,13 @@ class AuditContext:
         return read_quantization(self.model, self.quantization_config)
 
     @cached_property
+    def unsloth(self):
+        """The markers Unsloth left on the model, trainer and environment (auditor/unsloth.py)."""
+        from .unsloth import read_unsloth
+
+        return read_unsloth(self.model, self.trainer, self.args)
+
+    @cached_property
     def is_peft(self) -> bool:
         return hasattr(self.model, "peft_config") or any(
             c.__module__.startswith("peft.") for c in type(self.model).__mro__
@@ -163,7 +170,12 @@ class AuditContext:
 
     @cached_property
     def uses_fp16(self) -> bool:
-        """fp16 in play: mixed precision, fp16 eval, or fp16 weights."""
+        """fp16 in play: mixed precision, fp16 eval, or fp16 weights (not Unsloth's forced-float32
+        mode, where fp16 storage is by design and autocast is off)."""
+        from .unsloth import float32_forced_without_autocast
+
+        if float32_forced_without_autocast(self.unsloth, self.mixed_precision):
+            return False
         return (
             self.mixed_precision == "fp16"
             or bool(getattr(self.args, "fp16_full_eval", False))

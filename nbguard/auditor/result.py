@@ -54,6 +54,8 @@ class AuditResult(Displayable):
             if offer is not None:  # fp32 does not fit this GPU: the partial variant (memory_offer.py)
                 return dict(offer)
             return {"to": self.hardware.best_half_precision}
+        if fix_id == "unsloth-precision":
+            return {"bf16": self.hardware.native_bf16}
         return {}
 
     def to_dict(self) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import model_fixes, trainer_fixes  # noqa: F401  (registers the fixes)
+from . import model_fixes, trainer_fixes, unsloth_fixes  # noqa: F401  (registers the fixes)
 from .registry import FIXES, Fix, Names, Target
 from .result import FixResult
 
