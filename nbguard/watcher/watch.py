@@ -538,6 +538,10 @@ class NanWatch(Displayable):
             text += f", {o.dtype})" if o.dtype else ")"
             if o.micro_batch:
                 text += f", micro-batch {o.micro_batch}"
+            if o.evidence.get("bypassed_children"):
+                text += "; made inside its own forward: a fused kernel bypassed its children's hooks"
+        elif cause == "not-reproducible" and evidence.get("next_steps"):
+            text += f" (not reproduced by an eager replay; next: {evidence['next_steps'][0].split(':')[0]})"
         elif cause:
             text += f" ({cause})"
         return text
