@@ -141,9 +141,9 @@ def set_compute_dtype(model: torch.nn.Module, dtype: torch.dtype, only: set[str]
             continue
         old = effective_compute_dtype(layer)
         if old != dtype:
-            layer.compute_dtype = dtype
+            setattr(layer, "compute_dtype", dtype)  # noqa: B010  (a bitsandbytes attribute torch's typing does not know)
             changed[name] = f"{dtype_name(old) if old is not None else 'unset'} -> {dtype_name(dtype)}"
-        layer.compute_type_is_set = True
+        setattr(layer, "compute_type_is_set", True)  # noqa: B010
     if only is None:
         for path, cfg in (("config", getattr(model, "config", None)),):
             q = getattr(cfg, "quantization_config", None)
@@ -151,7 +151,7 @@ def set_compute_dtype(model: torch.nn.Module, dtype: torch.dtype, only: set[str]
             if old is not None and old != dtype:
                 if isinstance(q, dict):
                     q["bnb_4bit_compute_dtype"] = dtype_name(dtype)
-                else:
+                elif q is not None:
                     q.bnb_4bit_compute_dtype = dtype
                 changed[f"{path}.quantization_config.bnb_4bit_compute_dtype"] = \
                     f"{dtype_name(old)} -> {dtype_name(dtype)}"

@@ -35,7 +35,8 @@ import torch
 
 def _candidates(model: Any) -> list[Any]:
     """The model and what PEFT wraps inside it (Unsloth stamps the transformers model)."""
-    out, seen = [], set()
+    out: list[Any] = []
+    seen: set[int] = set()
     todo = [model]
     while todo:
         m = todo.pop(0)

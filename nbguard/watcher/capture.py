@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -59,7 +59,7 @@ def autocast_as(active: list[tuple[str, torch.dtype]]):
         yield
 
 
-def _is_loss(value: Any) -> bool:
+def _is_loss(value: Any) -> TypeGuard[torch.Tensor]:
     return isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() == 1
 
 

@@ -114,8 +114,8 @@ class NanWatch(Displayable):
         self._handles: list = []
         self._opt_binding: OptimizerBinding | None = None
         self._scaler_binding: ScalerBinding | None = None
-        self._callback = None
-        self._labels_tap = None  # Trainer only: labels the Trainer keeps from the model
+        self._callback: Any = None  # WatchCallback, Trainer only
+        self._labels_tap: Any = None  # LabelsTap, Trainer only: labels the Trainer keeps from the model
         self._trainer_control = None
         self._stop_requested = False
         self._broken = False
