@@ -149,3 +149,28 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_trainer_with_paged_adamw_8bit_skips_the_bad_step_and_trains_on(tmp_path):
+    from audit_helpers import make_args, make_trainer
+    from transformers import TrainerCallback
+
+    model = qlora(prepare=True)
+    act = model.base_model.model.model.layers[1].mlp.act_fn = PoisonedSiLU(armed=False)
+
+    class ArmAtStep1(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            act.armed = state.global_step == 1
+
+    trainer = make_trainer(model, make_args(tmp_path, optim="paged_adamw_8bit", max_steps=3,
+                                            per_device_train_batch_size=2))
+    trainer.add_callback(ArmAtStep1())
+    watch = nbguard.watch(trainer, policy="skip")
+    with pytest.warns(UserWarning):  # paged optimizers fall back to plain buffers on CPU
+        trainer.train()
+    watch.detach()
+    assert type(watch.optimizer).__module__.startswith("bitsandbytes")  # the real 8-bit optimizer was bound
+    assert [e.kind for e in watch.events] == ["nonfinite-grad"] and watch.events[0].step == 1
+    assert watch.events[0].origin("backward").module.endswith("layers.1.mlp.act_fn")
+    assert watch.history.skipped_steps == [1] and watch.step == 3
+    assert all(torch.isfinite(p).all() for p in model.parameters() if p.requires_grad)
