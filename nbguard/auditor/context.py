@@ -119,7 +119,8 @@ class AuditContext:
         """The bitsandbytes 4/8-bit layers and the dtype each 4-bit layer really computes in."""
         from .quantization import read_quantization
 
-        return read_quantization(self.model, self.quantization_config)
+        return read_quantization(self.model, self.quantization_config, self.modules,
+                                 [p for _, p in self.named_params])
 
     @cached_property
     def unsloth(self):

@@ -79,12 +79,14 @@ class MemoryEstimate:
 
 
 def estimate_memory(model: torch.nn.Module, precision: str = "as-is", optimizer_bytes_per_value: int = 8,
-                    fp32_modules: set[str] | None = None) -> MemoryEstimate:
+                    fp32_modules: set[str] | None = None,
+                    params: list[torch.nn.Parameter] | None = None) -> MemoryEstimate:
     """Weights + gradients + optimizer state for training ``model`` in ``precision``.
 
     ``optimizer_bytes_per_value``: 8 for AdamW with fp32 moments, 2 for bitsandbytes 8-bit AdamW.
     ``fp32_modules``: with ``precision="as-is"``, these modules' weights counted in float32 (the
     partial switch that keeps the rest of the model as it is).
+    ``params``: ``model.parameters()`` already listed (the audit walks a big model once).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
@@ -93,7 +95,7 @@ def estimate_memory(model: torch.nn.Module, precision: str = "as-is", optimizer_
         in_fp32 |= {id(p) for p in model.get_submodule(name).parameters()}
     params, trainable, weights, grads = 0, 0, 0, 0
     seen: set[int] = set()
-    for p in model.parameters():
+    for p in params if params is not None else model.parameters():
         if id(p) in seen:  # tied weights once
             continue
         seen.add(id(p))
@@ -109,9 +111,10 @@ def estimate_memory(model: torch.nn.Module, precision: str = "as-is", optimizer_
     return MemoryEstimate(precision, params, trainable, weights, grads, trainable * optimizer_bytes_per_value)
 
 
-def bf16_gpus_that_fit(model: torch.nn.Module, optimizer_bytes_per_value: int = 8) -> list[str]:
+def bf16_gpus_that_fit(model: torch.nn.Module, optimizer_bytes_per_value: int = 8,
+                       params: list[torch.nn.Parameter] | None = None) -> list[str]:
     """Named GPU profiles with native bf16 where the bf16 switch fits, smallest memory first."""
-    estimate = estimate_memory(model, "bf16", optimizer_bytes_per_value)
+    estimate = estimate_memory(model, "bf16", optimizer_bytes_per_value, params=params)
     fitting: list[Hardware] = [hw for hw in PROFILES.values()
                                if hw.device_type == "cuda" and hw.native_bf16 and estimate.fits(hw.memory_gb)]
     return [hw.name for hw in sorted(fitting, key=lambda hw: hw.memory_gb or 0)]

@@ -62,17 +62,18 @@ def memory_facts(ctx: Any) -> dict[str, Any] | None:
     if ctx.model is None or hw is None or not hw.is_gpu or hw.memory_gb is None:
         return None
     per_value = optimizer_bytes_per_value(ctx)
-    as_is = estimate_memory(ctx.model, "as-is", per_value)
+    params = [p for _, p in ctx.named_params]
+    as_is = estimate_memory(ctx.model, "as-is", per_value, params=params)
     target = hw.best_half_precision
-    switched = estimate_memory(ctx.model, target, per_value)
+    switched = estimate_memory(ctx.model, target, per_value, params=params)
     facts: dict[str, Any] = {"hardware": hw.name, "memory_gb": hw.memory_gb, "as_is": as_is.to_dict(),
                              target: switched.to_dict(), "target_precision": target,
                              "target_fits": switched.fits(hw.memory_gb), "activations_counted": False}
     if target == "fp32" and switched.fits(hw.memory_gb) is False:
         layers = overflowing_layers(ctx.probe, ctx.model)
-        partial = estimate_memory(ctx.model, "as-is", per_value, fp32_modules=set(layers))
+        partial = estimate_memory(ctx.model, "as-is", per_value, fp32_modules=set(layers), params=params)
         facts.update(partial=partial.to_dict(), partial_fits=partial.fits(hw.memory_gb), fp32_layers=layers,
-                     bf16_gpus=bf16_gpus_that_fit(ctx.model, per_value),
+                     bf16_gpus=bf16_gpus_that_fit(ctx.model, per_value, params),
                      offer={"to": "fp32", "only": layers})
     return facts
 

@@ -101,31 +101,36 @@ class QuantizationFacts:
         }
 
 
-def _looks_kbit_prepared(model: torch.nn.Module, layers_4bit: list, floating: list[torch.nn.Parameter]) -> bool:
+def _looks_kbit_prepared(model: torch.nn.Module, layers_4bit: list, floating: list[torch.nn.Parameter],
+                        modules: list[torch.nn.Module]) -> bool:
     """PEFT's ``prepare_model_for_kbit_training`` leaves no marker of its own; what it leaves is
     every non-quantised floating weight in float32 (it upcasts fp16/bf16 ones) and, with
     gradient checkpointing, the input-embedding hook ``enable_input_require_grads`` installs."""
     if not layers_4bit or not floating:
         return False
     all_fp32 = all(p.dtype == torch.float32 for p in floating)
-    hooked = any(getattr(m, "_require_grads_hook", None) is not None for m in model.modules())
+    hooked = any(getattr(m, "_require_grads_hook", None) is not None for m in modules)
     checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
     return all_fp32 and (hooked or not checkpointing)
 
 
-def read_quantization(model: torch.nn.Module | None, config: Any = None) -> QuantizationFacts:
+def read_quantization(model: torch.nn.Module | None, config: Any = None,
+                      modules: list[tuple[str, torch.nn.Module]] | None = None,
+                      params: list[torch.nn.Parameter] | None = None) -> QuantizationFacts:
+    """``modules``/``params``: the model's named modules and parameters when already listed."""
     if model is None:
         return QuantizationFacts(config_compute_dtype=config_compute_dtype(config))
     layers_4bit, layers_8bit = [], []
-    for name, module in model.named_modules():
+    named = modules if modules is not None else list(model.named_modules())
+    for name, module in named:
         if is_bnb_4bit_layer(module):
             layers_4bit.append((name, module))
         elif is_bnb_8bit_layer(module):
             layers_8bit.append(name)
-    floating = [p for p in model.parameters()
+    floating = [p for p in (params if params is not None else model.parameters())
                 if p.is_floating_point() and type(p).__name__ not in ("Params4bit", "Int8Params")]
     return QuantizationFacts(layers_4bit, layers_8bit, config_compute_dtype(config),
-                             _looks_kbit_prepared(model, layers_4bit, floating))
+                             _looks_kbit_prepared(model, layers_4bit, floating, [m for _, m in named]))
 
 
 def set_compute_dtype(model: torch.nn.Module, dtype: torch.dtype, only: set[str] | None = None) -> dict[str, str]:
