@@ -93,13 +93,13 @@ def estimate_memory(model: torch.nn.Module, precision: str = "as-is", optimizer_
     in_fp32: set[int] = set()
     for name in fp32_modules or ():
         in_fp32 |= {id(p) for p in model.get_submodule(name).parameters()}
-    params, trainable, weights, grads = 0, 0, 0, 0
+    count, trainable, weights, grads = 0, 0, 0, 0
     seen: set[int] = set()
     for p in params if params is not None else model.parameters():
         if id(p) in seen:  # tied weights once
             continue
         seen.add(id(p))
-        params += _logical_numel(p)
+        count += _logical_numel(p)
         if type(p).__name__ in _QUANTIZED or not p.is_floating_point():
             weights += _quantized_bytes(p)
             continue
@@ -108,7 +108,7 @@ def estimate_memory(model: torch.nn.Module, precision: str = "as-is", optimizer_
         if p.requires_grad:
             trainable += p.numel()
             grads += p.numel() * size
-    return MemoryEstimate(precision, params, trainable, weights, grads, trainable * optimizer_bytes_per_value)
+    return MemoryEstimate(precision, count, trainable, weights, grads, trainable * optimizer_bytes_per_value)
 
 
 def bf16_gpus_that_fit(model: torch.nn.Module, optimizer_bytes_per_value: int = 8,
