@@ -10,7 +10,7 @@ from watch_helpers import batches
 
 import nbguard
 import nbguard.fixes
-from nbguard.auditor.quantization import read_quantization
+from nbguard.introspect.quantization import read_quantization
 
 torch.set_num_threads(1)
 

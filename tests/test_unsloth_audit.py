@@ -1,5 +1,5 @@
 """Unsloth-aware audit, fixes and explainer, on real tiny models carrying the markers Unsloth sets
-(see nbguard/auditor/unsloth.py for where each marker comes from in Unsloth's source). Unsloth
+(see nbguard/introspect/unsloth.py for where each marker comes from in Unsloth's source). Unsloth
 itself is not imported: it needs a GPU."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from transformers import Trainer
 
 import nbguard
 import nbguard.fixes
-from nbguard.auditor.unsloth import read_unsloth
+from nbguard.introspect.unsloth import read_unsloth
 from nbguard.testing import tiny_4bit, tiny_batch, tiny_gemma3, tiny_llama
 
 torch.set_num_threads(1)

@@ -14,13 +14,9 @@ import torch
 
 from ..environment import parsed_version
 from ..hardware import Hardware
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-QUANTIZED_PARAM_CLASSES = ("Params4bit", "Int8Params", "QTensor", "AffineQuantizedTensor")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+from ..introspect.dtypes import HALF_DTYPES, QUANTIZED_PARAM_CLASSES
+from ..introspect.quantization import read_quantization
+from ..introspect.unsloth import float32_forced_without_autocast, read_unsloth
 
 
 class AuditContext:
@@ -65,7 +61,7 @@ class AuditContext:
     @cached_property
     def weight_dtype(self) -> torch.dtype | None:
         """The dtype most floating parameters are stored in (what "the model is in bf16" means)."""
-        counts = Counter()
+        counts: Counter[torch.dtype] = Counter()
         for _, p in self.floating_params:
             counts[p.dtype] += p.numel()
         return counts.most_common(1)[0][0] if counts else None
@@ -92,7 +88,7 @@ class AuditContext:
     @cached_property
     def configs(self) -> list[Any]:
         """The config and its text config, without duplicates (they are the same object for text models)."""
-        out = []
+        out: list[Any] = []
         for c in (self.config, self.text_config):
             if c is not None and all(c is not o for o in out):
                 out.append(c)
@@ -117,16 +113,12 @@ class AuditContext:
     @cached_property
     def quantization(self):
         """The bitsandbytes 4/8-bit layers and the dtype each 4-bit layer really computes in."""
-        from .quantization import read_quantization
-
         return read_quantization(self.model, self.quantization_config, self.modules,
                                  [p for _, p in self.named_params])
 
     @cached_property
     def unsloth(self):
-        """The markers Unsloth left on the model, trainer and environment (auditor/unsloth.py)."""
-        from .unsloth import read_unsloth
-
+        """The markers Unsloth left on the model, trainer and environment (introspect/unsloth.py)."""
         return read_unsloth(self.model, self.trainer, self.args)
 
     @cached_property
@@ -173,8 +165,6 @@ class AuditContext:
     def uses_fp16(self) -> bool:
         """fp16 in play: mixed precision, fp16 eval, or fp16 weights (not Unsloth's forced-float32
         mode, where fp16 storage is by design and autocast is off)."""
-        from .unsloth import float32_forced_without_autocast
-
         if float32_forced_without_autocast(self.unsloth, self.mixed_precision):
             return False
         return (

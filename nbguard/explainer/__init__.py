@@ -6,6 +6,7 @@ IPython custom exception handler; it works just as well on an exception caught i
 """
 from __future__ import annotations
 
+from ..session import SESSION, record_diagnosis
 from .diagnosis import Diagnosis, exception_text
 from .rules import RULES, rule
 
@@ -34,8 +35,6 @@ def diagnose(exc: BaseException) -> Diagnosis | None:
 def _without_applied_fixes(diagnosis: Diagnosis) -> Diagnosis:
     """Never propose a fix this session already applied (with changes): the error came after it,
     so applying it again would loop. The diagnosis says so instead."""
-    from ..session import SESSION
-
     applied = [f["fix"] for f in SESSION.fixes_applied if f.get("changed")]
     again = [fix for fix in diagnosis.fixes if fix in applied]
     if not again:
@@ -54,8 +53,6 @@ def explain(exc: BaseException) -> Diagnosis | None:
     """The diagnosis of a known error signature in ``exc`` (or its chain), recorded for the report."""
     diagnosis = diagnose(exc)
     if diagnosis is not None:
-        from ..session import record_diagnosis
-
         record_diagnosis(diagnosis)
     return diagnosis
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ..auditor.context import QUANTIZED_PARAM_CLASSES, dtype_name
-from ..auditor.quantization import is_bnb_4bit_layer, set_compute_dtype
+from ..introspect.dtypes import QUANTIZED_PARAM_CLASSES, dtype_name
+from ..introspect.quantization import is_bnb_4bit_layer, set_compute_dtype
 
 MARK = "_nbguard_fp32_forward"  # set on a module whose forward runs in fp32: keeps apply idempotent
 

@@ -10,8 +10,8 @@ its cell reloads the model with the dtype Unsloth expects.
 """
 from __future__ import annotations
 
-from ..auditor.unsloth import read_unsloth
 from ..hardware import resolve_hardware
+from ..introspect.unsloth import read_unsloth
 from .registry import Fix, register
 
 

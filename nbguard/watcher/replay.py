@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..findings import Origin
+from ..introspect.unsloth import read_unsloth
 from .capture import MicroBatch, autocast_as, capture_rng, restore_rng
 from .tensors import Summary, float_tensors, iter_tensors, nonfinite_params, summarize
 
@@ -224,8 +225,6 @@ def next_steps(model: torch.nn.Module) -> list[str]:
         "the value may come from outside forward and backward: gradient accumulation across steps, "
         "a custom loss or optimizer hook, or data changed in place after the step",
     ]
-    from ..auditor.unsloth import read_unsloth
-
     if read_unsloth(model).any:
         steps.insert(0, "Unsloth: set UNSLOTH_COMPILE_DISABLE=1 before loading the model (Unsloth reads it "
                         "at load to skip its compiled module rewrites) and rerun the step eagerly; its fused "

@@ -5,9 +5,9 @@ from typing import Any
 
 import torch
 
+from ...introspect.unsloth import float32_forced_without_autocast
 from ..context import dtype_name
 from ..registry import capped, finding, rule
-from ..unsloth import float32_forced_without_autocast
 from .precision import FP16_UNSAFE_FAMILIES
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -46,7 +46,7 @@ def bnb_compute_dtype(ctx):
     disagrees with the training precision (read off each Linear4bit, not only the config)."""
     dtypes = ctx.quantization.compute_dtype_set
     if not dtypes or float32_forced_without_autocast(ctx.unsloth, ctx.mixed_precision):
-        return None  # Unsloth's forced-float32 mode keeps 4-bit compute in fp16 on purpose (auditor/unsloth.py)
+        return None  # Unsloth's forced-float32 mode keeps 4-bit compute in fp16 on purpose (introspect/unsloth.py)
     precision = training_precision(ctx)
     wanted = _DTYPES.get(ctx.mixed_precision)
     overflow = fp16_overflow_evidence(ctx) if torch.float16 in dtypes else []

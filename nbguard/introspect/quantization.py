@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .context import dtype_name
+from .dtypes import dtype_name
 
 
 def is_bnb_4bit_layer(module: torch.nn.Module) -> bool:
