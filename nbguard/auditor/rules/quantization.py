@@ -5,8 +5,8 @@ from typing import Any
 
 import torch
 
+from ...introspect.dtypes import dtype_name
 from ...introspect.unsloth import float32_forced_without_autocast
-from ..context import dtype_name
 from ..registry import capped, finding, rule
 from .precision import FP16_UNSAFE_FAMILIES
 
