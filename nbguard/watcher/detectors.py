@@ -80,7 +80,7 @@ class FrozenDetector:
     def __init__(self, settings: WatchSettings):
         self.settings = settings
         self.last: list[float] | None = None
-        self.since: int | None = None
+        self.since = 0  # the step the current fingerprint was first seen (meaningful once last is set)
         self.reported = False
 
     def due(self, step: int) -> bool:

@@ -91,8 +91,8 @@ class _ForwardProbe:
         parent, parent_inputs = self.stack[-1]
         bad = nonfinite_params(parent)
         self.cause = "nonfinite-parameter" if bad else inputs.cause
-        evidence = {"class": type(parent).__name__, "received_by": child_name,
-                    "received_as": inputs.first_bad,
+        evidence: dict[str, Any] = {"class": type(parent).__name__, "received_by": child_name,
+                                    "received_as": inputs.first_bad,
                     "note": "the value arose in this module's own code, between its children"}
         if bad:
             evidence["nonfinite_values"] = bad

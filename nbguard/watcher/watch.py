@@ -1,6 +1,7 @@
 """``NanWatch``: the per-step NaN/Inf watch, its events, history and policies."""
 from __future__ import annotations
 
+import functools
 import math
 import time
 import traceback
@@ -125,6 +126,9 @@ class NanWatch(Displayable):
         self._spike = SpikeDetector(self.settings)
         self._frozen = FrozenDetector(self.settings)
         self._eval = EvalLossDetector(self.settings)
+        self._micro_batches: list[MicroBatch] = []
+        self._losses: list[torch.Tensor] = []
+        self._stats: StepStats | None = None
         self._release_step()
 
     # ---- attach / detach -------------------------------------------------------------------
@@ -174,7 +178,7 @@ class NanWatch(Displayable):
         if self._scaler_binding is not None:
             self._scaler_binding.remove()
             self._scaler_binding = None
-        if self._callback is not None:
+        if self._callback is not None and self.trainer is not None:
             self.trainer.remove_callback(self._callback)
             self._callback = None
         if self._labels_tap is not None:
@@ -189,9 +193,8 @@ class NanWatch(Displayable):
     def __enter__(self) -> NanWatch:
         return self.attach()
 
-    def __exit__(self, *exc) -> bool:
-        self.detach()
-        return False
+    def __exit__(self, *exc: object) -> None:
+        self.detach()  # exceptions propagate
 
     # ---- the interface integrations use (Trainer callback, distributed helpers) ---------------
     @property
@@ -262,7 +265,7 @@ class NanWatch(Displayable):
 
     def _notify(self, kind: str, payload: Any) -> None:
         for callback in list(self._listeners):  # a broken dashboard must not break training
-            guarded_call(lambda exc, cb=callback: self._drop_listener(cb, exc), callback, self, kind, payload)
+            guarded_call(functools.partial(self._drop_listener, callback), callback, self, kind, payload)
 
     def _drop_listener(self, callback: Listener, exc: BaseException) -> None:
         self.remove_listener(callback)
@@ -369,6 +372,7 @@ class NanWatch(Displayable):
             self._bad_streak = 0
             return
         self._bad_streak += 1
+        event: Event | None
         if self._bad_streak == 1:
             kind = "nonfinite-loss" if not stats.loss_finite else "nonfinite-grad"
             event = self._make_event(kind, stats)
@@ -398,7 +402,8 @@ class NanWatch(Displayable):
     def _end_step(self, skipped: bool, scaler_skipped: bool = False) -> None:
         stats = self._read()
         step = self.step
-        self.history.append(step, stats.grad_norm, stats.loss, stats.total_grad_norm, stats.loss_scale, skipped)
+        self.history.append(step, list[float | None](stats.grad_norm), stats.loss, stats.total_grad_norm,
+                            stats.loss_scale, skipped)
         activations = None
         if self.activation_history is not None and stats.activations is not None:
             activations = host_values(stats.activations)
@@ -427,10 +432,10 @@ class NanWatch(Displayable):
                 self._emit(Event("frozen-params", step, f"trainable weights have not changed for "
                                  f"{frozen['steps_unchanged']} optimizer steps", evidence=frozen))
         self.step += 1
-        payload = {"step": step, "loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
+        payload: dict[str, Any] = {"step": step, "loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
                    "loss_scale": stats.loss_scale, "skipped": skipped,
                    "grad_norm": dict(zip(self.history.groups, stats.grad_norm))}
-        if activations is not None:
+        if activations is not None and self.activation_history is not None:
             payload["activation_absmax"] = dict(zip(self.activation_history.groups, activations))
         self._release_step()
         self._notify("step", payload)
@@ -439,9 +444,9 @@ class NanWatch(Displayable):
 
     def _release_step(self) -> None:
         """Drop every reference to this step's batches and output gradients."""
-        self._micro_batches: list[MicroBatch] = []
-        self._losses: list[torch.Tensor] = []
-        self._stats: StepStats | None = None
+        self._micro_batches = []
+        self._losses = []
+        self._stats = None
         self._optimizer_stepped = False
         self._step_dropped = False
         self._collector.reset()
