@@ -100,6 +100,10 @@ def test_fixes_on_an_unsloth_setup_are_unsloths_own_and_never_undo_what_it_set(t
     assert nbguard.fixes.apply("unsloth-precision", model=model, args=args, bf16=False).changed == {}
     with pytest.raises(ValueError, match="for models loaded with Unsloth"):
         nbguard.fixes.apply("unsloth-precision", model=tiny_llama(), args=args)
+    # switch-precision would cast behind Unsloth's back: refused with the way out
+    with pytest.raises(ValueError, match="set up by Unsloth.*unsloth-precision"):
+        nbguard.fixes.apply("switch-precision", model=model, args=args, to="fp32")
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
 
 
 def _mismatch_error():

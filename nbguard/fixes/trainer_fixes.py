@@ -10,6 +10,7 @@ import torch
 from ..hardware import resolve_hardware
 from ..introspect.dtypes import HALF_DTYPES, QUANTIZED_PARAM_CLASSES, dtype_name
 from ..introspect.quantization import set_compute_dtype
+from ..introspect.unsloth import read_unsloth
 from .partial_fp32 import apply_partial_fp32, partial_fp32_code
 from .registry import Fix, register
 
@@ -158,7 +159,16 @@ def _check_only(only, model=None) -> list[str] | None:
     return list(only)
 
 
+def _refuse_unsloth(target) -> None:
+    """Unsloth chose the dtypes at load and rewrites the trainer's flags: casting behind its back
+    would undo that (a float32-forced model would double its memory), so its own fix applies."""
+    if read_unsloth(target.model, target.trainer, target.args).any:
+        raise ValueError("this model (or trainer) was set up by Unsloth: switch-precision would undo what Unsloth "
+                         "set; apply 'unsloth-precision' (Unsloth's flags and a reload with dtype=) instead")
+
+
 def _switch(target, to=None, hardware=None, only=None, **_):
+    _refuse_unsloth(target)
     only = _check_only(only, target.model)
     if only is not None:  # the variant for a model that does not fit the GPU in fp32
         if to not in (None, "fp32") or target.model is None:
