@@ -125,3 +125,23 @@ def test_accelerate_optimizer_and_its_scaler(armed_steps):
     if armed_steps:
         assert watch.events[0].kind == "scaler-skip"
         assert watch.events[0].origin("backward").module == "model.layers.0.mlp.act_fn"
+
+
+def test_skip_streaks_are_in_the_document_and_survive_a_report():
+    import jsonschema
+
+    from nbguard.document.merge import gather
+    from nbguard.document.schema import schema
+
+    watch = _plain_run([2, 5, 6])
+    doc = watch.to_document()
+    assert doc["skip_streaks"] == [
+        {"first_step": 2, "last_step": 2, "count": 1, "cause": "nonfinite-parameter", "module": "model.embed_tokens",
+         "loss_scale": 1024.0},
+        {"first_step": 5, "last_step": 6, "count": 2, "cause": "nonfinite-parameter", "module": "model.embed_tokens",
+         "loss_scale": 512.0}]
+    jsonschema.Draft202012Validator(schema()).validate(doc)
+    report = nbguard.report(watch=watch).to_document()  # the session story: the watch inside a report
+    jsonschema.Draft202012Validator(schema()).validate(report)
+    assert gather(report, "watches")[0]["skip_streaks"] == doc["skip_streaks"]
+    assert "skip_streaks" not in _plain_run([]).to_document()

@@ -28,6 +28,19 @@ from .sentinel import GradNormCollector, StepStats
 Listener = Callable[["NanWatch", str, Any], None]
 
 
+def skip_streaks(events: list[Event]) -> list[dict[str, Any]]:
+    """Each GradScaler skip streak as data for the views: its steps, length, and the cause and
+    module the replay of its first step found."""
+    out = []
+    for first, last, count in fold_skip_streaks(events):
+        if first.kind != "scaler-skip":
+            continue
+        origin = first.origins[0] if first.origins else None
+        out.append({"first_step": first.step, "last_step": last, "count": count, "cause": first.cause,
+                    "module": origin.module if origin else None, "loss_scale": first.evidence.get("loss_scale")})
+    return out
+
+
 def fold_skip_streaks(events: list[Event]) -> list[tuple[Event, int, int]]:
     """(first event, last step, count): the scaler-skip events of one streak become one entry
     (the streak's first, localised event); every other event stands alone."""
@@ -567,6 +580,9 @@ class NanWatch(Displayable):
         sections: dict[str, Any] = {"events": [e.to_dict() for e in self.events], "history": self.history.to_dict()}
         if self.activation_history is not None:
             sections["activations"] = self.activation_history.to_dict()
+        streaks = skip_streaks(self.events)
+        if streaks:
+            sections["skip_streaks"] = streaks
         return document("watch", title="nbguard NaN/Inf watch", watch_id=self.watch_id, **sections)
 
     def __repr__(self) -> str:
