@@ -215,6 +215,10 @@ class NanWatch(Displayable):
         """Attached and not stepped aside after an internal error: hooks do their work."""
         return self.attached and not self._broken
 
+    def _active(self) -> bool:
+        """The old private spelling of :attr:`active`, kept while branches written against it merge."""
+        return self.active
+
     @property
     def stop_requested(self) -> bool:
         """The stop policy asked the training loop to end (a Trainer ends after this step)."""
