@@ -174,3 +174,11 @@ def test_trainer_with_paged_adamw_8bit_skips_the_bad_step_and_trains_on(tmp_path
     assert watch.events[0].origin("backward").module.endswith("layers.1.mlp.act_fn")
     assert watch.history.skipped_steps == [1] and watch.step == 3
     assert all(torch.isfinite(p).all() for p in model.parameters() if p.requires_grad)
+
+
+def test_the_probe_sees_an_overflow_between_the_base_layer_and_the_lora_branch():
+    model, data = _sum_overflow()
+    probe = run_probe(model, data[0])
+    base, lora = probe.absmax(PREFIX + ".base_layer"), probe.absmax(PREFIX + ".lora_B.default")
+    assert base < 65504 and lora < 65504  # each child is finite in fp16
+    assert probe.absmax(PREFIX) == float("inf")  # their sum, made in the wrapper's own code, is not
