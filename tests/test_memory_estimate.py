@@ -178,3 +178,19 @@ def test_only_names_must_be_modules():
         nbguard.fixes.apply("switch-precision", model=tiny_llama(), to="fp32", only=["model.layers.9"])
     with pytest.raises(ValueError, match="only must be a list of module names"):
         nbguard.fixes.code("switch-precision", model="m", only="model.layers.0")
+
+
+def test_a_fact_that_cannot_be_read_is_an_info_finding_and_the_audit_goes_on(tmp_path):
+    model = tiny_llama()
+    model.config.update({"unsloth_version": "2026.10.9"})  # an Unsloth marker: those facts are read too
+
+    class Unreadable:  # a quantization_config whose attributes raise, as a broken remote config can
+        def __getattr__(self, name):
+            raise RuntimeError(f"broken config attribute {name}")
+
+    model.config.quantization_config = Unreadable()
+    result = nbguard.audit(model, args=make_args(tmp_path, fp16=True), hardware="t4")
+    failed = result.finding("facts-error")
+    assert failed is not None and failed.severity == "info" and failed.evidence["facts"] == "quantization"
+    assert "broken config attribute" in failed.detail
+    assert "unsloth" in result.stack and "memory" in result.stack  # the other facts were still read

@@ -36,20 +36,27 @@ def _run_rules(ctx: AuditContext) -> list[Finding]:
     return found
 
 
-def stack_facts(ctx: AuditContext) -> dict:
-    """The quantization (and Unsloth) facts the audit read, for the document even when no rule fired."""
-    facts = {}
-    try:
-        if ctx.quantization.any:
-            facts["quantization"] = ctx.quantization.to_dict()
-        if ctx.unsloth.any:
-            facts["unsloth"] = ctx.unsloth.to_dict()
-        memory = memory_facts(ctx)
-        if memory is not None:
-            facts["memory"] = memory
-    except Exception as exc:  # facts are a courtesy: never fail the audit over them
-        facts["error"] = f"{type(exc).__name__}: {exc}"
-    return facts
+def stack_facts(ctx: AuditContext) -> tuple[dict, list[Finding]]:
+    """The quantization, Unsloth and memory facts the audit read (for the document even when no
+    rule fired), and an info finding per fact that could not be read (the audit goes on)."""
+    facts: dict = {}
+    failed: list[Finding] = []
+    readers = (("quantization", lambda: ctx.quantization.to_dict() if ctx.quantization.any else None),
+               ("unsloth", lambda: ctx.unsloth.to_dict() if ctx.unsloth.any else None),
+               ("memory", lambda: memory_facts(ctx)))
+    for name, read in readers:
+        try:
+            value = read()
+        except Exception as exc:  # one unreadable fact must not hide the findings
+            failed.append(Finding(
+                rule="facts-error", severity=Severity.INFO, title=f"the {name} facts could not be read",
+                detail=f"Reading the {name} facts raised {type(exc).__name__}: {exc}. The rules ran normally.",
+                evidence={"facts": name, "exception": f"{type(exc).__name__}: {exc}"},
+            ))
+            continue
+        if value is not None:
+            facts[name] = value
+    return facts, failed
 
 
 def _note_memory(findings: list[Finding], stack: dict) -> None:
@@ -99,9 +106,10 @@ def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None,
                 evidence={"exception": f"{type(exc).__name__}: {exc}"},
             ))
     findings = _run_rules(ctx) + extra
-    stack = stack_facts(ctx)
+    stack, failed = stack_facts(ctx)
+    findings += failed
     _note_memory(findings, stack)
-    if ctx.unsloth.any:
+    if "unsloth" in stack:
         _unsloth_fixes(findings)
     result = AuditResult(findings=findings, hardware=hw, probe=ctx.probe,
                          target="trainer" if trainer is not None else "model", with_args=args is not None,
