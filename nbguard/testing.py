@@ -121,6 +121,7 @@ def tiny_4bit(family: str = "llama", compute_dtype: torch.dtype = torch.float16,
     ``bitsandbytes.nn.Linear4bit`` (needs bitsandbytes >= 0.48, whose CPU backend quantises).
 
     ``dtype``: what the non-quantised weights (embeddings, norms, lm_head) load as (None: float32).
+    ``directory``: keep the saved checkpoint there (default: a temporary folder removed after loading).
     """
     import tempfile
 
@@ -129,11 +130,12 @@ def tiny_4bit(family: str = "llama", compute_dtype: torch.dtype = torch.float16,
     builders = {"llama": tiny_llama, "qwen2": tiny_qwen2, "gemma3": tiny_gemma3}
     if family not in builders:
         raise ValueError(f"family must be one of {sorted(builders)}; got {family!r}")
-    path = directory or tempfile.mkdtemp(prefix="nbguard-4bit-")
-    builders[family](seed=seed, **overrides).save_pretrained(path)
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
                                 bnb_4bit_compute_dtype=compute_dtype)
     kwargs: dict[str, Any] = {"quantization_config": config, "device_map": "cpu"}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="nbguard-4bit-") as scratch:  # removed once loaded
+        path = directory or scratch
+        builders[family](seed=seed, **overrides).save_pretrained(path)
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
