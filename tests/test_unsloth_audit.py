@@ -106,23 +106,24 @@ def test_fixes_on_an_unsloth_setup_are_unsloths_own_and_never_undo_what_it_set(t
     assert {p.dtype for p in model.parameters()} == {torch.float16}
 
 
-def _mismatch_error():
-    """The real error a half-applied precision switch causes: bf16 activations meet an fp32 adapter."""
+def _sampling_error_after_a_switch():
+    """A precision switch applied, then sampling from a model whose weights already hold NaN (an earlier
+    blow-up the switch cannot undo): torch.multinomial's real error, whose diagnosis offers the switch."""
     model = tiny_llama(dtype=torch.float16)
-    for n, p in model.named_parameters():
-        p.requires_grad = "layers.0.self_attn.q_proj" in n
-    nbguard.fixes.apply("switch-precision", model=model, to="bf16")
+    assert nbguard.fixes.apply("switch-precision", model=model, to="fp32").changed
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
     with pytest.raises(RuntimeError) as info:
-        model(**tiny_batch())  # no autocast: F.linear(bf16, fp32)
+        model.generate(tiny_batch(1, 4)["input_ids"], do_sample=True, max_new_tokens=2, pad_token_id=0)
     return info.value
 
 
 def test_the_explainer_never_proposes_again_the_fix_that_came_before_the_error():
     from nbguard.session import SESSION
 
-    error = _mismatch_error()
+    error = _sampling_error_after_a_switch()
     diagnosis = nbguard.explain(error)
-    assert diagnosis.signature == "matmul-dtype-mismatch"
+    assert diagnosis.signature == "sampling-nonfinite-probs"
     assert "switch-precision" not in diagnosis.fixes
     assert diagnosis.evidence["fixes_already_applied"] == ["switch-precision"]
     assert "already applied" in diagnosis.detail
