@@ -48,7 +48,9 @@ from unsloth import FastLanguageModel, is_bfloat16_supported
 
 # Let Unsloth choose the precision at load: dtype=None is float16 where the GPU has no bf16, and for
 # the families Unsloth knows overflow float16 (Gemma 3, ...) it switches to its float32-forced mode.
-# Reload instead of casting: a cast would undo what Unsloth set up.
+# Reload instead of casting: a cast would undo what Unsloth set up. (Every load rewrites
+# UNSLOTH_FORCE_FLOAT32 and UNSLOTH_MIXED_PRECISION itself, so setting them by hand does nothing:
+# dtype= is the switch. UNSLOTH_COMPILE_DISABLE=1, set before loading, turns its compiled rewrites off.)
 {m}, tokenizer = FastLanguageModel.from_pretrained(
     model_name={m}.config._name_or_path,
     dtype=None,
