@@ -78,7 +78,7 @@ def _vocab_size(target, num_tokens: int | None) -> int:
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens <= 0:
             raise ValueError(f"num_tokens must be a positive int (len(tokenizer)); got {num_tokens!r}")
         return num_tokens
-    tok = tokenizer_of(target.trainer)
+    tok = target.tokenizer if target.tokenizer is not None else tokenizer_of(target.trainer)  # tokenizer= given
     if tok is None:
         raise ValueError("resize-token-embeddings needs num_tokens=len(tokenizer), or trainer= with its tokenizer "
                          "as processing_class")
@@ -105,10 +105,8 @@ def _resize_code(names, num_tokens: int | None = None, tokenizer: str | None = N
         raise ValueError(f"tokenizer must be the variable name of your tokenizer, such as 'tok'; got {tokenizer!r}")
     if num_tokens is not None:
         size = repr(num_tokens)
-    elif tokenizer is None and names.trainer:
-        size = f"len({names.trainer}.processing_class)"
-    else:
-        size = f"len({tokenizer or 'tokenizer'})"
+    else:  # fixes.code() resolves tokenizer= as a name: the user's, else the trainer's processing_class
+        size = f"len({tokenizer or names.tokenizer})"
     return f"""# Give every token of the tokenizer an embedding row; new rows start at the mean of the trained
 # rows (mean_resizing), not at random or zero values.
 _size = {size}
