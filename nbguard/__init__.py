@@ -26,15 +26,28 @@ def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, pro
     return run_audit(model=model, trainer=trainer, args=args, batch=batch, hardware=hardware, probe=probe)
 
 
-def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, activations=False):
+def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, activations=False, verify=True):
     """Attach a NaN/Inf watch to a model (with its optimizer) or a Trainer; returns a ``NanWatch``.
 
     ``activations=True`` also records each module group's output abs-max per step (fp16 headroom).
+    ``verify=True`` runs the fixes of the first localised NaN/Inf on a shadow of its step (at most
+    about 3 step times); ``verify=False`` turns that off.
     """
     from .watcher import NanWatch
 
     return NanWatch(target, optimizer=optimizer, scaler=scaler, policy=policy, localize=localize,
-                    activations=activations).attach()
+                    activations=activations, verify=verify).attach()
+
+
+def verify(subject, fix_id=None, **kwargs):
+    """Run the candidate fixes of a watch event (or audit finding) on the failing step; returns a ``Verification``.
+
+    ``nbguard.verify(watch.events[0])``; ``nbguard.verify(finding, model=model, batch=batch)``;
+    ``fix_id="init-new-embeddings"`` checks one fix; ``memory_budget=`` (bytes) caps the step level.
+    """
+    from .verifier import verify as _verify
+
+    return _verify(subject, fix_id, **kwargs)
 
 
 def explain(exc):
@@ -81,5 +94,5 @@ def _jupyter_labextension_paths():
 
 __all__ = [
     "Event", "Finding", "Hardware", "NbguardError", "NonFiniteError", "Origin", "Severity",
-    "audit", "explain", "fixes", "report", "resolve_hardware", "watch", "__version__",
+    "audit", "explain", "fixes", "report", "resolve_hardware", "verify", "watch", "__version__",
 ]
