@@ -19,11 +19,16 @@ from .findings import Event, Finding, Origin, Severity
 from .hardware import Hardware, resolve_hardware
 
 
-def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False):
-    """Audit a fine-tuning setup's precision against the hardware; returns an ``AuditResult``."""
+def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False, verify=False):
+    """Audit a fine-tuning setup's precision against the hardware; returns an ``AuditResult``.
+
+    ``verify=True`` runs every fix the findings offer on a shadow of one training step on ``batch``
+    (the probe's synthetic batch when none is given): ``result.verification``.
+    """
     from .auditor import run_audit
 
-    return run_audit(model=model, trainer=trainer, args=args, batch=batch, hardware=hardware, probe=probe)
+    return run_audit(model=model, trainer=trainer, args=args, batch=batch, hardware=hardware, probe=probe,
+                     verify=verify)
 
 
 def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, activations=False, verify=True):

@@ -34,7 +34,8 @@ def _run_rules(ctx: AuditContext) -> list[Finding]:
     return found
 
 
-def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False) -> AuditResult:
+def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False,
+              verify=False) -> AuditResult:
     """Audit a fine-tuning setup; see ``nbguard.audit``."""
     if trainer is not None:
         check_trainer(trainer)
@@ -49,6 +50,8 @@ def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None,
         check_batch(batch)
     if not isinstance(probe, bool):
         raise TypeError(f"probe must be True or False; got {type(probe).__name__}")
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify must be True or False; got {type(verify).__name__}")
     hw = resolve_hardware(hardware)
 
     ctx = AuditContext(model=model, trainer=trainer, args=args, batch=batch, hardware=hw)
@@ -64,6 +67,12 @@ def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None,
             ))
     result = AuditResult(findings=_run_rules(ctx) + extra, hardware=hw, probe=ctx.probe,
                          target="trainer" if trainer is not None else "model", with_args=args is not None)
+    if verify:  # every fix the findings offer, run on a shadow of the step on this batch (nbguard.verifier)
+        from ..verifier.audit import verify_audit
+
+        failed = verify_audit(result, model, trainer, args, batch)
+        if failed is not None:
+            result.findings.append(failed)
     from ..session import record_audit
 
     record_audit(result)

@@ -16,6 +16,7 @@ class AuditResult(Displayable):
     target: str = "model"  # "trainer" when the audit was given a trainer: fix cells then use it
     with_args: bool = False  # TrainingArguments were audited: fix cells may change them
     environment: dict = field(default_factory=dict)
+    verification: Any = None  # a Verification when the audit ran with verify=True
 
     def __post_init__(self) -> None:
         # Worst first; ties keep the registration order of the rules.
@@ -78,6 +79,8 @@ class AuditResult(Displayable):
                         fix_cells=cells, title="nbguard precision audit")
         if self.probe is not None:
             sections["probe"] = self.probe.to_dict()
+        if self.verification is not None:
+            sections["verification"] = self.verification.to_dict()
         if not self.environment:
             from ..environment import environment_info
 

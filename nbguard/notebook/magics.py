@@ -41,6 +41,7 @@ def _precision_parser():
     p.add_argument("objects", nargs="*")
     p.add_argument("--hardware", default=None)
     p.add_argument("--probe", action="store_true")
+    p.add_argument("--verify", action="store_true")  # run the findings' fixes on a shadow step (nbguard.verifier)
     p.add_argument("--batch", default=None)
     return p
 
@@ -89,7 +90,7 @@ class NbguardMagics(Magics):
     # -- %precision_check ------------------------------------------------------------------------
     @line_magic
     def precision_check(self, line: str = ""):
-        """%precision_check [OBJ ...] [--hardware NAME] [--probe] [--batch NAME]: audit precision."""
+        """%precision_check [OBJ ...] [--hardware NAME] [--probe] [--batch NAME] [--verify]: audit precision."""
         return self._guarded(self._precision_check, line)
 
     def _precision_check(self, line: str) -> None:
@@ -103,7 +104,7 @@ class NbguardMagics(Magics):
             batch = R.lookup(self.ns, opts.batch)
             if not R.is_batch(batch):
                 raise MagicError(f"--batch {opts.batch!r} is a {R.describe(batch)}, expected a dict of tensors")
-        kwargs = dict(targets, batch=batch, hardware=opts.hardware, probe=opts.probe)
+        kwargs = dict(targets, batch=batch, hardware=opts.hardware, probe=opts.probe, verify=opts.verify)
         result = nbguard.audit(**kwargs)
         self.state.last_names = names
         self.state.last_audit = result

@@ -1,0 +1,40 @@
+"""``nbguard.audit(..., verify=True)``: the findings' fixes verified on the given batch."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..findings import Finding, Severity
+from .candidates import with_options
+from .engine import verify_step
+
+
+def verify_audit(result: Any, model: Any, trainer: Any, args: Any, batch: dict | None,
+                 memory_budget: float | None = None) -> Finding | None:
+    """Attach a Verification of every fix the findings offer to ``result`` (and each finding's verdicts).
+
+    Returns an info finding when the verification could not run (the audit itself stands).
+    """
+    from . import step_from_batch
+
+    fix_ids = result.fix_ids
+    if not fix_ids:
+        return None
+    try:
+        step = step_from_batch(model, batch, args)
+        options = {fix_id: result.fix_options(fix_id) for fix_id in fix_ids}
+        names = {"trainer": "trainer"} if trainer is not None else {"model": "model"}
+        if trainer is None and args is not None:
+            names["args"] = "args"
+        subject = "audit on the given batch" if batch is not None else "audit on a synthetic batch"
+        verification = verify_step(step, with_options(fix_ids, step, options, result.hardware), subject,
+                                   memory_budget=memory_budget, names=names)
+    except Exception as exc:
+        return Finding(rule="verify-error", severity=Severity.INFO, title="the fixes could not be verified",
+                       detail=f"Running the fixes on a shadow of the step raised {type(exc).__name__}: {exc}.",
+                       evidence={"exception": f"{type(exc).__name__}: {exc}"})
+    result.verification = verification
+    for finding in result.findings:
+        verdicts = {f: verification.verdict(f).verdict for f in finding.fixes if verification.verdict(f) is not None}
+        if verdicts:
+            finding.evidence["verdicts"] = verdicts
+    return None
