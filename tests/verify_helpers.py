@@ -53,11 +53,17 @@ def verdicts(verification) -> dict[str, str]:
     return {v.fix: v.verdict for v in verification.verdicts}
 
 
-def everything(model, optimizer=None) -> dict:
-    """Every piece of user state verification must leave bit-identical."""
+def everything(model, optimizer=None, identity: bool = True) -> dict:
+    """Every piece of user state verification must leave bit-identical.
+
+    ``identity``: also the tensors' addresses and in-place version counters (False to compare two runs).
+    """
+    def who(t):
+        return (t.data_ptr(), t._version, id(t)) if identity and t is not None else None
+
     state = {
-        "params": {n: (p.dtype, p.detach().clone(), p.data_ptr(), p._version) for n, p in model.named_parameters()},
-        "grads": {n: (id(p.grad), None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()},
+        "params": {n: (p.dtype, p.detach().clone(), who(p)) for n, p in model.named_parameters()},
+        "grads": {n: (who(p.grad), None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()},
         "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
         "rng": torch.get_rng_state(),
         "training": {n: m.training for n, m in model.named_modules()},

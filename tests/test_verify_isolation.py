@@ -1,0 +1,78 @@
+"""Verification never touches the user's weights, gradients, optimizer state, RNG or module attributes."""
+from __future__ import annotations
+
+import torch
+from verify_helpers import assert_same, chat_batch, everything, peft_zero_embeddings, verdicts
+from watch_helpers import batches, scale_output_to, train
+
+import nbguard
+from nbguard import fixes
+from nbguard.testing import tiny_batch, tiny_llama
+from nbguard.verifier import RECIPES
+
+torch.set_num_threads(1)
+
+
+def _peft_loop_event():
+    """A plain loop on the PEFT reproduction: one healthy step (optimizer state), then the failing one."""
+    model = peft_zero_embeddings()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    train(model, opt, [tiny_batch(4, 16)])  # token ids below the new rows: healthy, fills AdamW's moments
+    with nbguard.watch(model, optimizer=opt, policy="skip") as watch:
+        train(model, opt, [chat_batch()])
+    return model, opt, watch
+
+
+def test_every_fix_leaves_every_piece_of_user_state_bit_identical():
+    model, opt, watch = _peft_loop_event()
+    event = watch.events[0]
+    assert verdicts(watch.verification)["init-new-embeddings"] == "verified"
+    model(**tiny_batch(2, 16)).loss.backward()  # gradients the user has in hand
+    model.config.use_cache = True
+    torch.manual_seed(123)
+    before = everything(model, opt)
+    for fix_id in sorted(set(fixes.available()) | set(RECIPES)):
+        nbguard.verify(event, fix_id=fix_id)
+        assert_same(before, everything(model, opt))
+    full = nbguard.verify(event)
+    assert_same(before, everything(model, opt))
+    assert verdicts(full)["init-new-embeddings"] == "verified"
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_gradient_checkpointing_and_eval_flags_are_restored():
+    model = tiny_llama(attention_dropout=0.1)
+    data = batches(1)
+    scale_output_to(model, model.model.layers[1].mlp.up_proj, data[0], 2e5)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nbguard.watch(model, optimizer=opt, policy="skip") as watch:
+        train(model, opt, data, autocast=torch.float16)
+    model.model.layers[0].self_attn.eval()  # a submodule the user has in eval mode
+    before = everything(model, opt)
+    v = nbguard.verify(watch.events[0])
+    assert v.verdict("switch-precision").verdict == "verified"
+    assert_same(before, everything(model, opt))
+    assert model.model.layers[0].gradient_checkpointing is True and model.model.layers[0].self_attn.training is False
+
+
+def _run(verify: bool):
+    """Two steps with dropout; the first overflows in fp16 (policy warn: its update is applied)."""
+    model = tiny_llama(attention_dropout=0.2)
+    data = batches(2)
+    scale_output_to(model, model.model.layers[1].mlp.up_proj, data[0], 2e5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(7)
+    with nbguard.watch(model, optimizer=opt, policy="warn", verify=verify) as watch:
+        losses = train(model, opt, data, autocast=torch.float16)
+    return model, opt, watch, losses
+
+
+def test_automatic_verification_leaves_the_training_run_bit_identical():
+    on_model, on_opt, on_watch, on_losses = _run(True)
+    off_model, off_opt, off_watch, off_losses = _run(False)
+    assert on_watch.verification is not None and off_watch.verification is None
+    assert on_watch.verification.verdict("switch-precision").step is not None  # the shadow really ran
+    assert_same(everything(off_model, off_opt, identity=False), everything(on_model, on_opt, identity=False))
+    assert [torch.isnan(x).item() or x.item() for x in on_losses] == [torch.isnan(x).item() or x.item()
+                                                                       for x in off_losses]
