@@ -28,6 +28,8 @@ def test_audit_verify_runs_the_findings_fixes_on_the_batch():
     assert result.finding("zero-embedding-rows").evidence["verdicts"] == {"init-new-embeddings": "verified"}
     assert result.to_document()["verification"]["verdicts"][0]["fix"] == "init-new-embeddings"
     assert result.verification.baseline.healthy is False
+    report = nbguard.report(audit=result).to_dict()  # the report carries the verdicts and the verified code
+    assert report["verification"]["verdicts"][0]["code"] == fixes.code("init-new-embeddings", model="model")
 
 
 def test_audit_verify_on_a_healthy_step_checks_nothing():
@@ -93,6 +95,12 @@ def test_verification_is_data_that_round_trips_and_displays():
     assert text.index("[verified]") < text.index("[not enough]") < text.index("[not checked]")
     with pytest.raises(ValueError, match="unknown verdict"):
         FixVerdict("x", "maybe", "")
+    jsonschema = pytest.importorskip("jsonschema")
+    from nbguard.reporting import schema
+
+    validator = jsonschema.Draft202012Validator(schema())
+    validator.validate(bundle[MIME])
+    validator.validate(nbguard.report(watch=watch).to_dict())  # the event's evidence carries the verdicts
 
 
 def test_a_fix_without_a_recipe_is_not_checked_with_the_reason(monkeypatch):

@@ -53,7 +53,7 @@ def merge_documents(docs: Iterable[dict], *, title: str | None = None, environme
                 if key not in seen[name]:
                     seen[name].add(key)
                     merged.setdefault(name, []).append(item)
-        for name in ("hardware", "probe"):
+        for name in ("hardware", "probe", "verification"):
             if doc.get(name) is not None:
                 merged[name] = doc[name]  # the latest audit describes the run as it is now
         if isinstance(doc.get("fix_cells"), dict):
@@ -89,7 +89,7 @@ def merge_documents(docs: Iterable[dict], *, title: str | None = None, environme
     env = environment if environment is not None else found_env
     if env is not None:
         sections["environment"] = env
-    for name in ("hardware", "findings", "probe"):
+    for name in ("hardware", "findings", "probe", "verification"):
         if name in merged:
             sections[name] = merged[name]
     if watches:
