@@ -163,7 +163,7 @@ class _Activations:
         """(largest finite abs-max, where, first module whose output was non-finite)."""
         if not self.records:
             return None, None, None
-        values = torch.stack([v.cpu() for _, v in self.records]).tolist()
+        values = torch.stack([v.to(self.records[0][1].device) for _, v in self.records]).tolist()  # one read
         first_bad = next((self.records[i][0] for i, v in enumerate(values) if not math.isfinite(v)), None)
         finite = [(v, self.records[i][0]) for i, v in enumerate(values) if math.isfinite(v)]
         if not finite:
