@@ -57,15 +57,16 @@ def step_from_batch(model: Any, batch: dict | None = None, args: Any = None) -> 
     return CapturedStep(model, [MicroBatch(0, (), kwargs, capture_rng(), _autocast_from_args(args, model))])
 
 
-def _kept_step(event: Any, watch: Any = None) -> CapturedStep | None:
+def _kept_step(event: Any, watch: Any = None) -> tuple[Any, CapturedStep | None]:
+    """(the watch, the step it kept for ``event``), searching this session's watches when none is given."""
     from ..session import SESSION
 
     watches = [watch] if watch is not None else list(SESSION.watches)
     for w in watches:
         kept = getattr(w, "_kept_step", None)
         if kept is not None and kept[0] is event:
-            return kept[1]
-    return None
+            return w, kept[1]
+    return watch, None
 
 
 def verify(subject: Any, fix_id: str | None = None, *, model: Any = None, batch: dict | None = None,
@@ -84,7 +85,7 @@ def verify(subject: Any, fix_id: str | None = None, *, model: Any = None, batch:
     if options is not None and not isinstance(options, dict):
         raise TypeError(f"options must be a dict of fix id -> options, got {type(options).__name__}")
     if isinstance(subject, Event):
-        step = _kept_step(subject, watch)
+        watch, step = _kept_step(subject, watch)
         if step is None:
             raise ValueError("this event's step was not captured: a watch keeps the failing step of its first "
                              "localised non-finite event (nbguard.watch(..., verify=True), the default). Verify a "
@@ -130,7 +131,7 @@ def auto_verify(watch: Any, event: Any) -> None:
         candidates = for_event(event, step)
         names = {"trainer": "trainer"} if watch.trainer is not None else {"model": "model"}
         result = verify_step(step, candidates, _subject_of_event(event), max_step_runs=AUTO_MAX_STEP_RUNS,
-                             baseline=False, names=names, memory_budget=getattr(watch, "verify_memory_budget", None))
+                             baseline=False, names=names)
         watch.verification = result
         event.evidence["verification"] = result.to_dict()
     except Exception as exc:  # verification must never break the user's training

@@ -34,7 +34,8 @@ def verify_audit(result: Any, model: Any, trainer: Any, args: Any, batch: dict |
                        evidence={"exception": f"{type(exc).__name__}: {exc}"})
     result.verification = verification
     for finding in result.findings:
-        verdicts = {f: verification.verdict(f).verdict for f in finding.fixes if verification.verdict(f) is not None}
+        found = [verification.verdict(f) for f in finding.fixes]
+        verdicts = {v.fix: v.verdict for v in found if v is not None}
         if verdicts:
             finding.evidence["verdicts"] = verdicts
     return None

@@ -81,7 +81,7 @@ def _init_embeddings(step: CapturedStep, **_: Any) -> ShadowPlan:
         for name, adapter, delta, indices in token_deltas(model):
             rows = zero_rows(delta)
             if len(rows):
-                base = model.get_submodule(name).base_layer.weight
+                base: torch.Tensor = model.get_submodule(name).base_layer.weight  # type: ignore[union-attr,assignment]
                 idx = torch.tensor(indices, device=base.device)[rows.to(base.device)]
                 new = delta.detach().clone()
                 new[rows] = base[idx].to(delta.dtype).to(delta.device)
@@ -161,6 +161,8 @@ def _supervised_rows(labels: torch.Tensor) -> torch.Tensor:
 
 def _drop_unsupervised(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     labels = kwargs.get("labels")
+    if not isinstance(labels, torch.Tensor):  # nothing to judge rows by: leave the micro-batch as it is
+        return args, kwargs
     keep = _supervised_rows(labels)
     if bool(keep.all()):
         return args, kwargs

@@ -230,7 +230,8 @@ def run_step(step: CapturedStep, plan: ShadowPlan) -> StepEvidence:
                 got = torch.autograd.grad(targets, inputs, seeds, allow_unused=True)
                 for i, g in enumerate(got):
                     if g is not None:
-                        grads[i] = g if grads[i] is None else grads[i] + g
+                        previous = grads[i]
+                        grads[i] = g if previous is None else previous + g
                 del output, targets, got
     finally:
         activations.remove()
