@@ -76,3 +76,31 @@ def test_automatic_verification_leaves_the_training_run_bit_identical():
     assert_same(everything(off_model, off_opt, identity=False), everything(on_model, on_opt, identity=False))
     assert [torch.isnan(x).item() or x.item() for x in on_losses] == [torch.isnan(x).item() or x.item()
                                                                        for x in off_losses]
+
+
+def test_a_4bit_layers_compute_dtype_is_switched_for_the_shadow_and_restored(tmp_path):
+    """Real bitsandbytes Linear4bit (CPU backend): its fp16 compute overflows; bf16 compute is verified."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from nbguard import Finding
+
+    data = batches(1)
+    plain = tiny_llama()
+    scale_output_to(plain, plain.model.layers[1].mlp.up_proj, data[0], 2e5)
+    plain.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path, device_map="cpu",
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float16))
+    for name, p in model.named_parameters():
+        p.requires_grad_(p.is_floating_point() and "norm" in name)
+    layers = {n: m for n, m in model.named_modules() if type(m).__name__ == "Linear4bit"}
+    assert layers and all(m.compute_dtype == torch.float16 for m in layers.values())
+    before = everything(model)
+    finding = Finding("bnb-compute-dtype", "error", "fp16 compute", "", fixes=["switch-precision"])
+    v = nbguard.verify(finding, model=model, batch=data[0])
+    assert v.baseline.first_nonfinite == "forward: model.layers.1.mlp.up_proj"
+    switch = v.verdict("switch-precision")
+    assert switch.verdict == "verified" and switch.options == {"to": "bf16"}
+    assert switch.changes["model.layers.1.mlp.up_proj.compute_dtype"] == "float16 -> bfloat16"
+    assert all(m.compute_dtype == torch.float16 for m in layers.values())
+    assert_same(before, everything(model))

@@ -23,10 +23,12 @@ CAUSE_FIXES: dict[str, list[str]] = {
 def switch_to(step: CapturedStep, hardware: Any = None) -> str:
     """fp16 steps move to the hardware's best half precision; any other step to fp32."""
     from ..hardware import resolve_hardware
+    from .recipes import four_bit_layers
 
     captured = step.micro_batches[0].autocast if step.micro_batches else []
     fp16 = any(t == torch.float16 for _, t in captured) or any(
-        p.dtype == torch.float16 for p in step.eager.parameters())
+        p.dtype == torch.float16 for p in step.eager.parameters()) or any(
+        m.compute_dtype == torch.float16 for _, m in four_bit_layers(step.eager))
     if fp16:
         return resolve_hardware(hardware).best_half_precision
     return "fp32"  # bf16 has fp32's range: only fp32's precision is left to try

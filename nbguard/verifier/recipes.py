@@ -97,6 +97,12 @@ def _weight_target(p: torch.Tensor, to: str) -> torch.dtype | None:
     return target(p, to)
 
 
+def four_bit_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """bitsandbytes 4-bit layers: they cast their input to their own ``compute_dtype``."""
+    return [(n, m) for n, m in model.named_modules()
+            if type(m).__module__.startswith("bitsandbytes") and isinstance(getattr(m, "compute_dtype", None), torch.dtype)]
+
+
 @recipe("switch-precision")
 def _switch_precision(step: CapturedStep, to: str | None = None, **_: Any) -> ShadowPlan:
     if to not in ("bf16", "fp32"):
@@ -109,6 +115,12 @@ def _switch_precision(step: CapturedStep, to: str | None = None, **_: Any) -> Sh
         if dtype is not None:
             plan.tensors[name] = p.detach().to(dtype)
             plan.changes[name] = f"{dtype_name(p.dtype)} -> {dtype_name(dtype)}"
+    # 4-bit storage stays; the layers' compute dtype moves (set for the run, restored afterwards)
+    compute = torch.float32 if to == "fp32" else torch.bfloat16
+    for name, layer in four_bit_layers(step.eager):
+        if layer.compute_dtype != compute:
+            plan.attributes += [(layer, "compute_dtype", compute), (layer, "compute_type_is_set", True)]
+            plan.changes[f"{name}.compute_dtype"] = f"{dtype_name(layer.compute_dtype)} -> {dtype_name(compute)}"
     captured = step.micro_batches[0].autocast if step.micro_batches else []
     half = [(d, t) for d, t in captured if t in HALF_DTYPES]
     if to == "fp32" and half:
