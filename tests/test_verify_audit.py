@@ -29,7 +29,8 @@ def test_audit_verify_runs_the_findings_fixes_on_the_batch():
     assert result.to_document()["verification"]["verdicts"][0]["fix"] == "init-new-embeddings"
     assert result.verification.baseline.healthy is False
     report = nbguard.report(audit=result).to_dict()  # the report carries the verdicts and the verified code
-    assert "_w[_zero] = _w[_trained].float().mean(dim=0)" in report["verification"]["verdicts"][0]["code"]
+    [entry] = [e for e in report["entries"] if e.get("kind") == "audit"]
+    assert "_w[_zero] = _w[_trained].float().mean(dim=0)" in entry["verification"]["verdicts"][0]["code"]
 
 
 def test_audit_verify_on_a_healthy_step_checks_nothing():
@@ -96,7 +97,7 @@ def test_verification_is_data_that_round_trips_and_displays():
     with pytest.raises(ValueError, match="unknown verdict"):
         FixVerdict("x", "maybe", "")
     jsonschema = pytest.importorskip("jsonschema")
-    from nbguard.reporting import schema
+    from nbguard.document.schema import schema
 
     validator = jsonschema.Draft202012Validator(schema())
     validator.validate(bundle[MIME])

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from ..findings import Finding, Severity
 from ..hardware import resolve_hardware
+from ..introspect.inputs import check_args, check_batch, check_model, check_trainer
+from ..session import record_audit
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .context import AuditContext
-from .inputs import check_args, check_batch, check_model, check_trainer
 from .probe import ProbeResult, run_probe
 from .registry import RULES, Rule, rule
 from .result import AuditResult
@@ -34,8 +35,7 @@ def _run_rules(ctx: AuditContext) -> list[Finding]:
     return found
 
 
-def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False,
-              verify=False) -> AuditResult:
+def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False) -> AuditResult:
     """Audit a fine-tuning setup; see ``nbguard.audit``."""
     if trainer is not None:
         check_trainer(trainer)
@@ -50,8 +50,6 @@ def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None,
         check_batch(batch)
     if not isinstance(probe, bool):
         raise TypeError(f"probe must be True or False; got {type(probe).__name__}")
-    if not isinstance(verify, bool):
-        raise TypeError(f"verify must be True or False; got {type(verify).__name__}")
     hw = resolve_hardware(hardware)
 
     ctx = AuditContext(model=model, trainer=trainer, args=args, batch=batch, hardware=hw)
@@ -67,14 +65,6 @@ def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None,
             ))
     result = AuditResult(findings=_run_rules(ctx) + extra, hardware=hw, probe=ctx.probe,
                          target="trainer" if trainer is not None else "model", with_args=args is not None)
-    if verify:  # every fix the findings offer, run on a shadow of the step on this batch (nbguard.verifier)
-        from ..verifier.audit import verify_audit
-
-        failed = verify_audit(result, model, trainer, args, batch)
-        if failed is not None:
-            result.findings.append(failed)
-    from ..session import record_audit
-
     record_audit(result)
     return result
 

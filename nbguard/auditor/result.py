@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import fixes
+from ..environment import environment_info
 from ..findings import Displayable, Finding, Severity, document, jsonable
 from ..hardware import Hardware
 
@@ -61,8 +63,6 @@ class AuditResult(Displayable):
         }
 
     def to_document(self, names: dict | None = None) -> dict[str, Any]:
-        from .. import fixes
-
         names = dict(names or {})
         if self.target == "trainer":
             names.setdefault("trainer", "trainer")
@@ -82,8 +82,6 @@ class AuditResult(Displayable):
         if self.verification is not None:
             sections["verification"] = self.verification.to_dict()
         if not self.environment:
-            from ..environment import environment_info
-
             self.environment = environment_info()
         sections["environment"] = jsonable(self.environment)
         return document("audit", **sections)

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import fixes as fix_registry
+from ..auditor.probe import _forward_kwargs, _model_device, synthetic_batch
+from ..findings import Event, Finding
+from ..introspect.inputs import check_batch
+from ..session import SESSION
+from ..watcher.capture import MicroBatch, capture_rng
 from .candidates import CAUSE_FIXES, for_event, with_options
 from .engine import verify_step
 from .recipes import RECIPES, NotCheckable, Recipe, recipe
@@ -45,10 +51,6 @@ def _autocast_from_args(args: Any, model: Any) -> list:
 
 def step_from_batch(model: Any, batch: dict | None = None, args: Any = None) -> CapturedStep:
     """A one-micro-batch step from a batch (the probe's synthetic batch when None), in the args' precision."""
-    from ..auditor.inputs import check_batch
-    from ..auditor.probe import _forward_kwargs, _model_device, synthetic_batch
-    from ..watcher.capture import MicroBatch, capture_rng
-
     if batch is None:
         batch = synthetic_batch(model)
     check_batch(batch)
@@ -59,8 +61,6 @@ def step_from_batch(model: Any, batch: dict | None = None, args: Any = None) -> 
 
 def _kept_step(event: Any, watch: Any = None) -> tuple[Any, CapturedStep | None]:
     """(the watch, the step it kept for ``event``), searching this session's watches when none is given."""
-    from ..session import SESSION
-
     watches = [watch] if watch is not None else list(SESSION.watches)
     for w in watches:
         kept = getattr(w, "_kept_step", None)
@@ -77,9 +77,6 @@ def verify(subject: Any, fix_id: str | None = None, *, model: Any = None, batch:
     ``fix_id`` checks one fix only; ``options`` gives a fix's options ({"switch-precision": {"to": "fp32"}});
     ``memory_budget`` (bytes) caps the step-level check (default: half the free memory of the model's device).
     """
-    from .. import fixes as fix_registry
-    from ..findings import Event, Finding
-
     if fix_id is not None and fix_id not in fix_registry.FIXES and fix_id not in RECIPES:
         raise ValueError(f"unknown fix id {fix_id!r}; valid ids: {', '.join(sorted(set(fix_registry.FIXES) | set(RECIPES)))}")
     if options is not None and not isinstance(options, dict):
@@ -121,7 +118,7 @@ def auto_verify(watch: Any, event: Any) -> None:
 
     Never raises: a failure is recorded on the event as ``verification_error``.
     """
-    if not getattr(watch, "verify", False) or getattr(watch, "_kept_step", None) is not None:
+    if getattr(watch, "_kept_step", None) is not None:
         return
     if event.kind not in VERIFIABLE_KINDS or event.cause not in CAUSE_FIXES or not watch._micro_batches:
         return

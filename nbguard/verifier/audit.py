@@ -9,16 +9,19 @@ from .engine import verify_step
 
 
 def verify_audit(result: Any, model: Any, trainer: Any, args: Any, batch: dict | None,
-                 memory_budget: float | None = None) -> Finding | None:
+                 memory_budget: float | None = None) -> None:
     """Attach a Verification of every fix the findings offer to ``result`` (and each finding's verdicts).
 
-    Returns an info finding when the verification could not run (the audit itself stands).
+    When it cannot run, an info finding ``verify-error`` says why (the audit itself stands).
     """
     from . import step_from_batch
 
     fix_ids = result.fix_ids
     if not fix_ids:
-        return None
+        return
+    if trainer is not None:
+        model = trainer.model if model is None else model
+        args = trainer.args if args is None else args
     try:
         step = step_from_batch(model, batch, args)
         options = {fix_id: result.fix_options(fix_id) for fix_id in fix_ids}
@@ -29,13 +32,14 @@ def verify_audit(result: Any, model: Any, trainer: Any, args: Any, batch: dict |
         verification = verify_step(step, with_options(fix_ids, step, options, result.hardware), subject,
                                    memory_budget=memory_budget, names=names)
     except Exception as exc:
-        return Finding(rule="verify-error", severity=Severity.INFO, title="the fixes could not be verified",
-                       detail=f"Running the fixes on a shadow of the step raised {type(exc).__name__}: {exc}.",
-                       evidence={"exception": f"{type(exc).__name__}: {exc}"})
+        result.findings.append(Finding(
+            rule="verify-error", severity=Severity.INFO, title="the fixes could not be verified",
+            detail=f"Running the fixes on a shadow of the step raised {type(exc).__name__}: {exc}.",
+            evidence={"exception": f"{type(exc).__name__}: {exc}"}))
+        return
     result.verification = verification
     for finding in result.findings:
         found = [verification.verdict(f) for f in finding.fixes]
         verdicts = {v.fix: v.verdict for v in found if v is not None}
         if verdicts:
             finding.evidence["verdicts"] = verdicts
-    return None

@@ -5,6 +5,8 @@ from typing import Any
 
 import torch
 
+from ..hardware import resolve_hardware
+from .recipes import four_bit_layers
 from .shadow import CapturedStep
 
 Candidate = tuple[str, dict[str, Any]]
@@ -22,9 +24,6 @@ CAUSE_FIXES: dict[str, list[str]] = {
 
 def switch_to(step: CapturedStep, hardware: Any = None) -> str:
     """fp16 steps move to the hardware's best half precision; any other step to fp32."""
-    from ..hardware import resolve_hardware
-    from .recipes import four_bit_layers
-
     captured = step.micro_batches[0].autocast if step.micro_batches else []
     fp16 = any(t == torch.float16 for _, t in captured) or any(
         p.dtype == torch.float16 for p in step.eager.parameters()) or any(

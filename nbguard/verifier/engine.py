@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from .. import fixes
 from .candidates import Candidate
 from .memory import check_budget, default_budget, estimate_step_bytes, gb
 from .module_check import capture_inputs, reference_check, run_module
@@ -29,8 +30,6 @@ def _is_oom(exc: BaseException) -> bool:
 
 def fix_code(fix_id: str, options: dict[str, Any], names: dict[str, str] | None = None) -> tuple[str, str | None]:
     """(title, the cell that was verified) from the fix registry, or the recipe's own cell."""
-    from .. import fixes
-
     names = dict(names or {"model": "model"})
     if fix_id in fixes.FIXES:
         fix = fixes.get(fix_id)

@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
-from ..auditor.context import HALF_DTYPES, QUANTIZED_PARAM_CLASSES, dtype_name
-from ..auditor.embeddings import embedding_matrices, padding_row, token_deltas, zero_mask, zero_rows
+from ..fixes.model_fixes import _configs
+from ..fixes.trainer_fixes import _weight_target
+from ..introspect.dtypes import HALF_DTYPES, QUANTIZED_PARAM_CLASSES, dtype_name
+from ..introspect.embeddings import embedding_matrices, padding_row, token_deltas, zero_mask, zero_rows
 from .shadow import CapturedStep, ShadowPlan
 
 
@@ -91,12 +93,6 @@ def _init_embeddings(step: CapturedStep, **_: Any) -> ShadowPlan:
     return plan
 
 
-def _weight_target(p: torch.Tensor, to: str) -> torch.dtype | None:
-    from ..fixes.trainer_fixes import _weight_target as target
-
-    return target(p, to)
-
-
 def four_bit_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """bitsandbytes 4-bit layers: they cast their input to their own ``compute_dtype``."""
     return [(n, m) for n, m in model.named_modules()
@@ -118,9 +114,10 @@ def _switch_precision(step: CapturedStep, to: str | None = None, **_: Any) -> Sh
     # 4-bit storage stays; the layers' compute dtype moves (set for the run, restored afterwards)
     compute = torch.float32 if to == "fp32" else torch.bfloat16
     for name, layer in four_bit_layers(step.eager):
-        if layer.compute_dtype != compute:
+        current: torch.dtype = getattr(layer, "compute_dtype")  # noqa: B009  (bitsandbytes' attribute)
+        if current != compute:
             plan.attributes += [(layer, "compute_dtype", compute), (layer, "compute_type_is_set", True)]
-            plan.changes[f"{name}.compute_dtype"] = f"{dtype_name(layer.compute_dtype)} -> {dtype_name(compute)}"
+            plan.changes[f"{name}.compute_dtype"] = f"{dtype_name(current)} -> {dtype_name(compute)}"
     captured = step.micro_batches[0].autocast if step.micro_batches else []
     half = [(d, t) for d, t in captured if t in HALF_DTYPES]
     if to == "fp32" and half:
@@ -137,8 +134,6 @@ def _switch_precision(step: CapturedStep, to: str | None = None, **_: Any) -> Sh
 
 @recipe("disable-use-cache")
 def _disable_cache(step: CapturedStep, **_: Any) -> ShadowPlan:
-    from ..fixes.model_fixes import _configs
-
     plan = ShadowPlan()
     for path, cfg in _configs(step.eager):
         if getattr(cfg, "use_cache", False):

@@ -21,6 +21,7 @@ import torch
 from ..watcher.capture import MicroBatch, autocast_as, capture_rng, model_loss, restore_rng
 from ..watcher.replay import unwrap_compiled
 from ..watcher.tensors import float_tensors, iter_tensors
+from ..watcher.watch import _ATTACHED
 from .result import StepEvidence
 
 MAX_NAMED_GRADS = 5
@@ -88,8 +89,6 @@ class CapturedStep:
 @contextlib.contextmanager
 def quiet_watches(model: torch.nn.Module) -> Iterator[None]:
     """Any attached nbguard watch on ``model`` ignores the shadow runs (as it does its own replay)."""
-    from ..watcher.watch import _ATTACHED
-
     eager = unwrap_compiled(model)[0]
     watches = [w for w in list(_ATTACHED.values()) if unwrap_compiled(w.model)[0] is eager]
     saved = [(w, w._replaying, w._collector.enabled) for w in watches]

@@ -47,14 +47,16 @@ class NanWatch(Displayable):
     """
 
     def __init__(self, target, *, optimizer=None, scaler=None, policy: str = "warn", localize: bool = True,
-                 settings: WatchSettings | None = None, activations: bool = False, verify: bool = True):
+                 settings: WatchSettings | None = None, activations: bool = False,
+                 verifier: Callable[[NanWatch, Event], None] | None = None):
         if not isinstance(activations, bool):
             raise TypeError(f"activations must be True or False, got {type(activations).__name__}")
-        if not isinstance(verify, bool):
-            raise TypeError(f"verify must be True or False, got {type(verify).__name__}")
-        # verify: the first localised non-finite event's fixes are run on a shadow of its step (nbguard.verifier)
-        self.verify = verify
-        self.verification = None  # its Verification
+        if verifier is not None and not callable(verifier):
+            raise TypeError(f"verifier must be callable as verifier(watch, event), got {type(verifier).__name__}")
+        # verifier(watch, event) for the first localised non-finite event: nbguard.watch passes
+        # nbguard.verifier.auto_verify (which runs the fixes on a shadow of the step) unless verify=False
+        self._verifier = verifier
+        self.verification = None  # the Verification it left
         self._kept_step = None  # (event, CapturedStep) that nbguard.verify(event) reuses
         self.policy = check_policy(policy)
         # Stable identity across displays: merged notebook outputs keep only the latest view.
@@ -350,10 +352,8 @@ class NanWatch(Displayable):
         if self._bad_streak == 1:
             kind = "nonfinite-loss" if not stats.loss_finite else "nonfinite-grad"
             event = self._make_event(kind, stats)
-            if self.verify:
-                from ..verifier import auto_verify
-
-                auto_verify(self, event)
+            if self._verifier is not None and self._kept_step is None:
+                self._verifier(self, event)
             self._emit(event)
         else:
             event = next((e for e in reversed(self.events) if e.kind in ("nonfinite-loss", "nonfinite-grad")), None)
