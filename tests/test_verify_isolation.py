@@ -104,3 +104,23 @@ def test_a_4bit_layers_compute_dtype_is_switched_for_the_shadow_and_restored(tmp
     assert switch.changes["model.layers.1.mlp.up_proj.compute_dtype"] == "float16 -> bfloat16"
     assert all(m.compute_dtype == torch.float16 for m in layers.values())
     assert_same(before, everything(model))
+
+
+def test_the_shadow_runs_each_module_in_the_mode_the_step_ran_in():
+    from nbguard.verifier.shadow import CapturedStep, ShadowPlan, run_step
+    from nbguard.watcher.capture import MicroBatch, capture_rng
+
+    model = tiny_llama(attention_dropout=0.5)
+    attn = model.model.layers[0].self_attn
+    attn.eval()  # the user keeps this one's dropout off
+    step = CapturedStep(model, [MicroBatch(0, (), tiny_batch(), capture_rng(), [])])
+    attn.train()  # ...and changes it after the step was captured
+    model.model.layers[1].eval()
+    seen = []
+    handle = attn.register_forward_hook(lambda m, a, o: seen.append((m.training, model.model.layers[1].training)))
+    try:
+        evidence = run_step(step, ShadowPlan())
+    finally:
+        handle.remove()
+    assert seen == [(False, True)] and evidence.healthy
+    assert attn.training is True and model.model.layers[1].training is False  # put back as the user left them

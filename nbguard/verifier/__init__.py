@@ -56,7 +56,9 @@ def step_from_batch(model: Any, batch: dict | None = None, args: Any = None) -> 
     check_batch(batch)
     device = _model_device(model)
     kwargs = _forward_kwargs(model, {k: v.to(device) for k, v in batch.items()})
-    return CapturedStep(model, [MicroBatch(0, (), kwargs, capture_rng(), _autocast_from_args(args, model))])
+    step = CapturedStep(model, [MicroBatch(0, (), kwargs, capture_rng(), _autocast_from_args(args, model))])
+    step.modes = [(m, True) for m, _ in step.modes]  # a training step, as model.train() / the Trainer runs it
+    return step
 
 
 def _kept_step(event: Any, watch: Any = None) -> tuple[Any, CapturedStep | None]:

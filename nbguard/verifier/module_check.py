@@ -53,7 +53,7 @@ def capture_inputs(step: CapturedStep) -> tuple[tuple, dict]:
     handle = module.register_forward_pre_hook(grab, with_kwargs=True)
     try:
         with quiet_watches(step.model), preserved(model), torch.no_grad(), autocast_as(mb.autocast):
-            model.train()
+            step.set_modes()
             restore_rng(mb.rng)
             try:
                 torch.func.functional_call(model, buffers, mb.args, mb.kwargs, strict=False)

@@ -70,10 +70,18 @@ class CapturedStep:
     origin_micro_batch: int = 0
     reproduced: bool = True  # the replay saw the failure (False: it stayed finite in eager)
     weights: list[tuple[str, torch.Tensor, int, int, torch.dtype]] = field(default_factory=list)
+    modes: list[tuple[torch.nn.Module, bool]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # in-place version counters, storage and dtype: a later optimizer step or fix shows as a change
         self.weights = [(n, p, p._version, p.data_ptr(), p.dtype) for n, p in self.eager.named_parameters()]
+        # train/eval flags as the step ran (a module the user keeps in eval keeps its dropout off)
+        self.modes = [(m, m.training) for m in self.eager.modules()]
+
+    def set_modes(self) -> None:
+        """Every module's train/eval flag as when the step was captured (inside ``preserved``)."""
+        for module, training in self.modes:
+            module.training = training
 
     @property
     def eager(self) -> torch.nn.Module:
@@ -209,7 +217,7 @@ def run_step(step: CapturedStep, plan: ShadowPlan) -> StepEvidence:
     ran = 0
     try:
         with quiet_watches(step.model), preserved(model), attributes_set(checkpointing_off(model) + plan.attributes):
-            model.train()
+            step.set_modes()
             for mb in step.micro_batches:
                 corrected = plan.batch(mb.args, mb.kwargs) if plan.batch is not None else (mb.args, mb.kwargs)
                 if corrected is None:  # the data fix drops this whole micro-batch
