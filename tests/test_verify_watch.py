@@ -177,3 +177,21 @@ def test_bad_arguments_are_named():
         nbguard.verify(watch.events[0], memory_budget=-1)
     with pytest.raises(TypeError, match="Event or an audit Finding"):
         nbguard.verify(tiny_batch())
+
+
+def test_a_gradscaler_skip_streak_is_verified_too():
+    from nbguard.verifier import auto_verify
+    from nbguard.watcher import NanWatch, WatchSettings
+
+    model = tiny_llama()
+    data = batches(3)
+    scale_output_to(model, model.model.layers[0].mlp.up_proj, data[0], 2e5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    settings = WatchSettings(skip_streak=2)
+    with NanWatch(model, optimizer=opt, scaler=scaler, settings=settings, verifier=auto_verify) as watch:
+        train(model, opt, data, scaler=scaler, autocast=torch.float16)
+    [event] = [e for e in watch.events if e.kind == "skipped-steps"]
+    assert event.evidence["verification"] == watch.verification.to_dict()
+    assert watch.verification.verdict("switch-precision").verdict == "verified"
+    assert watch.verification.verdict("enable-grad-clipping").verdict == "not enough"

@@ -21,7 +21,7 @@ from .result import NOT_CHECKED, NOT_ENOUGH, VERDICTS, VERIFIED, FixVerdict, Mod
 from .shadow import CapturedStep, ShadowPlan
 
 AUTO_MAX_STEP_RUNS = 2  # plus the module level: automatic verification stays within 3 step times
-VERIFIABLE_KINDS = ("nonfinite-loss", "nonfinite-grad")
+VERIFIABLE_KINDS = ("nonfinite-loss", "nonfinite-grad", "skipped-steps")  # skipped-steps: GradScaler overflow
 
 
 def _subject_of_event(event: Any) -> str:

@@ -225,6 +225,8 @@ class NanWatch(Displayable):
                                  f"{type(exc).__name__}: {exc}", evidence={"listener": repr(callback)}))
 
     def _emit(self, event: Event) -> None:
+        if self._verifier is not None and self._kept_step is None:
+            self._verifier(self, event)  # first, so listeners see the event with its verdicts
         self.events.append(event)
         self._notify("event", event)
 
@@ -352,8 +354,6 @@ class NanWatch(Displayable):
         if self._bad_streak == 1:
             kind = "nonfinite-loss" if not stats.loss_finite else "nonfinite-grad"
             event = self._make_event(kind, stats)
-            if self._verifier is not None and self._kept_step is None:
-                self._verifier(self, event)
             self._emit(event)
         else:
             event = next((e for e in reversed(self.events) if e.kind in ("nonfinite-loss", "nonfinite-grad")), None)
