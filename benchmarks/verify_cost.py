@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,6 +65,25 @@ def step(model, opt, batch, device):
     opt.zero_grad(set_to_none=True)
 
 
+def peak_rss_once(args, verify: bool) -> None:
+    """One watched failing step in this process; prints the process' peak RSS in bytes."""
+    model, batch = build(args)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with nbguard.watch(model, optimizer=opt, policy="skip", verify=verify) as watch:
+        step(model, opt, batch, args.device)
+    assert (watch.verification is not None) == verify
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def rss_added(argv: list[str]) -> tuple[int, int]:
+    """Peak RSS of a watched failing step without and with automatic verification (fresh processes)."""
+    peaks = []
+    for flag in ("--rss-off", "--rss-on"):
+        out = subprocess.run([sys.executable, __file__, *argv, flag], capture_output=True, text=True, check=True)
+        peaks.append(int(out.stdout.strip().splitlines()[-1]))
+    return peaks[0], peaks[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -73,8 +94,14 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rss", action="store_true", help="also measure the peak RSS added (CPU; two fresh processes)")
+    parser.add_argument("--rss-off", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rss-on", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.rss_off or args.rss_on:
+        peak_rss_once(args, verify=args.rss_on)
+        return
     base, batch = build(args)
     steps, autos, manuals, runs, peaks = [], [], [], [], []
     last = None
@@ -118,6 +145,12 @@ def main() -> None:
           "budget:", gb(last.memory.get("budget")))
     if peaks:
         print(f"measured peak added by the watched step with verification: {gb(statistics.median(peaks))}")
+    if args.rss:
+        shape = ["--hidden", args.hidden, "--layers", args.layers, "--vocab", args.vocab, "--batch-size",
+                 args.batch_size, "--seq-len", args.seq_len, "--device", args.device, "--threads", args.threads]
+        off, on = rss_added([str(a) for a in shape])
+        print(f"peak RSS of the watched failing step: {gb(off)} without verification, {gb(on)} with "
+              f"(+{gb(on - off)})")
 
 
 if __name__ == "__main__":
