@@ -124,3 +124,27 @@ def test_the_shadow_runs_each_module_in_the_mode_the_step_ran_in():
         handle.remove()
     assert seen == [(False, True)] and evidence.healthy
     assert attn.training is True and model.model.layers[1].training is False  # put back as the user left them
+
+
+def test_switch_precision_under_a_trainer_lifts_its_accelerators_autocast_for_the_shadow_only(tmp_path):
+    """A bf16 Trainer wraps forward in autocast (accelerate): the fp32 shadow must run without it."""
+    from audit_helpers import make_args, make_trainer
+    from watch_helpers import PoisonedSiLU
+
+    model = tiny_llama()
+    model.model.layers[0].mlp.act_fn = PoisonedSiLU()  # a NaN born in backward: some step to verify
+    trainer = make_trainer(model, make_args(tmp_path, bf16=True, max_steps=1))
+    with nbguard.watch(trainer, policy="skip") as watch:
+        trainer.train()
+    wrapper = vars(trainer.model)["forward"]
+    assert trainer.model._original_forward is not wrapper
+    dtypes = []
+    handle = model.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
+    try:
+        v = nbguard.verify(watch.events[0], fix_id="switch-precision", options={"switch-precision": {"to": "fp32"}})
+    finally:
+        handle.remove()
+    assert dtypes == [torch.bfloat16, torch.float32]  # the baseline as the step ran (wrapper), then the fp32 fix
+    assert v.baseline.first_nonfinite is not None
+    assert v.verdicts[0].changes["accelerator autocast"] == "off" and v.verdicts[0].verdict == "not enough"
+    assert vars(trainer.model)["forward"] is wrapper  # the Trainer's forward is put back

@@ -99,6 +99,11 @@ def four_bit_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
             if type(m).__module__.startswith("bitsandbytes") and isinstance(getattr(m, "compute_dtype", None), torch.dtype)]
 
 
+def _accelerate_wrapped(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model when accelerate's prepare() wrapped its forward (autocast + fp32 outputs), else None."""
+    return model if "forward" in vars(model) and callable(getattr(model, "_original_forward", None)) else None
+
+
 @recipe("switch-precision")
 def _switch_precision(step: CapturedStep, to: str | None = None, **_: Any) -> ShadowPlan:
     if to not in ("bf16", "fp32"):
@@ -126,6 +131,13 @@ def _switch_precision(step: CapturedStep, to: str | None = None, **_: Any) -> Sh
     elif to == "bf16" and any(t == torch.float16 for _, t in half):
         plan.autocast = [(d, torch.bfloat16 if t == torch.float16 else t) for d, t in captured]
         plan.changes["autocast"] = "float16 -> bfloat16"
+    wrapped = _accelerate_wrapped(step.eager)
+    if wrapped is not None:
+        # a Trainer's accelerator wrapped forward in its autocast; the fix rebuilds the accelerator
+        device = next((p.device.type for p in step.eager.parameters()), "cpu")
+        plan.attributes.append((wrapped, "forward", wrapped._original_forward))
+        plan.autocast = [(device, torch.bfloat16)] if to == "bf16" else []
+        plan.changes["accelerator autocast"] = "bfloat16" if to == "bf16" else "off"
     if plan.autocast is not None:
         plan.note = ("a Trainer switches its autocast through the args this fix sets; in your own loop, change "
                      "the dtype of your torch.autocast the same way")
