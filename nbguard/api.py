@@ -9,6 +9,8 @@ from __future__ import annotations
 def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False, verify=False):
     """Audit a fine-tuning setup's precision against the hardware; returns an ``AuditResult``.
 
+    The batch rules read ``batch`` (a dict of tensors, or a tokenizer's BatchEncoding) when given, else a few
+    batches drawn from ``trainer.get_train_dataloader()`` with every RNG put back, so training is unchanged.
     ``verify=True`` runs every fix the findings offer on a shadow of one training step on ``batch``
     (the probe's synthetic batch when none is given): ``result.verification``.
     """

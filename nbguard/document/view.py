@@ -184,10 +184,12 @@ def view(doc: dict) -> View:
     if not isinstance(doc, dict):
         raise TypeError(f"doc must be an nbguard document (dict), got {type(doc).__name__}")
     meta = f"nbguard {doc.get('nbguard_version', '?')} · schema v{doc.get('schema_version', '?')}"
-    sections = _sections(doc, [])
+    top = _sections(doc, [])
+    sections = [s for s in top if s.kind != "environment"]
     for number, entry in enumerate(_entries(doc), start=1):
         sections.append(Section(kind="entry", title=_entry_title(number, entry)))
         sections.extend(_sections(entry, ["entries", number - 1]))
+    sections += [s for s in top if s.kind == "environment"]  # the reference details close the story
     return View(title=heading(doc), meta=meta, summary=_summary(doc), sections=sections)
 
 
@@ -228,9 +230,9 @@ def _summary(doc: dict) -> str:
     findings_lists = [d["findings"] for d in docs if isinstance(d.get("findings"), list)]
     if findings_lists:
         findings = findings_lists[-1]  # the latest audit says how the run stands now
-        counts = severity_counts(findings)
-        bits.append(f"{plural(len(findings), 'finding')} ({counts.get('error', 0)} error, "
-                    f"{counts.get('warning', 0)} warning)" + (" at the last audit" if len(findings_lists) > 1 else ""))
+        counts = sorted(severity_counts(findings).items(), key=lambda kv: _severity_rank(kv[0]))
+        detail = f" ({', '.join(plural(n, sev) for sev, n in counts)})" if counts else ""
+        bits.append(plural(len(findings), "finding") + detail + (" at the last audit" if len(findings_lists) > 1 else ""))
     watches = [w for d in docs for w in watch_sections(d)]
     if watches:
         bits.append(plural(sum(len(w["events"]) for w in watches), "watch event"))

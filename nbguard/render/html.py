@@ -22,6 +22,7 @@ CSS = """
 .nbguard h2{font-size:16px;margin:.2em 0 .4em}
 .nbguard h3{font-size:14px;margin:1em 0 .35em;border-bottom:1px solid rgba(128,128,128,.35);padding-bottom:2px}
 .nbguard h4{font-size:13px;margin:.6em 0 .2em}
+.nbguard h3.nbg-entry{font-size:15px;margin-top:1.6em;border-bottom:2px solid rgba(128,128,128,.6)}
 .nbguard .nbg-meta{opacity:.7;font-size:12px;font-weight:normal}
 .nbguard table{border-collapse:collapse;margin:.3em 0;font-size:12px}
 .nbguard th,.nbguard td{border:1px solid rgba(128,128,128,.35);padding:2px 6px;text-align:left;vertical-align:top}

@@ -35,9 +35,11 @@ def fix_code(fix_id: str, options: dict[str, Any], names: dict[str, str] | None 
         fix = fixes.get(fix_id)
         if fix.needs in ("args", "model-or-args") and not (names.get("args") or names.get("trainer")):
             names["args"] = "args"
+        if fix.needs in ("tokenizer", "trainer"):
+            names.setdefault(fix.needs, fix.needs)  # the usual variable name; the cell says what it changes
         try:
             return fix.title, fixes.code(fix_id, **names, **options)
-        except (ValueError, TypeError):
+        except Exception:  # e.g. a fix whose cell needs a name nbguard does not have here (a tokenizer)
             return fix.title, None
     r = RECIPES.get(fix_id)
     return (r.title if r else fix_id), (r.code() if r and r.code else None)

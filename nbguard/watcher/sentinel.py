@@ -28,6 +28,7 @@ class StepStats:
     fingerprint: list[float] | None
     found_inf: float | None = None  # the GradScaler's verdict, when one is used
     activations: list[float] | None = None  # per probed group output abs-max (NOT_SEEN: no forward)
+    extra: list[float] | None = None  # scalars other detectors asked to ride along (supervised-token counts)
 
     @property
     def total_grad_norm(self) -> float:
@@ -99,7 +100,8 @@ class GradNormCollector:
 
     def read(self, losses: list[torch.Tensor], scale: torch.Tensor | None, with_fingerprint: bool,
              sum_losses: bool = False, found_inf: torch.Tensor | None = None,
-             activations: Callable[[torch.device], torch.Tensor] | None = None) -> StepStats:
+             activations: Callable[[torch.device], torch.Tensor] | None = None,
+             extra: list[torch.Tensor] | None = None) -> StepStats:
         """Stack everything this step produced and read it with a single ``tolist()``."""
         ref = next((n for n in self._norms if n is not None), None)
         device = ref.device if ref is not None else (self.params[0].device if self.params else torch.device("cpu"))
@@ -119,7 +121,12 @@ class GradNormCollector:
             parts.append(acts)
         if with_fingerprint:
             parts.append(self.fingerprint().to(device))
+        n_extra = len(extra) if extra else 0
+        if extra:
+            parts.append(torch.stack([t.detach().float().reshape(()).to(device) for t in extra]))
         values = torch.cat(parts).tolist()  # the one host sync of the step
+        extra_values = values[len(values) - n_extra:] if n_extra else None
+        values = values[:len(values) - n_extra]
         g = len(self.groups)
         norms, rest = values[:g], values[g:]
         loss = rest.pop(0) if losses else None
@@ -128,4 +135,5 @@ class GradNormCollector:
         acts_values, rest = (rest[:n_acts], rest[n_acts:]) if activations is not None else (None, rest)
         if loss_scale:
             norms = [v / loss_scale for v in norms]  # activations are forward values: never scaled
-        return StepStats(norms, loss, loss_scale, rest if with_fingerprint else None, inf_flags, acts_values)
+        return StepStats(norms, loss, loss_scale, rest if with_fingerprint else None, inf_flags, acts_values,
+                         extra_values)
