@@ -195,3 +195,23 @@ def test_a_gradscaler_skip_streak_is_verified_too():
     assert event.evidence["verification"] == watch.verification.to_dict()
     assert watch.verification.verdict("switch-precision").verdict == "verified"
     assert watch.verification.verdict("enable-grad-clipping").verdict == "not enough"
+
+
+def test_attention_implementation_is_switched_for_the_shadow_only():
+    model = tiny_llama(attn_implementation="sdpa")
+    model.model.layers[0].mlp.act_fn = PoisonedSiLU()  # NaN born in backward: attention is not the cause
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nbguard.watch(model, optimizer=opt, policy="skip") as watch:
+        train(model, opt, batches(1))
+    seen = []
+    handle = model.model.layers[1].self_attn.register_forward_hook(
+        lambda m, a, o: seen.append(m.config._attn_implementation))
+    try:
+        v = nbguard.verify(watch.events[0], fix_id="set-attn-implementation",
+                           options={"set-attn-implementation": {"to": "eager"}})
+    finally:
+        handle.remove()
+    assert seen == ["sdpa", "eager"]  # the baseline as it ran, then the fix
+    [verdict] = v.verdicts
+    assert verdict.verdict == "not enough" and verdict.changes == {"config._attn_implementation": "sdpa -> eager"}
+    assert model.config._attn_implementation == "sdpa"

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..fixes.config_fixes import _resolve_attn
 from ..fixes.model_fixes import _configs
 from ..fixes.trainer_fixes import _weight_target
 from ..introspect.dtypes import HALF_DTYPES, QUANTIZED_PARAM_CLASSES, dtype_name
@@ -151,6 +152,19 @@ def _disable_cache(step: CapturedStep, **_: Any) -> ShadowPlan:
         if getattr(cfg, "use_cache", False):
             plan.attributes.append((cfg, "use_cache", False))
             plan.changes[f"{path}.use_cache"] = "True -> False"
+    return plan
+
+
+@recipe("set-attn-implementation")
+def _set_attn(step: CapturedStep, to: str | None = None, **_: Any) -> ShadowPlan:
+    """The attention implementation on every config the model reads it from, for the run only."""
+    chosen = _resolve_attn(step.eager, to)
+    plan = ShadowPlan()
+    for path, cfg in _configs(step.eager):
+        old = getattr(cfg, "_attn_implementation", None)
+        if old != chosen:
+            plan.attributes.append((cfg, "_attn_implementation", chosen))
+            plan.changes[f"{path}._attn_implementation"] = f"{old} -> {chosen}"
     return plan
 
 
