@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .. import fixes as fix_registry
 from ..auditor.probe import _forward_kwargs, _model_device, synthetic_batch
 from ..findings import Event, Finding
@@ -39,8 +41,6 @@ def step_from_event(event: Any, model: Any, micro_batches: list) -> CapturedStep
 
 
 def _autocast_from_args(args: Any, model: Any) -> list:
-    import torch
-
     device = next((p.device.type for p in model.parameters()), "cpu")
     if args is not None and getattr(args, "bf16", False):
         return [(device, torch.bfloat16)]
