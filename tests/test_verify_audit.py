@@ -116,3 +116,14 @@ def test_a_fix_without_a_recipe_is_not_checked_with_the_reason(monkeypatch):
     [verdict] = nbguard.verify(watch.events[0], fix_id="pad-right").verdicts
     assert verdict.verdict == "not checked" and "no shadow recipe" in verdict.reason
     assert verdict.code == fixes.code("pad-right", model="model")
+
+
+def test_audit_of_a_trainer_verifies_on_a_batch_from_its_dataloader():
+    from verify_helpers import peft_trainer
+
+    trainer = peft_trainer(peft_zero_embeddings())
+    rng = torch.get_rng_state()
+    result = nbguard.audit(trainer=trainer, hardware="a100", verify=True)
+    assert result.verification.subject == "audit on a batch from the trainer's dataloader"
+    assert verdicts(result.verification)["init-new-embeddings"] == "verified"
+    assert torch.equal(rng, torch.get_rng_state())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..auditor.sampling import sample_trainer_batches
 from ..findings import Finding, Severity
 from .candidates import with_options
 from .engine import verify_step
@@ -23,12 +24,17 @@ def verify_audit(result: Any, model: Any, trainer: Any, args: Any, batch: dict |
         model = trainer.model if model is None else model
         args = trainer.args if args is None else args
     try:
+        source = "the given batch" if batch is not None else "a synthetic batch"
+        if batch is None and trainer is not None:  # a real batch from the trainer's dataloader (RNG put back)
+            sample = sample_trainer_batches(trainer, count=1)
+            if sample.batches:
+                batch, source = sample.batches[0], "a batch from the trainer's dataloader"
         step = step_from_batch(model, batch, args)
         options = {fix_id: result.fix_options(fix_id) for fix_id in fix_ids}
         names = {"trainer": "trainer"} if trainer is not None else {"model": "model"}
         if trainer is None and args is not None:
             names["args"] = "args"
-        subject = "audit on the given batch" if batch is not None else "audit on a synthetic batch"
+        subject = f"audit on {source}"
         verification = verify_step(step, with_options(fix_ids, step, options, result.hardware), subject,
                                    memory_budget=memory_budget, names=names)
     except Exception as exc:
