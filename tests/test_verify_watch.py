@@ -215,3 +215,34 @@ def test_attention_implementation_is_switched_for_the_shadow_only():
     [verdict] = v.verdicts
     assert verdict.verdict == "not enough" and verdict.changes == {"config._attn_implementation": "sdpa -> eager"}
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_pad_right_is_verified_on_the_batch_padded_on_the_right():
+    model = tiny_llama()
+    model.model.layers[0].mlp.act_fn = PoisonedSiLU()  # a failing step to run the corrected batch on
+    batch = tiny_batch(2, 12)
+    for key, value in (("input_ids", 0), ("attention_mask", 0), ("labels", -100)):
+        batch[key][1, :4] = value  # row 1 padded on the left
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nbguard.watch(model, optimizer=opt, policy="skip") as watch:
+        train(model, opt, [batch])
+    seen = []
+    handle = model.model.embed_tokens.register_forward_hook(lambda m, a, o: seen.append(a[0].clone()))
+    try:
+        v = nbguard.verify(watch.events[0], fix_id="pad-right-for-training")
+    finally:
+        handle.remove()
+    [verdict] = v.verdicts
+    assert verdict.changes == {"rows re-padded on the right": 1}
+    baseline_ids, fixed_ids = seen
+    assert torch.equal(baseline_ids, batch["input_ids"])
+    assert torch.equal(fixed_ids[1, :8], batch["input_ids"][1, 4:]) and (fixed_ids[1, 8:] == 0).all()
+    assert torch.equal(fixed_ids[0], batch["input_ids"][0])
+    assert verdict.verdict == "not enough"  # the NaN comes from the poisoned backward, not the padding
+    assert 'padding_side = "right"' in verdict.code
+
+
+def test_pad_right_changes_nothing_on_a_batch_without_left_padding():
+    _, _, watch = _fp16_overflow()
+    [verdict] = nbguard.verify(watch.events[0], fix_id="pad-right-for-training").verdicts
+    assert verdict.verdict == "not checked" and "changes nothing" in verdict.reason

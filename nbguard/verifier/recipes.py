@@ -231,3 +231,33 @@ def _drop_rows(step: CapturedStep, **_: Any) -> ShadowPlan:
     if not dropped:
         return ShadowPlan()
     return ShadowPlan(batch=_drop_unsupervised, changes={"rows dropped": dropped})
+
+
+def _repad_right(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The batch a right-padding tokenizer gives: each row's leading padding moved to its end."""
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return args, kwargs
+    lead = (mask.cumsum(dim=1) == 0).sum(dim=1)  # leading zeros per row
+    rows, length = mask.shape
+    index = (torch.arange(length, device=mask.device)[None, :] + lead[:, None]) % length
+
+    def move(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.dim() == 2 and tuple(v.shape) == (rows, length):
+            return v.gather(1, index.to(v.device))
+        return v
+
+    return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+
+
+@recipe("pad-right-for-training")
+def _pad_right(step: CapturedStep, **_: Any) -> ShadowPlan:
+    """Verified on the corrected batch: the same rows, padded on the right."""
+    repadded = 0
+    for mb in step.micro_batches:
+        mask = mb.kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            repadded += int(((mask[:, 0] == 0) & (mask.sum(dim=1) > 0)).sum())
+    if not repadded:
+        return ShadowPlan()
+    return ShadowPlan(batch=_repad_right, changes={"rows re-padded on the right": repadded})
