@@ -23,7 +23,8 @@ from .result import NOT_CHECKED, NOT_ENOUGH, VERDICTS, VERIFIED, FixVerdict, Mod
 from .shadow import CapturedStep, ShadowPlan
 
 AUTO_MAX_STEP_RUNS = 2  # plus the module level: automatic verification stays within 3 step times
-VERIFIABLE_KINDS = ("nonfinite-loss", "nonfinite-grad", "skipped-steps")  # skipped-steps: GradScaler overflow
+# GradScaler overflows: "skipped-steps" (a streak), and "scaler-skip" (each skipped step; branch stacks adds it)
+VERIFIABLE_KINDS = ("nonfinite-loss", "nonfinite-grad", "skipped-steps", "scaler-skip")
 
 
 def _subject_of_event(event: Any) -> str:
