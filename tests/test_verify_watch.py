@@ -191,8 +191,11 @@ def test_a_gradscaler_skip_streak_is_verified_too():
     settings = WatchSettings(skip_streak=2)
     with NanWatch(model, optimizer=opt, scaler=scaler, settings=settings, verifier=auto_verify) as watch:
         train(model, opt, data, scaler=scaler, autocast=torch.float16)
-    [event] = [e for e in watch.events if e.kind == "skipped-steps"]
+    # the first skipped step is the localised one (a scaler-skip event): its step is the one verified
+    [event] = [e for e in watch.events if "verification" in e.evidence]
+    assert event.kind == "scaler-skip" and event.step == 0 and event.cause == "overflow"
     assert event.evidence["verification"] == watch.verification.to_dict()
+    assert any(e.kind == "skipped-steps" for e in watch.events)
     assert watch.verification.verdict("switch-precision").verdict == "verified"
     assert watch.verification.verdict("enable-grad-clipping").verdict == "not enough"
 
