@@ -249,3 +249,11 @@ def test_pad_right_changes_nothing_on_a_batch_without_left_padding():
     _, _, watch = _fp16_overflow()
     [verdict] = nbguard.verify(watch.events[0], fix_id="pad-right-for-training").verdicts
     assert verdict.verdict == "not checked" and "changes nothing" in verdict.reason
+
+
+def test_the_partial_fp32_variant_is_not_passed_off_as_the_full_switch():
+    _, _, watch = _fp16_overflow()
+    v = nbguard.verify(watch.events[0], fix_id="switch-precision",
+                       options={"switch-precision": {"to": "fp32", "only": ["model.layers.1.mlp.up_proj"]}})
+    [verdict] = v.verdicts
+    assert verdict.verdict == "not checked" and "partial variant" in verdict.reason
