@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..watcher.capture import autocast_as, restore_rng
+from ..watcher.replay import eager_everywhere
 from ..watcher.tensors import float_tensors
 from .result import ModuleCheck, ModuleEvidence
 from .shadow import CapturedStep, ShadowPlan, attributes_set, preserved, quiet_watches
@@ -52,7 +53,8 @@ def capture_inputs(step: CapturedStep) -> tuple[tuple, dict]:
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     handle = module.register_forward_pre_hook(grab, with_kwargs=True)
     try:
-        with quiet_watches(step.model), preserved(model), torch.no_grad(), autocast_as(mb.autocast):
+        with quiet_watches(step.model), preserved(model), eager_everywhere(), torch.no_grad(), \
+                autocast_as(mb.autocast):
             step.set_modes()
             restore_rng(mb.rng)
             try:
@@ -106,8 +108,8 @@ def run_module(step: CapturedStep, inputs: tuple[tuple, dict], plan: ShadowPlan,
     args, kwargs = _cast_inputs(inputs[0], in_dtype), _cast_inputs(inputs[1], in_dtype)
     local.update({n: b.detach().clone() for n, b in module.named_buffers()})
     regions = [] if reference else (plan.autocast if plan.autocast is not None else mb.autocast)
-    with quiet_watches(step.model), preserved(module), attributes_set(plan.attributes), torch.no_grad(), \
-            autocast_as(regions):
+    with quiet_watches(step.model), preserved(module), attributes_set(plan.attributes), eager_everywhere(), \
+            torch.no_grad(), autocast_as(regions):
         restore_rng(mb.rng)
         output = torch.func.functional_call(module, local, args, kwargs, strict=False)
     value, dtype = _absmax(output)

@@ -1,7 +1,7 @@
 """The shadow step: the captured step run again with a fix applied to a shadow of the model.
 
-The user's objects are never changed. Parameters and buffers the fix would change are passed as
-new tensors through ``torch.func.functional_call``; every other buffer is passed as a copy (so an
+Like the watch's replay it runs eagerly (functions under ``torch.compile`` too). The user's objects
+are never changed. Parameters and buffers the fix would change are passed as new tensors through ``torch.func.functional_call``; every other buffer is passed as a copy (so an
 in-place update lands on the copy); gradients are taken with ``torch.autograd.grad`` (nothing is
 accumulated into ``.grad``); attributes a fix sets (``use_cache``, compute dtypes, gradient
 checkpointing) are set for the run and put back; the RNG state and every module's train/eval
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..watcher.capture import MicroBatch, autocast_as, capture_rng, model_loss, restore_rng
-from ..watcher.replay import unwrap_compiled
+from ..watcher.replay import eager_everywhere, unwrap_compiled
 from ..watcher.tensors import float_tensors, iter_tensors
 from ..watcher.watch import _ATTACHED
 from .result import StepEvidence
@@ -216,7 +216,8 @@ def run_step(step: CapturedStep, plan: ShadowPlan) -> StepEvidence:
     first_bad: str | None = None
     ran = 0
     try:
-        with quiet_watches(step.model), preserved(model), attributes_set(checkpointing_off(model) + plan.attributes):
+        with quiet_watches(step.model), preserved(model), eager_everywhere(), \
+                attributes_set(checkpointing_off(model) + plan.attributes):
             step.set_modes()
             for mb in step.micro_batches:
                 corrected = plan.batch(mb.args, mb.kwargs) if plan.batch is not None else (mb.args, mb.kwargs)
