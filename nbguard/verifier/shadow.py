@@ -1,8 +1,8 @@
 """The shadow step: the captured step run again with a fix applied to a shadow of the model.
 
 Like the watch's replay it runs eagerly (functions under ``torch.compile`` too). The user's objects
-are never changed. Parameters and buffers the fix would change are passed as new tensors through ``torch.func.functional_call``; every other buffer is passed as a copy (so an
-in-place update lands on the copy); gradients are taken with ``torch.autograd.grad`` (nothing is
+are never changed. Parameters and buffers the fix would change are passed as new tensors through
+``torch.func.functional_call``; every other buffer is passed as a copy (so an in-place update lands on the copy); gradients are taken with ``torch.autograd.grad`` (nothing is
 accumulated into ``.grad``); attributes a fix sets (``use_cache``, compute dtypes, gradient
 checkpointing) are set for the run and put back; the RNG state and every module's train/eval
 flag are restored; and any nbguard watch on the model is told to look away.
