@@ -98,7 +98,8 @@ class CapturedStep:
 def quiet_watches(model: torch.nn.Module) -> Iterator[None]:
     """Any attached nbguard watch on ``model`` ignores the shadow runs (as it does its own replay)."""
     eager = unwrap_compiled(model)[0]
-    watches = [w for w in list(_ATTACHED.values()) if unwrap_compiled(w.model)[0] is eager]
+    alive = [ref() for ref in list(_ATTACHED.values())]  # the map holds weak references to the watches
+    watches = [w for w in alive if w is not None and unwrap_compiled(w.model)[0] is eager]
     saved = [(w, w._replaying, w._collector.enabled) for w in watches]
     for w in watches:
         w._replaying, w._collector.enabled = True, False
