@@ -71,3 +71,18 @@ def test_an_overflow_in_fp16_4bit_compute_of_an_fp32_model_is_gone_after_the_fix
         assert torch.isfinite(model(**data).loss)
         assert 1e5 < seen[-1] < 1e6
     handle.remove()
+
+
+def test_the_audit_view_shows_the_4bit_compute_dtype_as_it_really_is_before_and_after_the_switch():
+    from nbguard.document.view import view
+    from nbguard.testing import tiny_4bit
+
+    model = tiny_4bit(compute_dtype=torch.float16)
+
+    def stack_line() -> str:
+        facts = view(nbguard.audit(model, hardware="a100").to_document()).section("stack").facts
+        return next(f.text for f in facts if "4-bit layers" in f.text)
+
+    assert "computing in float16 (" in stack_line() and "bnb_4bit_compute_dtype float16" in stack_line()
+    nbguard.fixes.apply("switch-precision", model=model, to="bf16")
+    assert "computing in bfloat16 (" in stack_line() and "bnb_4bit_compute_dtype bfloat16" in stack_line()

@@ -145,3 +145,18 @@ def test_skip_streaks_are_in_the_document_and_survive_a_report():
     jsonschema.Draft202012Validator(schema()).validate(report)
     assert gather(report, "watches")[0]["skip_streaks"] == doc["skip_streaks"]
     assert "skip_streaks" not in _plain_run([]).to_document()
+
+
+def test_the_views_fold_each_streak_into_one_card_with_its_steps():
+    from nbguard.document.view import view
+    from nbguard.render import render_text
+
+    watch = _plain_run([2, 5, 6])
+    doc = watch.to_document()
+    all_cards = view(doc).section("watch").cards
+    cards = [c for c in all_cards if c.tag == "scaler-skip"]  # the others: the fixes verified on a step
+    assert len(cards) == 2  # three events, two streaks
+    assert cards[0].title.startswith("step 2: ")
+    assert cards[1].title.startswith("steps 5–6 (2 steps skipped by the GradScaler)")
+    assert cards[1].table.rows[0][1] == "model.embed_tokens"  # the streak's first step carries the origin
+    assert "steps 5–6 (2 steps skipped by the GradScaler)" in render_text(doc)

@@ -386,7 +386,7 @@ export interface View {
 
 /** One section of the view. */
 export interface Section {
-  kind: "notes" | "entry" | "hardware" | "findings" | "probe" | "watch" | "verifications" | "diagnoses" | "fixes_applied" | "fix_cells" | "environment";
+  kind: "notes" | "entry" | "hardware" | "stack" | "findings" | "probe" | "watch" | "verifications" | "diagnoses" | "fixes_applied" | "fix_cells" | "environment";
   title: string;
   facts: Fact[];
   cards: Card[];

@@ -6,8 +6,9 @@ This package is the bottom layer of nbguard: it imports nothing else from nbguar
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from .codec import decode_float, encode_float, jsonable
 
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 
 MIME_TYPE = "application/vnd.nbguard.v1+json"
 SCHEMA_VERSION = 1
+T = TypeVar("T")
 
 
 class Severity(str, enum.Enum):
@@ -158,3 +160,23 @@ def document(kind: str, **sections: Any) -> dict[str, Any]:
     ``sections`` are already JSON-safe dicts/lists (``findings``, ``events``, ``history``, ...).
     """
     return {"schema_version": SCHEMA_VERSION, "kind": kind, "nbguard_version": __version__, **sections}
+
+
+def fold_skip_streaks(events: list[T], read: Callable[[T], tuple[str, int, Any]]) -> list[tuple[T, int, int]]:
+    """(first event, last step, count): the ``scaler-skip`` events of one GradScaler streak become one
+    entry (the streak's first, localised event); every other event stands alone. ``read(event)``
+    gives (kind, step, streak_start) for Event objects and document dicts alike."""
+    folded: list[tuple[T, int, int]] = []
+    open_streak: dict[Any, int] = {}  # streak_start -> index in folded
+    for event in events:
+        kind, step, start = read(event)
+        start = start if kind == "scaler-skip" else None
+        if start is not None and start in open_streak:
+            index = open_streak[start]
+            first, _, count = folded[index]
+            folded[index] = (first, step, count + 1)
+            continue
+        if start is not None:
+            open_streak[start] = len(folded)
+        folded.append((event, step, 1))
+    return folded

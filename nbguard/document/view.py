@@ -20,10 +20,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .codec import as_float, pretty_json
+from .model import fold_skip_streaks
 from .palette import palette
 
 SEVERITY_ORDER = ("error", "warning", "info")
-SECTION_ORDER = ("notes", "hardware", "findings", "probe", "watch", "verifications", "diagnoses",
+SECTION_ORDER = ("notes", "hardware", "stack", "findings", "probe", "watch", "verifications", "diagnoses",
                  "fixes_applied", "fix_cells", "environment")
 KEY_PACKAGES = ("torch", "transformers", "peft", "accelerate", "trl", "bitsandbytes", "unsloth")
 MAX_PROBE_ROWS = 40
@@ -291,6 +292,52 @@ def _hardware(doc: dict, path: list[Any]) -> list[Section]:
     return [Section(kind="hardware", title="Hardware", facts=[Fact(hardware_line(hw))])]
 
 
+def _counts(counts: Any) -> str:
+    return ", ".join(f"{k} ({v})" for k, v in counts.items()) if isinstance(counts, dict) and counts else "?"
+
+
+def _stack(doc: dict, path: list[Any]) -> list[Section]:
+    """What the audit read of the stack: 4-bit layers and the dtype they really compute in, Unsloth's
+    precision switches, and whether training fits the GPU's memory."""
+    stack = doc.get("stack")
+    if not isinstance(stack, dict):
+        return []
+    facts = []
+    q = stack.get("quantization")
+    if isinstance(q, dict) and (q.get("layers_4bit") or q.get("layers_8bit")):
+        if q.get("layers_4bit"):
+            facts.append(Fact(f"{q['layers_4bit']} bitsandbytes 4-bit layers ({_counts(q.get('quant_types'))}) computing in "
+                              f"{_counts(q.get('compute_dtypes'))}; config bnb_4bit_compute_dtype "
+                              f"{q.get('config_compute_dtype') or MISSING}; LoRA on {q.get('lora_on_4bit', 0)} of them; "
+                              f"prepared for k-bit training: {'yes' if q.get('kbit_prepared') else 'no'}"))
+        if q.get("layers_8bit"):
+            facts.append(Fact(f"{q['layers_8bit']} bitsandbytes 8-bit layers"))
+    u = stack.get("unsloth")
+    if isinstance(u, dict) and (u.get("loaded") or u.get("trainer")):
+        bits = [f"Unsloth {u.get('version') or ''}".strip() + (" trainer" if u.get("trainer") else "")]
+        if u.get("forced_float32") is not None:
+            bits.append(f"forced float32: {'yes' if u['forced_float32'] else 'no'}"
+                        + (f" ({u['forced_from']})" if u.get("forced_from") else ""))
+        if u.get("mixed_precision"):
+            bits.append(f"UNSLOTH_MIXED_PRECISION={u['mixed_precision']}")
+        if u.get("compile_disabled"):
+            bits.append(f"UNSLOTH_COMPILE_DISABLE={u['compile_disabled']}")
+        facts.append(Fact("; ".join(bits)))
+    m = stack.get("memory")
+    if isinstance(m, dict) and isinstance(m.get("as_is"), dict):
+        target = m.get("target_precision")
+        line = f"training memory on {m.get('hardware')} ({fmt_num(m.get('memory_gb'))} GB): as stored {fmt_num(m['as_is'].get('total_gb'))} GB"
+        if target and isinstance(m.get(target), dict):
+            line += (f", in {target} {fmt_num(m[target].get('total_gb'))} GB "
+                     f"({'fits' if m.get('target_fits') else 'does not fit'})")
+        if isinstance(m.get("partial"), dict):
+            line += f"; fp32 for the overflowing layers only: {fmt_num(m['partial'].get('total_gb'))} GB"
+        if not m.get("activations_counted", True):
+            line += " (weights, gradients and optimizer state; activations not counted)"
+        facts.append(Fact(line, "" if m.get("target_fits", True) else "bad"))
+    return [Section(kind="stack", title="Stack", facts=facts)] if facts else []
+
+
 def fix_cells(doc: dict) -> dict[str, dict]:
     cells = doc.get("fix_cells")
     if not isinstance(cells, dict):
@@ -298,15 +345,35 @@ def fix_cells(doc: dict) -> dict[str, dict]:
     return {str(k): v if isinstance(v, dict) else {"code": str(v)} for k, v in cells.items()}
 
 
+def _status(verdict: Any) -> str:
+    """A verdict as a CSS-safe status: "verified", "not-enough" or "not-checked"."""
+    return str(verdict).strip().replace(" ", "-")
+
+
+def _verdict_lists(doc: dict) -> Iterator[list]:
+    """Every list of fix verdicts a document carries: its own verification (a verification or an audit
+    document), its diagnoses' and its events' (the watch verifies the first localised event)."""
+    owners = [doc.get("verification"), *((d or {}).get("verification") for d in doc.get("diagnoses") or [])]
+    owners += [((e or {}).get("evidence") or {}).get("verification") for e in doc.get("events") or []]
+    for owner in owners:
+        if isinstance(owner, dict) and isinstance(owner.get("verdicts"), list):
+            yield [v for v in owner["verdicts"] if isinstance(v, dict)]
+
+
 def _verdicts(doc: dict) -> dict[str, Verdict]:
     """The best verdict per fix id over the document's verifications (verified beats not enough)."""
     best: dict[str, Verdict] = {}
-    for verification in doc.get("verifications") or []:
-        for candidate in (verification or {}).get("candidates") or []:
-            fix_id, status = str(candidate.get("fix")), str(candidate.get("status"))
-            verdict = Verdict(status=status, label=status.replace("-", " "), detail=str(candidate.get("summary") or ""))
-            if fix_id not in best or VERDICT_ORDER.index(status) < VERDICT_ORDER.index(best[fix_id].status):
-                best[fix_id] = verdict
+    found = [(str(v.get("fix")), _status(v.get("verdict")), str(v.get("reason") or ""))
+             for verdicts in _verdict_lists(doc) for v in verdicts]
+    for finding in doc.get("findings") or []:  # an audit run with verify=True marks its findings' fixes
+        marks = ((finding or {}).get("evidence") or {}).get("verdicts")
+        found += [(str(k), _status(v), "") for k, v in marks.items()] if isinstance(marks, dict) else []
+    for fix_id, status, reason in found:
+        if status not in VERDICT_ORDER:
+            continue
+        if fix_id not in best or VERDICT_ORDER.index(status) < VERDICT_ORDER.index(best[fix_id].status) or (
+                status == best[fix_id].status and reason and not best[fix_id].detail):
+            best[fix_id] = Verdict(status=status, label=status.replace("-", " "), detail=reason)
     return best
 
 
@@ -317,9 +384,13 @@ def _fix_views(fix_ids: Any, cells: dict[str, dict], verdicts: dict[str, Verdict
     fixes = [FixView(id=str(fid), title=str(cells.get(str(fid), {}).get("title") or ""),
                      code=str(cells.get(str(fid), {}).get("code") or ""), verdict=verdicts.get(str(fid)))
              for fid in fix_ids or []]
-    # verified fixes first, then the unverified in the producer's order, then those shown not to help
-    rank = {"verified": 0, None: 1, "not-checked": 1, "not-enough": 2}
-    return sorted(fixes, key=lambda f: rank.get(f.verdict.status if f.verdict else None, 1))
+    return ranked(fixes)
+
+
+def ranked(fixes: list[FixView]) -> list[FixView]:
+    """Verified fixes first, then the unverified in the producer's order, then those shown not to help."""
+    rank = {"verified": 0, "not-checked": 1, "not-enough": 2}
+    return sorted(fixes, key=lambda f: rank.get(f.verdict.status, 1) if f.verdict else 1)
 
 
 def _findings(doc: dict, path: list[Any]) -> list[Section]:
@@ -506,15 +577,41 @@ def event_card(event: dict, cells: dict[str, dict] | None = None, verdicts: dict
             numeric=[False, False, False, False, True, True, True], code=[False, True, False, False, False, False, False])
     folds = [_evidence_fold(f"origin evidence ({o.get('phase')}: {o.get('module')})", o["evidence"])
              for o in origins if o.get("evidence")]
-    if event.get("evidence"):
-        folds.append(_evidence_fold("evidence", event["evidence"]))
+    evidence = {k: v for k, v in (event.get("evidence") or {}).items() if k != "verification"}
+    if evidence:
+        folds.append(_evidence_fold("evidence", evidence))
+    fixes = _fix_views(event.get("fixes"), cells or {}, verdicts or {})
+    verification = (event.get("evidence") or {}).get("verification")
+    if isinstance(verification, dict):  # the fixes the watch ran on this very step, verified first
+        fixes = ranked(verification_card(verification, "").fixes)
     return Card(
         tone="error" if kind.startswith("nonfinite") else "warning",
         title=f"{rank}step {event.get('step')}: {event.get('message', '')}", tag=kind,
         lines=[f"cause: {event['cause']}"] if event.get("cause") else [],
-        table=table, folds=folds,
-        fixes=_fix_views(event.get("fixes"), cells or {}, verdicts or {}),
+        table=table, folds=folds, fixes=fixes,
     )
+
+
+def fold_skips(events: list[dict]) -> list[dict]:
+    """A GradScaler streak (every step a ``scaler-skip`` event) shown as its first event, which
+    carries the localisation, with the streak's steps noted for its title."""
+    out = []
+    for first, last, count in fold_skip_streaks(
+            events, lambda e: (str(e.get("kind")), e.get("step", -1), (e.get("evidence") or {}).get("streak_start"))):
+        out.append({**first, "_folded": (first.get("step"), last, count)} if count > 1 else first)
+    return out
+
+
+def _event_cards(event: dict, cells: dict[str, dict], verdicts: dict[str, Verdict]) -> list[Card]:
+    """An event's card, followed by the card of the verification the watch made on its step."""
+    cards = [event_card(event, cells, verdicts)]
+    if event.get("_folded"):
+        first, last, count = event["_folded"]
+        cards[0].title = f"steps {first}–{last} ({count} steps skipped by the GradScaler): {event.get('message', '')}"
+    verification = (event.get("evidence") or {}).get("verification")
+    if isinstance(verification, dict):
+        cards.append(verification_card(verification, f"Fixes run on step {event.get('step')}"))
+    return cards
 
 
 def _watch(doc: dict, path: list[Any]) -> list[Section]:
@@ -536,12 +633,12 @@ def _watch(doc: dict, path: list[Any]) -> list[Section]:
             charts.append(Chart("series", SERIES_ALT, [*at, "history"]))
         if isinstance(acts, dict) and acts.get("steps") and acts.get("groups"):
             charts.append(Chart("activations", "activation abs-max heatmap", [*at, "activations"]))
-        shown = [e for e in events if isinstance(e, dict)][:MAX_EVENTS]
+        shown = fold_skips([e for e in events if isinstance(e, dict)])[:MAX_EVENTS]
         notes = [f"{len(events) - MAX_EVENTS} more events not shown (all are in the JSON)."] if len(events) > MAX_EVENTS else []
         title = watch["title"] or (doc.get("title") if path else None)  # an entry of a report names its watch
         out.append(Section(
             kind="watch", title="Watch" + (f": {title}" if title else ""), facts=facts,
-            cards=[event_card(e, cells, verdicts) for e in shown], charts=charts, notes=notes,
+            cards=[card for e in shown for card in _event_cards(e, cells, verdicts)], charts=charts, notes=notes,
             empty="No events." if not events else "", cards_title=f"Events ({len(events)})" if events else ""))
     return out
 
@@ -558,20 +655,39 @@ def _all_nonfinite(overview: dict, what: str) -> str:
     return ""
 
 
+def verification_card(v: dict, title: str) -> Card:
+    """A verification as a card: each candidate fix with its verdict, the evidence of its shadow step,
+    and the exact cell that was verified."""
+    rows = []
+    for item in v.get("verdicts") or []:
+        step = item.get("step") or {}
+        rows.append([str(item.get("fix")), str(item.get("verdict") or ""), fmt_num(step.get("loss")),
+                     fmt_num(step.get("total_grad_norm")),
+                     fmt_num(step.get("largest_activation")) + (f" at {step['largest_activation_at']}"
+                                                                if step.get("largest_activation_at") else ""),
+                     str(step.get("precision") or ""), str(item.get("reason") or "")])
+    lines = [str(check["summary"])] if isinstance(check := v.get("module_check"), dict) and check.get("summary") else []
+    if v.get("step_skipped"):
+        lines.append(f"step level not run: {v['step_skipped']}")
+    lines.extend(str(note) for note in v.get("notes") or [])
+    fixes = [FixView(id=str(item.get("fix")), title=str(item.get("title") or ""), code=str(item.get("code") or ""),
+                     verdict=Verdict(_status(item.get("verdict")), str(item.get("verdict")), str(item.get("reason") or "")))
+             for item in v.get("verdicts") or [] if isinstance(item, dict)]
+    table = Table(columns=["fix", "verdict", "loss", "total grad norm", "largest activation", "precision", "why"],
+                  rows=rows, numeric=[False, False, True, True, True, False, False], code=[True] + [False] * 6,
+                  bad_rows=[i for i, r in enumerate(rows) if r[1] == "not enough"]) if rows else None
+    folds = [_evidence_fold("baseline step (no fix)", v["baseline"])] if v.get("baseline") else []
+    if v.get("memory"):
+        folds.append(_evidence_fold("memory estimate", v["memory"]))
+    return Card(tone="info", title=title, tag=str(v.get("subject") or ""), lines=lines, table=table, folds=folds,
+                fixes=fixes)
+
+
 def _verifications(doc: dict, path: list[Any]) -> list[Section]:
-    verifications = [v for v in doc.get("verifications") or [] if isinstance(v, dict)]
-    if not verifications:
+    v = doc.get("verification")
+    if not isinstance(v, dict):
         return []
-    cards = []
-    for v in verifications:
-        rows = [[str(c.get("fix")), str(c.get("status", "")).replace("-", " "), str(c.get("summary") or "")]
-                for c in v.get("candidates") or [] if isinstance(c, dict)]
-        cards.append(Card(
-            tone="info", title=str(v.get("title") or "Fix verification"), tag=str(v.get("target") or ""),
-            lines=[str(v["detail"])] if v.get("detail") else [],
-            table=Table(columns=["fix", "verdict", "evidence"], rows=rows, code=[True, False, False]) if rows else None,
-            folds=[_evidence_fold("evidence", v["evidence"])] if v.get("evidence") else []))
-    return [Section(kind="verifications", title=f"Fix verification ({len(verifications)})", cards=cards)]
+    return [Section(kind="verifications", title="Verified fixes", cards=[verification_card(v, "Fixes run on the failing step")])]
 
 
 def _diagnoses(doc: dict, path: list[Any]) -> list[Section]:
@@ -591,6 +707,8 @@ def _diagnoses(doc: dict, path: list[Any]) -> list[Section]:
             lines=[str(d["detail"])] if d.get("detail") else [],
             quote=last_line(d["exception"]) if d.get("exception") else "", folds=folds,
             fixes=_fix_views(d.get("fixes"), cells, verdicts)))
+        if isinstance(d.get("verification"), dict):  # the watch captured the failing step: what was run on it
+            cards.append(verification_card(d["verification"], "Fixes run on the failing step"))
     return [Section(kind="diagnoses", title=f"Explained exceptions ({len(diagnoses)})", cards=cards)]
 
 
@@ -642,7 +760,7 @@ def _environment(doc: dict, path: list[Any]) -> list[Section]:
 
 
 _BUILDERS: list[tuple[str, Callable[[dict, list[Any]], list[Section]]]] = [
-    ("notes", _notes), ("hardware", _hardware), ("findings", _findings), ("probe", _probe), ("watches", _watch),
+    ("notes", _notes), ("hardware", _hardware), ("stack", _stack), ("findings", _findings), ("probe", _probe), ("watches", _watch),
     ("verifications", _verifications), ("diagnoses", _diagnoses), ("fixes applied", _fixes_applied),
     ("fix cells", _fix_cells), ("environment", _environment),
 ]

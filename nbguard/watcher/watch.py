@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..document.model import fold_skip_streaks as fold_streaks
 from ..errors import NonFiniteError
 from ..findings import Displayable, Event, document
 from .activations import FP16_LIMIT, ActivationProbe, host_values
@@ -43,21 +44,8 @@ def skip_streaks(events: list[Event]) -> list[dict[str, Any]]:
 
 
 def fold_skip_streaks(events: list[Event]) -> list[tuple[Event, int, int]]:
-    """(first event, last step, count): the scaler-skip events of one streak become one entry
-    (the streak's first, localised event); every other event stands alone."""
-    folded: list[tuple[Event, int, int]] = []
-    open_streak: dict[Any, int] = {}  # streak_start -> index in folded
-    for e in events:
-        start = e.evidence.get("streak_start") if e.kind == "scaler-skip" else None
-        if start is not None and start in open_streak:
-            i = open_streak[start]
-            first, _, count = folded[i]
-            folded[i] = (first, e.step, count + 1)
-            continue
-        if start is not None:
-            open_streak[start] = len(folded)
-        folded.append((e, e.step, 1))
-    return folded
+    """(first event, last step, count) per GradScaler streak; see ``nbguard.document.model``."""
+    return fold_streaks(events, lambda e: (e.kind, e.step, e.evidence.get("streak_start")))
 
 
 # target -> (a weak reference to) the watch attached to it, so a second watch on the same target
