@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .document import document
+from .document.view import Verdict, fix_verdicts
 
 KINDS = ("audit", "watch", "fix", "diagnosis", "verification")
 
@@ -222,3 +223,13 @@ def record_verification(verification: Any) -> None:
     """A verification (anything with ``to_document()``), stored as its document."""
     snapshot = Snapshot(_document_of(verification))
     SESSION._add(TimelineEntry("verification", time.time(), _snapshot=snapshot))
+
+
+def latest_verdict(fix_id: str) -> Verdict | None:
+    """The most recent verdict this session holds for ``fix_id`` (from a watch's, an audit's or a
+    diagnosis' verification), or None when the fix was never run on a failing step."""
+    for doc in reversed(SESSION.documents()):
+        found = fix_verdicts(doc).get(fix_id)
+        if found is not None:
+            return found
+    return None

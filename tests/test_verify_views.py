@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 
+from notebook_helpers import run, shell  # noqa: F401  (the fixture)
 from verify_helpers import peft_trainer, peft_zero_embeddings
 
 import nbguard
@@ -57,3 +58,15 @@ def test_a_verification_document_is_one_card_with_the_evidence_and_cells():
     assert {row[1] for row in card.table.rows} >= {"verified", "not enough", "not checked"}
     assert any(f.label == "baseline step (no fix)" for f in card.folds)
     assert "Verified fixes" in render_text(doc)
+
+
+def test_nbguard_fix_says_whether_the_fix_was_verified_on_the_failing_step(shell):
+    trainer = peft_trainer(peft_zero_embeddings())
+    shell.user_ns["trainer"] = trainer
+    assert run(shell, "%%nanwatch trainer --policy skip\ntrainer.train()").error is None
+    cell = run(shell, "%nbguard fix init-new-embeddings")
+    assert cell.error is None and "nbguard: init-new-embeddings verified on the failing step" in cell.stdout
+    cell = run(shell, "%nbguard fix upcast-trainable-fp32")
+    assert "nbguard: upcast-trainable-fp32 not enough on the failing step" in cell.stdout
+    cell = run(shell, "%nbguard fix disable-use-cache")  # never run on the step: nothing claimed
+    assert cell.error is None and "on the failing step" not in cell.stdout

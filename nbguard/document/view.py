@@ -360,7 +360,7 @@ def _verdict_lists(doc: dict) -> Iterator[list]:
             yield [v for v in owner["verdicts"] if isinstance(v, dict)]
 
 
-def _verdicts(doc: dict) -> dict[str, Verdict]:
+def fix_verdicts(doc: dict) -> dict[str, Verdict]:
     """The best verdict per fix id over the document's verifications (verified beats not enough)."""
     best: dict[str, Verdict] = {}
     found = [(str(v.get("fix")), _status(v.get("verdict")), str(v.get("reason") or ""))
@@ -399,7 +399,7 @@ def _findings(doc: dict, path: list[Any]) -> list[Section]:
         return []
     if not findings:
         return [Section(kind="findings", title="Findings", empty="No findings: nothing to fix.")]
-    cells, verdicts = fix_cells(doc), _verdicts(doc)
+    cells, verdicts = fix_cells(doc), fix_verdicts(doc)
     counts = severity_counts(findings)
     facts = [Fact(", ".join(plural(n, sev) for sev, n in sorted(counts.items(), key=lambda kv: _severity_rank(kv[0]))))]
     cards = []
@@ -616,7 +616,7 @@ def _event_cards(event: dict, cells: dict[str, dict], verdicts: dict[str, Verdic
 
 def _watch(doc: dict, path: list[Any]) -> list[Section]:
     out = []
-    cells, verdicts = fix_cells(doc), _verdicts(doc)
+    cells, verdicts = fix_cells(doc), fix_verdicts(doc)
     for watch in watch_sections(doc):
         history, acts, events = watch["history"], watch["activations"], watch["events"]
         overview = history_overview(history)
@@ -694,7 +694,7 @@ def _diagnoses(doc: dict, path: list[Any]) -> list[Section]:
     diagnoses = [d for d in doc.get("diagnoses") or [] if isinstance(d, dict)]
     if not diagnoses:
         return []
-    cells, verdicts = fix_cells(doc), _verdicts(doc)
+    cells, verdicts = fix_cells(doc), fix_verdicts(doc)
     cards = []
     for d in diagnoses:
         folds = []

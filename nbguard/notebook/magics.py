@@ -18,6 +18,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..errors import NbguardError
+from ..session import latest_verdict as session_verdict
 from . import resolve as R
 from .resolve import MagicError
 
@@ -386,6 +387,9 @@ class NbguardMagics(Magics):
             code = fixes.code(fix_id, **names, **options)
         except ValueError as err:  # the cell needs a name the notebook does not have
             raise MagicError(f"{err.args[0]}; no such variable in the notebook") from None
+        verdict = session_verdict(fix_id)
+        if verdict is not None:  # the watch or the audit ran this fix on the failing step already
+            print(f"nbguard: {fix_id} {verdict.label} on the failing step" + (f": {verdict.detail}" if verdict.detail else ""))
         if apply_now:
             try:
                 applied = fixes.apply(fix_id, **objects, names=names, **options)
