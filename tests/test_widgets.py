@@ -192,7 +192,8 @@ def test_dashboard_adds_no_host_sync(monkeypatch):
         model = tiny_llama(seed=1)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         with nbguard.watch(model, optimizer=opt) as watch:
-            dash = _dashboard(watch) if with_dashboard else None
+            # no time budget: every step draws, however slow a busy machine makes the drawing
+            dash = _dashboard(watch, heavy_budget=0, light_budget=0) if with_dashboard else None
             counts["n"] = 0
             _train(model, opt, 4)
             n = counts["n"]

@@ -253,7 +253,10 @@ export interface Diagnosis {
   signature: string;
   title: string;
   detail?: string;
-  /** The exception text (redacted in reports). */
+  /**
+   * The exception text (redacted in reports); for a known warning (nbguard/explainer/warnings.py)
+   * the warning's category or logger name, then its first line.
+   */
   exception?: string;
   fixes?: string[];
   /** What the signature rule saw. */

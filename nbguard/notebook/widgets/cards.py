@@ -10,7 +10,6 @@ from typing import Any
 
 import ipywidgets as W
 
-from ...document.palette import SEVERITY_COLORS
 from ...document.view import Card, view
 from ...render.html import table_html
 from .fixrow import ApplyFn, FixRow
@@ -34,9 +33,8 @@ def card_widget(card: Card, rows: list[FixRow]) -> W.VBox:
         accordion.selected_index = None  # collapsed until asked
         children.append(accordion)
     children.extend(row.widget for row in rows)
-    border = SEVERITY_COLORS.get(card.tone, SEVERITY_COLORS["info"])
-    return W.VBox(children, layout=W.Layout(border="1px solid #bbb", border_left=f"5px solid {border}",
-                                            padding="6px", margin="4px 0"))
+    # the badge carries the severity colour: Layout.border_left is ipywidgets 8 only (7.7 warns)
+    return W.VBox(children, layout=W.Layout(border="1px solid #bbb", padding="6px", margin="4px 0"))
 
 
 def fix_rows(card: Card, output_id: str, apply: ApplyFn | None) -> list[FixRow]:
