@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .distributed import local_tensor
 from .history import group_name
 
 
@@ -28,6 +29,7 @@ class StepStats:
     fingerprint: list[float] | None
     found_inf: float | None = None  # the GradScaler's verdict, when one is used
     activations: list[float] | None = None  # per probed group output abs-max (NOT_SEEN: no forward)
+    exchanged: list[float] | None = None  # across ranks: what the step's one collective returned
 
     @property
     def total_grad_norm(self) -> float:
@@ -74,7 +76,9 @@ class GradNormCollector:
                 return
             try:
                 if param.grad is not None:
-                    self._norms[i] = torch.linalg.vector_norm(param.grad.detach(), dtype=torch.float32)
+                    # FSDP2: the rank's shard; the shards' squares are summed across ranks later
+                    grad = local_tensor(param.grad.detach())
+                    self._norms[i] = torch.linalg.vector_norm(grad, dtype=torch.float32)
             except Exception as exc:  # never break the user's backward
                 self._on_error(exc)
         return hook
@@ -82,9 +86,14 @@ class GradNormCollector:
     def reset(self) -> None:
         self._norms = [None] * len(self.params)
 
+    def device(self) -> torch.device:
+        """Where this step's norms live (the device of the step's read and collective)."""
+        ref = next((n for n in self._norms if n is not None), None)
+        return ref.device if ref is not None else (self.params[0].device if self.params else torch.device("cpu"))
+
     def fingerprint(self) -> torch.Tensor:
         """Per-group sum of parameter norms: it stays bit-identical only if the weights do."""
-        norms = torch._foreach_norm([p.detach() for p in self.params])
+        norms = torch._foreach_norm([local_tensor(p.detach()) for p in self.params])
         return self._per_group([n.float() for n in norms], square=False)
 
     def _per_group(self, values: list[torch.Tensor], square: bool) -> torch.Tensor:
@@ -99,15 +108,23 @@ class GradNormCollector:
 
     def read(self, losses: list[torch.Tensor], scale: torch.Tensor | None, with_fingerprint: bool,
              sum_losses: bool = False, found_inf: torch.Tensor | None = None,
-             activations: Callable[[torch.device], torch.Tensor] | None = None) -> StepStats:
-        """Stack everything this step produced and read it with a single ``tolist()``."""
-        ref = next((n for n in self._norms if n is not None), None)
-        device = ref.device if ref is not None else (self.params[0].device if self.params else torch.device("cpu"))
+             activations: Callable[[torch.device], torch.Tensor] | None = None,
+             exchange: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None) -> StepStats:
+        """Stack everything this step produced and read it with a single ``tolist()``.
+
+        ``exchange(norms, loss)`` (multi-rank runs) returns the step's all-reduced flags; they are
+        appended last and read in the same ``tolist()``.
+        """
+        device = self.device()
         zero = torch.zeros((), device=device)
         parts = [self._per_group([n if n is not None else zero for n in self._norms], square=True).sqrt()]
         if losses:
             stacked = torch.stack([loss.detach().float().to(device) for loss in losses])
             parts.append((stacked.sum() if sum_losses else stacked.mean()).reshape(1))
+        n_exchanged = 0
+        if exchange is not None:
+            shared = exchange(parts[0], parts[1] if losses else None)
+            n_exchanged = shared.numel()
         if scale is not None:
             parts.append(scale.detach().float().reshape(1).to(device))
         if found_inf is not None:
@@ -119,7 +136,11 @@ class GradNormCollector:
             parts.append(acts)
         if with_fingerprint:
             parts.append(self.fingerprint().to(device))
+        if n_exchanged:
+            parts.append(shared)
         values = torch.cat(parts).tolist()  # the one host sync of the step
+        exchanged = values[len(values) - n_exchanged:] if n_exchanged else None
+        values = values[:len(values) - n_exchanged]
         g = len(self.groups)
         norms, rest = values[:g], values[g:]
         loss = rest.pop(0) if losses else None
@@ -128,4 +149,5 @@ class GradNormCollector:
         acts_values, rest = (rest[:n_acts], rest[n_acts:]) if activations is not None else (None, rest)
         if loss_scale:
             norms = [v / loss_scale for v in norms]  # activations are forward values: never scaled
-        return StepStats(norms, loss, loss_scale, rest if with_fingerprint else None, inf_flags, acts_values)
+        return StepStats(norms, loss, loss_scale, rest if with_fingerprint else None, inf_flags, acts_values,
+                         exchanged)

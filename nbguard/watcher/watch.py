@@ -14,6 +14,7 @@ import torch
 
 from ..errors import NonFiniteError
 from ..findings import Displayable, Event, document
+from . import distributed as ranks
 from .activations import FP16_LIMIT, ActivationProbe, host_values
 from .capture import MicroBatch, capture_autocast, capture_rng, model_loss
 from .detectors import EvalLossDetector, FrozenDetector, SkipStreak, SpikeDetector, WatchSettings
@@ -64,7 +65,7 @@ class NanWatch(Displayable):
             if optimizer is None:
                 raise ValueError("nbguard.watch(model) needs the optimizer that trains it: pass optimizer=opt "
                                  "(and scaler=scaler if you use a GradScaler), or pass a Trainer instead")
-            self.model = target
+            self.model = ranks.unwrap_parallel(target)  # DDP: hook and replay the user's module
         else:
             raise TypeError(f"target must be a torch.nn.Module or a transformers Trainer/TRL SFTTrainer, "
                             f"got {type(target).__name__}")
@@ -76,6 +77,9 @@ class NanWatch(Displayable):
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._collector = GradNormCollector(named, lambda exc: self._fail(exc, safe=False))
         self.history = GradHistory(self._collector.groups, self.settings.history_capacity)
+        # multi-rank runs: one small collective per step, folded into the read
+        self._ranks = ranks.RankSync.detect(self._collector.params, len(self._collector.groups))
+        self._verdict: ranks.RankVerdict | None = None
         self._probe: ActivationProbe | None = None
         self.activation_history: ActivationHistory | None = None  # None unless activations=True
         if activations:
@@ -146,12 +150,8 @@ class NanWatch(Displayable):
         self._collector.detach()
         if self._probe is not None:
             self._probe.detach()
-        if self._opt_binding is not None:
-            self._opt_binding.remove()
-            self._opt_binding = None
-        if self._scaler_binding is not None:
-            self._scaler_binding.remove()
-            self._scaler_binding = None
+        if not self._owes_farewell():
+            self._remove_step_bindings()
         if self._callback is not None:
             self.trainer.remove_callback(self._callback)
             self._callback = None
@@ -163,6 +163,39 @@ class NanWatch(Displayable):
         if _ATTACHED.get(self.target) is self:
             del _ATTACHED[self.target]
         return self
+
+    def _remove_step_bindings(self) -> None:
+        if self._opt_binding is not None:
+            self._opt_binding.remove()
+            self._opt_binding = None
+        if self._scaler_binding is not None:
+            self._scaler_binding.remove()
+            self._scaler_binding = None
+
+    # ---- ranks: a watch that steps aside still joins one exchange so no peer waits for it --------
+    def _owes_farewell(self) -> bool:
+        return self._ranks is not None and self._ranks.owes_farewell
+
+    def _farewell(self) -> None:
+        try:
+            self._ranks.farewell(self._collector.device())
+        except Exception:  # the process group itself failed: nothing is left to keep matched
+            pass
+        finally:
+            if not self.attached:
+                self._remove_step_bindings()
+
+    def _settle_farewell(self) -> None:
+        """The watch failed at a step boundary before its part of the step's exchange: pay it now."""
+        if self._owes_farewell() and not self._ranks.step_exchanged:
+            self._farewell()
+
+    def _peers_left(self, verdict: ranks.RankVerdict) -> None:
+        """Another rank's watch stepped aside: step aside here too, at the same step."""
+        self._broken = True
+        self._emit(Event("watch-error", self.step, f"the watch on rank(s) {verdict.leaving} stepped aside after an "
+                         f"internal error; it steps aside on every rank so that no rank waits in a collective",
+                         evidence={"leaving_ranks": verdict.leaving}))
 
     def __enter__(self) -> NanWatch:
         return self.attach()
@@ -216,7 +249,9 @@ class NanWatch(Displayable):
                 self._emit(Event("watch-error", self.step, f"a watch listener failed and was removed: "
                                  f"{type(exc).__name__}: {exc}", evidence={"listener": repr(callback)}))
 
-    def _emit(self, event: Event) -> None:
+    def _emit(self, event: Event, agreed: bool = False) -> None:
+        if self._ranks is not None and not agreed and event.rank is None:
+            event.rank = self._ranks.rank  # this rank's own event (an agreed one names its origin rank)
         self.events.append(event)
         self._notify("event", event)
 
@@ -230,6 +265,8 @@ class NanWatch(Displayable):
         if self._broken:
             return
         self._broken = True
+        if self._ranks is not None:
+            self._ranks.owes_farewell = True
         self._emit(Event("watch-error", self.step,
                          f"nbguard's watch hit an internal error and detached itself; training goes on: "
                          f"{type(exc).__name__}: {exc}",
@@ -280,7 +317,12 @@ class NanWatch(Displayable):
             shares = any("num_items_in_batch" in mb.kwargs for mb in self._micro_batches)
             self._stats = self._collector.read(self._losses, scale, self._frozen.due(self.step), sum_losses=shares,
                                                found_inf=found_inf,
-                                               activations=self._probe.values if self._probe is not None else None)
+                                               activations=self._probe.values if self._probe is not None else None,
+                                               exchange=self._ranks.exchange if self._ranks is not None else None)
+            if self._ranks is not None:
+                self._verdict = self._ranks.settle(self._stats)
+                if self._verdict.leaving:
+                    self._peers_left(self._verdict)
         return self._stats
 
     def _scaler_guards(self) -> bool:
@@ -288,6 +330,9 @@ class NanWatch(Displayable):
         return self._scaler_binding is not None and self._scaler_binding.enabled
 
     def _pre_step(self, optimizer, args, kwargs):
+        if self._owes_farewell() and self._scaler_binding is None:
+            self._farewell()
+            return None
         if not self._active() or self._scaler_guards():
             return None
         try:
@@ -296,6 +341,7 @@ class NanWatch(Displayable):
             raise
         except Exception as exc:
             self._fail(exc, safe=False)
+            self._settle_farewell()
         return None
 
     def _post_step(self, optimizer, args, kwargs):
@@ -312,12 +358,16 @@ class NanWatch(Displayable):
         return None
 
     def _before_scaler_update(self) -> None:
+        if self._owes_farewell():
+            self._farewell()
+            return
         if not self._active():
             return
         try:
             self._read()  # a skipped step never reached the optimizer hooks: read it here
         except Exception as exc:
             self._fail(exc, safe=False)
+            self._settle_farewell()
 
     def _after_scaler_update(self) -> None:
         if not self._active():
@@ -336,15 +386,25 @@ class NanWatch(Displayable):
 
     # ---- the decisions --------------------------------------------------------------------
     def _check_update(self, stats: StepStats) -> None:
-        """Before the optimizer moves anything: is this update finite? Apply the policy if not."""
-        if stats.loss_finite and stats.grads_finite:
+        """Before the optimizer moves anything: is this update finite? Apply the policy if not.
+
+        Across ranks the agreed verdict decides, so every rank applies the same policy."""
+        if not self._active():
+            return
+        verdict = self._verdict if self._ranks is not None else None
+        finite = not verdict.bad_ranks if verdict is not None else stats.loss_finite and stats.grads_finite
+        if finite:
             self._bad_streak = 0
             return
         self._bad_streak += 1
         if self._bad_streak == 1:
             kind = "nonfinite-loss" if not stats.loss_finite else "nonfinite-grad"
-            event = self._make_event(kind, stats)
-            self._emit(event)
+            if verdict is None:
+                event = self._make_event(kind, stats)
+            else:
+                event = ranks.agreed_event(self._ranks, verdict, self.step,
+                                           lambda: self._make_event(kind, stats, replay=not self._ranks.sharded))
+            self._emit(event, agreed=True)
         else:
             event = next((e for e in reversed(self.events) if e.kind in ("nonfinite-loss", "nonfinite-grad")), None)
             if event is not None:
@@ -417,6 +477,8 @@ class NanWatch(Displayable):
         self._collector.reset()
         if self._probe is not None:
             self._probe.reset()
+        if getattr(self, "_ranks", None) is not None:
+            self._ranks.step_exchanged = False
 
     def _on_eval_loss(self, eval_loss: float, global_step: int) -> None:
         if not self._active():
@@ -429,7 +491,7 @@ class NanWatch(Displayable):
                              f"({eval_loss!r}): the weights are not changing", evidence=found))
 
     # ---- events and localisation ----------------------------------------------------------
-    def _make_event(self, kind: str, stats: StepStats, extra: dict | None = None) -> Event:
+    def _make_event(self, kind: str, stats: StepStats, extra: dict | None = None, replay: bool = True) -> Event:
         groups = self.history.groups
         evidence: dict[str, Any] = dict(extra or {})
         evidence.update({"loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
@@ -443,7 +505,7 @@ class NanWatch(Displayable):
         if empty and kind in ("nonfinite-loss", "nonfinite-grad"):
             cause = "no-supervised-tokens"
             evidence["micro_batches_without_labels"] = empty
-        elif self.localize and self._micro_batches and self._replays < self.settings.max_replays:
+        elif replay and self.localize and self._micro_batches and self._replays < self.settings.max_replays:
             self._replays += 1
             started = time.perf_counter()
             try:
@@ -498,7 +560,10 @@ class NanWatch(Displayable):
         sections: dict[str, Any] = {"events": [e.to_dict() for e in self.events], "history": self.history.to_dict()}
         if self.activation_history is not None:
             sections["activations"] = self.activation_history.to_dict()
-        return document("watch", title="nbguard NaN/Inf watch", watch_id=self.watch_id, **sections)
+        title = "nbguard NaN/Inf watch"
+        if self._ranks is not None:
+            title += f" (rank {self._ranks.rank} of {self._ranks.world_size})"
+        return document("watch", title=title, watch_id=self.watch_id, **sections)
 
     def __repr__(self) -> str:
         return (f"<NanWatch {type(self.target).__name__} policy={self.policy} step={self.step} "

@@ -1,0 +1,189 @@
+"""Two-rank DDP runs for the watch (gloo on CPU), launched the ways users launch them.
+
+``train_rank(scenario, policy, out_dir)`` is the user's training function: an accelerate loop
+with ``nbguard.watch`` inside it. Each rank writes what it saw to ``out_dir/rank{N}.json``; the
+tests read those files. ``launch_notebook`` / ``launch_torchrun`` run it through accelerate's
+``notebook_launcher`` (forked workers, as in a notebook) and through ``torchrun``, each in a new
+session that is killed as a whole (``os.killpg``) when it outlives its timeout: a hang fails the
+test instead of hanging it.
+
+Scenarios (faults on rank 1 only; rank 0's batches are healthy):
+  healthy   - nothing planted
+  forward   - rank 1's batch holds a token that overflows fp16 in layer 0's q_proj (fp16 autocast)
+  backward  - rank 1's layer-1 SiLU makes NaN in backward (its forward stays finite)
+  loss      - rank 1's batch has every label -100: its mean loss is 0/0
+  fail      - rank 1's watch hits an internal error in its step read: it must step aside without
+              leaving rank 0 blocked in the step's collective
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 4
+BAD_STEP = 1
+HOT_TOKEN = 7
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _q_proj_hot_token(model, hot: int) -> None:
+    """Make token ``hot`` overflow fp16 in layer 0's q_proj while ordinary tokens stay below it.
+
+    The hot token's embedding is set to q_proj's first weight row, so after the RMSNorm its first
+    query feature is over twice an ordinary token's largest; q_proj is then scaled so the hot token
+    gives 1.5x the fp16 limit and ordinary tokens stay under 0.8x.
+    """
+    from nbguard.testing import tiny_batch
+
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        model.model.embed_tokens.weight[hot] = layer.self_attn.q_proj.weight[0]
+        seen: list[float] = []
+        h = layer.self_attn.q_proj.register_forward_hook(lambda m, a, o: seen.append(o.abs().max().item()))
+        ids = torch.full((1, 4), hot)
+        model(input_ids=ids)
+        hot_max = seen.pop()
+        model(**{k: v for k, v in tiny_batch(2, 12, seed=99).items() if k != "labels"})
+        plain_max = seen.pop()
+        h.remove()
+        factor = 1.5 * 65504 / hot_max
+        assert plain_max * factor < 0.8 * 65504, "the planted token is not separated from ordinary ones"
+        layer.self_attn.q_proj.weight.mul_(factor)
+
+
+def _batches(rank: int, scenario: str) -> list[dict[str, torch.Tensor]]:
+    from nbguard.testing import tiny_batch
+
+    out = []
+    for step in range(STEPS):
+        b = tiny_batch(2, 12, seed=100 * rank + step)
+        for key in ("input_ids", "labels"):  # the hot token only where it is planted
+            b[key] = torch.where(b[key] == HOT_TOKEN, torch.full_like(b[key], HOT_TOKEN + 1), b[key])
+        if rank == 1 and step == BAD_STEP:
+            if scenario == "forward":
+                b["input_ids"][0, 3] = HOT_TOKEN
+            elif scenario == "loss":
+                b["labels"][:] = -100
+        out.append(b)
+    return out
+
+
+def _break_read(watch) -> None:
+    """An internal failure of the watch on this rank: from step BAD_STEP its step read raises
+    (before its part of the step's exchange, the hardest moment for the peers)."""
+    real = watch._collector.read
+
+    def read(*args, **kwargs):
+        if watch.step >= BAD_STEP:
+            raise RuntimeError("planted failure inside nbguard's step read")
+        return real(*args, **kwargs)
+
+    watch._collector.read = read
+
+
+def train_rank(scenario: str, policy: str, out_dir: str) -> None:
+    """The user's training function (runs on every rank)."""
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from watch_helpers import PoisonedSiLU
+
+    import nbguard
+    from nbguard.errors import NonFiniteError
+    from nbguard.testing import tiny_llama
+
+    torch.set_num_threads(1)
+    accelerator = Accelerator(cpu=True)
+    rank = accelerator.process_index
+    model = tiny_llama()
+    if scenario == "forward":
+        _q_proj_hot_token(model, HOT_TOKEN)
+    if scenario == "backward":
+        model.model.layers[1].mlp.act_fn = PoisonedSiLU(armed=rank == 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = accelerator.prepare(model, opt)
+    watch = nbguard.watch(model, optimizer=opt, policy=policy)
+    if scenario == "fail" and rank == 1:
+        _break_read(watch)
+    stopped = None
+    steps = 0
+    started = time.perf_counter()
+    try:
+        for batch in _batches(rank, scenario):
+            autocast = torch.autocast("cpu", dtype=torch.float16) if scenario == "forward" else None
+            if autocast is not None:
+                with autocast:
+                    loss = model(**batch).loss
+            else:
+                loss = model(**batch).loss
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            steps += 1
+    except NonFiniteError as err:
+        stopped = str(err)
+    watch.detach()
+    inner = accelerator.unwrap_model(model)
+    weights = torch.cat([p.detach().flatten() for p in inner.parameters()])
+    result: dict[str, Any] = {
+        "rank": rank, "world_size": accelerator.num_processes, "steps": steps, "stopped": stopped,
+        "watch_steps": watch.step, "events": [e.to_dict() for e in watch.events],
+        "weights_finite": bool(torch.isfinite(weights).all()),
+        "weights_sum": float(weights.double().sum()), "weights_abs_sum": float(weights.double().abs().sum()),
+        "exchanges": watch._ranks.exchanges if watch._ranks is not None else 0,
+        "seconds": time.perf_counter() - started,
+        "distributed_type": str(accelerator.distributed_type),
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # both ranks finished: nobody left waiting in a collective
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+        out, _ = proc.communicate()
+        raise AssertionError(f"the two-rank run hung (killed after {timeout:.0f}s):\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def read_ranks(out_dir: Path, world_size: int = 2) -> list[dict[str, Any]]:
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def launch_notebook(scenario: str, policy: str, out_dir: Path, timeout: float = 150) -> subprocess.CompletedProcess:
+    """accelerate.notebook_launcher(train_rank, num_processes=2): forked workers, DDP over gloo."""
+    code = ("import sys; from accelerate import notebook_launcher; from ddp_helpers import train_rank; "
+            f"notebook_launcher(train_rank, args=({scenario!r}, {policy!r}, {str(out_dir)!r}), num_processes=2, "
+            f"use_port='{free_port()}')")
+    return _run([sys.executable, "-c", code], timeout)
+
+
+def launch_torchrun(scenario: str, policy: str, out_dir: Path, timeout: float = 150) -> subprocess.CompletedProcess:
+    """torchrun --nproc_per_node 2 on this file: separate (not forked) processes."""
+    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                 "--master_port", str(free_port()), __file__, scenario, policy, str(out_dir)], timeout)
+
+
+if __name__ == "__main__":
+    train_rank(*sys.argv[1:4])
