@@ -179,6 +179,28 @@ def launch_notebook(scenario: str, policy: str, out_dir: Path, timeout: float = 
     return _run([sys.executable, "-c", code], timeout)
 
 
+def launch_streamed(scenario: str, policy: str, out_dir: Path, timeout: float = 150) -> subprocess.CompletedProcess:
+    """notebook_launcher with the kernel side open, as ``%%nanwatch`` opens it: the parent process
+    writes what it received from the forked ranks to ``out_dir/parent.json``."""
+    code = f"""
+import json, nbguard
+from accelerate import notebook_launcher
+from ddp_helpers import train_rank
+from nbguard.notebook.ranks import RankWatches
+seen = []
+watches = RankWatches().open()
+watches.add_listener(lambda w, kind, payload: seen.append([kind, payload.get("rank") if isinstance(payload, dict)
+                                                                 else payload.rank]))
+notebook_launcher(train_rank, args=({scenario!r}, {policy!r}, {str(out_dir)!r}), num_processes=2,
+                  use_port='{free_port()}')
+watches.detach()
+json.dump({{"document": watches.to_document(), "rows": watches.rank_rows(), "seen": seen,
+           "report": nbguard.report().to_dict(), "stream_errors": watches.channel.errors}},
+          open({str(out_dir / "parent.json")!r}, "w"))
+"""
+    return _run([sys.executable, "-c", code], timeout)
+
+
 def launch_torchrun(scenario: str, policy: str, out_dir: Path, timeout: float = 150) -> subprocess.CompletedProcess:
     """torchrun --nproc_per_node 2 on this file: separate (not forked) processes."""
     return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",

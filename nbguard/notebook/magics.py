@@ -52,6 +52,7 @@ def _nanwatch_parser():
     p.add_argument("--optimizer", default=None)
     p.add_argument("--scaler", default=None)
     p.add_argument("--activations", action="store_true")
+    p.add_argument("--ranks", action="store_true")  # the ranks a notebook_launcher in this cell forks
     return p
 
 
@@ -174,7 +175,7 @@ class NbguardMagics(Magics):
     def _nanwatch_cell(self, line: str, cell: str) -> None:
         if line.strip() == "off":
             raise MagicError("%%nanwatch watches the cell it heads; use %nanwatch off on its own line")
-        live = self._start_watch(line)
+        live = self._start_watch(line, cell)
         try:
             self.shell.run_cell(cell, store_history=False)
         finally:
@@ -183,12 +184,19 @@ class NbguardMagics(Magics):
             if callable(summary):
                 print(summary())
 
-    def _start_watch(self, line: str):
+    def _start_watch(self, line: str, cell: str | None = None):
         import nbguard
 
         from .present import LiveWatch
 
         opts = _parse(_nanwatch_parser(), line)
+        if opts.ranks or (cell is not None and not opts.target and "notebook_launcher(" in cell):
+            from .ranks import watch_forked_ranks  # nbguard.watch runs inside the forked ranks
+
+            self.state.stop_watches()
+            live = watch_forked_ranks()
+            self.state.watches.append(live)
+            return live
         if opts.target:
             target = R.lookup(self.ns, opts.target)
             if not (R.is_trainer(target) or R.is_model(target)):

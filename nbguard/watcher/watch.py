@@ -80,6 +80,7 @@ class NanWatch(Displayable):
         # multi-rank runs: one small collective per step, folded into the read
         self._ranks = ranks.RankSync.detect(self._collector.params, len(self._collector.groups))
         self._verdict: ranks.RankVerdict | None = None
+        self._streamer = None
         self._probe: ActivationProbe | None = None
         self.activation_history: ActivationHistory | None = None  # None unless activations=True
         if activations:
@@ -141,6 +142,10 @@ class NanWatch(Displayable):
         from ..session import record_watch
 
         record_watch(self)
+        if self._ranks is not None and self._streamer is None:
+            from .stream import connect  # a forked rank of a %%nanwatch cell: the kernel shows it live
+
+            self._streamer = connect(self, self._ranks.rank, self._ranks.world_size)
         return self
 
     def detach(self) -> NanWatch:
