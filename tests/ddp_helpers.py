@@ -41,31 +41,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _q_proj_hot_token(model, hot: int) -> None:
-    """Make token ``hot`` overflow fp16 in layer 0's q_proj while ordinary tokens stay below it.
-
-    The hot token's embedding is set to q_proj's first weight row, so after the RMSNorm its first
-    query feature is over twice an ordinary token's largest; q_proj is then scaled so the hot token
-    gives 1.5x the fp16 limit and ordinary tokens stay under 0.8x.
-    """
-    from nbguard.testing import tiny_batch
-
-    layer = model.model.layers[0]
-    with torch.no_grad():
-        model.model.embed_tokens.weight[hot] = layer.self_attn.q_proj.weight[0]
-        seen: list[float] = []
-        h = layer.self_attn.q_proj.register_forward_hook(lambda m, a, o: seen.append(o.abs().max().item()))
-        ids = torch.full((1, 4), hot)
-        model(input_ids=ids)
-        hot_max = seen.pop()
-        model(**{k: v for k, v in tiny_batch(2, 12, seed=99).items() if k != "labels"})
-        plain_max = seen.pop()
-        h.remove()
-        factor = 1.5 * 65504 / hot_max
-        assert plain_max * factor < 0.8 * 65504, "the planted token is not separated from ordinary ones"
-        layer.self_attn.q_proj.weight.mul_(factor)
-
-
 def _batches(rank: int, scenario: str) -> list[dict[str, torch.Tensor]]:
     from nbguard.testing import tiny_batch
 
@@ -104,14 +79,14 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
 
     import nbguard
     from nbguard.errors import NonFiniteError
-    from nbguard.testing import tiny_llama
+    from nbguard.testing import plant_fp16_overflow_token, tiny_llama
 
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
     model = tiny_llama()
     if scenario == "forward":
-        _q_proj_hot_token(model, HOT_TOKEN)
+        plant_fp16_overflow_token(model, HOT_TOKEN)
     if scenario == "backward":
         model.model.layers[1].mlp.act_fn = PoisonedSiLU(armed=rank == 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
