@@ -120,11 +120,50 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
         "weights_finite": bool(torch.isfinite(weights).all()),
         "weights_sum": float(weights.double().sum()), "weights_abs_sum": float(weights.double().abs().sum()),
         "exchanges": watch._ranks.exchanges if watch._ranks is not None else 0,
+        "streamed": watch._streamer is not None,
         "seconds": time.perf_counter() - started,
         "distributed_type": str(accelerator.distributed_type),
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()  # both ranks finished: nobody left waiting in a collective
+
+
+def train_trainer_rank(scenario: str, policy: str, out_dir: str) -> None:
+    """The HF Trainer (gradient accumulation 2, clipping) under DDP; ``backward`` arms rank 1's
+    layer-1 SiLU at optimizer step BAD_STEP only."""
+    import tempfile
+
+    import torch.distributed as dist
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from watch_helpers import PoisonedSiLU
+
+    import nbguard
+    from nbguard.testing import TinyDataset, tiny_llama
+
+    torch.set_num_threads(1)
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=STEPS, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_grad_norm=1.0, use_cpu=True, report_to=[],
+                             save_strategy="no", logging_steps=1, disable_tqdm=True, ddp_backend="gloo")
+    rank = args.process_index
+    model = tiny_llama()
+    act = model.model.layers[1].mlp.act_fn = PoisonedSiLU(armed=False)
+
+    class ArmOnRank1(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            act.armed = scenario == "backward" and rank == 1 and state.global_step == BAD_STEP
+
+    trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(64), callbacks=[ArmOnRank1()])
+    watch = nbguard.watch(trainer, policy=policy)
+    trainer.train()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    result = {"rank": rank, "world_size": args.world_size, "steps": trainer.state.global_step, "stopped": None,
+              "watch_steps": watch.step, "events": [e.to_dict() for e in watch.events],
+              "weights_finite": bool(torch.isfinite(weights).all()), "weights_sum": float(weights.double().sum()),
+              "weights_abs_sum": float(weights.double().abs().sum()),
+              "exchanges": watch._ranks.exchanges if watch._ranks is not None else 0,
+              "distributed_type": str(trainer.accelerator.distributed_type)}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
 
 
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -146,10 +185,12 @@ def read_ranks(out_dir: Path, world_size: int = 2) -> list[dict[str, Any]]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
-def launch_notebook(scenario: str, policy: str, out_dir: Path, timeout: float = 150) -> subprocess.CompletedProcess:
+def launch_notebook(scenario: str, policy: str, out_dir: Path, timeout: float = 150,
+                    trainer: bool = False) -> subprocess.CompletedProcess:
     """accelerate.notebook_launcher(train_rank, num_processes=2): forked workers, DDP over gloo."""
-    code = ("import sys; from accelerate import notebook_launcher; from ddp_helpers import train_rank; "
-            f"notebook_launcher(train_rank, args=({scenario!r}, {policy!r}, {str(out_dir)!r}), num_processes=2, "
+    fn = "train_trainer_rank" if trainer else "train_rank"
+    code = (f"import sys; from accelerate import notebook_launcher; from ddp_helpers import {fn}; "
+            f"notebook_launcher({fn}, args=({scenario!r}, {policy!r}, {str(out_dir)!r}), num_processes=2, "
             f"use_port='{free_port()}')")
     return _run([sys.executable, "-c", code], timeout)
 
@@ -176,11 +217,13 @@ json.dump({{"document": watches.to_document(), "rows": watches.rank_rows(), "see
     return _run([sys.executable, "-c", code], timeout)
 
 
-def launch_torchrun(scenario: str, policy: str, out_dir: Path, timeout: float = 150) -> subprocess.CompletedProcess:
+def launch_torchrun(scenario: str, policy: str, out_dir: Path, timeout: float = 150,
+                    trainer: bool = False) -> subprocess.CompletedProcess:
     """torchrun --nproc_per_node 2 on this file: separate (not forked) processes."""
     return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                 "--master_port", str(free_port()), __file__, scenario, policy, str(out_dir)], timeout)
+                 "--master_port", str(free_port()), __file__, "trainer" if trainer else "loop", scenario, policy,
+                 str(out_dir)], timeout)
 
 
 if __name__ == "__main__":
-    train_rank(*sys.argv[1:4])
+    (train_trainer_rank if sys.argv[1] == "trainer" else train_rank)(*sys.argv[2:5])

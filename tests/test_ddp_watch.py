@@ -44,6 +44,7 @@ def test_healthy_run_no_event_on_any_rank_and_one_exchange_per_step(launcher, tm
     for r in ranks:
         assert r["events"] == [] and r["steps"] == STEPS and r["watch_steps"] == STEPS
         assert r["exchanges"] == STEPS  # one small collective per optimizer step, no more
+        assert not r["streamed"]  # no %%nanwatch cell opened a stream: the ranks send nothing
         assert r["weights_finite"]
     assert ranks[0]["weights_sum"] == ranks[1]["weights_sum"]
 
@@ -111,3 +112,19 @@ def test_a_rank_whose_watch_fails_does_not_block_the_other(tmp_path):
     for r in ranks:
         assert r["steps"] == STEPS  # training went on to the end on both ranks
         assert r["watch_steps"] == BAD_STEP  # both watches stepped aside at the same step
+
+
+@pytest.mark.parametrize("launcher,policy", [("torchrun", "skip"), ("notebook_launcher", "stop")])
+def test_trainer_under_ddp_names_rank_1_and_agrees_on_the_policy(launcher, policy, tmp_path):
+    """The HF Trainer (its own DDP wrap, gradient accumulation 2, clipping) with the watch on it."""
+    done = LAUNCHERS[launcher]("backward", policy, tmp_path, trainer=True)
+    assert done.returncode == 0, done.stdout[-4000:]
+    ranks = read_ranks(tmp_path)
+    event = _same_event_on_every_rank(ranks)
+    assert event["step"] == BAD_STEP and event["origins"][0]["module"] == "model.layers.1.mlp.act_fn"
+    assert event["evidence"]["micro_batches"] == 2  # rank 1 replayed both of its micro-batches
+    for r in ranks:
+        assert r["weights_finite"]
+        # stop: the Trainer ends after the bad step on both ranks; skip: it runs to the end on both
+        assert r["steps"] == (BAD_STEP + 1 if policy == "stop" else STEPS)
+    assert ranks[0]["weights_sum"] == ranks[1]["weights_sum"]
