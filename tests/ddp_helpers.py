@@ -166,6 +166,60 @@ def train_trainer_rank(scenario: str, policy: str, out_dir: str) -> None:
     dist.barrier()
 
 
+def train_fsdp_rank(scenario: str, policy: str, out_dir: str) -> None:
+    """FSDP2 (``fully_shard`` per decoder layer and the root) in a plain loop; records, per step,
+    each group's norm of the WHOLE averaged gradient (gathered with ``full_tensor``) next to the
+    watch's, which come from the shards."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import nbguard
+    from nbguard.errors import NonFiniteError
+    from nbguard.testing import tiny_llama
+    from nbguard.watcher import group_name
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = tiny_llama()
+    if scenario == "backward":
+        from watch_helpers import PoisonedSiLU
+
+        model.model.layers[1].mlp.act_fn = PoisonedSiLU(armed=rank == 1)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    watch = nbguard.watch(model, optimizer=opt, policy=policy)
+    reference: list[dict[str, float]] = []
+    stopped, steps = None, 0
+    try:
+        for batch in _batches(rank, scenario):
+            model(**batch).loss.backward()
+            sq: dict[str, float] = {}
+            for name, p in model.named_parameters():
+                full = p.grad.full_tensor()  # a collective on every rank, outside the watch
+                sq[group_name(name)] = sq.get(group_name(name), 0.0) + float(full.double().square().sum())
+            reference.append({g: v ** 0.5 for g, v in sq.items()})
+            opt.step()
+            opt.zero_grad()
+            steps += 1
+    except NonFiniteError as err:
+        stopped = str(err)
+    watch.detach()
+    full = torch.cat([p.detach().full_tensor().flatten() for p in model.parameters()])
+    result = {"rank": rank, "world_size": dist.get_world_size(), "steps": steps, "stopped": stopped,
+              "watch_steps": watch.step, "events": [e.to_dict() for e in watch.events],
+              "groups": watch.history.groups,
+              "watch_norms": {g: watch.history.grad_norm(g) for g in watch.history.groups},
+              "reference_norms": reference, "sharded": watch._ranks.sharded,
+              "weights_finite": bool(torch.isfinite(full).all()), "weights_sum": float(full.double().sum()),
+              "distributed_type": "FSDP2"}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
@@ -218,12 +272,14 @@ json.dump({{"document": watches.to_document(), "rows": watches.rank_rows(), "see
 
 
 def launch_torchrun(scenario: str, policy: str, out_dir: Path, timeout: float = 150,
-                    trainer: bool = False) -> subprocess.CompletedProcess:
+                    trainer: bool = False, fsdp: bool = False) -> subprocess.CompletedProcess:
     """torchrun --nproc_per_node 2 on this file: separate (not forked) processes."""
+    entry = "trainer" if trainer else "fsdp" if fsdp else "loop"
     return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                 "--master_port", str(free_port()), __file__, "trainer" if trainer else "loop", scenario, policy,
-                 str(out_dir)], timeout)
+                 "--master_port", str(free_port()), __file__, entry, scenario, policy, str(out_dir)], timeout)
 
+
+ENTRIES = {"loop": train_rank, "trainer": train_trainer_rank, "fsdp": train_fsdp_rank}
 
 if __name__ == "__main__":
-    (train_trainer_rank if sys.argv[1] == "trainer" else train_rank)(*sys.argv[2:5])
+    ENTRIES[sys.argv[1]](*sys.argv[2:5])
