@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 import traceback
 import uuid
@@ -81,6 +82,7 @@ class NanWatch(Displayable):
         self._ranks = ranks.RankSync.detect(self._collector.params, len(self._collector.groups))
         self._verdict: ranks.RankVerdict | None = None
         self._streamer = None
+        self._deepspeed = None
         self._probe: ActivationProbe | None = None
         self.activation_history: ActivationHistory | None = None  # None unless activations=True
         if activations:
@@ -142,6 +144,10 @@ class NanWatch(Displayable):
         from ..session import record_watch
 
         record_watch(self)
+        if "deepspeed" in sys.modules and self._deepspeed is None:
+            from .deepspeed_skips import DeepSpeedSkips  # its engine skips steps itself: read its log lines
+
+            self._deepspeed = DeepSpeedSkips(self).attach()
         if self._ranks is not None and self._streamer is None:
             from .stream import connect  # a forked rank of a %%nanwatch cell: the kernel shows it live
 
@@ -163,6 +169,9 @@ class NanWatch(Displayable):
         if self._labels_tap is not None:
             self._labels_tap.remove()
             self._labels_tap = None
+        if self._deepspeed is not None:
+            self._deepspeed.detach()
+            self._deepspeed = None
         self._release_step()
         self.attached = False
         if _ATTACHED.get(self.target) is self:
