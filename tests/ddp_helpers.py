@@ -12,6 +12,8 @@ Scenarios (faults on rank 1 only; rank 0's batches are healthy):
   forward   - rank 1's batch holds a token that overflows fp16 in layer 0's q_proj (fp16 autocast)
   backward  - rank 1's layer-1 SiLU makes NaN in backward (its forward stays finite)
   loss      - rank 1's batch has every label -100: its mean loss is 0/0
+  scaler    - fp16 autocast + GradScaler; rank 1's batches overflow from BAD_STEP on: the scaler
+              skips every step on both ranks (the all-reduced grads are inf), a streak of 2 is an event
   fail      - rank 1's watch hits an internal error in its step read: it must step aside without
               leaving rank 0 blocked in the step's collective
 """
@@ -49,6 +51,8 @@ def _batches(rank: int, scenario: str) -> list[dict[str, torch.Tensor]]:
         b = tiny_batch(2, 12, seed=100 * rank + step)
         for key in ("input_ids", "labels"):  # the hot token only where it is planted
             b[key] = torch.where(b[key] == HOT_TOKEN, torch.full_like(b[key], HOT_TOKEN + 1), b[key])
+        if rank == 1 and scenario == "scaler" and step >= BAD_STEP:
+            b["input_ids"][0, 3] = HOT_TOKEN  # every step from BAD_STEP on: a streak of GradScaler skips
         if rank == 1 and step == BAD_STEP:
             if scenario == "forward":
                 b["input_ids"][0, 3] = HOT_TOKEN
@@ -77,21 +81,24 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
     from accelerate import Accelerator
     from watch_helpers import PoisonedSiLU
 
-    import nbguard
     from nbguard.errors import NonFiniteError
     from nbguard.testing import plant_fp16_overflow_token, tiny_llama
+    from nbguard.watcher import NanWatch, WatchSettings
 
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
     model = tiny_llama()
-    if scenario == "forward":
+    if scenario in ("forward", "scaler"):
         plant_fp16_overflow_token(model, HOT_TOKEN)
     if scenario == "backward":
         model.model.layers[1].mlp.act_fn = PoisonedSiLU(armed=rank == 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = accelerator.prepare(model, opt)
-    watch = nbguard.watch(model, optimizer=opt, policy=policy)
+    # a modest initial scale: the healthy rank's scaled gradients stay finite, only rank 1 overflows
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scenario == "scaler" else None
+    settings = WatchSettings(skip_streak=2) if scenario == "scaler" else None
+    watch = NanWatch(model, optimizer=opt, scaler=scaler, policy=policy, settings=settings).attach()
     if scenario == "fail" and rank == 1:
         _break_read(watch)
     stopped = None
@@ -99,14 +106,16 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
     started = time.perf_counter()
     try:
         for batch in _batches(rank, scenario):
-            autocast = torch.autocast("cpu", dtype=torch.float16) if scenario == "forward" else None
-            if autocast is not None:
-                with autocast:
-                    loss = model(**batch).loss
-            else:
+            autocast = scenario in ("forward", "scaler")
+            with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
                 loss = model(**batch).loss
-            accelerator.backward(loss)
-            opt.step()
+            if scaler is not None:
+                accelerator.backward(scaler.scale(loss))
+                scaler.step(opt)
+                scaler.update()
+            else:
+                accelerator.backward(loss)
+                opt.step()
             opt.zero_grad()
             steps += 1
     except NonFiniteError as err:

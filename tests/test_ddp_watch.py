@@ -128,3 +128,20 @@ def test_trainer_under_ddp_names_rank_1_and_agrees_on_the_policy(launcher, polic
         # stop: the Trainer ends after the bad step on both ranks; skip: it runs to the end on both
         assert r["steps"] == (BAD_STEP + 1 if policy == "stop" else STEPS)
     assert ranks[0]["weights_sum"] == ranks[1]["weights_sum"]
+
+
+def test_gradscaler_skip_streak_under_ddp_names_the_overflowing_rank(tmp_path):
+    """fp16 + GradScaler (the T4 case): the scaler skips on both ranks because the all-reduced
+    gradients are inf; the streak event names rank 1 and its forward overflow, not rank 0's batch."""
+    ranks = _run("notebook_launcher", "scaler", "warn", tmp_path)
+    events = [[e for e in r["events"] if e["kind"] == "skipped-steps"] for r in ranks]
+    assert all(len(e) == 1 for e in events), [r["events"] for r in ranks]
+    assert {k: v for k, v in events[0][0].items() if k != "evidence"} == \
+        {k: v for k, v in events[1][0].items() if k != "evidence"}
+    event = events[0][0]
+    assert event["rank"] == 1 and event["evidence"]["bad_ranks"] == [1]
+    assert event["step"] == BAD_STEP + 1 and event["evidence"]["consecutive_skipped"] == 2
+    origin = event["origins"][0]
+    assert origin["module"] == "model.layers.0.self_attn.q_proj" and origin["phase"] == "forward"
+    assert all(r["weights_finite"] for r in ranks)  # the scaler skipped: nothing non-finite was applied
+    assert ranks[0]["weights_sum"] == ranks[1]["weights_sum"]

@@ -147,12 +147,17 @@ class RankSync:
 
 
 def _origin_rank(verdict: RankVerdict, found: list[dict[str, Any] | None]) -> int | None:
-    """The rank a bad step is about: the first that localised a module, else the first whose own
-    loss was non-finite, else the first whose own gradients were (None when every rank's were:
-    FSDP gradients are reduced before the watch sees them)."""
+    """The rank a bad step is about: of the ranks that localised a module, one whose own loss was
+    non-finite, then one whose origin is in forward (a forward overflow comes before any backward
+    one it causes), then the lowest; else the first whose own loss was non-finite, else the first
+    whose own gradients were (None when every rank's were: FSDP reduces before the watch looks)."""
+    def forward_first(r: int) -> tuple[bool, bool, int]:
+        phase = (found[r] or {}).get("origins", [{}])[0].get("phase")
+        return r not in verdict.loss_bad, phase != "forward", r
+
     localised = [r for r, f in enumerate(found) if f and f.get("origins")]
     if localised:
-        return localised[0]
+        return min(localised, key=forward_first)
     if verdict.loss_bad:
         return verdict.loss_bad[0]
     if verdict.grads_bad and len(verdict.grads_bad) < len(found):
@@ -162,11 +167,14 @@ def _origin_rank(verdict: RankVerdict, found: list[dict[str, Any] | None]) -> in
 
 def agreed_event(sync: RankSync, verdict: RankVerdict, step: int, localise: Callable[[], Any]) -> Any:
     """The same event on every rank: bad ranks localise (``localise()`` builds this rank's event),
-    one ``all_gather_object`` shares the findings, the origin rank's finding becomes the event."""
+    one ``all_gather_object`` shares the findings, the origin rank's finding becomes the event.
+    Every rank must call it at the same step (the verdict and scaler state they decide on agree)."""
     from ..findings import Event
 
     local: dict[str, Any] | None = None
-    if sync.rank in verdict.bad_ranks:
+    # the ranks whose own contribution was bad localise; when none was (a scale collapse seen only
+    # by the scaler), rank 0 speaks for all
+    if sync.rank in (verdict.bad_ranks or [0]):
         try:
             local = localise().to_dict()
         except Exception as exc:  # the gather below must still happen, or the peers would wait
@@ -179,8 +187,10 @@ def agreed_event(sync: RankSync, verdict: RankVerdict, step: int, localise: Call
     event = Event.from_dict(chosen)
     event.step = step
     event.rank = origin
-    who = f"rank {origin}" if origin is not None else f"ranks {verdict.bad_ranks} (after the reduction)"
-    event.message = f"{who}: {event.message}"
+    if origin is not None:
+        event.message = f"rank {origin}: {event.message}"
+    elif verdict.bad_ranks:
+        event.message = f"ranks {verdict.bad_ranks} (after the reduction): {event.message}"
     event.evidence.update({
         "world_size": sync.world_size, "bad_ranks": verdict.bad_ranks, "loss_bad_ranks": verdict.loss_bad,
         "grads_bad_ranks": verdict.grads_bad, "reported_by_rank": sync.rank,

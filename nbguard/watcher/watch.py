@@ -453,8 +453,13 @@ class NanWatch(Displayable):
         if self._scaler_binding is not None:
             streak = self._skips.update(scaler_skipped, stats.loss_scale)
             if streak is not None:
-                event = self._make_event("skipped-steps", stats, streak)
-                self._emit(event)
+                if self._ranks is None or self._verdict is None:
+                    event = self._make_event("skipped-steps", stats, streak)
+                    self._emit(event)
+                else:  # the scaler's verdict is the same on every rank: so is the streak, and the event
+                    event = ranks.agreed_event(self._ranks, self._verdict, step, lambda: self._make_event(
+                        "skipped-steps", stats, streak, replay=not self._ranks.sharded))
+                    self._emit(event, agreed=True)
                 if self.policy == "stop":
                     stop_event = event
         if not skipped:
