@@ -12,6 +12,7 @@ Scenarios (faults on rank 1 only; rank 0's batches are healthy):
   forward   - rank 1's batch holds a token that overflows fp16 in layer 0's q_proj (fp16 autocast)
   backward  - rank 1's layer-1 SiLU makes NaN in backward (its forward stays finite)
   loss      - rank 1's batch has every label -100: its mean loss is 0/0
+  rank0only - healthy, but only rank 0 attaches a watch: it must watch alone, not wait for rank 1
   scaler    - fp16 autocast + GradScaler; rank 1's batches overflow from BAD_STEP on: the scaler
               skips every step on both ranks (the all-reduced grads are inf), a streak of 2 is an event
   fail      - rank 1's watch hits an internal error in its step read: it must step aside without
@@ -26,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -75,13 +77,35 @@ def _break_read(watch) -> None:
     watch._collector.read = read
 
 
+def _loop(model, opt, scaler, accelerator, rank: int, scenario: str) -> tuple[str | None, int]:
+    """The user's loop: fp16 autocast (and a GradScaler) where the scenario needs them."""
+    from nbguard.errors import NonFiniteError
+
+    steps = 0
+    try:
+        for batch in _batches(rank, scenario):
+            with torch.autocast("cpu", dtype=torch.float16, enabled=scenario in ("forward", "scaler")):
+                loss = model(**batch).loss
+            if scaler is not None:
+                accelerator.backward(scaler.scale(loss))
+                scaler.step(opt)
+                scaler.update()
+            else:
+                accelerator.backward(loss)
+                opt.step()
+            opt.zero_grad()
+            steps += 1
+    except NonFiniteError as err:
+        return str(err), steps
+    return None, steps
+
+
 def train_rank(scenario: str, policy: str, out_dir: str) -> None:
     """The user's training function (runs on every rank)."""
     import torch.distributed as dist
     from accelerate import Accelerator
     from watch_helpers import PoisonedSiLU
 
-    from nbguard.errors import NonFiniteError
     from nbguard.testing import plant_fp16_overflow_token, tiny_llama
     from nbguard.watcher import NanWatch, WatchSettings
 
@@ -98,29 +122,18 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
     # a modest initial scale: the healthy rank's scaled gradients stay finite, only rank 1 overflows
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scenario == "scaler" else None
     settings = WatchSettings(skip_streak=2) if scenario == "scaler" else None
-    watch = NanWatch(model, optimizer=opt, scaler=scaler, policy=policy, settings=settings).attach()
+    watched = not (scenario == "rank0only" and rank != 0)  # a user who watches rank 0 alone
+    watch = NanWatch(model, optimizer=opt, scaler=scaler, policy=policy, settings=settings)
+    if watched:
+        watch.attach()
     if scenario == "fail" and rank == 1:
         _break_read(watch)
-    stopped = None
-    steps = 0
     started = time.perf_counter()
-    try:
-        for batch in _batches(rank, scenario):
-            autocast = scenario in ("forward", "scaler")
-            with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
-                loss = model(**batch).loss
-            if scaler is not None:
-                accelerator.backward(scaler.scale(loss))
-                scaler.step(opt)
-                scaler.update()
-            else:
-                accelerator.backward(loss)
-                opt.step()
-            opt.zero_grad()
-            steps += 1
-    except NonFiniteError as err:
-        stopped = str(err)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stopped, steps = _loop(model, opt, scaler, accelerator, rank, scenario)
     watch.detach()
+    warned = [str(w.message) for w in caught if "not on every rank" in str(w.message)]
     inner = accelerator.unwrap_model(model)
     weights = torch.cat([p.detach().flatten() for p in inner.parameters()])
     result: dict[str, Any] = {
@@ -129,7 +142,7 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
         "weights_finite": bool(torch.isfinite(weights).all()),
         "weights_sum": float(weights.double().sum()), "weights_abs_sum": float(weights.double().abs().sum()),
         "exchanges": watch._ranks.exchanges if watch._ranks is not None else 0,
-        "streamed": watch._streamer is not None,
+        "streamed": watch._streamer is not None, "watched": watched, "warned": warned,
         "seconds": time.perf_counter() - started,
         "distributed_type": str(accelerator.distributed_type),
     }

@@ -145,3 +145,12 @@ def test_gradscaler_skip_streak_under_ddp_names_the_overflowing_rank(tmp_path):
     assert origin["module"] == "model.layers.0.self_attn.q_proj" and origin["phase"] == "forward"
     assert all(r["weights_finite"] for r in ranks)  # the scaler skipped: nothing non-finite was applied
     assert ranks[0]["weights_sum"] == ranks[1]["weights_sum"]
+
+
+def test_a_watch_on_rank_0_alone_watches_that_rank_and_never_waits_for_rank_1(tmp_path):
+    ranks = _run("notebook_launcher", "rank0only", "warn", tmp_path)
+    assert [r["watched"] for r in ranks] == [True, False]
+    assert ranks[0]["exchanges"] == 0 and ranks[0]["watch_steps"] == STEPS  # local watch, every step seen
+    assert len(ranks[0]["warned"]) == 1 and "not on every rank" in ranks[0]["warned"][0]
+    assert all(r["steps"] == STEPS and r["events"] == [] for r in ranks)
+    assert ranks[0]["weights_sum"] == ranks[1]["weights_sum"]

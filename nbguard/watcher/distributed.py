@@ -29,6 +29,19 @@ LOSS, GRADS, LEAVING = 0, 1, 2
 FLAGS = 3  # floats per rank in the exchanged vector
 
 
+_SERIAL = 0
+
+
+def _default_store() -> Any:
+    """The default process group's store, or None where this torch does not expose it."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # a private helper of torch: absent or changed, fall back to trusting the ranks
+        return None
+
+
 def process_group_ready() -> bool:
     """True inside a multi-rank run whose default process group is initialised."""
     try:
@@ -92,10 +105,37 @@ class RankSync:
         self.owes_farewell = False  # this rank's watch failed: it still joins one exchange, saying so
         self.exchanges = 0
         self.step_exchanged = False  # this step's collective is done (reset at each step's end)
+        self.serial = 0  # set by announce()
+        self._store: Any = None
 
     @classmethod
     def detect(cls, params: list[torch.Tensor], n_groups: int) -> RankSync | None:
-        return cls(n_groups, is_sharded(params)) if process_group_ready() else None
+        if not process_group_ready():
+            return None
+        return cls(n_groups, is_sharded(params))
+
+    # ---- are all ranks watching? (a watch on rank 0 only must not wait for peers in a collective)
+    def _store_key(self, rank: int) -> str:
+        return f"nbguard/watch/{self.serial}/{rank}"
+
+    def announce(self) -> None:
+        """Say through the process group's key-value store (no collective) that this rank watches
+        (at attach; again on a re-attach, harmlessly)."""
+        global _SERIAL
+        if self.serial:
+            return
+        _SERIAL += 1
+        self.serial = _SERIAL  # the n-th watch of each rank pairs with the n-th of the others
+        self._store = _default_store()
+        if self._store is not None:
+            self._store.set(self._store_key(self.rank), "1")
+
+    def all_ranks_watch(self) -> bool:
+        """Checked once, at the first step's read: by then DDP's gradient all-reduce has made every
+        rank that watches attach (watches attach before the first forward)."""
+        if self._store is None:
+            return True  # no store to ask: trust that every rank watches
+        return bool(self._store.check([self._store_key(r) for r in range(self.world_size)]))
 
     @property
     def size(self) -> int:
@@ -183,7 +223,8 @@ def agreed_event(sync: RankSync, verdict: RankVerdict, step: int, localise: Call
                      "evidence": {"replay_error": f"{type(exc).__name__}: {exc}"}}
     found = sync.gather(local)
     origin = _origin_rank(verdict, found)
-    chosen = found[origin] if origin is not None else next(f for f in found if f)
+    made = [f for f in found if f]  # at least one: the bad ranks, or rank 0, always make one
+    chosen = (found[origin] if origin is not None else None) or made[0]
     event = Event.from_dict(chosen)
     event.step = step
     event.rank = origin

@@ -148,6 +148,8 @@ class NanWatch(Displayable):
             from .deepspeed_skips import DeepSpeedSkips  # its engine skips steps itself: read its log lines
 
             self._deepspeed = DeepSpeedSkips(self).attach()
+        if self._ranks is not None:
+            self._ranks.announce()  # peers check at the first step that every rank watches
         if self._ranks is not None and self._streamer is None:
             from .stream import connect  # a forked rank of a %%nanwatch cell: the kernel shows it live
 
@@ -323,6 +325,12 @@ class NanWatch(Displayable):
 
     # ---- hooks: step boundaries -----------------------------------------------------------
     def _read(self) -> StepStats:
+        if self._stats is None and self._ranks is not None and self._ranks.exchanges == 0 \
+                and not self._ranks.all_ranks_watch():
+            warnings.warn(f"nbguard: the watch runs on rank {self._ranks.rank} but not on every rank: it watches "
+                          f"this rank alone (no agreement across ranks); call nbguard.watch on every rank",
+                          RuntimeWarning, stacklevel=2)
+            self._ranks = None
         if self._stats is None:
             binding = self._scaler_binding
             scale = binding.scale() if binding is not None else None
