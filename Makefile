@@ -16,7 +16,7 @@ VENV := .venv
 COLAB_VENV := .venv-colab
 TF450_VENV := .venv-tf450
 
-.PHONY: demo test test-main test-labextension test-colab test-tf450 install clean
+.PHONY: demo test test-main test-labextension test-colab test-tf450 install clean lint
 
 install: $(VENV)/.stamp
 
@@ -51,8 +51,13 @@ demo: $(VENV)/.stamp
 
 test: test-main test-labextension test-colab test-tf450
 
-test-main: $(VENV)/.stamp
+test-main: $(VENV)/.stamp lint
 	$(VENV)/bin/python -m pytest -m "not tf450"
+
+# ruff (lint) and mypy (types), configured in pyproject.toml; both must be clean.
+lint: $(VENV)/.stamp
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # TypeScript unit tests (vitest, jsdom) and a type check of the extension and its tests.
 test-labextension: $(VENV)/.stamp

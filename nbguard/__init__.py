@@ -12,43 +12,10 @@ In a notebook, ``%load_ext nbguard`` adds ``%precision_check`` and ``%nanwatch``
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from .api import audit, explain, report, watch
+from .document import Event, Finding, Origin, Severity, __version__
 from .errors import NbguardError, NonFiniteError
-from .findings import Event, Finding, Origin, Severity
 from .hardware import Hardware, resolve_hardware
-
-
-def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False):
-    """Audit a fine-tuning setup's precision against the hardware; returns an ``AuditResult``."""
-    from .auditor import run_audit
-
-    return run_audit(model=model, trainer=trainer, args=args, batch=batch, hardware=hardware, probe=probe)
-
-
-def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, activations=False):
-    """Attach a NaN/Inf watch to a model (with its optimizer) or a Trainer; returns a ``NanWatch``.
-
-    ``activations=True`` also records each module group's output abs-max per step (fp16 headroom).
-    """
-    from .watcher import NanWatch
-
-    return NanWatch(target, optimizer=optimizer, scaler=scaler, policy=policy, localize=localize,
-                    activations=activations).attach()
-
-
-def explain(exc):
-    """A ``Diagnosis`` for a known error signature in ``exc``, or None."""
-    from .explainer import explain as _explain
-
-    return _explain(exc)
-
-
-def report(audit=None, watch=None):
-    """A ``Report``; with no arguments, everything this session recorded."""
-    from .reporting import build_report
-
-    return build_report(audit=audit, watch=watch)
 
 
 def load_ipython_extension(ipython):

@@ -5,8 +5,11 @@ import platform
 import sys
 from functools import cache
 from importlib import metadata
+from typing import Any
 
 from packaging.version import InvalidVersion, Version
+
+from .hardware import detect
 
 TRACKED_PACKAGES = (
     "torch", "transformers", "peft", "accelerate", "trl", "bitsandbytes", "unsloth",
@@ -35,9 +38,7 @@ def parsed_version(name: str) -> Version | None:
 
 def environment_info() -> dict:
     """What a maintainer asks for first in a bug report; plain data, safe to serialise."""
-    from .hardware import detect
-
-    info = {
+    info: dict[str, Any] = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "packages": {name: package_version(name) for name in TRACKED_PACKAGES if package_version(name)},

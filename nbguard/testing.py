@@ -32,14 +32,14 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: A
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**_tiny_common(overrides))).to(dtype)
+    return LlamaForCausalLM(LlamaConfig(**_tiny_common(overrides))).to(dtype)  # type: ignore[arg-type]  # nn.Module.to(dtype)
 
 
 def tiny_qwen2(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(**_tiny_common(overrides))).to(dtype)
+    return Qwen2ForCausalLM(Qwen2Config(**_tiny_common(overrides))).to(dtype)  # type: ignore[arg-type]  # nn.Module.to(dtype)
 
 
 def tiny_gemma3(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any):
@@ -48,7 +48,7 @@ def tiny_gemma3(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: 
 
     params = _tiny_common({"head_dim": 16, "sliding_window": 16, **overrides})
     torch.manual_seed(seed)
-    return Gemma3ForCausalLM(Gemma3TextConfig(**params)).to(dtype)
+    return Gemma3ForCausalLM(Gemma3TextConfig(**params)).to(dtype)  # type: ignore[arg-type]  # nn.Module.to(dtype)
 
 
 def tiny_batch(

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from report_helpers import HOSTILE, audit_document, planted_watch_document
 
+from nbguard.document.grid import decode_grid
 from nbguard.findings import MIME_TYPE, Displayable, document
 from nbguard.render import activations_png, heatmap_png, mime_bundle, render_html, render_text
-from nbguard.render.grid import aggregate, column_bins, decode_grid, row_bins
+from nbguard.render.grid import aggregate, column_bins, row_bins
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -100,26 +101,26 @@ def test_text_shows_every_section():
     for needle in (
         "Activations overflow fp16",          # findings
         "[ERROR]", "[WARNING]",
-        "Activation probe (limit 65504)",     # probe
-        "OVER LIMIT",
-        "step 5: nonfinite-loss [overflow]",  # events
+        "Activation probe", "Limit 65504",    # probe
+        "over limit",
+        "step 5: ", "(nonfinite-loss)", "cause: overflow",  # events
         f"down_proj.{HOSTILE}",               # origin module
-        "first non-finite: NaN at step 5",    # history
-        "(1 skipped)",
+        "first non-finite gradient: NaN at step 5",  # history
+        "1 skipped step: 5",
         "activation abs-max recorded for 2 groups",
-        "Diagnosis: Gemma 3 eval crash",      # diagnoses
+        "Explained exceptions (1)", "Gemma 3 eval crash",  # diagnoses
         "AttributeError: 'HybridCache' object has no attribute 'float'",
-        "use-bf16: changed",                  # fixes applied
+        "use-bf16", "what changed:",          # fixes applied
         "args.bf16 = True",                   # fix cells
         "model.config.use_cache = False",
-        "Environment: Python 3.11.2",
+        "Environment", "Python 3.11.2",
         "NVIDIA Tesla T4",                    # hardware
     ):
         assert needle in text, needle
 
 
 def test_text_of_an_empty_audit_says_nothing_to_fix():
-    assert "Findings: none" in render_text(document("audit", findings=[]))
+    assert "No findings: nothing to fix." in render_text(document("audit", findings=[]))
 
 
 def test_html_escapes_hostile_names_and_parses():
@@ -280,10 +281,10 @@ def test_heatmap_rejects_bad_sections():
 
 def test_history_summary_names_the_group_or_counts_them():
     one = {"groups": ["a", "b", "c"], "steps": [0, 1], "grad_norm": [[1, 1], [1, "nan"], [1, 1]]}
-    assert "first non-finite: NaN at step 1 in b\n" in render_text(document("watch", history=one))
+    assert "first non-finite gradient: NaN at step 1 in b (" in render_text(document("watch", history=one))
     spread = dict(one, grad_norm=[[1, "nan"], [1, "nan"], [1, "inf"]])
     assert "in all 3 of 3 groups (first: a)" in render_text(document("watch", history=spread))
-    assert "all 3 of 3 groups (first: <code>a</code>)" in render_html(document("watch", history=spread))
+    assert "all 3 of 3 groups (first: a)" in render_html(document("watch", history=spread))
     assert "all 21 of 21 groups" in render_text(planted_watch_document())  # the real run: NaN spreads
 
 
@@ -304,7 +305,7 @@ def test_series_png_marks_non_finite_steps():
 
 
 def test_pretty_json_is_json_with_short_lists_inline():
-    from nbguard.render.data import pretty_json
+    from nbguard.document import pretty_json
 
     value = {"shape": [2, 16, 64], "nested": {"rows": [{"a": 1}, [1, "x"]], "s": 'q"<>'}, "empty": [], "none": {}}
     text = pretty_json(value)
@@ -320,7 +321,7 @@ def test_heatmap_of_a_watch_before_its_first_step():
 def test_heading_names_the_document_once():
     from nbguard.findings import document
     from nbguard.render import render_html, render_text
-    from nbguard.reporting.markdown import render_markdown
+    from nbguard.render.markdown import render_markdown
 
     titled = document("report", title="nbguard report", findings=[])
     html_out = render_html(titled)

@@ -18,9 +18,10 @@ from report_helpers import (
 
 import nbguard
 import nbguard.fixes
+from nbguard.document.merge import gather
 from nbguard.findings import MIME_TYPE, document
+from nbguard.render.markdown import GITHUB_BODY_LIMIT, md_code
 from nbguard.reporting import Report, build_report, redact, schema
-from nbguard.reporting.markdown import GITHUB_BODY_LIMIT, md_code
 from nbguard.session import SESSION, record_audit, record_diagnosis, record_fix, record_watch
 from nbguard.testing import tiny_batch
 
@@ -116,7 +117,7 @@ def test_markdown_fits_an_issue_with_the_heatmap_beside_it(tmp_path):
     text = md_path.read_text(encoding="utf-8")
     assert (tmp_path / "sub" / "bug.heatmap.png").read_bytes().startswith(b"\x89PNG")
     assert "![gradient-norm heatmap](bug.heatmap.png)" in text
-    assert "![loss and grad-norm plot](bug.series.png)" in text and (tmp_path / "sub" / "bug.series.png").exists()
+    assert "![loss, total grad norm and loss scale per step](bug.series.png)" in text and (tmp_path / "sub" / "bug.series.png").exists()
     assert "<details><summary>" in text and len(text) < GITHUB_BODY_LIMIT
     assert md_code(f"model.layers.1.mlp.down_proj.{HOSTILE}") in text  # the hostile name shown as code ...
     assert "<script" not in outside_code(text)      # ... and never as HTML
@@ -145,8 +146,8 @@ def test_json_round_trip_and_schema(tmp_path):
     assert str(loaded) == str(report)
     data = json.loads(path.read_text())
     assert data["schema_version"] == 1 and data["kind"] == "report"
-    assert [w["title"] for w in data["watches"]] == ["planted overflow (1)", "planted overflow (2)"]
-    assert data["watches"][1]["history"]["skipped_steps"] == [2]
+    assert [w["title"] for w in gather(data, "watches")] == ["planted overflow (1)", "planted overflow (2)"]
+    assert gather(data, "watches")[1]["history"]["skipped_steps"] == [2]
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.Draft202012Validator.check_schema(schema())
     jsonschema.Draft202012Validator(schema()).validate(data)
@@ -204,12 +205,15 @@ def test_report_of_the_session_after_a_real_watched_run(tmp_path, secret_env):
 
     report = nbguard.report()
     data = report.to_dict()
-    assert [len(w["events"]) >= 1 for w in data["watches"]] == [True]
-    assert data["watches"][0]["history"]["skipped_steps"] == [2]
-    assert data["diagnoses"][0]["signature"] == "cache-float-crash"
-    assert data["fixes_applied"][0]["fix"] == "disable-use-cache"
-    assert data["hardware"]["name"] == "t4" and data["environment"]["python"]
-    assert any(m["module"].endswith(HOSTILE) for m in data["probe"]["modules"])  # the real probe section
+    assert [len(w["events"]) >= 1 for w in gather(data, "watches")] == [True]
+    assert gather(data, "watches")[0]["history"]["skipped_steps"] == [2]
+    assert gather(data, "diagnoses")[0]["signature"] == "cache-float-crash"
+    assert gather(data, "fixes_applied")[0]["fix"] == "disable-use-cache"
+    # the story, in the order it happened
+    assert [e["kind"] for e in data["entries"]] == ["watch", "audit", "diagnosis", "fix"]
+    audit_entry = data["entries"][1]
+    assert audit_entry["hardware"]["name"] == "t4" and data["environment"]["python"]
+    assert any(m["module"].endswith(HOSTILE) for m in audit_entry["probe"]["modules"])  # the real probe section
     files = [report.save(tmp_path / f"session.{ext}") for ext in ("html", "md", "json")]
     for path in files:
         text = path.read_text(encoding="utf-8")
@@ -230,8 +234,8 @@ def test_report_with_arguments_uses_them_and_keeps_the_sessions_fixes():
     other = planted_watch_document()
     record_watch(type("Recorded", (), {"to_document": lambda self: other})())
     data = nbguard.report(watch=watch).to_dict()
-    assert len(data["watches"]) == 1 and data["watches"][0]["history"]["skipped_steps"] == [1]
-    assert [f["fix"] for f in data["fixes_applied"]] == ["lower-learning-rate"]
+    assert len(gather(data, "watches")) == 1 and gather(data, "watches")[0]["history"]["skipped_steps"] == [1]
+    assert [f["fix"] for f in gather(data, "fixes_applied")] == ["lower-learning-rate"]
 
 
 def test_a_broken_session_record_becomes_a_note():
@@ -246,5 +250,5 @@ def test_a_broken_session_record_becomes_a_note():
     notes = report.to_dict()["notes"]
     assert any("watch 1" in n and "kernel state gone" in n for n in notes)
     assert any("diagnosis 1" in n for n in notes)
-    assert report.to_dict()["findings"]  # the audit still made it
+    assert gather(report.to_dict(), "findings")  # the audit still made it
     assert "Note: the session's watch 1 could not be included" in str(report)

@@ -15,6 +15,7 @@ pytest.importorskip("nbconvert")
 
 from report_helpers import HF_TOKEN, HOSTILE, Refs  # noqa: E402
 
+from nbguard.document.merge import gather  # noqa: E402
 from nbguard.findings import MIME_TYPE  # noqa: E402
 from nbguard.reporting import schema  # noqa: E402
 from nbguard.reporting.nbconvert import NbguardExporter, notebook_documents  # noqa: E402
@@ -96,7 +97,7 @@ def test_exporter_markdown_and_json(executed, kernel_secret_env):
     assert "![gradient-norm heatmap](planted.heatmap.png)" in md
     text, _ = NbguardExporter(report_format="json").from_notebook_node(nb, resources={"metadata": {"name": "planted"}})
     data = json.loads(text)
-    assert data["kind"] == "report" and len(data["watches"]) == 1 and len(data["findings"]) == 3
+    assert data["kind"] == "report" and len(gather(data, "watches")) == 1 and len(gather(data, "findings")) == 3
     assert HF_TOKEN not in text and KERNEL_SECRET not in text
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.Draft202012Validator(schema()).validate(data)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from ..findings import Finding, Severity
 from ..hardware import resolve_hardware
+from ..introspect.inputs import check_args, check_batch, check_model, check_trainer
+from ..session import record_audit
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .context import AuditContext
-from .inputs import check_args, check_batch, check_model, check_trainer
 from .probe import ProbeResult, run_probe
 from .registry import RULES, Rule, rule
 from .result import AuditResult
@@ -64,8 +65,6 @@ def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None,
             ))
     result = AuditResult(findings=_run_rules(ctx) + extra, hardware=hw, probe=ctx.probe,
                          target="trainer" if trainer is not None else "model", with_args=args is not None)
-    from ..session import record_audit
-
     record_audit(result)
     return result
 

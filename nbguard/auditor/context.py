@@ -14,13 +14,7 @@ import torch
 
 from ..environment import parsed_version
 from ..hardware import Hardware
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-QUANTIZED_PARAM_CLASSES = ("Params4bit", "Int8Params", "QTensor", "AffineQuantizedTensor")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+from ..introspect.dtypes import HALF_DTYPES, QUANTIZED_PARAM_CLASSES
 
 
 class AuditContext:
@@ -65,7 +59,7 @@ class AuditContext:
     @cached_property
     def weight_dtype(self) -> torch.dtype | None:
         """The dtype most floating parameters are stored in (what "the model is in bf16" means)."""
-        counts = Counter()
+        counts: Counter[torch.dtype] = Counter()
         for _, p in self.floating_params:
             counts[p.dtype] += p.numel()
         return counts.most_common(1)[0][0] if counts else None
@@ -92,7 +86,7 @@ class AuditContext:
     @cached_property
     def configs(self) -> list[Any]:
         """The config and its text config, without duplicates (they are the same object for text models)."""
-        out = []
+        out: list[Any] = []
         for c in (self.config, self.text_config):
             if c is not None and all(c is not o for o in out):
                 out.append(c)

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from ..findings import encode_float
-from .context import dtype_name
+from ..introspect.dtypes import dtype_name
+from ..introspect.embeddings import embedding_shape
 
 FP16_MAX = 65504.0
 NEAR_FACTOR = 2.0  # "near the limit" = within 2x of 65504
@@ -91,8 +92,6 @@ def _model_device(model) -> torch.device:
 
 def synthetic_batch(model, batch_size: int = 1, seq_len: int = 16) -> dict[str, torch.Tensor]:
     """Random token ids within the vocabulary, labels = inputs (a causal LM step)."""
-    from .embeddings import embedding_shape
-
     shape = embedding_shape(model)
     vocab = shape[0] if shape else int(getattr(getattr(model, "config", None), "vocab_size", 32))
     gen = torch.Generator().manual_seed(0)
@@ -115,10 +114,8 @@ def run_probe(model: torch.nn.Module, batch: dict | None = None) -> ProbeResult:
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("probe=True needs real weights; this model is on the meta device")
     synthetic = batch is None
-    if synthetic:
-        batch = synthetic_batch(model)
     device = _model_device(model)
-    batch = {k: v.to(device) for k, v in batch.items()}
+    batch = {k: v.to(device) for k, v in (synthetic_batch(model) if batch is None else batch).items()}
 
     names = {m: n or type(model).__name__ for n, m in model.named_modules()}
     modes = {m: m.training for m in names}
@@ -147,7 +144,7 @@ def run_probe(model: torch.nn.Module, batch: dict | None = None) -> ProbeResult:
             out = model(**_forward_kwargs(model, batch))
             loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
             did_backward = bool(trainable and loss is not None and loss.requires_grad)
-            if did_backward:
+            if did_backward and loss is not None:
                 for p in params:
                     p.grad = None
                 loss.backward()

@@ -35,7 +35,7 @@ def rule(rule_id: str, severity: str):
         if rule_id in RULES:
             raise ValueError(f"rule {rule_id!r} is registered twice")
         RULES[rule_id] = Rule(rule_id, Severity(severity), check, (check.__doc__ or "").strip())
-        check.rule_id = rule_id
+        check.rule_id = rule_id  # type: ignore[attr-defined]  # the id travels with the function
         return check
 
     return register

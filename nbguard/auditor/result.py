@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import fixes
+from ..environment import environment_info
 from ..findings import Displayable, Finding, Severity, document, jsonable
 from ..hardware import Hardware
 
@@ -60,8 +62,6 @@ class AuditResult(Displayable):
         }
 
     def to_document(self, names: dict | None = None) -> dict[str, Any]:
-        from .. import fixes
-
         names = dict(names or {})
         if self.target == "trainer":
             names.setdefault("trainer", "trainer")
@@ -79,8 +79,6 @@ class AuditResult(Displayable):
         if self.probe is not None:
             sections["probe"] = self.probe.to_dict()
         if not self.environment:
-            from ..environment import environment_info
-
             self.environment = environment_info()
         sections["environment"] = jsonable(self.environment)
         return document("audit", **sections)

@@ -6,6 +6,7 @@ IPython custom exception handler; it works just as well on an exception caught i
 """
 from __future__ import annotations
 
+from ..session import record_diagnosis
 from .diagnosis import Diagnosis, exception_text
 from .rules import RULES, rule
 
@@ -35,8 +36,6 @@ def explain(exc: BaseException) -> Diagnosis | None:
     """The diagnosis of a known error signature in ``exc`` (or its chain), recorded for the report."""
     diagnosis = diagnose(exc)
     if diagnosis is not None:
-        from ..session import record_diagnosis
-
         record_diagnosis(diagnosis)
     return diagnosis
 

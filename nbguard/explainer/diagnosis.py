@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import fixes as fix_registry
 from ..findings import Displayable, document, jsonable
 
 
@@ -41,8 +42,6 @@ class Diagnosis(Displayable):
         """
         if not self.fixes:
             return {}
-        from .. import fixes as fix_registry
-
         names = names or {}
         cells = {}
         for fix_id in self.fixes:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..introspect.inputs import check_args, check_model, check_trainer
+from ..session import record_fix
 from . import model_fixes, trainer_fixes  # noqa: F401  (registers the fixes)
 from .registry import FIXES, Fix, Names, Target
 from .result import FixResult
@@ -59,8 +61,6 @@ def code(fix_id: str, **names_and_options: Any) -> str:
 
 
 def _target(fix: Fix, model, trainer, args) -> Target:
-    from ..auditor.inputs import check_args, check_model, check_trainer
-
     if trainer is not None:
         check_trainer(trainer)
         model = trainer.model if model is None else model
@@ -90,8 +90,6 @@ def apply(fix_id: str, *, model=None, trainer=None, **options: Any) -> FixResult
     else:
         names = {key: key for key, value in (("model", model), ("args", args)) if value is not None}
     cell = code(fix_id, **names, **options)
-    from ..session import record_fix
-
     record_fix(fix_id, changed, cell)
     return FixResult(fix=fix_id, changed=changed, code=cell)
 

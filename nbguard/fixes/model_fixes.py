@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..auditor.context import QUANTIZED_PARAM_CLASSES, dtype_name
-from ..auditor.embeddings import embedding_matrices, padding_row, token_deltas, zero_mask, zero_rows
+from ..introspect.dtypes import QUANTIZED_PARAM_CLASSES, dtype_name
+from ..introspect.embeddings import embedding_matrices, padding_row, token_deltas, zero_mask, zero_rows
 from .registry import Fix, register
 
 

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import torch
 
-from ..auditor.context import HALF_DTYPES, QUANTIZED_PARAM_CLASSES, dtype_name
 from ..hardware import resolve_hardware
+from ..introspect.dtypes import HALF_DTYPES, QUANTIZED_PARAM_CLASSES, dtype_name
 from .registry import Fix, register
 
 
@@ -44,7 +45,7 @@ def _lower_lr(target, factor: float = 0.1, **_):
     if math.isclose(args.learning_rate, wanted, rel_tol=1e-9):
         return {}
     scale = wanted / args.learning_rate
-    changed = {"args.learning_rate": f"{args.learning_rate:g} -> {wanted:g}"}
+    changed: dict[str, Any] = {"args.learning_rate": f"{args.learning_rate:g} -> {wanted:g}"}
     object.__setattr__(args, _BASE_LR, base)
     args.learning_rate = wanted
     trainer = target.trainer

@@ -69,7 +69,7 @@ class LabChannel:
 
         if in_colab():
             return False  # Colab's front end runs no JupyterLab extensions: nothing would answer
-        from .. import __version__
+        from ..document import __version__
 
         self.comm = _comm_factory()(target_name=TARGET_NAME, data={"action": "hello", "nbguard_version": __version__})
         self.comm.on_msg(self._on_msg)

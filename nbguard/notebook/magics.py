@@ -94,8 +94,7 @@ class NbguardMagics(Magics):
         return self._guarded(self._precision_check, line)
 
     def _precision_check(self, line: str) -> None:
-        import nbguard
-        from nbguard import fixes
+        from .. import api, fixes
 
         opts = _parse(_precision_parser(), line)
         targets, names = self._audit_targets(opts.objects)
@@ -105,7 +104,7 @@ class NbguardMagics(Magics):
             if not R.is_batch(batch):
                 raise MagicError(f"--batch {opts.batch!r} is a {R.describe(batch)}, expected a dict of tensors")
         kwargs = dict(targets, batch=batch, hardware=opts.hardware, probe=opts.probe)
-        result = nbguard.audit(**kwargs)
+        result = api.audit(**kwargs)
         self.state.last_names = names
         self.state.last_audit = result
 
@@ -117,7 +116,7 @@ class NbguardMagics(Magics):
 
         from .present import show_audit
 
-        show_audit(result, names=names, rerun=lambda: nbguard.audit(**kwargs), apply=apply)
+        show_audit(result, names=names, rerun=lambda: api.audit(**kwargs), apply=apply)
 
     def _audit_targets(self, given: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
         targets: dict[str, Any] = {}
@@ -185,8 +184,7 @@ class NbguardMagics(Magics):
                 print(summary())
 
     def _start_watch(self, line: str, cell: str | None = None):
-        import nbguard
-
+        from .. import api
         from .present import LiveWatch
 
         opts = _parse(_nanwatch_parser(), line)
@@ -211,7 +209,7 @@ class NbguardMagics(Magics):
         elif opts.optimizer:
             raise MagicError("--optimizer is for a model; a Trainer brings its own optimizer")
         self.state.stop_watches()  # one %nanwatch at a time: never two watches on the same run
-        watch = nbguard.watch(target, optimizer=optimizer, scaler=scaler, policy=opts.policy,
+        watch = api.watch(target, optimizer=optimizer, scaler=scaler, policy=opts.policy,
                               activations=opts.activations)
         live = LiveWatch(watch)
         self.state.watches.append(live)
@@ -249,9 +247,9 @@ class NbguardMagics(Magics):
         if opts.command == "fix":
             self._fix(opts.fix_id, opts.apply)
         elif opts.command == "report":
-            import nbguard
+            from .. import api
 
-            nbguard.report().save(opts.path)
+            api.report().save(opts.path)
             print(f"nbguard: report written to {opts.path}")
         elif opts.command == "explain":
             self._explain_last()

@@ -118,7 +118,7 @@ class RankWatches(Displayable):
 
     def to_document(self) -> dict[str, Any]:
         """Every rank's watch, kept apart, in one report document."""
-        from ..reporting.collect import merge_documents
+        from ..document.merge import merge_documents
 
         return merge_documents([self.ranks[r].to_document() for r in sorted(self.ranks)],
                                title=f"nbguard NaN/Inf watch across {len(self.ranks)} ranks")

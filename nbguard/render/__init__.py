@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..findings import MIME_TYPE
-from .data import check_json, encode_document
+from ..document import MIME_TYPE
+from ..document.codec import check_json, encode_document
+from ..document.redact import redact
+from ..document.view import view, without_view
 from .heatmap import activations_png, heatmap_png
 from .html import render_html
 from .series import series_png
-from .text import render_text
+from .text import format_view, render_text
 
 __all__ = ["MIME_TYPE", "activations_png", "encode_document", "heatmap_png", "mime_bundle", "render_html",
            "render_text", "series_png"]
@@ -23,13 +25,15 @@ def mime_bundle(doc: dict[str, Any]) -> dict[str, Any]:
     """{"text/plain", "text/html", MIME_TYPE} for ``doc``; the JSON entry is strict JSON
     (non-finite floats encoded as strings, numpy/torch values as plain numbers).
 
-    Secrets are redacted (``nbguard.reporting.redact``): a displayed output is written into the
+    Secrets are redacted (``nbguard.document.redact``): a displayed output is written into the
     .ipynb file, which gets shared like any report.
     """
     if not isinstance(doc, dict):
         raise TypeError(f"doc must be an nbguard document (dict from nbguard.findings.document), got {type(doc).__name__}")
-    from ..reporting.redact import redact  # lazy: reporting imports render
-
-    data = redact(encode_document(doc), home=False)
+    data = redact(encode_document(without_view(doc)), home=False)
     check_json(data)
-    return {"text/plain": render_text(data), "text/html": render_html(data), MIME_TYPE: data}
+    presented = view(data)
+    # The Lab extension lays out the same view the text and HTML below are made of, so the three
+    # cannot disagree; the document itself stays beside it for the heatmaps and for reports.
+    payload = {**data, "view": presented.to_dict()}
+    return {"text/plain": format_view(presented), "text/html": render_html(data), MIME_TYPE: payload}

@@ -14,15 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from .grid import Bins, aggregate, column_bins, column_flags, decode_grid, row_bins
-
-NAN_COLOR = "#D55E00"  # Okabe-Ito vermillion
-INF_COLOR = "#000000"
-OVER_COLOR = "#CC79A7"  # Okabe-Ito reddish purple: finite but above the limit
-MISSING_COLOR = "#D9D9D9"
-SKIP_COLOR = "#7F7F7F"
-CMAP_NAME = "viridis"
-CMAP_START = 0.12  # drop viridis' near-black end so Inf (black) cannot be confused with it
+from ..document.grid import decode_grid
+from ..document.palette import INF_COLOR, MISSING_COLOR, NAN_COLOR, OVER_COLOR, SCALE, SKIP_COLOR
+from .grid import Bins, aggregate, column_bins, column_flags, row_bins
 
 DEFAULT_MAX_ROWS = 48
 DEFAULT_MAX_COLS = 400
@@ -96,10 +90,9 @@ def _check_section(section: Any, name: str, key: str) -> None:
 
 def _render(section: dict, *, key: str, limit: float | None, max_rows: int, max_cols: int,
             dpi: int, title: str, colorbar_label: str) -> bytes:
-    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.cm import ScalarMappable
-    from matplotlib.colors import ListedColormap, LogNorm
+    from matplotlib.colors import LinearSegmentedColormap, LogNorm
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -116,8 +109,7 @@ def _render(section: dict, *, key: str, limit: float | None, max_rows: int, max_
     agg = aggregate(values, missing, rows, cols)
     skipped = column_flags(steps, section.get("skipped_steps") or [], cols)
 
-    base = colormaps[CMAP_NAME]
-    cmap = ListedColormap(base(np.linspace(CMAP_START, 1.0, 256)))
+    cmap = LinearSegmentedColormap.from_list("nbguard", list(SCALE), N=256)  # the canvas interpolates the same stops
     norm = _log_norm(agg.values, limit, LogNorm)
 
     rgba = np.empty(agg.values.shape + (4,), dtype=float)
@@ -144,9 +136,9 @@ def _render(section: dict, *, key: str, limit: float | None, max_rows: int, max_
     left = left_in / width_in
     right = 1 - 1.3 / width_in
     bottom = 0.55 / height_in
-    ax = fig.add_axes([left, bottom, right - left, map_h / height_in])
-    tax = fig.add_axes([left, bottom + (map_h + 0.08) / height_in, right - left, track_h / height_in], sharex=ax)
-    cax = fig.add_axes([right + 0.15 / width_in, bottom, 0.18 / width_in, map_h / height_in])
+    ax = fig.add_axes((left, bottom, right - left, map_h / height_in))
+    tax = fig.add_axes((left, bottom + (map_h + 0.08) / height_in, right - left, track_h / height_in), sharex=ax)
+    cax = fig.add_axes((right + 0.15 / width_in, bottom, 0.18 / width_in, map_h / height_in))
 
     ax.imshow(rgba, aspect="auto", interpolation="nearest", origin="upper",
               extent=(-0.5, n_cols - 0.5, n_rows - 0.5, -0.5))

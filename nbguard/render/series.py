@@ -9,7 +9,7 @@ import io
 
 import numpy as np
 
-from .heatmap import NAN_COLOR, SKIP_COLOR
+from ..document.palette import LINE_COLOR, NAN_COLOR, SKIP_COLOR
 
 SERIES = (("loss", "loss", False), ("total_grad_norm", "total grad norm", True), ("loss_scale", "loss scale", True))
 
@@ -26,6 +26,15 @@ def _decode(values, n: int) -> np.ndarray:
 
 def _present(values) -> bool:
     return any(v is not None for v in values or [])
+
+
+def nonfinite_caption(label: str, n_bad: int, n_finite: int) -> str:
+    """What a series panel says about its non-finite steps ("" when there are none)."""
+    if not n_bad:
+        return ""
+    if not n_finite:
+        return f"every {label} recorded is non-finite (NaN/Inf): nothing to plot"
+    return f"non-finite at {n_bad} step{'s' if n_bad != 1 else ''} (vermillion lines)"
 
 
 def series_png(history: dict, *, dpi: int = 100) -> bytes | None:
@@ -56,7 +65,7 @@ def series_png(history: dict, *, dpi: int = 100) -> bytes | None:
         if log:
             finite &= values > 0
             ax.set_yscale("log")
-        ax.plot(steps, np.where(finite, values, np.nan), color="#0072B2", linewidth=1.1)  # gaps at bad steps
+        ax.plot(steps, np.where(finite, values, np.nan), color=LINE_COLOR, linewidth=1.1)  # gaps at bad steps
         if log:
             ax.yaxis.set_minor_formatter(NullFormatter())
         for step in steps[bad]:
@@ -64,9 +73,12 @@ def series_png(history: dict, *, dpi: int = 100) -> bytes | None:
         ax.set_ylabel(label, fontsize=8)
         ax.tick_params(which="both", labelsize=7)
         ax.grid(alpha=0.25)
-        if bad.any():
-            ax.text(0.005, 0.92, f"non-finite at {int(bad.sum())} step{'s' if bad.sum() != 1 else ''} (vermillion lines)",
-                    transform=ax.transAxes, fontsize=7, color=NAN_COLOR, va="top")
+        caption = nonfinite_caption(label, int(bad.sum()), int(finite.sum()))
+        if caption and not finite.any():  # an empty axis would read as "nothing happened"
+            ax.set_yticks([])
+            ax.text(0.5, 0.5, caption, transform=ax.transAxes, fontsize=9, color=NAN_COLOR, ha="center", va="center")
+        elif caption:
+            ax.text(0.005, 0.92, caption, transform=ax.transAxes, fontsize=7, color=NAN_COLOR, va="top")
     marks = [s for s in steps if int(s) in skipped]
     if marks:
         bottom = axes[-1]

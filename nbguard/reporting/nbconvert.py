@@ -12,8 +12,9 @@ from typing import Any
 from nbconvert.exporters import Exporter
 from traitlets import Bool, Unicode, default, observe
 
+from ..document.merge import merge_documents
+from ..environment import environment_info
 from ..findings import MIME_TYPE
-from .collect import merge_documents
 from .report import Report
 
 _EXTENSIONS = {"html": ".html", "md": ".md", "json": ".json"}
@@ -69,8 +70,6 @@ class NbguardExporter(Exporter):
             merged["notes"] = [f"The notebook {name!r} has no saved nbguard outputs: run it with nbguard "
                                "(audit, watch, explained exceptions) and save it before exporting."]
         if "environment" not in merged:
-            from ..environment import environment_info
-
             merged["environment"] = environment_info()
             merged.setdefault("notes", []).append(
                 "The environment below is the one that converted the notebook, not the kernel that ran it.")

@@ -12,13 +12,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..document.merge import as_document, check_document, gather, merge_documents
+from ..document.redact import redact
+from ..document.view import lookup, view
 from ..environment import environment_info
-from ..findings import Displayable, document
+from ..findings import Displayable
 from ..render import encode_document, render_html, render_text
-from ..render.data import watch_sections
-from .collect import as_document, check_document, diagnosis_document, merge_documents
-from .markdown import render_markdown
-from .redact import redact
+from ..render.charts import chart_png
+from ..render.markdown import render_markdown
+from ..session import SESSION
 
 FORMATS = {".html": "html", ".htm": "html", ".md": "markdown", ".json": "json"}
 
@@ -86,23 +88,20 @@ class Report(Displayable):
 
     def image_files(self, stem: str) -> dict[str, tuple[str, bytes]]:
         """The heatmap PNGs of this report: {"heatmap-1": (file name, png bytes), ...}."""
-        from ..render import activations_png, heatmap_png, series_png
-
         doc = self._written()
-        watches = list(watch_sections(doc))
+        charts = [c for s in view(doc).sections for c in s.charts if not c.empty]
+        totals = {kind: sum(c.kind == kind for c in charts) for kind in {c.kind for c in charts}}
+        counters: dict[str, int] = {}
         out: dict[str, tuple[str, bytes]] = {}
-        for number, watch in enumerate(watches, start=1):
-            suffix = "" if len(watches) == 1 else f"-{number}"
-            for key, section, draw in (("heatmap", watch["history"], heatmap_png),
-                                       ("series", watch["history"], series_png),
-                                       ("activations", watch["activations"], activations_png)):
-                if isinstance(section, dict) and section.get("steps") and (section.get("groups") or key == "series"):
-                    try:
-                        png = draw(section)
-                    except Exception:  # a picture that cannot be drawn is left out with a note
-                        continue
-                    if png is not None:
-                        out[f"{key}-{number}"] = (f"{stem}.{key}{suffix}.png", png)
+        for chart in charts:
+            number = counters[chart.kind] = counters.get(chart.kind, 0) + 1
+            suffix = "" if totals[chart.kind] == 1 else f"-{number}"
+            try:
+                png = chart_png(chart.kind, lookup(doc, chart.source))
+            except Exception:  # a picture that cannot be drawn is left out with a note
+                continue
+            if png is not None:
+                out[f"{chart.kind}-{number}"] = (f"{stem}.{chart.kind}{suffix}.png", png)
         return out
 
     def _write_images(self, path: Path) -> dict[str, str]:
@@ -115,8 +114,9 @@ class Report(Displayable):
     # -- display ----------------------------------------------------------------------------
     def __repr__(self) -> str:
         doc = self._doc
-        parts = [f"{len(doc.get('findings') or [])} findings", f"{len(doc.get('watches') or [])} watches",
-                 f"{len(doc.get('diagnoses') or [])} diagnoses", f"{len(doc.get('fixes_applied') or [])} fixes applied"]
+        parts = [f"{len(gather(doc, name))} {label}" for name, label in (
+            ("findings", "findings"), ("watches", "watches"), ("diagnoses", "diagnoses"),
+            ("fixes_applied", "fixes applied"))]
         return f"<nbguard Report: {', '.join(parts)}>"
 
     def __str__(self) -> str:
@@ -131,21 +131,19 @@ def _as_path(path: Any) -> Path:
 
 
 def build_report(audit: Any = None, watch: Any = None) -> Report:
-    """A Report of ``audit`` and ``watch`` (one watch or a list), plus the explained exceptions
-    and applied fixes this session recorded. With neither, everything the session recorded:
-    the last audit and every watch.
+    """A Report of ``audit`` and ``watch`` (one watch or a list), followed by the explained exceptions
+    and applied fixes this session recorded. With neither, the session's whole story in order: every
+    audit, watch, fix applied, explained exception and verification as it happened.
 
     ``audit``/``watch`` may be result objects (anything with ``to_document()``) or documents.
     """
-    from ..session import SESSION
-
     docs: list[dict] = []
     notes: list[str] = []
     if audit is None and watch is None:
-        if SESSION.last_audit is not None:
-            _collect(docs, notes, SESSION.last_audit, "the session's last audit", as_document)
-        for index, recorded in enumerate(SESSION.watches):
-            _collect(docs, notes, recorded, f"the session's watch {index + 1}", as_document)
+        numbers: dict[str, int] = {}
+        for entry in SESSION.timeline:
+            numbers[entry.kind] = numbers.get(entry.kind, 0) + 1
+            _collect(docs, notes, entry, f"the session's {entry.kind} {numbers[entry.kind]}", lambda e, _: e.document())
     else:
         if audit is not None:
             docs.append(as_document(audit, "audit"))
@@ -153,10 +151,9 @@ def build_report(audit: Any = None, watch: Any = None) -> Report:
             watches = list(watch) if isinstance(watch, (list, tuple)) else [watch]
             for index, item in enumerate(watches):
                 docs.append(as_document(item, "watch" if len(watches) == 1 else f"watch[{index}]"))
-    for index, diagnosis in enumerate(SESSION.diagnoses):
-        _collect(docs, notes, diagnosis, f"the session's diagnosis {index + 1}", lambda d, _: diagnosis_document(d))
-    if SESSION.fixes_applied:
-        docs.append(document("fix", fixes_applied=[dict(f) for f in SESSION.fixes_applied]))
+        for entry in SESSION.timeline:
+            if entry.kind in ("diagnosis", "fix"):
+                _collect(docs, notes, entry, f"the session's {entry.kind}", lambda e, _: e.document())
     merged = merge_documents(docs, title="nbguard report", environment=environment_info())
     if notes:
         merged["notes"] = notes

@@ -5,11 +5,12 @@ import functools
 import inspect
 import re
 import sys
+from typing import Any
 
 import torch
 from packaging.specifiers import SpecifierSet
 
-from ..context import HALF_DTYPES, dtype_name
+from ...introspect.dtypes import HALF_DTYPES, dtype_name
 from ..registry import capped, finding, rule
 
 # Releases whose caches are Cache objects built by the model's forward; the feature checks below
@@ -40,7 +41,8 @@ def accelerate_converts_dtype_objects() -> bool:
 
 def _default_cache_classes(model) -> list[type]:
     """The cache classes the model's own forward builds when none is passed (read from its modelling code)."""
-    names, modules = set(), set()
+    names: set[tuple[str, Any]] = set()  # (class name, the modelling module that builds it)
+    modules: set[Any] = set()
     for sub in model.modules():
         mod = sys.modules.get(type(sub).__module__)
         if mod is not None and mod.__name__.startswith("transformers.models.") and mod not in modules:
@@ -64,7 +66,7 @@ def _cache_carries_dtype(cls: type, config) -> bool:
         except Exception:
             continue
         return isinstance(getattr(cache, "dtype", None), torch.dtype)
-    return "self.dtype" in inspect.getsource(cls.__init__)
+    return "self.dtype" in inspect.getsource(vars(cls).get("__init__", cls))
 
 
 def _embedding_dtype(ctx):

@@ -1,7 +1,7 @@
 """Rules about the token embeddings."""
 from __future__ import annotations
 
-from ..embeddings import embedding_matrices, padding_row, token_deltas, zero_rows
+from ...introspect.embeddings import embedding_matrices, padding_row, token_deltas, zero_rows
 from ..registry import finding, rule
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..context import HALF_DTYPES, dtype_name
+from ...introspect.dtypes import HALF_DTYPES, dtype_name
 from ..registry import capped, finding, rule
 
 FP16_MAX = 65504.0

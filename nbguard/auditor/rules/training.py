@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..context import dtype_name
+from ...introspect.dtypes import dtype_name
 from ..registry import capped, finding, rule
 
 FP16_SMALLEST_SUBNORMAL = 2.0 ** -24  # about 5.96e-8: anything smaller is 0 in float16

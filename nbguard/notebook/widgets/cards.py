@@ -10,31 +10,37 @@ from typing import Any
 
 import ipywidgets as W
 
+from ...document.palette import SEVERITY_COLORS
+from ...document.view import Card, view
+from ...render.html import table_html
 from .fixrow import ApplyFn, FixRow
-from .html import badge, code_block, esc, table
+from .html import badge, code_block, esc, success
 
 
-def _evidence(evidence: dict[str, Any]) -> W.Accordion:
-    accordion = W.Accordion(children=[W.HTML(value=table(evidence))])
-    accordion.set_title(0, "Evidence")
-    accordion.selected_index = None  # collapsed until asked
-    return accordion
+def card_widget(card: Card, rows: list[FixRow]) -> W.VBox:
+    """A view card as widgets: the same words as the static HTML (``card_html``), with live fix rows."""
+    head = W.HTML(value=(badge(card.tone, card.badge) + " " if card.badge else "")
+                  + f"<b>{esc(card.title)}</b>" + (f" <code>{esc(card.tag)}</code>" if card.tag else ""))
+    body = "".join(f"<div>{esc(line)}</div>" for line in card.lines)
+    if card.quote:
+        body += f"<div><code>{esc(card.quote)}</code></div>"
+    if card.table:
+        body += table_html(card.table)
+    children: list[W.Widget] = [head, W.HTML(value=body)]
+    if card.folds:
+        accordion = W.Accordion(children=[W.HTML(value=code_block(fold.text)) for fold in card.folds])
+        for index, fold in enumerate(card.folds):
+            accordion.set_title(index, fold.label.capitalize())
+        accordion.selected_index = None  # collapsed until asked
+        children.append(accordion)
+    children.extend(row.widget for row in rows)
+    border = SEVERITY_COLORS.get(card.tone, SEVERITY_COLORS["info"])
+    return W.VBox(children, layout=W.Layout(border="1px solid #bbb", border_left=f"5px solid {border}",
+                                            padding="6px", margin="4px 0"))
 
 
-def card(severity: str, title: str, tag: str, detail: str, evidence: dict, fix_rows: list[FixRow],
-         extra_html: str = "") -> W.VBox:
-    head = W.HTML(value=f"{badge(severity)} <b>{esc(title)}</b> <code>{esc(tag)}</code>")
-    why = W.HTML(value=f"<div>{esc(detail)}</div>{extra_html}")
-    return W.VBox([head, why, _evidence(evidence), *[row.widget for row in fix_rows]],
-                  layout=W.Layout(border="1px solid #bbb", padding="6px", margin="4px 0"))
-
-
-def fix_rows(fix_ids: list[str], fix_cells: dict, output_id: str, apply: ApplyFn | None) -> list[FixRow]:
-    rows = []
-    for fix_id in fix_ids:
-        cell = fix_cells.get(fix_id, {})
-        rows.append(FixRow(fix_id, cell.get("title", fix_id), cell.get("code", ""), output_id, apply))
-    return rows
+def fix_rows(card: Card, output_id: str, apply: ApplyFn | None) -> list[FixRow]:
+    return [FixRow(fix.id, fix.title or fix.id, fix.code, output_id, apply, verdict=fix.verdict) for fix in card.fixes]
 
 
 class FindingsView:
@@ -57,23 +63,20 @@ class FindingsView:
         self.render()
 
     def render(self) -> None:
-        doc = self.result.to_document(names=self.names)
-        findings = doc.get("findings", [])
-        counts = {s: sum(f["severity"] == s for f in findings) for s in ("error", "warning", "info")}
-        hw = doc.get("hardware", {}).get("display_name", "")
-        summary = ", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items() if n) or "no findings"
-        resolved = ""
-        if self.resolved:
-            resolved = ("<div style=\"color:#1A7F37\">Fixed (gone after re-audit): "
-                        + ", ".join(f"<code>{esc(r)}</code>" for r in self.resolved) + "</div>")
-        self.header.value = f"<b>nbguard precision audit</b> on {esc(hw)}: {esc(summary)}{resolved}"
+        v = view(self.result.to_document(names=self.names))
+        findings = v.section("findings")
+        hardware = v.section("hardware")
+        summary = (findings.facts[0].text if findings and findings.facts else "no findings")
+        on = f" on {esc(hardware.facts[0].text)}" if hardware and hardware.facts else ""
+        resolved = success("Fixed (gone after re-audit): " + ", ".join(f"<code>{esc(r)}</code>" for r in self.resolved)
+                           ) if self.resolved else ""
+        self.header.value = f"<b>nbguard precision audit</b>{on}: {esc(summary)}{resolved}"
         self.rows = {}
         children = []
-        for finding in findings:
-            rows = fix_rows(finding["fixes"], doc.get("fix_cells", {}), self.output_id, self._apply_and_reaudit)
-            self.rows[finding["rule"]] = rows
-            children.append(card(finding["severity"], finding["title"], finding["rule"], finding["detail"],
-                                 finding.get("evidence", {}), rows))
+        for card in findings.cards if findings else []:
+            rows = fix_rows(card, self.output_id, self._apply_and_reaudit)
+            self.rows[card.tag] = rows
+            children.append(card_widget(card, rows))
         self.cards.children = children
 
     def fix_row(self, rule: str, fix_id: str) -> FixRow:
@@ -103,15 +106,13 @@ class DiagnosisView:
     """One diagnosis card under an exception's traceback."""
 
     def __init__(self, doc: dict, output_id: str, apply: ApplyFn | None):
-        diagnosis = doc["diagnoses"][0]
-        cells = doc.get("fix_cells", {})
-        self.rows = fix_rows([f for f in diagnosis["fixes"] if f in cells], cells, output_id, apply)
-        exception = f"<div><code>{esc(diagnosis['exception'])}</code></div>"
-        self.widget = W.VBox([
-            W.HTML(value="<b>nbguard diagnosis</b>"),
-            card("error", diagnosis["title"], diagnosis["signature"], diagnosis["detail"],
-                 diagnosis.get("evidence", {}), self.rows, extra_html=exception),
-        ])
+        section = view(doc).section("diagnoses")
+        if section is None or not section.cards:
+            raise ValueError("DiagnosisView needs a document with one diagnosis")
+        card = section.cards[0]
+        card.fixes = [fix for fix in card.fixes if fix.code]  # only fixes with a cell to run
+        self.rows = fix_rows(card, output_id, apply)
+        self.widget = W.VBox([W.HTML(value="<b>nbguard diagnosis</b>"), card_widget(card, self.rows)])
 
     def fix_row(self, fix_id: str) -> FixRow:
         return next(row for row in self.rows if row.fix_id == fix_id)

@@ -21,6 +21,9 @@ from typing import Any
 
 import ipywidgets as W
 
+from ...document.view import event_card
+from ...render import activations_png, heatmap_png
+from ...render.html import card_html, styled
 from .html import esc
 from .sparkline import last_value, sparkline_svg
 
@@ -98,8 +101,6 @@ class WatchDashboard:
         self.attached = False
         # import the renderer now, not on the first training step: a first draw that pays for
         # importing matplotlib would look expensive and push every later draw far apart
-        from ...render import activations_png, heatmap_png  # noqa: F401
-
     # -- wiring to the watch --------------------------------------------------------------------
     def attach(self) -> WatchDashboard:
         if not self.attached:
@@ -179,8 +180,8 @@ class WatchDashboard:
         ) + self._rank_rows()
         lo, hi = self._range()
         keep = [i for i, s in enumerate(self.steps) if lo <= s <= hi]
-        pick = (lambda seq: [item for i, item in enumerate(seq) if i in keep_set])
         keep_set = set(keep)
+        pick = (lambda seq: [item for i, item in enumerate(seq) if i in keep_set])
         rows = [("loss", self.loss, False), ("grad norm", self.grad_norm, True)]
         if any(v is not None for v in self.loss_scale):
             rows.append(("loss scale", self.loss_scale, True))
@@ -196,8 +197,6 @@ class WatchDashboard:
         self._update_range_bounds()
 
     def render_heavy(self) -> None:
-        from ...render import heatmap_png
-
         self.renders["heavy"] += 1
         self._history = self.watch.history.to_dict()
         groups = self._history.get("groups", [])
@@ -217,8 +216,8 @@ class WatchDashboard:
         self.render_layer()
 
     def _draw_activations(self, lo: int, hi: int) -> None:
-        from ...render import activations_png
-
+        if self._activations is None:
+            return
         section = slice_history(self._activations, lo, hi, key="absmax")
         if section.get("steps") and section.get("groups"):
             self.activations_heatmap.value = activations_png(section)
@@ -243,18 +242,8 @@ class WatchDashboard:
         if index is None or index >= len(self.events):
             self.event_view.value = "<em>no events</em>" if not self.events else ""
             return
-        event = self.events[index]
-        head = (f"<div><b>{esc(event.get('kind'))}</b> at step {esc(event.get('step'))}"
-                f"{' · cause ' + esc(event['cause']) if event.get('cause') else ''}</div>"
-                f"<div>{esc(event.get('message', ''))}</div>")
-        origins = event.get("origins") or []
-        if not origins:
-            self.event_view.value = head + "<div><em>no origin recorded</em></div>"
-            return
-        cols = ("module", "phase", "dtype", "input_absmax", "output_absmax", "tensor", "micro_batch")
-        header = "".join(f"<th>{esc(c.replace('_', ' '))}</th>" for c in cols)
-        body = "".join("<tr>" + "".join(f"<td><code>{esc(o.get(c))}</code></td>" for c in cols) + "</tr>" for o in origins)
-        self.event_view.value = head + f"<table><tr>{header}</tr>{body}</table>"
+        # the same card the static HTML and the Lab renderer show for this event
+        self.event_view.value = styled(card_html(event_card(self.events[index])))
 
     # -- step range -----------------------------------------------------------------------------
     def _range(self) -> tuple[int, int]:
@@ -287,8 +276,6 @@ class WatchDashboard:
         if self._history is not None:
             section = slice_history(self._history, lo, hi)
             if section.get("steps"):
-                from ...render import heatmap_png
-
                 self.heatmap.value = heatmap_png(section)
             if self._activations is not None:
                 self._draw_activations(lo, hi)

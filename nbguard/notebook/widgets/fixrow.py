@@ -14,15 +14,18 @@ from typing import Any
 
 import ipywidgets as W
 
+from ...document.view import Verdict
 from ..comm import CHANNEL
-from .html import code_block, esc, short
+from .html import code_block, esc, failure, short, verdict_badge
 
 ApplyFn = Callable[[str], tuple[Any, str]]  # fix id -> (what changed, the code that was run)
 
 
 class FixRow:
-    def __init__(self, fix_id: str, title: str, code: str, output_id: str, apply: ApplyFn | None):
+    def __init__(self, fix_id: str, title: str, code: str, output_id: str, apply: ApplyFn | None,
+                 verdict: Verdict | None = None):
         self.fix_id, self.title, self.code, self.output_id = fix_id, title, code, output_id
+        self.verdict = verdict
         self._apply = apply
         self.applied: Any = None
         self.apply_button = W.Button(description="Apply", button_style="primary", tooltip=f"Run {fix_id} in the kernel")
@@ -31,17 +34,19 @@ class FixRow:
         self.insert_button.on_click(lambda _b: self.insert())
         self.apply_button.disabled = apply is None
         self.result = W.HTML(value="")
-        label = W.HTML(value=f"<b>Fix:</b> {esc(title)} <code>{esc(fix_id)}</code>")
+        label = W.HTML(value=f"<b>Fix:</b> {esc(title)} <code>{esc(fix_id)}</code>{verdict_badge(verdict)}")
         self.widget = W.VBox([W.HBox([label, self.apply_button, self.insert_button]), self.result])
 
     def apply(self) -> None:
         """Run the fix; any error is shown in the row, never raised into the widget callback."""
+        if self._apply is None:  # no kernel-side action here: the button is disabled
+            return
         self.apply_button.disabled = True
         try:
             changed, code = self._apply(self.fix_id)
         except Exception as err:
             self.apply_button.disabled = False
-            self.result.value = f'<span style="color:#B2182B">Apply failed: {esc(type(err).__name__)}: {esc(err)}</span>'
+            self.result.value = failure(f"Apply failed: {type(err).__name__}: {err}")
             return
         self.applied = changed
         self.apply_button.description = "Applied"
@@ -70,5 +75,4 @@ class FixRow:
             self.result.value = f"<em>{html.escape(str(where))}</em>"
         else:
             self.show_code()
-            self.result.value = (f'<span style="color:#B2182B">Insert failed: {html.escape(str(reply.get("message")))}'
-                                 f"</span>{self.result.value}")
+            self.result.value = failure(f"Insert failed: {reply.get('message')}") + self.result.value

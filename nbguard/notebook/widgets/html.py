@@ -5,17 +5,27 @@ import html
 import json
 from typing import Any
 
-SEVERITY_COLORS = {"error": "#B2182B", "warning": "#B35806", "info": "#2166AC"}  # readable on white and dark
+from ...document.palette import GOOD_COLOR, SEVERITY_COLORS
+from ...document.view import Verdict
 
 
 def esc(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-def badge(severity: str) -> str:
-    color = SEVERITY_COLORS.get(severity, "#555")
+def badge(tone: str, text: str) -> str:
+    color = SEVERITY_COLORS.get(tone, SEVERITY_COLORS["info"])
     return (f'<span style="background:{color};color:#fff;border-radius:3px;padding:1px 6px;'
-            f'font-size:0.85em;font-weight:600">{esc(severity.upper())}</span>')
+            f'font-size:0.85em;font-weight:600">{esc(text)}</span>')
+
+
+def verdict_badge(verdict: Verdict | None) -> str:
+    """A fix's verification verdict beside its name: verified in green, not enough in red."""
+    if verdict is None:
+        return ""
+    color = {"verified": GOOD_COLOR, "not-enough": SEVERITY_COLORS["error"]}.get(verdict.status, "#777")
+    detail = f" <small>{esc(verdict.detail)}</small>" if verdict.detail else ""
+    return f' <span style="color:{color};font-weight:600">[{esc(verdict.label)}]</span>{detail}'
 
 
 def short(value: Any, limit: int = 300) -> str:
@@ -23,15 +33,13 @@ def short(value: Any, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def table(rows: dict[str, Any]) -> str:
-    if not rows:
-        return "<em>no evidence recorded</em>"
-    body = "".join(
-        f'<tr><th style="text-align:left;padding-right:10px;vertical-align:top">{esc(k)}</th>'
-        f'<td><code style="white-space:pre-wrap">{esc(short(v))}</code></td></tr>'
-        for k, v in rows.items()
-    )
-    return f"<table>{body}</table>"
+def failure(text: str) -> str:
+    """A failed action, in the palette's error colour."""
+    return f'<span style="color:{SEVERITY_COLORS["error"]}">{esc(text)}</span>'
+
+
+def success(html_text: str) -> str:
+    return f'<div style="color:{GOOD_COLOR}">{html_text}</div>'
 
 
 def code_block(code: str) -> str:

@@ -9,9 +9,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-NAN_COLOR = "#D55E00"
-SKIP_COLOR = "#7F7F7F"
-LINE_COLOR = "#0072B2"
+from ...document.palette import LINE_COLOR, NAN_COLOR, SKIP_COLOR
 
 
 def _value(v: Any) -> float | None:

@@ -20,9 +20,12 @@ def embedding_shape(model) -> tuple[int, int] | None:
         return None
     for module in emb.modules():  # the real nn.Embedding inside any PEFT wrapper
         if isinstance(module, torch.nn.Embedding):
-            return tuple(module.weight.shape)
+            rows, cols = module.weight.shape
+            return int(rows), int(cols)
     weight = getattr(emb, "weight", None)
-    return tuple(weight.shape) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0]), int(weight.shape[1])
+    return None
 
 
 def padding_row(model) -> int | None:

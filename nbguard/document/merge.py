@@ -1,10 +1,11 @@
-"""Merging v1 documents (from result objects, the session, or a saved notebook) into one
-"report" document.
+"""Several v1 documents (a session's timeline, the outputs saved in a notebook) as one "report".
 
-A report keeps every watch apart: each becomes an entry of ``watches`` with its own title,
-events, history and activations, instead of the top-level ``events``/``history`` a single
-watch's document carries. Everything else is concatenated in the order it came (identical
-repeats, such as a result displayed twice, are kept once).
+A report tells the story in order: each document becomes one entry of ``entries`` (an audit, a watch,
+a fix applied, an explained exception, a verification), so the audit before a fix and the audit after
+it both appear. Two rules keep it readable: an entry identical to one already there (a result displayed
+twice) is kept once, and a later view of the same watch (same ``watch_id``, e.g. its dashboard
+redrawn after training) replaces the earlier one in place. :func:`gather` reads a section across the
+entries, for code that wants "every finding" or "every watch" rather than the story.
 """
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from ..findings import SCHEMA_VERSION, document
-from ..render.data import encode_document
+from .codec import encode_document
+from .model import SCHEMA_VERSION, document
+from .view import without_view
 
-LIST_SECTIONS = ("findings", "diagnoses", "fixes_applied")
+ENVELOPE = ("schema_version", "nbguard_version", "output_id", "view")
 WATCH_KEYS = ("events", "history", "activations")
 
 
@@ -24,7 +26,8 @@ def _key(value: Any) -> str:
 
 
 def check_document(doc: Any, name: str = "doc") -> dict:
-    """``doc`` if it looks like a v1 document; a clear error otherwise."""
+    """``doc`` (without a displayed bundle's derived ``view``) if it looks like a v1 document; a
+    clear error otherwise."""
     if not isinstance(doc, dict):
         raise TypeError(f"{name} must be an nbguard document (dict), got {type(doc).__name__}")
     version = doc.get("schema_version")
@@ -33,73 +36,51 @@ def check_document(doc: Any, name: str = "doc") -> dict:
     if not isinstance(version, int) or version > SCHEMA_VERSION:
         raise ValueError(f"{name} has schema_version {version!r}; this nbguard reads version {SCHEMA_VERSION} "
                          "(upgrade nbguard to read newer reports)")
-    return doc
+    return without_view(doc)
+
+
+def as_entries(doc: dict) -> list[dict]:
+    """The entries a document contributes: a report's own entries, else the document itself."""
+    if doc.get("kind") == "report" and isinstance(doc.get("entries"), list):
+        return [e for e in doc["entries"] if isinstance(e, dict)]
+    return [{k: v for k, v in doc.items() if k not in ENVELOPE and k != "environment"}]
 
 
 def merge_documents(docs: Iterable[dict], *, title: str | None = None, environment: dict | None = None) -> dict:
-    """One "report" document holding every section of ``docs``, in order."""
-    merged: dict[str, Any] = {}
-    seen: dict[str, set] = {name: set() for name in LIST_SECTIONS}
-    watches: list[dict] = []
-    watch_keys: set[str] = set()
-    watch_index: dict[str, int] = {}  # watch_id -> position: a later display of the same watch replaces it
-    fix_cells: dict[str, Any] = {}
+    """One "report" document whose ``entries`` are ``docs`` in order (see the module docstring)."""
+    entries: list[dict] = []
+    seen: set[str] = set()
+    watch_at: dict[str, int] = {}  # watch_id -> position in entries
     found_env = None
     for doc in docs:
         doc = encode_document(check_document(doc))
-        for name in LIST_SECTIONS:
-            for item in doc.get(name) or []:
-                key = _key(item)
-                if key not in seen[name]:
-                    seen[name].add(key)
-                    merged.setdefault(name, []).append(item)
-        for name in ("hardware", "probe"):
-            if doc.get(name) is not None:
-                merged[name] = doc[name]  # the latest audit describes the run as it is now
-        if isinstance(doc.get("fix_cells"), dict):
-            fix_cells.update(doc["fix_cells"])
         if isinstance(doc.get("environment"), dict):
             found_env = doc["environment"]
-        entries = list(doc.get("watches") or [])
-        if any(doc.get(key) for key in WATCH_KEYS):
-            entry = {key: doc[key] for key in WATCH_KEYS if doc.get(key)}
-            entry["title"] = doc.get("title") or "Watch"
-            if doc.get("watch_id") is not None:
-                entry["watch_id"] = doc["watch_id"]
-            if doc.get("summary") is not None:
-                entry["summary"] = doc["summary"]
-            entries.append(entry)
-        for entry in entries:
-            if not isinstance(entry, dict):
-                continue
+        for entry in as_entries(doc):
             wid = entry.get("watch_id")
-            if wid is not None and str(wid) in watch_index:
-                watches[watch_index[str(wid)]] = entry
-            elif _key(entry) not in watch_keys:
-                watch_keys.add(_key(entry))
-                if wid is not None:
-                    watch_index[str(wid)] = len(watches)
-                watches.append(entry)
-    _number_repeated_titles(watches)
-    if "fixes_applied" in merged:
-        merged["fixes_applied"].sort(key=lambda f: f.get("time") if isinstance(f.get("time"), (int, float)) else 0)
+            if wid is not None and str(wid) in watch_at:
+                entries[watch_at[str(wid)]] = entry
+                continue
+            key = _key({k: v for k, v in entry.items() if k != "time"})
+            if key in seen:
+                continue
+            seen.add(key)
+            if wid is not None:
+                watch_at[str(wid)] = len(entries)
+            entries.append(entry)
+    _number_repeated_titles([e for e in entries if _is_watch(e)])
     sections: dict[str, Any] = {}
     if title:
         sections["title"] = title
     env = environment if environment is not None else found_env
     if env is not None:
         sections["environment"] = env
-    for name in ("hardware", "findings", "probe"):
-        if name in merged:
-            sections[name] = merged[name]
-    if watches:
-        sections["watches"] = watches
-    for name in ("diagnoses", "fixes_applied"):
-        if name in merged:
-            sections[name] = merged[name]
-    if fix_cells:
-        sections["fix_cells"] = fix_cells
+    sections["entries"] = entries
     return document("report", **sections)
+
+
+def _is_watch(entry: dict) -> bool:
+    return any(entry.get(key) for key in WATCH_KEYS) or entry.get("kind") == "watch"
 
 
 def _number_repeated_titles(watches: list[dict]) -> None:
@@ -108,6 +89,21 @@ def _number_repeated_titles(watches: list[dict]) -> None:
     for index, watch in enumerate(watches):
         if titles.count(titles[index]) > 1:
             watch["title"] = f"{titles[index]} ({titles[:index + 1].count(titles[index])})"
+
+
+def gather(doc: dict, name: str) -> list:
+    """Every item of the list section ``name`` ("findings", "diagnoses", "fixes_applied", ...) across a
+    document and its entries, in order; ``name="watches"`` gives each watch as one dict."""
+    parts = [doc, *(doc.get("entries") or [])] if isinstance(doc.get("entries"), list) else [doc]
+    items: list = []
+    for part in parts:
+        if not isinstance(part, dict):
+            continue
+        if name == "watches" and part is not doc and _is_watch(part):
+            items.append(part)
+        else:
+            items.extend(part.get(name) or [])
+    return items
 
 
 def as_document(value: Any, name: str) -> dict:

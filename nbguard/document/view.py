@@ -1,0 +1,651 @@
+"""The presentation model: what every renderer shows of a document, computed once.
+
+``view(doc)`` decides the section order, the severity order, the counts, the history overview,
+the probe's headroom rows, the palette and the spelling of every number ("NaN", "Inf", "1.5e+05",
+"—" for missing). Text, static HTML, Markdown, the ipywidgets cards and the JupyterLab renderer
+only lay the result out (``View.to_dict()`` is what the Lab extension receives), so they cannot
+drift apart: a value the HTML shows, the Lab view shows with the same words.
+
+Documents come from many producers and from saved notebooks, so nothing here trusts the shape:
+missing sections are skipped and odd values are shown as text; a section that cannot be viewed
+becomes a note instead of hiding the rest.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .codec import as_float, pretty_json
+from .palette import palette
+
+SEVERITY_ORDER = ("error", "warning", "info")
+SECTION_ORDER = ("notes", "hardware", "findings", "probe", "watch", "verifications", "diagnoses",
+                 "fixes_applied", "fix_cells", "environment")
+KEY_PACKAGES = ("torch", "transformers", "peft", "accelerate", "trl", "bitsandbytes", "unsloth")
+MAX_PROBE_ROWS = 40
+MAX_EVENTS = 100
+SERIES_ALT = "loss, total grad norm and loss scale per step"
+MISSING = "—"
+
+
+# -- number spelling ---------------------------------------------------------------------------
+def fmt_num(value: Any, digits: int = 4) -> str:
+    """A compact, human form of a number that may be non-finite or missing."""
+    number = as_float(value)
+    if number is None:
+        return MISSING if value is None else str(value)
+    if math.isnan(number):
+        return "NaN"
+    if math.isinf(number):
+        return "Inf" if number > 0 else "-Inf"
+    if number == int(number) and abs(number) < 1e15:
+        return str(int(number))
+    return f"{number:.{digits}g}"
+
+
+def format_time(value: Any) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(value)))
+    except (TypeError, ValueError, OverflowError, OSError):
+        return str(value or "")
+
+
+def plural(count: int, word: str, suffix: str = "s") -> str:
+    return f"{count} {word}{'' if count == 1 else suffix}"
+
+
+def last_line(text: Any) -> str:
+    """The last non-empty line of an exception text: the error message itself."""
+    rows = [row for row in str(text).splitlines() if row.strip()]
+    return rows[-1].strip() if rows else ""
+
+
+def short_json(value: Any, limit: int = 160) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def heading(doc: dict) -> str:
+    """The document's heading: its own title (they already say "nbguard ..."), else its kind."""
+    title = doc.get("title")
+    return str(title) if title else f"nbguard {doc.get('kind', 'document')}"
+
+
+# -- the model ---------------------------------------------------------------------------------
+@dataclass
+class Fact:
+    """One statement of a summary list; ``tone`` is "bad", "skip", "good" or "" (plain)."""
+
+    text: str
+    tone: str = ""
+
+
+@dataclass
+class Fold:
+    """Details a reader opens on demand: JSON evidence, an exception text, what a fix changed."""
+
+    label: str
+    text: str
+    short: str = ""  # one line, for the text renderer
+    kind: str = "json"  # "json", "text" or "code"
+
+
+@dataclass
+class Table:
+    columns: list[str]
+    rows: list[list[str]]
+    numeric: list[bool] = field(default_factory=list)  # per column: right-aligned figures
+    code: list[bool] = field(default_factory=list)  # per column: names shown as code
+    bad_rows: list[int] = field(default_factory=list)
+    note: str = ""  # "12 more modules ..."
+
+
+@dataclass
+class Verdict:
+    """Whether a fix was shown to work on the failing step (nbguard.verify)."""
+
+    status: str  # "verified", "not-enough", "not-checked"
+    label: str  # "verified", "not enough", "not checked"
+    detail: str = ""
+
+
+@dataclass
+class FixView:
+    id: str
+    title: str = ""
+    code: str = ""
+    verdict: Verdict | None = None
+
+
+@dataclass
+class Card:
+    tone: str  # "error", "warning" or "info": the left border and the badge
+    title: str
+    badge: str = ""  # "ERROR", or "" for no badge
+    tag: str = ""  # the rule id, signature or event kind
+    lines: list[str] = field(default_factory=list)
+    quote: str = ""  # the one line that matters (an exception's message)
+    table: Table | None = None
+    folds: list[Fold] = field(default_factory=list)
+    fixes: list[FixView] = field(default_factory=list)
+    code: str = ""  # a fix applied: the cell that was run
+
+
+@dataclass
+class Chart:
+    """A picture drawn from the document: ``source`` is the path of its section in the document
+    (e.g. ["watches", 0, "history"]); ``empty`` says why there is nothing to draw."""
+
+    kind: str  # "heatmap", "series" or "activations"
+    alt: str
+    source: list[Any]
+    empty: str = ""
+
+
+@dataclass
+class Section:
+    kind: str
+    title: str = ""
+    facts: list[Fact] = field(default_factory=list)
+    cards: list[Card] = field(default_factory=list)
+    table: Table | None = None
+    charts: list[Chart] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    folded: bool = False  # shown closed by default (the environment)
+    empty: str = ""  # what to say when the section has nothing ("No findings: nothing to fix.")
+    cards_title: str = ""  # a heading over the cards ("Events (3)")
+
+
+@dataclass
+class View:
+    title: str
+    meta: str
+    summary: str
+    sections: list[Section]
+    palette: dict[str, Any] = field(default_factory=palette)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def section(self, kind: str) -> Section | None:
+        return next((s for s in self.sections if s.kind == kind), None)
+
+    def all_sections(self, kind: str) -> list[Section]:
+        return [s for s in self.sections if s.kind == kind]
+
+
+# -- building it ---------------------------------------------------------------------------------
+def view(doc: dict) -> View:
+    """The presentation model of ``doc`` (any v1 document: an audit, a watch, a report, ...)."""
+    if not isinstance(doc, dict):
+        raise TypeError(f"doc must be an nbguard document (dict), got {type(doc).__name__}")
+    meta = f"nbguard {doc.get('nbguard_version', '?')} · schema v{doc.get('schema_version', '?')}"
+    top = _sections(doc, [])
+    sections = [s for s in top if s.kind != "environment"]
+    for number, entry in enumerate(_entries(doc), start=1):
+        sections.append(Section(kind="entry", title=_entry_title(number, entry)))
+        sections.extend(_sections(entry, ["entries", number - 1]))
+    sections += [s for s in top if s.kind == "environment"]  # the reference details close the story
+    return View(title=heading(doc), meta=meta, summary=_summary(doc), sections=sections)
+
+
+def _entries(doc: dict) -> list[dict]:
+    return [e for e in doc.get("entries") or [] if isinstance(e, dict)]
+
+
+ENTRY_NAMES = {"audit": "Audit", "watch": "Watch", "fix": "Fix applied", "diagnosis": "Explained exception",
+               "verification": "Fix verification"}
+
+
+def _entry_title(number: int, entry: dict) -> str:
+    name = ENTRY_NAMES.get(str(entry.get("kind")), str(entry.get("kind", "entry")).capitalize())
+    if entry.get("kind") == "fix":
+        fixes = [str(f.get("fix")) for f in entry.get("fixes_applied") or [] if isinstance(f, dict)]
+        name += ": " + ", ".join(fixes) if fixes else ""
+    elif entry.get("kind") == "audit":
+        findings = entry.get("findings") or []
+        name += f": {plural(len(findings), 'finding')}" if isinstance(findings, list) else ""
+    when = entry.get("time")
+    return f"{number}. {name}" + (f" ({format_time(when)})" if when is not None else "")
+
+
+def _sections(doc: dict, path: list[Any]) -> list[Section]:
+    out: list[Section] = []
+    for name, build in _BUILDERS:
+        try:
+            out.extend(build(doc, path))
+        except Exception as exc:  # one odd section must not hide the rest
+            out.append(Section(kind="notes", notes=[f"could not render {name}: {exc!r}"]))
+    return out
+
+
+def _summary(doc: dict) -> str:
+    """One line that says whether anything is wrong, before any detail."""
+    docs = [doc, *_entries(doc)]
+    bits = []
+    findings_lists = [d["findings"] for d in docs if isinstance(d.get("findings"), list)]
+    if findings_lists:
+        findings = findings_lists[-1]  # the latest audit says how the run stands now
+        counts = sorted(severity_counts(findings).items(), key=lambda kv: _severity_rank(kv[0]))
+        detail = f" ({', '.join(plural(n, sev) for sev, n in counts)})" if counts else ""
+        bits.append(plural(len(findings), "finding") + detail + (" at the last audit" if len(findings_lists) > 1 else ""))
+    watches = [w for d in docs for w in watch_sections(d)]
+    if watches:
+        bits.append(plural(sum(len(w["events"]) for w in watches), "watch event"))
+    n_diag = sum(len(d.get("diagnoses") or []) for d in docs)
+    if n_diag:
+        bits.append(plural(n_diag, "explained exception"))
+    n_fix = sum(len(d.get("fixes_applied") or []) for d in docs)
+    if n_fix:
+        bits.append(f"{n_fix} fix{'es' if n_fix != 1 else ''} applied")
+    return " · ".join(bits)
+
+
+def severity_counts(findings: list) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for f in findings:
+        sev = str(f.get("severity")) if isinstance(f, dict) else "?"
+        counts[sev] = counts.get(sev, 0) + 1
+    return counts
+
+
+def _severity_rank(severity: Any) -> int:
+    return SEVERITY_ORDER.index(severity) if severity in SEVERITY_ORDER else len(SEVERITY_ORDER)
+
+
+def _tone(severity: Any) -> str:
+    return severity if severity in SEVERITY_ORDER else "info"
+
+
+def _evidence_fold(label: str, value: Any) -> Fold:
+    return Fold(label=label, text=pretty_json(value), short=short_json(value))
+
+
+def _notes(doc: dict, path: list[Any]) -> list[Section]:
+    notes = [str(n) for n in doc.get("notes") or []]
+    return [Section(kind="notes", notes=notes)] if notes else []
+
+
+def hardware_line(hw: dict) -> str:
+    parts = [str(hw.get("display_name") or hw.get("name") or "?")]
+    cc = hw.get("compute_capability")
+    if cc:
+        parts.append("compute capability " + ".".join(str(c) for c in cc))
+    if hw.get("memory_gb"):
+        parts.append(f"{fmt_num(hw['memory_gb'])} GB")
+    if "native_bf16" in hw:
+        parts.append("native bf16" if hw["native_bf16"] else "no native bf16")
+    if hw.get("detected") is not None:
+        parts.append("detected" if hw.get("detected") else "profile")
+    return ", ".join(parts)
+
+
+def _hardware(doc: dict, path: list[Any]) -> list[Section]:
+    hw = doc.get("hardware")
+    if not isinstance(hw, dict):
+        return []
+    return [Section(kind="hardware", title="Hardware", facts=[Fact(hardware_line(hw))])]
+
+
+def fix_cells(doc: dict) -> dict[str, dict]:
+    cells = doc.get("fix_cells")
+    if not isinstance(cells, dict):
+        return {}
+    return {str(k): v if isinstance(v, dict) else {"code": str(v)} for k, v in cells.items()}
+
+
+def _verdicts(doc: dict) -> dict[str, Verdict]:
+    """The best verdict per fix id over the document's verifications (verified beats not enough)."""
+    best: dict[str, Verdict] = {}
+    for verification in doc.get("verifications") or []:
+        for candidate in (verification or {}).get("candidates") or []:
+            fix_id, status = str(candidate.get("fix")), str(candidate.get("status"))
+            verdict = Verdict(status=status, label=status.replace("-", " "), detail=str(candidate.get("summary") or ""))
+            if fix_id not in best or VERDICT_ORDER.index(status) < VERDICT_ORDER.index(best[fix_id].status):
+                best[fix_id] = verdict
+    return best
+
+
+VERDICT_ORDER = ("verified", "not-enough", "not-checked")
+
+
+def _fix_views(fix_ids: Any, cells: dict[str, dict], verdicts: dict[str, Verdict]) -> list[FixView]:
+    fixes = [FixView(id=str(fid), title=str(cells.get(str(fid), {}).get("title") or ""),
+                     code=str(cells.get(str(fid), {}).get("code") or ""), verdict=verdicts.get(str(fid)))
+             for fid in fix_ids or []]
+    # verified fixes first, then the unverified in the producer's order, then those shown not to help
+    rank = {"verified": 0, None: 1, "not-checked": 1, "not-enough": 2}
+    return sorted(fixes, key=lambda f: rank.get(f.verdict.status if f.verdict else None, 1))
+
+
+def _findings(doc: dict, path: list[Any]) -> list[Section]:
+    findings = doc.get("findings")
+    if not isinstance(findings, list):
+        return []
+    if not findings:
+        return [Section(kind="findings", title="Findings", empty="No findings: nothing to fix.")]
+    cells, verdicts = fix_cells(doc), _verdicts(doc)
+    counts = severity_counts(findings)
+    facts = [Fact(", ".join(plural(n, sev) for sev, n in sorted(counts.items(), key=lambda kv: _severity_rank(kv[0]))))]
+    cards = []
+    for f in sorted((f for f in findings if isinstance(f, dict)), key=lambda f: _severity_rank(f.get("severity"))):
+        sev = str(f.get("severity", "info"))
+        cards.append(Card(
+            tone=_tone(sev), badge=sev.upper(), title=str(f.get("title", "")), tag=str(f.get("rule", "")),
+            lines=[str(f["detail"])] if f.get("detail") else [],
+            folds=[_evidence_fold("evidence", f["evidence"])] if f.get("evidence") else [],
+            fixes=_fix_views(f.get("fixes"), cells, verdicts),
+        ))
+    return [Section(kind="findings", title=f"Findings ({len(findings)})", facts=facts, cards=cards)]
+
+
+def headroom_key(module: dict) -> float:
+    """Sort key: least headroom first; an overflowed module (abs-max inf/nan) counts as 0."""
+    headroom = as_float(module.get("headroom"))
+    if headroom is not None and math.isfinite(headroom):
+        return headroom
+    absmax = as_float(module.get("absmax"))
+    if absmax is not None and not math.isfinite(absmax):
+        return 0.0
+    return math.inf
+
+
+def _probe(doc: dict, path: list[Any]) -> list[Section]:
+    probe = doc.get("probe")
+    if not isinstance(probe, dict):
+        return []
+    if not isinstance(probe.get("modules") or [], list):
+        raise TypeError(f"probe modules must be a list, got {type(probe.get('modules')).__name__}")
+    modules = sorted((m for m in probe.get("modules") or [] if isinstance(m, dict)), key=headroom_key)
+    over = sum(1 for m in modules if headroom_key(m) < 1)
+    rows, bad_rows = [], []
+    for index, m in enumerate(modules[:MAX_PROBE_ROWS]):
+        bad = headroom_key(m) < 1
+        headroom = "overflow" if m.get("headroom") is None and bad else f"{fmt_num(m.get('headroom'), 3)}×"
+        rows.append([str(m.get("module")), str(m.get("dtype") or ""), fmt_num(m.get("absmax")),
+                     fmt_num(m.get("input_absmax")), headroom + (" ⚠ over limit" if bad else "")])
+        if bad:
+            bad_rows.append(index)
+    more = len(modules) - len(rows)
+    table = Table(columns=["module", "dtype", "output abs-max", "input abs-max", "headroom"], rows=rows,
+                  numeric=[False, False, True, True, True], code=[True, False, False, False, False], bad_rows=bad_rows,
+                  note=f"{more} more modules with more headroom not shown." if more > 0 else "")
+    facts = [Fact(f"Limit {fmt_num(probe.get('limit', 65504.0))}: {plural(len(modules), 'module')}, {over} at or over "
+                  "the limit (least headroom first)", "bad" if over else "")]
+    return [Section(kind="probe", title="Activation probe", facts=facts, table=table)]
+
+
+def watch_sections(doc: dict) -> Iterator[dict]:
+    """Each watch in ``doc`` as {"title", "events", "history", "activations", "summary", "path"}.
+
+    A report holds a list under "watches"; a single watch's document carries its "events",
+    "history" and "activations" at the top level. Both are read, in that order.
+    """
+    watches = doc.get("watches")
+    if isinstance(watches, list):
+        for index, watch in enumerate(watches):
+            if isinstance(watch, dict):
+                yield {"title": watch.get("title") or f"Watch {index + 1}", "events": watch.get("events") or [],
+                       "history": watch.get("history"), "activations": watch.get("activations"),
+                       "summary": watch.get("summary"), "path": ["watches", index]}
+    if any(doc.get(key) for key in ("events", "history", "activations")):
+        yield {"title": None, "events": doc.get("events") or [], "history": doc.get("history"),
+               "activations": doc.get("activations"), "summary": doc.get("summary"), "path": []}
+
+
+def history_overview(history: Any) -> dict[str, Any]:
+    """The numbers a reader wants first from a grad-norm history: size, skipped steps and the
+    first non-finite cell (step, group, value, how many groups)."""
+    if not isinstance(history, dict):
+        return {}
+    import numpy as np  # only when a history is shown: `import nbguard` stays light
+
+    from .grid import decode_grid
+
+    groups = [str(g) for g in history.get("groups") or []]
+    steps = list(history.get("steps") or [])
+    values, missing = decode_grid(history.get("grad_norm"), len(groups), len(steps))
+    bad = ~np.isfinite(values) & ~missing
+    first_bad = None
+    if bad.any():
+        col = int(np.flatnonzero(bad.any(axis=0))[0])
+        rows = np.flatnonzero(bad[:, col])
+        first_bad = (steps[col], groups[int(rows[0])], fmt_num(float(values[int(rows[0]), col])), int(rows.size))
+    loss = [as_float(v) for v in history.get("loss") or []]
+    finite_loss = [v for v in loss if v is not None and math.isfinite(v)]
+    return {
+        "n_groups": len(groups),
+        "n_steps": len(steps),
+        "first_step": steps[0] if steps else None,
+        "last_step": steps[-1] if steps else None,
+        "skipped_steps": list(history.get("skipped_steps") or []),
+        "first_nonfinite": first_bad,
+        "nonfinite_cells": int(bad.sum()),
+        "finite_cells": int((np.isfinite(values) & ~missing).sum()),
+        "nonfinite_loss_steps": [s for s, v in zip(steps, loss) if v is not None and not math.isfinite(v)],
+        "loss_first": finite_loss[0] if finite_loss else None,
+        "loss_last": finite_loss[-1] if finite_loss else None,
+        "has_loss": any(v is not None for v in loss),
+    }
+
+
+def where_bad(group: str, count: int, total: int) -> str:
+    """Where the first non-finite step hit: one group by name, or how many (all of them when the
+    NaN spread through the backward pass)."""
+    if count <= 1:
+        return group
+    return f"{'all ' if count == total else ''}{count} of {total} groups (first: {group})"
+
+
+def overview_facts(overview: dict) -> list[Fact]:
+    facts = [Fact(f"{overview['n_groups']} module groups × {overview['n_steps']} steps"
+                  + (f" (steps {overview['first_step']}–{overview['last_step']})" if overview["n_steps"] else ""))]
+    if overview["first_nonfinite"]:
+        step, group, value, count = overview["first_nonfinite"]
+        facts.append(Fact(f"first non-finite gradient: {value} at step {step} in "
+                          f"{where_bad(group, count, overview['n_groups'])} "
+                          f"({overview['nonfinite_cells']} non-finite cells in all)", "bad"))
+    elif overview["n_steps"]:
+        facts.append(Fact("all gradient norms finite", "good"))
+    skipped = overview["skipped_steps"]
+    if skipped:
+        shown = ", ".join(str(s) for s in skipped[:20]) + (" …" if len(skipped) > 20 else "")
+        facts.append(Fact(f"{plural(len(skipped), 'skipped step')}: {shown}", "skip"))
+    if overview["loss_first"] is not None:
+        facts.append(Fact(f"loss {fmt_num(overview['loss_first'])} → {fmt_num(overview['loss_last'])}"))
+    if overview["nonfinite_loss_steps"]:
+        facts.append(Fact(f"loss non-finite at {plural(len(overview['nonfinite_loss_steps']), 'step')}", "bad"))
+    return facts
+
+
+def origin_summary(origin: dict) -> str:
+    parts = [str(origin.get("module"))]
+    if origin.get("tensor"):
+        parts[0] += f" ({origin['tensor']})"
+    if origin.get("dtype"):
+        parts.append(str(origin["dtype"]))
+    if origin.get("input_absmax") is not None:
+        parts.append(f"input abs-max {fmt_num(origin['input_absmax'])}")
+    if origin.get("output_absmax") is not None:
+        parts.append(f"output abs-max {fmt_num(origin['output_absmax'])}")
+    if origin.get("micro_batch") is not None:
+        parts.append(f"micro-batch {origin['micro_batch']}")
+    return ", ".join(parts)
+
+
+def event_card(event: dict, cells: dict[str, dict] | None = None, verdicts: dict[str, Verdict] | None = None) -> Card:
+    """One watch event as a card: step, kind, cause, message, its origins and evidence."""
+    kind = str(event.get("kind", ""))
+    rank = f"rank {event['rank']} · " if event.get("rank") is not None else ""
+    origins = [o for o in event.get("origins") or [] if isinstance(o, dict)]
+    table = None
+    if origins:
+        table = Table(
+            columns=["phase", "origin module", "tensor", "dtype", "input abs-max", "output abs-max", "micro-batch"],
+            rows=[[str(o.get("phase") or ""), str(o.get("module")), str(o.get("tensor") or ""), str(o.get("dtype") or ""),
+                   fmt_num(o.get("input_absmax")), fmt_num(o.get("output_absmax")),
+                   "" if o.get("micro_batch") is None else str(o.get("micro_batch"))] for o in origins],
+            numeric=[False, False, False, False, True, True, True], code=[False, True, False, False, False, False, False])
+    folds = [_evidence_fold(f"origin evidence ({o.get('phase')}: {o.get('module')})", o["evidence"])
+             for o in origins if o.get("evidence")]
+    if event.get("evidence"):
+        folds.append(_evidence_fold("evidence", event["evidence"]))
+    return Card(
+        tone="error" if kind.startswith("nonfinite") else "warning",
+        title=f"{rank}step {event.get('step')}: {event.get('message', '')}", tag=kind,
+        lines=[f"cause: {event['cause']}"] if event.get("cause") else [],
+        table=table, folds=folds,
+        fixes=_fix_views(event.get("fixes"), cells or {}, verdicts or {}),
+    )
+
+
+def _watch(doc: dict, path: list[Any]) -> list[Section]:
+    out = []
+    cells, verdicts = fix_cells(doc), _verdicts(doc)
+    for watch in watch_sections(doc):
+        history, acts, events = watch["history"], watch["activations"], watch["events"]
+        overview = history_overview(history)
+        facts = overview_facts(overview) if overview else []
+        if isinstance(acts, dict):
+            facts.append(Fact(f"activation abs-max recorded for {len(acts.get('groups') or [])} groups × "
+                              f"{len(acts.get('steps') or [])} steps (limit {fmt_num(acts.get('limit', 65504.0))})"))
+        at = [*path, *watch["path"]]
+        charts = []
+        if overview.get("n_steps") and overview.get("n_groups"):
+            charts.append(Chart("heatmap", "gradient-norm heatmap", [*at, "history"],
+                                empty=_all_nonfinite(overview, "gradient norm")))
+        if overview.get("n_steps") and (overview.get("has_loss") or _has_series(history)):
+            charts.append(Chart("series", SERIES_ALT, [*at, "history"]))
+        if isinstance(acts, dict) and acts.get("steps") and acts.get("groups"):
+            charts.append(Chart("activations", "activation abs-max heatmap", [*at, "activations"]))
+        shown = [e for e in events if isinstance(e, dict)][:MAX_EVENTS]
+        notes = [f"{len(events) - MAX_EVENTS} more events not shown (all are in the JSON)."] if len(events) > MAX_EVENTS else []
+        title = watch["title"] or (doc.get("title") if path else None)  # an entry of a report names its watch
+        out.append(Section(
+            kind="watch", title="Watch" + (f": {title}" if title else ""), facts=facts,
+            cards=[event_card(e, cells, verdicts) for e in shown], charts=charts, notes=notes,
+            empty="No events." if not events else "", cards_title=f"Events ({len(events)})" if events else ""))
+    return out
+
+
+def _has_series(history: Any) -> bool:
+    return isinstance(history, dict) and any(
+        any(v is not None for v in history.get(key) or []) for key in ("total_grad_norm", "loss_scale"))
+
+
+def _all_nonfinite(overview: dict, what: str) -> str:
+    """Plots of a series with no finite value say so instead of drawing an empty axis."""
+    if overview.get("nonfinite_cells") and not overview.get("finite_cells"):
+        return f"every {what} recorded is non-finite (NaN/Inf): nothing to draw on a scale"
+    return ""
+
+
+def _verifications(doc: dict, path: list[Any]) -> list[Section]:
+    verifications = [v for v in doc.get("verifications") or [] if isinstance(v, dict)]
+    if not verifications:
+        return []
+    cards = []
+    for v in verifications:
+        rows = [[str(c.get("fix")), str(c.get("status", "")).replace("-", " "), str(c.get("summary") or "")]
+                for c in v.get("candidates") or [] if isinstance(c, dict)]
+        cards.append(Card(
+            tone="info", title=str(v.get("title") or "Fix verification"), tag=str(v.get("target") or ""),
+            lines=[str(v["detail"])] if v.get("detail") else [],
+            table=Table(columns=["fix", "verdict", "evidence"], rows=rows, code=[True, False, False]) if rows else None,
+            folds=[_evidence_fold("evidence", v["evidence"])] if v.get("evidence") else []))
+    return [Section(kind="verifications", title=f"Fix verification ({len(verifications)})", cards=cards)]
+
+
+def _diagnoses(doc: dict, path: list[Any]) -> list[Section]:
+    diagnoses = [d for d in doc.get("diagnoses") or [] if isinstance(d, dict)]
+    if not diagnoses:
+        return []
+    cells, verdicts = fix_cells(doc), _verdicts(doc)
+    cards = []
+    for d in diagnoses:
+        folds = []
+        if d.get("exception"):
+            folds.append(Fold("exception text", str(d["exception"]), short=short_json(last_line(d["exception"])), kind="text"))
+        if d.get("evidence"):
+            folds.append(_evidence_fold("evidence", d["evidence"]))
+        cards.append(Card(
+            tone="error", title=str(d.get("title", "")), tag=str(d.get("signature", "")),
+            lines=[str(d["detail"])] if d.get("detail") else [],
+            quote=last_line(d["exception"]) if d.get("exception") else "", folds=folds,
+            fixes=_fix_views(d.get("fixes"), cells, verdicts)))
+    return [Section(kind="diagnoses", title=f"Explained exceptions ({len(diagnoses)})", cards=cards)]
+
+
+def _fixes_applied(doc: dict, path: list[Any]) -> list[Section]:
+    applied = [a for a in doc.get("fixes_applied") or [] if isinstance(a, dict)]
+    if not applied:
+        return []
+    cards = []
+    for item in applied:
+        changed = item.get("changed")
+        cards.append(Card(
+            tone="info", title=str(item.get("fix")), tag=format_time(item.get("time")),
+            folds=[_evidence_fold("what changed", changed)] if changed not in (None, "", [], {}) else [],
+            code=str(item.get("code") or "")))
+    return [Section(kind="fixes_applied", title=f"Fixes applied ({len(applied)}, in order)", cards=cards)]
+
+
+def _fix_cells(doc: dict, path: list[Any]) -> list[Section]:
+    cells = fix_cells(doc)
+    referenced = {str(fid) for f in doc.get("findings") or [] if isinstance(f, dict) for fid in f.get("fixes") or []}
+    referenced |= {str(fid) for d in doc.get("diagnoses") or [] if isinstance(d, dict) for fid in d.get("fixes") or []}
+    loose = {k: v for k, v in cells.items() if k not in referenced}  # the rest show under their findings
+    if not loose:
+        return []
+    cards = [Card(tone="info", title=str(cell.get("title") or ""), tag=fix_id, code=str(cell.get("code") or ""))
+             for fix_id, cell in loose.items()]
+    return [Section(kind="fix_cells", title="Fix cells", cards=cards)]
+
+
+def _environment(doc: dict, path: list[Any]) -> list[Section]:
+    env = doc.get("environment")
+    if not isinstance(env, dict):
+        return []
+    rows = [["Python", env.get("python")], ["Platform", env.get("platform")], ["torch CUDA", env.get("torch_cuda")]]
+    if isinstance(env.get("hardware"), dict):
+        rows.append(["Device", hardware_line(env["hardware"])])
+    packages = env.get("packages") or {}
+    rows.extend([str(name), version] for name, version in packages.items())
+    for key, value in env.items():
+        if key not in ("python", "platform", "torch_cuda", "hardware", "packages"):
+            rows.append([key, value if isinstance(value, str) else json.dumps(value, default=str)])
+    key_packages = ", ".join(f"{k} {v}" for k, v in packages.items() if k in KEY_PACKAGES)
+    line = f"Python {env.get('python', '?')} on {env.get('platform', '?')}"
+    if env.get("torch_cuda"):
+        line += f", CUDA {env['torch_cuda']}"
+    facts = [Fact(line)] + ([Fact(key_packages)] if key_packages else [])
+    table = Table(columns=["", ""], rows=[[str(k), MISSING if v is None else str(v)] for k, v in rows])
+    return [Section(kind="environment", title="Environment", facts=facts, table=table, folded=True)]
+
+
+_BUILDERS: list[tuple[str, Callable[[dict, list[Any]], list[Section]]]] = [
+    ("notes", _notes), ("hardware", _hardware), ("findings", _findings), ("probe", _probe), ("watches", _watch),
+    ("verifications", _verifications), ("diagnoses", _diagnoses), ("fixes applied", _fixes_applied),
+    ("fix cells", _fix_cells), ("environment", _environment),
+]
+
+
+def lookup(doc: dict, path: list[Any]) -> Any:
+    """The part of ``doc`` a chart's ``source`` names (None if it is not there)."""
+    node: Any = doc
+    for key in path:
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return node
+
+
+def without_view(doc: dict) -> dict:
+    """``doc`` without the ``view`` a displayed bundle carries: the view is derived data, made anew
+    from the document whenever it is shown, merged or saved."""
+    return {k: v for k, v in doc.items() if k != "view"} if isinstance(doc, dict) and "view" in doc else doc

@@ -1,0 +1,12 @@
+"""Dtype spelling and the parameter classes that hold quantised storage."""
+from __future__ import annotations
+
+import torch
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+# bitsandbytes (4-bit, 8-bit), optimum-quanto, torchao: their parameters carry no float dtype to audit
+QUANTIZED_PARAM_CLASSES = ("Params4bit", "Int8Params", "QTensor", "AffineQuantizedTensor")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
