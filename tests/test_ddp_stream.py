@@ -4,6 +4,7 @@ import multiprocessing
 
 from ddp_helpers import BAD_STEP, STEPS, launch_streamed, read_ranks
 
+from nbguard.document.merge import gather
 from nbguard.watcher import stream
 
 
@@ -51,12 +52,12 @@ def test_forked_ranks_stream_steps_and_events_into_one_view_and_one_report(tmp_p
     assert sorted(s for s in seen if s[0] == "step") == [("step", 0)] * STEPS + [("step", 1)] * STEPS
     assert [s for s in seen if s[0] == "event"] == [("event", 1), ("event", 1)]  # both name origin rank 1
     # the kernel's copy equals what each rank recorded itself
-    watches = parent["document"]["watches"]
+    watches = gather(parent["document"], "watches")
     for rank, w in zip(ranks, watches):
         assert w["title"] == f"nbguard NaN/Inf watch (rank {rank['rank']} of 2)"
         assert [e["message"] for e in w["events"]] == [e["message"] for e in rank["events"]]
         assert w["history"]["steps"] == list(range(STEPS)) and w["history"]["skipped_steps"] == [BAD_STEP]
     # nbguard.report() in the kernel: every rank, the rank on every event
-    report_events = [e for w in parent["report"]["watches"] for e in w["events"]]
+    report_events = [e for w in gather(parent["report"], "watches") for e in w["events"]]
     assert len(report_events) == 2 and {e["rank"] for e in report_events} == {1}
     assert report_events[0]["origins"][0]["module"] == "model.layers.0.self_attn.q_proj"

@@ -197,10 +197,12 @@ def test_ddp_two_ranks(execute):
     ranks naming rank 1 and the module, weights identical after skip, one report for all ranks."""
     import json
 
+    from nbguard.document.merge import gather
+
     _not_in_tf450_lane()
     nb, out = execute("07_ddp_two_ranks.ipynb")
     _no_errors(nb)
-    watches = _docs(nb, "before-fix", "watch")[-1]["watches"]
+    watches = gather(_docs(nb, "before-fix", "watch")[-1], "watches")
     assert [w["title"] for w in watches] == [f"nbguard NaN/Inf watch (rank {r} of 2)" for r in (0, 1)]
     for w in watches:
         (event,) = w["events"]
@@ -214,7 +216,7 @@ def test_ddp_two_ranks(execute):
     status = [m["state"]["value"] for m in states if "<th>rank</th>" in str(m["state"].get("value", ""))]
     assert status and all(f"<td>{r}</td><td>3</td>" in status[-1] for r in (0, 1))  # a row per rank, last step 3
     report = json.loads((out / "07_ddp_two_ranks.json").read_text())
-    events = [e for w in report["watches"] for e in w["events"]]
+    events = [e for w in gather(report, "watches") for e in w["events"]]
     assert len(events) == 2 and all(e["rank"] == 1 for e in events)
     assert (out / "07_ddp_two_ranks.html").is_file()
 
