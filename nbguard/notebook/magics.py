@@ -155,7 +155,11 @@ class NbguardMagics(Magics):
     # -- %nanwatch / %%nanwatch ------------------------------------------------------------------
     @line_cell_magic
     def nanwatch(self, line: str = "", cell: str | None = None):
-        """%nanwatch [OBJ] [--policy warn|skip|stop] [--optimizer NAME] [--activations]; %nanwatch off; %%nanwatch [OBJ]."""
+        """%nanwatch [OBJ] [--policy warn|skip|stop] [--optimizer NAME] [--activations]; %nanwatch off; %%nanwatch [OBJ].
+
+        %%nanwatch [--ranks] around ``notebook_launcher(...)`` (``--ranks`` is implied when the cell calls it
+        and names no OBJ): the forked ranks, which call ``nbguard.watch`` themselves, stream to one dashboard
+        here with a row per rank, and ``%nbguard report`` holds every rank."""
         if cell is None:
             return self._guarded(self._nanwatch_line, line)
         return self._guarded(self._nanwatch_cell, line, cell)
