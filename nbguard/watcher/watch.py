@@ -82,6 +82,7 @@ class NanWatch(Displayable):
         self._ranks = ranks.RankSync.detect(self._collector.params, len(self._collector.groups))
         self._verdict: ranks.RankVerdict | None = None
         self._streamer = None
+        self._keep_farewell = False
         self._deepspeed = None
         self._probe: ActivationProbe | None = None
         self.activation_history: ActivationHistory | None = None  # None unless activations=True
@@ -163,8 +164,10 @@ class NanWatch(Displayable):
         self._collector.detach()
         if self._probe is not None:
             self._probe.detach()
-        if not self._owes_farewell():
+        if not (self._keep_farewell and self._owes_farewell()):
             self._remove_step_bindings()
+            if self._ranks is not None:
+                self._ranks.owes_farewell = False  # detached by the user: nothing is left to say
         if self._callback is not None:
             self.trainer.remove_callback(self._callback)
             self._callback = None
@@ -179,6 +182,15 @@ class NanWatch(Displayable):
         if _ATTACHED.get(self.target) is self:
             del _ATTACHED[self.target]
         return self
+
+    def _step_aside(self) -> None:
+        """The watch's own detach after an internal error: across ranks it keeps the step hook that
+        joins the next exchange once more (flagged as leaving), so no peer waits in a collective."""
+        self._keep_farewell = True
+        try:
+            self.detach()
+        finally:
+            self._keep_farewell = False
 
     def _remove_step_bindings(self) -> None:
         if self._opt_binding is not None:
@@ -289,7 +301,7 @@ class NanWatch(Displayable):
                          evidence={"exception": repr(exc), "traceback": traceback.format_exc(limit=6)}))
         warnings.warn(f"nbguard watch detached after an internal error: {exc!r}", RuntimeWarning, stacklevel=2)
         if safe:
-            self.detach()
+            self._step_aside()
 
     # ---- hooks: micro-batches -----------------------------------------------------------------
     def _training_forward(self, module) -> bool:
@@ -297,7 +309,7 @@ class NanWatch(Displayable):
 
     def _root_pre(self, module, args, kwargs):
         if self._broken and self.attached:
-            self.detach()  # a safe point: module hooks were copied before being called
+            self._step_aside()  # a safe point: module hooks were copied before being called
             return None
         if not self._active() or not self._training_forward(module):
             return None
