@@ -12,6 +12,7 @@ Scenarios (faults on rank 1 only; rank 0's batches are healthy):
   forward   - rank 1's batch holds a token that overflows fp16 in layer 0's q_proj (fp16 autocast)
   backward  - rank 1's layer-1 SiLU makes NaN in backward (its forward stays finite)
   loss      - rank 1's batch has every label -100: its mean loss is 0/0
+  uncaught  - as forward, but the function does not catch nbguard's NonFiniteError (policy stop)
   rank0only - healthy, but only rank 0 attaches a watch: it must watch alone, not wait for rank 1
   scaler    - fp16 autocast + GradScaler; rank 1's batches overflow from BAD_STEP on: the scaler
               skips every step on both ranks (the all-reduced grads are inf), a streak of 2 is an event
@@ -56,7 +57,7 @@ def _batches(rank: int, scenario: str) -> list[dict[str, torch.Tensor]]:
         if rank == 1 and scenario == "scaler" and step >= BAD_STEP:
             b["input_ids"][0, 3] = HOT_TOKEN  # every step from BAD_STEP on: a streak of GradScaler skips
         if rank == 1 and step == BAD_STEP:
-            if scenario == "forward":
+            if scenario in ("forward", "uncaught"):
                 b["input_ids"][0, 3] = HOT_TOKEN
             elif scenario == "loss":
                 b["labels"][:] = -100
@@ -84,7 +85,7 @@ def _loop(model, opt, scaler, accelerator, rank: int, scenario: str) -> tuple[st
     steps = 0
     try:
         for batch in _batches(rank, scenario):
-            with torch.autocast("cpu", dtype=torch.float16, enabled=scenario in ("forward", "scaler")):
+            with torch.autocast("cpu", dtype=torch.float16, enabled=scenario in ("forward", "scaler", "uncaught")):
                 loss = model(**batch).loss
             if scaler is not None:
                 accelerator.backward(scaler.scale(loss))
@@ -96,6 +97,8 @@ def _loop(model, opt, scaler, accelerator, rank: int, scenario: str) -> tuple[st
             opt.zero_grad()
             steps += 1
     except NonFiniteError as err:
+        if scenario == "uncaught":
+            raise  # the user's function does not catch it: every rank's process fails
         return str(err), steps
     return None, steps
 
@@ -113,7 +116,7 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
     model = tiny_llama()
-    if scenario in ("forward", "scaler"):
+    if scenario in ("forward", "scaler", "uncaught"):
         plant_fp16_overflow_token(model, HOT_TOKEN)
     if scenario == "backward":
         model.model.layers[1].mlp.act_fn = PoisonedSiLU(armed=rank == 1)

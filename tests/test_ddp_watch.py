@@ -154,3 +154,13 @@ def test_a_watch_on_rank_0_alone_watches_that_rank_and_never_waits_for_rank_1(tm
     assert len(ranks[0]["warned"]) == 1 and "not on every rank" in ranks[0]["warned"][0]
     assert all(r["steps"] == STEPS and r["events"] == [] for r in ranks)
     assert ranks[0]["weights_sum"] == ranks[1]["weights_sum"]
+
+
+def test_stop_left_uncaught_fails_every_rank_promptly_instead_of_hanging(tmp_path):
+    """Both ranks raise NonFiniteError at the same step, so neither waits in a collective for the
+    other: the launcher reports the failure (the kernel gets ChildFailedError), nothing hangs."""
+    done = launch_notebook("uncaught", "stop", tmp_path)
+    assert done.returncode != 0
+    assert "ChildFailedError" in done.stdout and "NonFiniteError" in done.stdout
+    assert "rank 1: non-finite gradient: overflow in model.layers.0.self_attn.q_proj" in done.stdout
+    assert not list(tmp_path.glob("rank*.json"))  # neither rank got past the raise
