@@ -7,7 +7,11 @@ from __future__ import annotations
 
 
 def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False):
-    """Audit a fine-tuning setup's precision against the hardware; returns an ``AuditResult``."""
+    """Audit a fine-tuning setup's precision against the hardware; returns an ``AuditResult``.
+
+    The batch rules read ``batch`` (a dict of tensors, or a tokenizer's BatchEncoding) when given, else a few
+    batches drawn from ``trainer.get_train_dataloader()`` with every RNG put back, so training is unchanged.
+    """
     from .auditor import run_audit
 
     return run_audit(model=model, trainer=trainer, args=args, batch=batch, hardware=hardware, probe=probe)

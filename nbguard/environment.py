@@ -51,3 +51,14 @@ def environment_info() -> dict:
     except Exception as exc:  # torch broken or missing: still report the rest
         info["hardware_error"] = repr(exc)
     return info
+
+
+def in_release_series(version: Version | None, first: str, stop: str) -> bool:
+    """Whether ``version`` belongs to the releases from ``first`` up to (not including) ``stop``.
+
+    Pre-releases and dev builds count as the release they lead to: a bug tied to 4.50.x is in
+    4.50.0.dev0 (a source install) and 4.50.0rc1 too, which a plain SpecifierSet(">=4.50.0") excludes.
+    """
+    if version is None:
+        return False
+    return Version(first).release <= version.release < Version(stop).release

@@ -48,6 +48,7 @@ def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None,
         check_args(args)
     if batch is not None:
         check_batch(batch)
+        batch = dict(batch)  # a tokenizer's BatchEncoding is a mapping, not a dict
     if not isinstance(probe, bool):
         raise TypeError(f"probe must be True or False; got {type(probe).__name__}")
     hw = resolve_hardware(hardware)

@@ -136,6 +136,37 @@ class AuditContext:
         return any(getattr(m, "_require_grads_hook", None) is not None or getattr(m, "_require_grads_hooks", None)
                    for _, m in self.modules)
 
+    # ---- batches ------------------------------------------------------------------------------
+    @cached_property
+    def sample(self):
+        """The batch given to the audit, else a few batches from the trainer's own dataloader."""
+        from .sampling import BatchSample, sample_trainer_batches
+
+        if self.batch is not None:
+            return BatchSample(batches=[self.batch], source="batch")
+        if self.trainer is not None:
+            try:
+                return sample_trainer_batches(self.trainer)
+            except Exception as exc:  # one finding says so (batch-sampling-error); the batch rules see no batch
+                return BatchSample(source="trainer", note="the trainer's dataloader raised",
+                                   error=f"{type(exc).__name__}: {exc}")
+        return BatchSample(note="no batch= and no trainer= to sample from")
+
+    @cached_property
+    def batches(self) -> list[dict[str, torch.Tensor]]:
+        return self.sample.batches
+
+    @cached_property
+    def tokenizer(self) -> Any:
+        """The trainer's tokenizer (``processing_class``; ``tokenizer`` before transformers 4.46), or its collator's."""
+        for owner in (self.trainer, getattr(self.trainer, "data_collator", None)):
+            for attr in ("processing_class", "tokenizer"):
+                tok = getattr(owner, attr, None) if owner is not None else None
+                tok = getattr(tok, "tokenizer", tok)  # a multimodal processor carries its tokenizer
+                if tok is not None and hasattr(tok, "pad_token_id"):
+                    return tok
+        return None
+
     # ---- training arguments -------------------------------------------------------------------
     @cached_property
     def mixed_precision(self) -> str | None:

@@ -94,6 +94,7 @@ EVENT_KINDS = (
     "frozen-params",
     "frozen-eval-loss",
     "grad-spike",
+    "few-supervised-tokens",
     "watch-error",
 )
 CAUSES = (

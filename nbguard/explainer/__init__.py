@@ -6,18 +6,21 @@ IPython custom exception handler; it works just as well on an exception caught i
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from ..session import record_diagnosis
 from .diagnosis import Diagnosis, exception_text
 from .rules import RULES, rule
 
 
-def exception_chain(exc: BaseException):
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
     """``exc`` then the exceptions it was raised from or while handling, each once."""
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        yield link
+        link = link.__cause__ or (None if link.__suppress_context__ else link.__context__)
 
 
 def diagnose(exc: BaseException) -> Diagnosis | None:

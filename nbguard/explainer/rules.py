@@ -9,6 +9,9 @@ import re
 from collections.abc import Callable
 
 from .diagnosis import Diagnosis, exception_text
+from .frames import ModelFacts, model_facts
+from .match import normalised
+from .match import search as match
 
 Rule = Callable[[BaseException], "Diagnosis | None"]
 RULES: dict[str, Rule] = {}
@@ -18,7 +21,7 @@ def rule(signature: str) -> Callable[[Rule], Rule]:
     def register(func: Rule) -> Rule:
         if signature in RULES:
             raise ValueError(f"duplicate explainer rule id {signature!r}")
-        func.signature = signature
+        func.signature = signature  # type: ignore[attr-defined]  # the id travels with the function
         RULES[signature] = func
         return func
 
@@ -92,24 +95,40 @@ def cache_float_crash(exc):
     )
 
 
+_UNSCALE_BF16 = re.compile(
+    r"'_amp_foreach_non_finite_check_and_unscale_cuda' not implemented for 'bfloat16'")
+
+
 @rule("fp16-unscale-error")
-def fp16_unscale_error(exc):
-    if "Attempting to unscale FP16 gradients" not in str(exc):
+def fp16_unscale_error(exc: BaseException) -> Diagnosis | None:
+    message = str(exc)
+    if "attempting to unscale fp16 gradients" in normalised(message):
+        grad_dtype = "float16"
+    elif match(_UNSCALE_BF16, message):
+        grad_dtype = "bfloat16"
+    else:
         return None
+    if grad_dtype == "float16":
+        what = ("refuses fp16 gradients: the parameters being trained are stored in float16 (for example a model "
+                "loaded with torch_dtype=torch.float16, LoRA adapters included).")
+    else:
+        what = ("has no CUDA kernel for bfloat16 gradients: the parameters being trained are stored in bfloat16 "
+                "(a bf16 checkpoint loaded as is, adapters included) while TrainingArguments say fp16=True.")
     detail = (
-        "The GradScaler of fp16 mixed precision unscales gradients in place and refuses fp16 gradients: "
-        "the parameters being trained are stored in float16 (for example a model loaded with "
-        "torch_dtype=torch.float16, LoRA adapters included). Mixed precision wants float32 trainable "
-        "weights; autocast still runs the matmuls in fp16. Upcast the trainable parameters to float32."
+        f"The GradScaler of fp16 mixed precision unscales gradients in place and {what} Mixed precision wants "
+        "float32 trainable weights; autocast still runs the matmuls in fp16. Upcast the trainable parameters "
+        "to float32" + (", or train with bf16=True instead of fp16=True where the GPU has native bf16 "
+                        "(compute capability 8.0 or newer)." if grad_dtype == "bfloat16" else ".")
     )
     return _diagnosis(
-        "fp16-unscale-error", exc, "fp16 mixed precision with fp16 trainable parameters", detail,
-        ["upcast-trainable-fp32"],
+        "fp16-unscale-error", exc, f"fp16 mixed precision with {grad_dtype} trainable parameters", detail,
+        ["upcast-trainable-fp32"], grad_dtype=grad_dtype,
     )
 
 
+# Written against the normalised message (lower case, no c10::/at::), as pasted messages arrive.
 _DTYPE_MISMATCH = (
-    re.compile(r"expected (?:m1|mat1) and (?:m2|mat2) to have the same dtype, but got: ([\w:]+) != ([\w:]+)"),
+    re.compile(r"expected (?:m1|mat1) and (?:m2|mat2) to have the same dtype, but got: (\w+) != (\w+)"),
     re.compile(r"expected (?:m1|mat1) and (?:m2|mat2) to have the same dtype"),
     re.compile(r"mat1 and mat2 must have the same dtype"),
     re.compile(r"expected scalar type (\w+) but found (\w+)"),
@@ -117,34 +136,76 @@ _DTYPE_MISMATCH = (
 
 
 def _dtype_name(text: str) -> str:
-    return {"float": "float32", "Float": "float32", "Half": "float16", "BFloat16": "bfloat16",
-            "double": "float64", "Double": "float64"}.get(text.replace("c10::", ""), text.replace("c10::", ""))
+    return {"float": "float32", "half": "float16", "bfloat16": "bfloat16", "double": "float64"}.get(text, text)
+
+
+def _mismatch_cause(facts: ModelFacts | None, dtypes: list[str]) -> tuple[str, str]:
+    """(cause, what to do) from what the failing model really held."""
+    if facts is None:
+        return "unknown", (
+            "The traceback went through no torch module, so nbguard cannot see which part holds which dtype. "
+            "Print {name: p.dtype for name, p in model.named_parameters()} and the dtype of the inputs, and "
+            "give the odd one the dtype of the rest."
+        )
+    layer = f"{facts.layer_name or facts.layer} ({facts.layer}, weights {facts.weight_dtype})"
+    if facts.compute_dtypes and facts.input_dtype in facts.compute_dtypes and facts.input_dtype != facts.weight_dtype:
+        return "4bit-compute-dtype", (
+            f"The model holds bitsandbytes 4-bit layers that compute in {', '.join(facts.compute_dtypes)} "
+            f"(bnb_4bit_compute_dtype), and {layer} received a {facts.input_dtype} tensor, the 4-bit compute "
+            "dtype, while its own weights are another: part of the model runs in the compute dtype and part "
+            f"in {facts.weight_dtype}. Load the model "
+            f"with bnb_4bit_compute_dtype={facts.weight_dtype} so the 4-bit layers hand on the dtype the rest of "
+            "the model holds (or set each Linear4bit's compute_dtype to it)."
+        )
+    if set(facts.param_dtypes) == {"float32"} and facts.input_dtype in ("float16", "bfloat16"):
+        return "forced-fp32", (
+            f"Every parameter of {facts.model} is float32 (the model was loaded or cast to float32, e.g. by "
+            f"model.float() or prepare_model_for_kbit_training), but {layer} was given a {facts.input_dtype} "
+            "tensor from outside the model or from an earlier half-precision step. Cast the inputs "
+            "(inputs_embeds, pixel_values) to float32, or run the forward under torch.autocast so both sides meet "
+            "in one dtype."
+        )
+    if facts.minority:
+        odd = "; ".join(f"{d}: {', '.join(names)}" for d, names in facts.minority.items())
+        return "mixed-dtypes", (
+            f"{facts.model} holds parameters of several dtypes ({', '.join(facts.param_dtypes)}); the fewer ones "
+            f"are {odd}. {layer} met an input of another dtype. Cast the odd modules to the dtype of the rest "
+            "(module.to(dtype)), or train under mixed precision, where autocast makes both sides meet in one dtype."
+        )
+    return "input-dtype", (
+        f"{layer} was given a {facts.input_dtype} input while the whole model holds {', '.join(facts.param_dtypes)}. "
+        "Cast the input to the model's dtype, or run under torch.autocast."
+    )
 
 
 @rule("matmul-dtype-mismatch")
-def matmul_dtype_mismatch(exc):
-    message = str(exc)
-    match = next((m for m in (p.search(message) for p in _DTYPE_MISMATCH) if m), None)
-    if not match:
+def matmul_dtype_mismatch(exc: BaseException) -> Diagnosis | None:
+    found = next((m for m in (match(p, str(exc)) for p in _DTYPE_MISMATCH) if m), None)
+    if not found:
         return None
-    dtypes = [_dtype_name(g) for g in match.groups()]
+    dtypes = [_dtype_name(g) for g in found.groups()]
     seen = f" ({' and '.join(dtypes)})" if dtypes else ""
+    facts = model_facts(exc)
+    cause, todo = _mismatch_cause(facts, dtypes)
     detail = (
-        f"Two tensors of different dtypes{seen} met in a matrix multiply. Outside autocast PyTorch does "
-        "not convert between float32 and float16/bfloat16: this happens when part of the model (an "
-        "adapter, a new head, the inputs) has another dtype than the rest and training runs without "
-        "mixed precision. Run under mixed precision (bf16=True or fp16=True in TrainingArguments, or "
-        "torch.autocast) or keep one dtype for the whole model."
+        f"Two tensors of different dtypes{seen} met in a matrix multiply. Outside autocast PyTorch does not "
+        f"convert between float32 and float16/bfloat16. {todo}"
     )
-    return _diagnosis(
-        "matmul-dtype-mismatch", exc, "Matrix multiply of mismatched dtypes" + seen, detail,
-        ["switch-precision"], dtypes=dtypes,
-    )
+    evidence: dict[str, object] = {"dtypes": dtypes, "cause": cause}
+    if facts is not None:
+        evidence.update({"layer": facts.layer_name or facts.layer, "layer_class": facts.layer,
+                         "weight_dtype": facts.weight_dtype, "input_dtype": facts.input_dtype,
+                         "parameter_dtypes": facts.param_dtypes})
+        if facts.compute_dtypes:
+            evidence["linear4bit_compute_dtypes"] = facts.compute_dtypes
+        if facts.minority:
+            evidence["minority_dtype_modules"] = facts.minority
+    return _diagnosis("matmul-dtype-mismatch", exc, "Matrix multiply of mismatched dtypes" + seen, detail, **evidence)
 
 
 @rule("no-grad-input")
 def no_grad_input(exc):
-    if "element 0 of tensors does not require grad" not in str(exc):
+    if "element 0 of tensors does not require grad" not in normalised(str(exc)):
         return None
     detail = (
         "backward() was called on a loss that no trainable parameter contributed to. With gradient "
@@ -160,30 +221,174 @@ def no_grad_input(exc):
 
 _BF16_UNSUPPORTED = re.compile(
     r"doesn't support bf16|does not support bfloat16|bf16 (?:is )?not supported|"
-    r"type bf16 not supported|bfloat16 is not supported|bf16 mixed precision requires",
-    re.IGNORECASE,
+    r"type bf16 not supported|bfloat16 is not supported|bf16 mixed precision requires|"
+    r"bfloat16 is only supported on gpus with compute capability of at least 8\.0"
 )
+_YOUR_GPU = re.compile(r"Your\s+(.+?)\s+GPU\s+has\s+compute\s+capability\s+(\d+\.\d+)", re.IGNORECASE)
 
 
 @rule("bf16-unsupported")
-def bf16_unsupported(exc):
-    if not _BF16_UNSUPPORTED.search(str(exc)):
+def bf16_unsupported(exc: BaseException) -> Diagnosis | None:
+    if not match(_BF16_UNSUPPORTED, str(exc)):
         return None
+    gpu = _YOUR_GPU.search(str(exc))
+    evidence = {"gpu": gpu.group(1), "compute_capability": gpu.group(2)} if gpu else {}
     detail = (
         "bf16 was asked for on a device without native bf16 (native bf16 needs an NVIDIA GPU of compute "
         "capability 8.0 or newer: A100, L4, A10G, RTX 30xx/40xx, H100; a T4 or V100 has none, even where "
         "torch.cuda.is_bf16_supported() answers True by emulation). Train in fp32 there (fp16 only for "
-        "models pretrained in fp16), or use a GPU with native bf16."
+        "models pretrained in fp16), or use a GPU with native bf16. When the message comes from vLLM (TRL's "
+        "use_vllm, Unsloth's fast_inference), give vLLM dtype=\"float16\" or \"float32\" as well."
     )
     return _diagnosis(
         "bf16-unsupported", exc, "bf16 is not supported on this device", detail, ["switch-precision"],
-        options={"switch-precision": {"to": "fp32"}},
+        options={"switch-precision": {"to": "fp32"}}, **evidence,
+    )
+
+
+_HALF_OVERFLOW = re.compile(r"value cannot be converted to type half without overflow")
+
+
+@rule("half-overflow-value")
+def half_overflow_value(exc: BaseException) -> Diagnosis | None:
+    if not match(_HALF_OVERFLOW, str(exc)):
+        return None
+    detail = (
+        "Code wrote a constant larger than 65504 into a float16 tensor: typically an attention mask filled "
+        "with -1e9 or torch.finfo(torch.float32).min (custom or older remote model code) while the model runs "
+        "in float16. fp16 cannot hold it; bfloat16 and float32 can. Run the model in bf16 where the GPU has "
+        "it, else fp32, or fill with torch.finfo(tensor.dtype).min in your own code."
+    )
+    return _diagnosis("half-overflow-value", exc, "A constant too large for float16", detail, ["switch-precision"])
+
+
+_HALF_NOT_IMPLEMENTED = re.compile(r"'(\w+)' not implemented for 'half'")
+_CPU_KERNELS = ("LayerNormKernelImpl",)  # CPU kernels whose names do not say cpu
+
+
+@rule("half-op-on-cpu")
+def half_op_on_cpu(exc: BaseException) -> Diagnosis | None:
+    found = match(_HALF_NOT_IMPLEMENTED, str(exc))
+    if not found:
+        return None
+    original = re.search(re.escape(found.group(1)), str(exc), re.IGNORECASE)  # the op as spelled
+    op = original.group(0) if original else found.group(1)
+    if "cpu" not in op.lower() and op not in _CPU_KERNELS:
+        return None
+    detail = (
+        f"The CPU kernel {op} has no float16 version in this PyTorch: a float16 model is running on the CPU. "
+        "Usually the runtime has no GPU (a Colab runtime without an accelerator) or the model was never moved "
+        "with .to(\"cuda\"). Check torch.cuda.is_available(); on a CPU, load or cast the model in float32."
+    )
+    return _diagnosis(
+        "half-op-on-cpu", exc, f"float16 model on a CPU ({op})", detail, ["switch-precision"],
+        options={"switch-precision": {"to": "fp32"}}, op=op,
+    )
+
+
+_FLASH_AMPERE = re.compile(
+    r"flashattention only supports ampere gpus or newer|flashattention\d? requires compute capability >= ?(\d+)")
+
+
+@rule("flash-attention-unsupported")
+def flash_attention_unsupported(exc: BaseException) -> Diagnosis | None:
+    found = match(_FLASH_AMPERE, str(exc))
+    if not found:
+        return None
+    need = int(found.group(1) or 8)
+    gpus = "Ampere: A100, A10G, L4, RTX 30xx/40xx, H100; a T4 or V100 cannot run them" if need == 8 else "Hopper: H100"
+    detail = (
+        f"FlashAttention's kernels need an NVIDIA GPU of compute capability {need}.0 or newer ({gpus}). Load the "
+        "model with attn_implementation=\"sdpa\" (PyTorch's fused attention, which runs on every GPU), or "
+        "switch it on the loaded model."
+    )
+    return _diagnosis(
+        "flash-attention-unsupported", exc, f"FlashAttention needs compute capability {need}.0 or newer", detail,
+        ["set-attn-implementation"], options={"set-attn-implementation": {"to": "sdpa"}},
+        min_compute_capability=f"{need}.0",
+    )
+
+
+_SDPA_SOFTCAP = re.compile(r"'sdpa' attention does not support 'softcap'")
+
+
+@rule("softcap-unsupported-attention")
+def softcap_unsupported_attention(exc: BaseException) -> Diagnosis | None:
+    if not match(_SDPA_SOFTCAP, str(exc)):
+        return None
+    detail = (
+        "The model caps its attention scores (attn_logit_softcapping, Gemma 2), which PyTorch's sdpa attention "
+        "cannot do; only eager, flex_attention and FlashAttention apply it. Older transformers ran sdpa anyway "
+        "and silently dropped the cap. Use eager attention for this model."
+    )
+    return _diagnosis(
+        "softcap-unsupported-attention", exc, "sdpa attention cannot apply softcapping", detail,
+        ["set-attn-implementation"], options={"set-attn-implementation": {"to": "eager"}},
+    )
+
+
+_INDEX_ASSERT = re.compile(r"srcindex < srcselectdimsize")
+_DEVICE_ASSERT = re.compile(r"cuda error: device-side assert triggered")
+_INDEX_CPU = re.compile(r"index out of range in self")
+
+
+def _embedding_in_traceback(exc: BaseException) -> dict | None:
+    """num_embeddings and the largest id of the nn.Embedding the traceback failed in, if it did."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    tb, found = exc.__traceback__, None
+    while torch is not None and tb is not None:
+        module = tb.tb_frame.f_locals.get("self")
+        if isinstance(module, torch.nn.Embedding):
+            ids = tb.tb_frame.f_locals.get("input")
+            found = {"num_embeddings": module.num_embeddings}
+            if isinstance(ids, torch.Tensor) and ids.numel() and not ids.is_floating_point() and ids.device.type == "cpu":
+                found["max_token_id"] = int(ids.max())
+        tb = tb.tb_next
+    return found
+
+
+@rule("token-ids-out-of-range")
+def token_ids_out_of_range(exc: BaseException) -> Diagnosis | None:
+    message = str(exc)
+    if not (match(_INDEX_ASSERT, message) or match(_INDEX_CPU, message) or match(_DEVICE_ASSERT, message)):
+        return None
+    embedding = _embedding_in_traceback(exc)
+    if match(_INDEX_ASSERT, message):
+        certainty: str | None = "the embedding lookup's assert"
+    elif match(_INDEX_CPU, message):
+        if embedding is None:  # index_select and friends say the same: not necessarily a token id
+            return None
+        certainty = "the embedding lookup on the CPU"
+    else:
+        certainty = None
+    if certainty is None:
+        detail = (
+            "A CUDA kernel's assert fired; the message does not say which. In fine-tuning it is most often a "
+            "token id at or above the embedding's size (tokens added to the tokenizer without "
+            "model.resize_token_embeddings(len(tokenizer))), or a label outside the vocabulary. After a "
+            "device-side assert the CUDA context is unusable: restart the kernel, run once with "
+            "CUDA_LAUNCH_BLOCKING=1 (or on the CPU, which names the failing operation), and run "
+            "nbguard.audit(trainer, batch=batch), which compares a batch's ids with the embedding."
+        )
+    else:
+        detail = (
+            f"A token id reached {certainty} at or above the number of embedding rows: tokens were added to "
+            "the tokenizer without model.resize_token_embeddings(len(tokenizer)). On a GPU this surfaces as "
+            "\"CUDA error: device-side assert triggered\" (srcIndex < srcSelectDimSize) and the kernel must be "
+            "restarted. Resize the embeddings; new rows start at the mean of the trained rows."
+        )
+    return _diagnosis(
+        "token-ids-out-of-range", exc, "Token id beyond the embedding matrix" if certainty else
+        "CUDA device-side assert (often a token id beyond the embedding)", detail,
+        ["resize-token-embeddings"], certain=certainty is not None, **(embedding or {}),
     )
 
 
 @rule("sampling-nonfinite-probs")
 def sampling_nonfinite_probs(exc):
-    if "probability tensor contains either" not in str(exc):
+    if "probability tensor contains either" not in normalised(str(exc)):
         return None
     detail = (
         "Sampling (generate with do_sample=True, or torch.multinomial) got logits that were NaN or Inf. "
@@ -198,7 +403,7 @@ def sampling_nonfinite_probs(exc):
 
 @rule("loss-scale-minimum")
 def loss_scale_minimum(exc):
-    if "loss scale already at minimum" not in str(exc).lower():
+    if "loss scale already at minimum" not in normalised(str(exc)):
         return None
     detail = (
         "The dynamic loss scaler of fp16 training (DeepSpeed or apex) halved its scale on every step "

@@ -13,11 +13,11 @@ from typing import Any
 
 from ..introspect.inputs import check_args, check_model, check_trainer
 from ..session import record_fix
-from . import model_fixes, trainer_fixes  # noqa: F401  (registers the fixes)
+from . import config_fixes, data_fixes, model_fixes, trainer_fixes  # noqa: F401  (registers the fixes)
 from .registry import FIXES, Fix, Names, Target
 from .result import FixResult
 
-_NAME_KEYS = ("model", "trainer", "args")
+_NAME_KEYS = ("model", "trainer", "args", "tokenizer")
 
 
 def available() -> list[str]:
@@ -46,6 +46,7 @@ def _names(names: dict[str, Any]) -> Names:
         model=names.get("model") or (f"{trainer}.model" if trainer else "model"),
         trainer=trainer,
         args=names.get("args") or (f"{trainer}.args" if trainer else None),
+        tokenizer=names.get("tokenizer") or (f"{trainer}.processing_class" if trainer else "tokenizer"),
     )
 
 
@@ -57,10 +58,17 @@ def code(fix_id: str, **names_and_options: Any) -> str:
     resolved = _names(names)
     if fix.needs == "args" and resolved.args is None:
         raise ValueError(f"fix {fix_id!r} changes TrainingArguments: pass trainer= or args= with your variable name")
+    if fix.needs == "trainer" and resolved.trainer is None:
+        raise ValueError(f"fix {fix_id!r} changes the Trainer: pass trainer= with your variable name")
     return fix.code(resolved, **options)
 
 
-def _target(fix: Fix, model, trainer, args) -> Target:
+def _trainer_tokenizer(trainer) -> Any:
+    tok = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
+    return getattr(tok, "tokenizer", tok)  # a multimodal processor carries its tokenizer
+
+
+def _target(fix: Fix, model, trainer, args, tokenizer=None) -> Target:
     if trainer is not None:
         check_trainer(trainer)
         model = trainer.model if model is None else model
@@ -75,20 +83,30 @@ def _target(fix: Fix, model, trainer, args) -> Target:
         raise ValueError(f"fix {fix.id!r} needs trainer= (or args=, a TrainingArguments)")
     if fix.needs == "model-or-args" and model is None and args is None:
         raise ValueError(f"fix {fix.id!r} needs model=, trainer= or args=")
-    return Target(model=model, trainer=trainer, args=args)
+    if fix.needs == "trainer" and trainer is None:
+        raise ValueError(f"fix {fix.id!r} needs trainer= (a transformers Trainer)")
+    if tokenizer is None and trainer is not None:
+        tokenizer = _trainer_tokenizer(trainer)
+    if fix.needs == "tokenizer" and not hasattr(tokenizer, "pad_token_id"):
+        raise ValueError(f"fix {fix.id!r} needs tokenizer= (a transformers tokenizer), or trainer= with a "
+                         f"processing_class; got {type(tokenizer).__name__}")
+    return Target(model=model, trainer=trainer, args=args, tokenizer=tokenizer)
 
 
 def apply(fix_id: str, *, model=None, trainer=None, **options: Any) -> FixResult:
     """Apply ``fix_id`` in place; the result says what changed (nothing, when already applied)."""
     fix = get(fix_id)
     args = options.pop("args", None)
-    target = _target(fix, model, trainer, args)
+    tokenizer = options.pop("tokenizer", None)
+    target = _target(fix, model, trainer, args, tokenizer)
     changed = fix.apply(target, **options)
     # The recorded cell names what apply was given, so it has the same reach as the action.
     if trainer is not None:
         names = {"trainer": "trainer"}
     else:
         names = {key: key for key, value in (("model", model), ("args", args)) if value is not None}
+    if tokenizer is not None:
+        names["tokenizer"] = "tokenizer"
     cell = code(fix_id, **names, **options)
     record_fix(fix_id, changed, cell)
     return FixResult(fix=fix_id, changed=changed, code=cell)

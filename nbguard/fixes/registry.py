@@ -19,6 +19,7 @@ class Target:
     model: Any = None
     trainer: Any = None
     args: Any = None
+    tokenizer: Any = None  # the tokenizer given, else the trainer's processing_class (data fixes)
 
 
 @dataclass
@@ -28,6 +29,7 @@ class Names:
     model: str = "model"
     trainer: str | None = None
     args: str | None = None  # None: no TrainingArguments in reach, so cells leave the args alone
+    tokenizer: str = "tokenizer"
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class Fix:
     description: str
     apply: Callable[..., Any]  # apply(target: Target, **options) -> changes (falsy when none)
     code: Callable[..., str]  # code(names: Names, **options) -> notebook cell
-    needs: str = "model"  # "model", "args" or "model-or-args": what apply must be given
+    needs: str = "model"  # "model", "args", "model-or-args", "trainer" or "tokenizer": what apply must be given
 
 
 FIXES: dict[str, Fix] = {}

@@ -42,9 +42,12 @@ def check_args(args: Any) -> None:
 
 
 def check_batch(batch: Any) -> None:
+    """A mapping of tensors (a dict, or the BatchEncoding a tokenizer or collator returns)."""
+    from collections.abc import Mapping
+
     import torch
 
-    if not isinstance(batch, dict) or not batch:
+    if not isinstance(batch, Mapping) or not batch:
         raise TypeError(
             f"batch must be a non-empty dict of tensors (input_ids, attention_mask, labels); got {type(batch).__name__}"
         )

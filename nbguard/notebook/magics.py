@@ -139,6 +139,9 @@ class NbguardMagics(Magics):
                                 "name the one to audit: %precision_check model args")
                 if args:
                     names["args"], targets["args"] = args
+        tokenizer = getattr(targets.get("trainer"), "processing_class", None)
+        if tokenizer is not None and R.name_of(self.ns, tokenizer, ""):  # data fix cells use the user's tokenizer name
+            names["tokenizer"] = R.name_of(self.ns, tokenizer, "")
         return targets, names
 
     def _find_target(self, magic: str) -> tuple[str, str, Any]:

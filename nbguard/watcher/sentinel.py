@@ -29,6 +29,7 @@ class StepStats:
     fingerprint: list[float] | None
     found_inf: float | None = None  # the GradScaler's verdict, when one is used
     activations: list[float] | None = None  # per probed group output abs-max (NOT_SEEN: no forward)
+    extra: list[float] | None = None  # scalars other detectors asked to ride along (supervised-token counts)
     exchanged: list[float] | None = None  # across ranks: what the step's one collective returned
 
     @property
@@ -109,6 +110,7 @@ class GradNormCollector:
     def read(self, losses: list[torch.Tensor], scale: torch.Tensor | None, with_fingerprint: bool,
              sum_losses: bool = False, found_inf: torch.Tensor | None = None,
              activations: Callable[[torch.device], torch.Tensor] | None = None,
+             extra: list[torch.Tensor] | None = None,
              exchange: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None) -> StepStats:
         """Stack everything this step produced and read it with a single ``tolist()``.
 
@@ -136,11 +138,16 @@ class GradNormCollector:
             parts.append(acts)
         if with_fingerprint:
             parts.append(self.fingerprint().to(device))
+        n_extra = len(extra) if extra else 0
+        if extra:
+            parts.append(torch.stack([t.detach().float().reshape(()).to(device) for t in extra]))
         if n_exchanged:
             parts.append(shared)
         values = torch.cat(parts).tolist()  # the one host sync of the step
         exchanged = values[len(values) - n_exchanged:] if n_exchanged else None
         values = values[:len(values) - n_exchanged]
+        extra_values = values[len(values) - n_extra:] if n_extra else None
+        values = values[:len(values) - n_extra]
         g = len(self.groups)
         norms, rest = values[:g], values[g:]
         loss = rest.pop(0) if losses else None
@@ -150,4 +157,4 @@ class GradNormCollector:
         if loss_scale:
             norms = [v / loss_scale for v in norms]  # activations are forward values: never scaled
         return StepStats(norms, loss, loss_scale, rest if with_fingerprint else None, inf_flags, acts_values,
-                         exchanged)
+                         extra_values, exchanged)

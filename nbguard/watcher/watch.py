@@ -24,6 +24,7 @@ from .integrations.loop import OptimizerBinding, ScalerBinding, unwrap_optimizer
 from .policies import check_policy, drop_update
 from .replay import Replayer
 from .sentinel import GradNormCollector, StepStats
+from .supervision import FewTokensDetector
 
 Listener = Callable[["NanWatch", str, Any], None]
 
@@ -112,6 +113,8 @@ class NanWatch(Displayable):
         self._spike = SpikeDetector(self.settings)
         self._frozen = FrozenDetector(self.settings)
         self._eval = EvalLossDetector(self.settings)
+        self._few_tokens = FewTokensDetector()
+        self._few_tokens_event: Event | None = None
         self._release_step()
 
     # ---- attach / detach -------------------------------------------------------------------
@@ -318,6 +321,7 @@ class NanWatch(Displayable):
             self._micro_batches.append(
                 MicroBatch(len(self._micro_batches), args, dict(kwargs), capture_rng(), capture_autocast(),
                            trainer_labels=trainer_labels))
+            self._few_tokens.capture(self._micro_batches[-1].index, self._micro_batches[-1].labels())
         except Exception as exc:
             self._fail(exc, safe=True)
         return None
@@ -352,6 +356,7 @@ class NanWatch(Displayable):
             self._stats = self._collector.read(self._losses, scale, self._frozen.due(self.step), sum_losses=shares,
                                                found_inf=found_inf,
                                                activations=self._probe.values if self._probe is not None else None,
+                                               extra=self._few_tokens.pending(),
                                                exchange=self._ranks.exchange if self._ranks is not None else None)
             if self._ranks is not None:
                 self._verdict = self._ranks.settle(self._stats)
@@ -469,6 +474,7 @@ class NanWatch(Displayable):
         if self.activation_history is not None and stats.activations is not None:
             activations = host_values(stats.activations)
             self.activation_history.append(step, activations)
+        self._check_few_tokens(step, stats)
         stop_event = None
         if self._scaler_binding is not None:
             streak = self._skips.update(scaler_skipped, stats.loss_scale)
@@ -506,6 +512,25 @@ class NanWatch(Displayable):
         if stop_event is not None:
             self._stop(stop_event, step_ended=True)
 
+    def _check_few_tokens(self, step: int, stats: StepStats) -> None:
+        """One event for the first micro-batch built on few supervised tokens; later ones are counted on it."""
+        found = self._few_tokens.update(stats.extra)
+        if found is None or (found["supervised_tokens"] == 0 and not stats.loss_finite):
+            return  # a 0/0 loss is already a non-finite event with cause no-supervised-tokens
+        if self._few_tokens_event is not None:
+            evidence = self._few_tokens_event.evidence
+            evidence["occurrences"] += 1
+            if len(evidence["steps"]) < self._few_tokens.settings.max_steps_listed:
+                evidence["steps"].append(step)
+            return
+        median = found["recent_median"]
+        found.update(occurrences=1, steps=[step])
+        self._few_tokens_event = Event(
+            "few-supervised-tokens", step,
+            f"micro-batch {found['micro_batch']}'s loss is built on {found['supervised_tokens']} supervised token(s)"
+            + (f" (recent median {median:g})" if median is not None else ""), evidence=found)
+        self._emit(self._few_tokens_event)
+
     def _release_step(self) -> None:
         """Drop every reference to this step's batches and output gradients."""
         self._micro_batches: list[MicroBatch] = []
@@ -514,6 +539,7 @@ class NanWatch(Displayable):
         self._optimizer_stepped = False
         self._step_dropped = False
         self._collector.reset()
+        self._few_tokens.reset()
         if self._probe is not None:
             self._probe.reset()
         if getattr(self, "_ranks", None) is not None:

@@ -1,2 +1,2 @@
 """The audit rules, grouped by theme; importing this package registers them all."""
-from . import batch, cache, embeddings, precision, training  # noqa: F401  (registration side effect)
+from . import accumulation, attention, batch, cache, embeddings, labels, padding, precision, tied, tokens, training  # noqa: F401  (registers them)

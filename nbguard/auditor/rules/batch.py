@@ -1,5 +1,13 @@
-"""Rules about a sample batch: labels and attention masks that make the loss undefined."""
+"""Rules about the batches the model will train on: labels and attention masks that make the loss undefined.
+
+The batches are the one given to the audit (``batch=``) or a few sampled from the trainer's own
+dataloader (:mod:`nbguard.auditor.sampling`); each finding says which in its evidence.
+"""
 from __future__ import annotations
+
+from typing import Any
+
+import torch
 
 from ..registry import capped, finding, rule
 
@@ -11,47 +19,99 @@ def _is_causal_lm(ctx) -> bool:
     return cfg is not None and not getattr(cfg, "is_encoder_decoder", False)
 
 
+def scored_labels(ctx, labels: torch.Tensor) -> torch.Tensor:
+    """The labels the loss really scores: causal LMs shift by one, so a row's first label is never predicted."""
+    return labels[:, 1:] if _is_causal_lm(ctx) else labels
+
+
+def batch_labels(ctx) -> list[torch.Tensor]:
+    """Each sampled batch's 2-D labels (batches without labels are skipped)."""
+    out = []
+    for batch in ctx.batches:
+        labels = batch.get("labels")
+        if isinstance(labels, torch.Tensor) and labels.dim() == 2:
+            out.append(labels)
+    return out
+
+
+def _row_ids(per_batch: list[torch.Tensor]) -> list[Any]:
+    """Row indices, as ``row`` for one batch or ``[batch, row]`` across several."""
+    if len(per_batch) == 1:
+        return per_batch[0].nonzero().flatten().tolist()
+    return [[b, r] for b, rows in enumerate(per_batch) for r in rows.nonzero().flatten().tolist()]
+
+
+@rule("batch-sampling-error", "warning")
+def batch_sampling_error(ctx):
+    """The trainer's own dataloader raised while the audit drew batches from it: train() will too."""
+    error = ctx.sample.error if ctx.trainer is not None and ctx.batch is None else None
+    if error is None:
+        return None
+    return finding(
+        "batch-sampling-error",
+        "the trainer's dataloader raised while the audit sampled it",
+        f"trainer.get_train_dataloader() (dataset, column removal, collator) raised {error}. train() builds the same "
+        "loader and will fail the same way; the batch rules (labels, padding) could not look at any batch.",
+        {"exception": error},
+    )
+
+
 @rule("no-supervised-tokens", "error")
 def no_supervised_tokens(ctx):
-    """Rows (or the whole batch) whose labels are all -100: a 0/0 mean loss."""
-    labels = ctx.batch.get("labels") if ctx.batch else None
-    if labels is None or labels.dim() != 2:
+    """Rows (or whole batches) whose labels are all -100: a 0/0 mean loss, or a step built on few examples."""
+    all_labels = batch_labels(ctx)
+    if not all_labels:
         return None
-    # Causal LMs shift labels by one: the first label of each row is never predicted.
-    scored = labels[:, 1:] if _is_causal_lm(ctx) else labels
-    empty = (scored == IGNORE_INDEX).all(dim=1)
-    n_empty = int(empty.sum())
+    empty = [(scored_labels(ctx, labels) == IGNORE_INDEX).all(dim=1) for labels in all_labels]
+    n_empty = sum(int(e.sum()) for e in empty)
     if n_empty == 0:
         return None
-    whole = n_empty == labels.shape[0]
+    rows_seen = sum(int(e.numel()) for e in empty)
+    whole = [i for i, e in enumerate(empty) if bool(e.all())]
+    share = n_empty / rows_seen
+    if whole:
+        title = ("the batch has no supervised tokens" if len(empty) == 1
+                 else f"{len(whole)} of {len(empty)} sampled batches have no supervised tokens")
+        detail = ("Every label in the batch is -100 (after the causal shift), so the mean cross-entropy is 0/0 = NaN "
+                  "with no bad module at all. ")
+    else:
+        title = (f"{n_empty} row(s) have no supervised tokens" if len(empty) == 1
+                 else f"{n_empty} of {rows_seen} sampled rows ({share:.0%}) have no supervised tokens")
+        detail = ("These rows are all -100 (after the causal shift). In this batch the other rows keep the loss finite, "
+                  "but a micro-batch made only of such rows gives a 0/0 = NaN mean loss (under the Trainer's "
+                  "num_items_in_batch: a step made only of them), and every such row is an example the model never "
+                  "learns from (a completion-only collator that did not find its response template, or truncation "
+                  "that cut the answer away, leaves exactly this). ")
+    evidence = {"rows": capped(_row_ids(empty)), "batch_size": int(all_labels[0].shape[0]),
+                "shifted": _is_causal_lm(ctx), "rows_seen": rows_seen, "empty_share": share,
+                "empty_batches": whole, **ctx.sample.to_evidence()}
     return finding(
-        "no-supervised-tokens",
-        "the batch has no supervised tokens" if whole else f"{n_empty} row(s) have no supervised tokens",
-        ("Every label in the batch is -100 (after the causal shift), so the mean cross-entropy is 0/0 = NaN "
-         "with no bad module at all. " if whole else
-         "These rows are all -100 (after the causal shift). In this batch the other rows keep the loss finite, "
-         "but a micro-batch made only of such rows gives a 0/0 = NaN loss. ")
-        + "Drop examples whose prompt fills the whole sequence, or truncate prompts so some answer tokens remain.",
-        {"rows": capped(empty.nonzero().flatten().tolist()), "batch_size": labels.shape[0],
-         "shifted": _is_causal_lm(ctx)},
-        severity="error" if whole else "warning",
+        "no-supervised-tokens", title,
+        detail + "Drop examples whose prompt fills the whole sequence, truncate prompts so some answer tokens remain, "
+                 "or check that the response template is found in every example.",
+        evidence, severity="error" if whole else "warning",
     )
 
 
 @rule("fully-masked-rows", "warning")
 def fully_masked_rows(ctx):
     """attention_mask rows that attend to nothing."""
-    mask = ctx.batch.get("attention_mask") if ctx.batch else None
-    if mask is None or mask.dim() != 2:
+    masks = [b["attention_mask"] for b in ctx.batches
+             if isinstance(b.get("attention_mask"), torch.Tensor) and b["attention_mask"].dim() == 2]
+    if not masks:
         return None
-    empty = (mask == 0).all(dim=1)
-    if not bool(empty.any()):
+    empty = [(mask == 0).all(dim=1) for mask in masks]
+    n_empty = sum(int(e.sum()) for e in empty)
+    if n_empty == 0:
         return None
     return finding(
         "fully-masked-rows",
-        f"{int(empty.sum())} row(s) of attention_mask attend to nothing",
-        "A query whose keys are all masked has a softmax over nothing: with sdpa/flash attention and "
-        "-inf masking that is 0/0 = NaN, which then spreads through the whole row and, through the loss "
-        "or the gradients, to the whole step. Remove padding-only rows from the batch.",
-        {"rows": capped(empty.nonzero().flatten().tolist()), "batch_size": mask.shape[0]},
+        f"{n_empty} row(s) of attention_mask attend to nothing",
+        "A query whose keys are all masked has a softmax over nothing. Current PyTorch (2.5 and later) gives "
+        "such a row zeros in sdpa, and transformers' eager attention, which masks with the dtype's minimum, "
+        "an average over the padding; but older PyTorch's sdpa and attention code that masks with -inf "
+        "compute 0/0 = NaN there, which spreads through the loss or the gradients to the whole step. Even "
+        "where it stays finite the row is pure padding, computed for nothing. Remove padding-only rows from "
+        "the batch.",
+        {"rows": capped(_row_ids(empty)), "batch_size": int(masks[0].shape[0]), **ctx.sample.to_evidence()},
     )

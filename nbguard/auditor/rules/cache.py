@@ -8,14 +8,14 @@ import sys
 from typing import Any
 
 import torch
-from packaging.specifiers import SpecifierSet
 
+from ...environment import in_release_series
 from ...introspect.dtypes import HALF_DTYPES, dtype_name
 from ..registry import capped, finding, rule
 
-# Releases whose caches are Cache objects built by the model's forward; the feature checks below
-# decide whether this model's cache really carries a dtype.
-CACHE_DTYPE_RELEASES = SpecifierSet(">=4.50.0,<4.51.0")
+# Releases whose caches are Cache objects built by the model's forward (their pre-releases and dev
+# builds included); the feature checks below decide whether this model's cache really carries a dtype.
+CACHE_DTYPE_RELEASES = ("4.50.0", "4.51.0")
 _DEFAULT_CACHE = re.compile(r"past_key_values\s*=\s*(\w+Cache)\(")
 
 
@@ -78,7 +78,7 @@ def _embedding_dtype(ctx):
 def cache_eval_crash(ctx):
     """Evaluation during mixed-precision training returns a cache that accelerate tries to .float()."""
     tf = ctx.version("transformers")
-    if ctx.model is None or ctx.args is None or tf is None or tf not in CACHE_DTYPE_RELEASES:
+    if ctx.model is None or ctx.args is None or not in_release_series(tf, *CACHE_DTYPE_RELEASES):
         return None
     if not (ctx.use_cache and ctx.mixed_precision and ctx.evaluates_during_training):
         return None

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 
 from ...introspect.dtypes import HALF_DTYPES, dtype_name
+from ..checkpoint import checkpoint_dtype
+from ..context import AuditContext
 from ..registry import capped, finding, rule
 
 FP16_MAX = 65504.0
@@ -50,8 +52,11 @@ def bf16_unsupported(ctx):
         "bf16-unsupported",
         f"bf16 requested but {hw.display_name} has no native bf16",
         f"The {hw.display_name} (compute capability {cc}) has no bf16 tensor cores; native bf16 needs 8.0 or "
-        "newer. PyTorch emulates it there (torch.cuda.is_bf16_supported() still says True), which is slow, "
-        "and transformers refuses bf16=True on such GPUs. Train in fp32 (or fp16 with a model that fits its range).",
+        "newer. PyTorch emulates it there and torch.cuda.is_bf16_supported() still says True, so current "
+        "transformers accepts bf16=True and the run starts, but bf16 matmuls run without tensor cores (several "
+        "times slower), and libraries that check the hardware themselves (vLLM, which TRL and Unsloth use for "
+        "generation) refuse bf16 with \"Bfloat16 is only supported on GPUs with compute capability of at least "
+        "8.0\". Train in fp32 (or fp16 with a model that fits its range).",
         {"hardware": hw.name, "compute_capability": cc, "requested_by": asks,
          "target_precision": hw.best_half_precision,
          **({"bf16_trainable_parameters": _param_list(bf16_trainable)} if bf16_trainable else {})},
@@ -59,13 +64,24 @@ def bf16_unsupported(ctx):
     )
 
 
+def _checkpoint_bf16(ctx: AuditContext) -> str | None:
+    """Where the config says the checkpoint was saved in bf16 (a saved config.json or model.config.dtype)."""
+    for cfg in ctx.configs:
+        saved = checkpoint_dtype(cfg)
+        if saved is not None:
+            return saved[1] if saved[0] == "bfloat16" else None
+    return None
+
+
 @rule("fp16-overflow-risk", "error")
 def fp16_overflow_risk(ctx):
-    """fp16 for a model family pretrained in bf16 that overflows fp16, or probed activations near 65504."""
+    """fp16 for a model pretrained in bf16 (known family, or a checkpoint saved in bf16), or probed values near 65504."""
     families = sorted(ctx.model_types & FP16_UNSAFE_FAMILIES)
+    saved_bf16 = _checkpoint_bf16(ctx) if ctx.uses_fp16 and not families else None
     near = ctx.probe.near_limit() if ctx.probe is not None else []
+    near_back = ctx.probe.backward_near_limit() if ctx.probe is not None else []
     family_risk = bool(families) and ctx.uses_fp16
-    if not family_risk and not near:
+    if not family_risk and not saved_bf16 and not near and not near_back:
         return None
     target = ctx.hardware.best_half_precision
     evidence = {
@@ -84,6 +100,14 @@ def fp16_overflow_risk(ctx):
             f"{'/'.join(families)} models are pretrained in bf16 and their activations (residual stream, MLP "
             "outputs) grow past 65504, the largest fp16 value; in fp16 they become inf and then NaN."
         )
+    if saved_bf16:
+        evidence["checkpoint_dtype"] = "bfloat16"
+        evidence["checkpoint_dtype_from"] = saved_bf16
+        parts.append(
+            "The checkpoint was saved in bfloat16, which usually means it was trained in bf16: nothing kept its "
+            "activations inside fp16's range (65504), and bf16 has the range of fp32. Many such models overflow "
+            "in fp16; run nbguard.audit(..., probe=True) on a real batch to measure this one."
+        )
     if near:
         evidence["modules_near_limit"] = capped(
             [{"module": m["module"], "absmax": m["absmax"], "input_absmax": m["input_absmax"],
@@ -93,11 +117,26 @@ def fp16_overflow_risk(ctx):
             "(headroom <= 2x; an input that large was computed in the parent module, between two children); "
             "a slightly different batch or a few training steps push them past the fp16 range."
         )
+    if near_back:
+        worst = near_back[0]["grad_headroom"]
+        evidence["backward_near_limit"] = capped(
+            [{"module": m["module"], "grad_absmax": m["grad_absmax"], "grad_headroom": m["grad_headroom"]}
+             for m in near_back])
+        evidence["max_loss_scale"] = worst
+        parts.append(
+            f"In backward the probe saw {len(near_back)} module(s) whose incoming gradient reaches at least half "
+            "of 65504 before any loss scaling. fp16 mixed precision multiplies gradients by the GradScaler's "
+            "scale (65536 at the start), so every step overflows until the scale falls "
+            + ("below 1" if worst is None or worst < 1 else f"to {worst:.3g} or less")
+            + ", and at such a scale the small gradients (LoRA adapters, late layers) round to zero in fp16."
+        )
     parts.append(f"Train in {target} on {ctx.hardware.display_name} instead.")
-    severity = "error" if ctx.uses_fp16 else "warning"
+    certain = family_risk or bool(near) or bool(near_back)
+    severity = "error" if ctx.uses_fp16 and certain else "warning"
     return finding(
         "fp16-overflow-risk",
-        "fp16 will overflow for this model" if ctx.uses_fp16 else "activations are too large for fp16",
+        "fp16 will overflow for this model" if severity == "error" else (
+            "fp16 for a checkpoint saved in bf16" if ctx.uses_fp16 else "values are too large for fp16"),
         " ".join(parts), evidence, fixes=["switch-precision"], severity=severity,
     )
 
@@ -111,9 +150,9 @@ def trainable_low_precision(ctx):
     return finding(
         "trainable-low-precision",
         f"{len(half)} trainable parameters are stored in half precision",
-        "The optimizer updates these parameters in fp16/bf16. bf16 keeps only 8 bits of mantissa, so an "
-        "update smaller than about 1/256 of a weight rounds away and the weight stops learning; fp16 updates "
-        "underflow and its gradients cannot be unscaled. Keep trainable weights (LoRA adapters, embeddings) "
+        "The optimizer updates these parameters in fp16/bf16. bf16 keeps 8 significant bits (7 stored), so an "
+        "update smaller than about 1/256 of a weight rounds away and the weight stops learning; fp16 keeps 11 "
+        "bits but small updates underflow, and under fp16=True the GradScaler refuses to unscale its gradients. Keep trainable weights (LoRA adapters, embeddings) "
         "in float32 and let autocast run the matmuls in half precision.",
         {"parameters": _param_list(half), "dtypes": sorted({dtype_name(p.dtype) for _, p in half})},
         fixes=["upcast-trainable-fp32"],
@@ -122,19 +161,30 @@ def trainable_low_precision(ctx):
 
 @rule("fp16-unscale-error", "error")
 def fp16_unscale_error(ctx):
-    """fp16 mixed precision with fp16 trainable parameters: GradScaler raises on the first step."""
+    """fp16 mixed precision with half-precision trainable parameters: GradScaler raises on the first step."""
     if ctx.mixed_precision != "fp16":
         return None
     fp16 = [(n, p) for n, p in ctx.trainable if p.dtype == torch.float16]
-    if not fp16:
+    # The CUDA unscale kernel has no bfloat16 version (aten/src/ATen/native/cuda/AmpKernels.cu dispatches
+    # FLOATING_TYPES_AND_HALF); the CPU one dispatches the reduced types too, so GradScaler("cpu") takes bf16.
+    bf16 = [(n, p) for n, p in ctx.trainable if p.dtype == torch.bfloat16] if ctx.hardware.device_type == "cuda" else []
+    if not fp16 and not bf16:
         return None
+    errors = []
+    if fp16:
+        errors.append("float16 gradients raise \"ValueError: Attempting to unscale FP16 gradients\"")
+    if bf16:
+        errors.append("bfloat16 gradients raise \"RuntimeError: \"_amp_foreach_non_finite_check_and_unscale_cuda\" "
+                      "not implemented for 'BFloat16'\" (the CUDA unscale kernel has no bf16 version)")
     return finding(
         "fp16-unscale-error",
-        "fp16 mixed precision with fp16 trainable weights",
-        "With fp16=True the Trainer uses a GradScaler, which refuses to unscale gradients of fp16 "
-        "parameters: the first optimizer step raises \"ValueError: Attempting to unscale FP16 gradients\". "
-        "Trainable parameters must be float32 under fp16 mixed precision.",
-        {"parameters": _param_list(fp16), "mixed_precision": "fp16"},
+        "fp16 mixed precision with half-precision trainable weights",
+        "With fp16=True the Trainer uses a GradScaler, which unscales the gradients of the trainable parameters "
+        f"in place at the first optimizer step: {'; '.join(errors)}. Trainable parameters must be float32 under "
+        "fp16 mixed precision (autocast still runs the matmuls in fp16)"
+        + (", or train bf16 weights with bf16=True where the GPU has native bf16." if bf16 else "."),
+        {"parameters": _param_list(fp16 + bf16), "dtypes": sorted({dtype_name(p.dtype) for _, p in fp16 + bf16}),
+         "mixed_precision": "fp16", "hardware": ctx.hardware.name},
         fixes=["upcast-trainable-fp32"],
     )
 

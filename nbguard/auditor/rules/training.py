@@ -57,7 +57,8 @@ def nan_filtered_logging(ctx):
         "nan-filtered-logging",
         "NaN and inf losses are filtered out of the logged loss",
         "With logging_nan_inf_filter=True (the default) the Trainer replaces a NaN or inf step loss by the "
-        "average of the previous steps before logging, so a run that has gone non-finite can still log a "
-        "plausible loss. Watch the run with nbguard.watch, or set logging_nan_inf_filter=False to see them.",
+        "average of the previous steps before logging, and evaluation drops non-finite batch losses before "
+        "averaging eval_loss, so a run that has gone non-finite can still log plausible losses. Watch the run "
+        "with nbguard.watch, or set logging_nan_inf_filter=False to see them.",
         {"logging_nan_inf_filter": True},
     )

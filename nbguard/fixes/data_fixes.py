@@ -1,0 +1,178 @@
+"""Fixes for the data and label failure modes: padding side, pad token, label alignment, loss scaling.
+
+They act on the tokenizer (given as ``tokenizer=``, else the trainer's ``processing_class``) and on
+the Trainer (its collator, its loss scaling); each cell says the same in plain transformers code.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .registry import Fix, Names, Target, register
+
+PAD_TOKEN = "<|pad|>"  # added only when the tokenizer has no distinct special token to pad with
+UNSHIFT_MARK = "unshifts_labels"  # set on the wrapping collator by apply and by the cell: never wrap twice
+
+
+# ---- pad-right-for-training ------------------------------------------------------------------
+def _pad_right(target: Target, **_: Any) -> dict:
+    tok = target.tokenizer
+    if tok.padding_side == "right":
+        return {}
+    old, tok.padding_side = tok.padding_side, "right"
+    return {"tokenizer.padding_side": f"{old} -> right"}
+
+
+def _pad_right_code(names: Names, **_: Any) -> str:
+    return f"""# Pad on the right for training: a left-padded causal row starts with queries that attend to nothing
+# (NaN or garbage attention, and the first real token is learned from one). Keep "left" for batched generation.
+{names.tokenizer}.padding_side = "right"
+"""
+
+
+register(Fix("pad-right-for-training", "Pad on the right for training",
+             'Set tokenizer.padding_side = "right" (the collator pads the next batches on the right).',
+             _pad_right, _pad_right_code, needs="tokenizer"))
+
+
+# ---- distinct-pad-token ----------------------------------------------------------------------
+def _set_model_pad_id(model: Any, pad_id: int, changed: dict) -> None:
+    for owner in (getattr(model, "config", None), getattr(model, "generation_config", None)):
+        if owner is not None and getattr(owner, "pad_token_id", None) != pad_id:
+            changed[f"{type(owner).__name__}.pad_token_id"] = f"{owner.pad_token_id} -> {pad_id}"
+            owner.pad_token_id = pad_id
+
+
+def _distinct_pad(target: Target, **_: Any) -> dict:
+    tok, model = target.tokenizer, target.model
+    if tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id:
+        return {}
+    changed: dict[str, Any] = {}
+    old = tok.pad_token
+    if tok.unk_token is not None and tok.unk_token_id != tok.eos_token_id:
+        tok.pad_token = tok.unk_token
+    else:
+        if model is None:
+            raise ValueError("fix 'distinct-pad-token' adds a pad token to the vocabulary and must resize the "
+                             "embeddings: pass model= (or trainer=) with the tokenizer")
+        tok.add_special_tokens({"pad_token": PAD_TOKEN})
+        rows = model.get_input_embeddings().weight.shape[0]
+        if len(tok) > rows:
+            model.resize_token_embeddings(len(tok))
+            changed["embeddings"] = f"{rows} -> {len(tok)} rows"
+    changed["tokenizer.pad_token"] = f"{old!r} -> {tok.pad_token!r}"
+    if model is not None:
+        _set_model_pad_id(model, tok.pad_token_id, changed)
+    return changed
+
+
+def _distinct_pad_code(names: Names, **_: Any) -> str:
+    t, m = names.tokenizer, names.model
+    return f"""# A pad token distinct from EOS: the collator sets the labels of pad tokens to -100, and with
+# pad == EOS that masked every EOS too, so the model never learned to stop.
+if {t}.unk_token is not None and {t}.unk_token_id != {t}.eos_token_id:
+    {t}.pad_token = {t}.unk_token
+else:
+    {t}.add_special_tokens({{"pad_token": "{PAD_TOKEN}"}})
+    if len({t}) > {m}.get_input_embeddings().weight.shape[0]:
+        {m}.resize_token_embeddings(len({t}))
+{m}.config.pad_token_id = {t}.pad_token_id
+if getattr({m}, "generation_config", None) is not None:
+    {m}.generation_config.pad_token_id = {t}.pad_token_id
+"""
+
+
+register(Fix("distinct-pad-token", "Use a pad token distinct from EOS",
+             "Pad with the tokenizer's unk token (or a new <|pad|> token, resizing the embeddings) so the "
+             "collator stops masking EOS labels.", _distinct_pad, _distinct_pad_code, needs="tokenizer"))
+
+
+# ---- unshift-labels --------------------------------------------------------------------------
+class UnshiftLabels:
+    """Wraps a collator whose labels were shifted left by the data and puts them back in line with input_ids."""
+
+    unshifts_labels = True
+
+    def __init__(self, collator: Any):
+        self.collator = collator
+
+    def __call__(self, features: Any) -> Any:
+        batch = self.collator(features)
+        labels = batch["labels"]
+        aligned = torch.full_like(labels, -100)
+        aligned[..., 1:] = labels[..., :-1]  # labels[t] was input_ids[t + 1]: now it is input_ids[t]
+        batch["labels"] = aligned
+        return batch
+
+
+def _unshift(target: Target, **_: Any) -> dict:
+    trainer = target.trainer
+    if getattr(trainer.data_collator, UNSHIFT_MARK, False):
+        return {}
+    trainer.data_collator = UnshiftLabels(trainer.data_collator)
+    return {"trainer.data_collator": "labels shifted back in line with input_ids (the model shifts them itself)"}
+
+
+def _unshift_code(names: Names, **_: Any) -> str:
+    t = names.trainer
+    return f"""import torch
+
+
+# The data already shifted the labels (labels[t] == input_ids[t + 1]) and the model shifts them again.
+# Better: build labels aligned with input_ids in your preprocessing. Until then, undo the shift per batch.
+class UnshiftLabels:
+    {UNSHIFT_MARK} = True
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __call__(self, features):
+        batch = self.collator(features)
+        labels = batch["labels"]
+        aligned = torch.full_like(labels, -100)
+        aligned[..., 1:] = labels[..., :-1]
+        batch["labels"] = aligned
+        return batch
+
+
+if not getattr({t}.data_collator, "{UNSHIFT_MARK}", False):
+    {t}.data_collator = UnshiftLabels({t}.data_collator)
+"""
+
+
+register(Fix("unshift-labels", "Undo the extra label shift",
+             "Wrap the trainer's collator so labels line up with input_ids again (the model shifts them itself).",
+             _unshift, _unshift_code, needs="trainer"))
+
+
+# ---- scale-loss-for-accumulation -------------------------------------------------------------
+def _flag(trainer: Any) -> str:
+    """The switch that makes training_step divide the loss by the accumulation steps."""
+    return "loss_is_scaled_for_ga" if hasattr(type(trainer), "loss_is_scaled_for_ga") else "model_accepts_loss_kwargs"
+
+
+def _scale_loss(target: Target, **_: Any) -> dict:
+    trainer = target.trainer
+    flag = _flag(trainer)
+    if getattr(trainer, flag, None) is False:
+        return {}
+    old = getattr(trainer, flag, None)
+    setattr(trainer, flag, False)
+    return {f"trainer.{flag}": f"{old} -> False"}
+
+
+def _scale_loss_code(names: Names, **_: Any) -> str:
+    t = names.trainer
+    return f"""# The loss ignores num_items_in_batch, so each micro-batch loss is a mean: let the Trainer divide it by
+# gradient_accumulation_steps (or divide the summed loss by num_items_in_batch in your compute_loss).
+if hasattr(type({t}), "loss_is_scaled_for_ga"):  # transformers 5
+    {t}.loss_is_scaled_for_ga = False
+else:  # transformers 4.46+: the Trainer divides when the model takes no loss kwargs
+    {t}.model_accepts_loss_kwargs = False
+"""
+
+
+register(Fix("scale-loss-for-accumulation", "Scale the loss for gradient accumulation",
+             "Tell the Trainer its loss is a per-micro-batch mean so training_step divides it by the accumulation steps.",
+             _scale_loss, _scale_loss_code, needs="trainer"))
