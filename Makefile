@@ -59,9 +59,13 @@ lint: $(VENV)/.stamp
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-# TypeScript unit tests (vitest, jsdom) and a type check of the extension and its tests.
+# TypeScript unit tests (vitest, jsdom) and a type check of the extension and its tests. The types
+# generated from the schemas must be current; the fixtures are written fresh from real planted-fault
+# runs (labextension/scripts/make_fixtures.py), so vitest tests the payloads the kernel really sends.
 test-labextension: $(VENV)/.stamp
-	cd labextension && { test -d node_modules || npm ci --no-audit --no-fund; } && npm run typecheck && npm test
+	cd labextension && { test -d node_modules || npm ci --no-audit --no-fund; } && npm run check:schema
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/python labextension/scripts/make_fixtures.py
+	cd labextension && npm run typecheck && npm test
 
 test-colab: $(COLAB_VENV)/.stamp
 	$(COLAB_VENV)/bin/python -m pytest -m "not tf450 and not browser and not slow"

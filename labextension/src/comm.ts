@@ -1,27 +1,24 @@
 /**
  * The "nbguard" comm between the kernel and this extension.
  *
- * Protocol (the kernel side in nbguard/notebook implements exactly this):
- *   kernel opens a comm to target "nbguard" with {"action": "hello", "nbguard_version": ...}
- *     -> extension replies {"action": "hello", "extension_version": ...}
- *   kernel sends {"action": "insert-cell", "code": str, "output_id": str, "run": bool}
- *     -> extension inserts a code cell directly below the cell whose outputs hold the nbguard
- *        document with that output_id (falling back to the executing, else the active, cell
- *        and saying so), runs it when asked, and replies
- *        {"action": "inserted", "output_id": ..., "fallback": null | "executing-cell" | "active-cell"}
- *        or {"action": "error", "output_id": ..., "message": ...}.
+ * The protocol is defined once, in nbguard/document/comm.schema.json; its messages are typed in
+ * src/commSchema.ts, generated from that file (npm run schema), and the kernel side
+ * (nbguard/notebook/comm.py) is tested against the same schema (tests/test_document_schema.py).
+ * In short: the kernel opens the comm with a KernelHello and we answer a FrontendHello; it sends
+ * InsertCell, and we insert the code below the cell whose outputs hold the document with that
+ * output_id (else below the executing, else the active, cell, saying so), run it when asked, and
+ * reply Inserted or ErrorReply.
  */
+import type { Fallback, FrontendMessage } from './commSchema';
 import { isObject } from './document';
 import { EXTENSION_VERSION } from './version';
 
+export type { Fallback } from './commSchema';
+
 export const COMM_TARGET = 'nbguard';
 
-export type Fallback = 'executing-cell' | 'active-cell' | null;
-
-export type CommReply =
-  | { action: 'hello'; extension_version: string }
-  | { action: 'inserted'; output_id: string | null; fallback: Fallback; message?: string }
-  | { action: 'error'; message: string; output_id?: string | null };
+/** What the extension sends back on the comm: one of the schema's front-end messages. */
+export type CommReply = FrontendMessage;
 
 /** What the comm needs from the notebook it serves. */
 export interface InsertHost {

@@ -7,6 +7,11 @@
  * answers hover with the group, step range and value under the pointer.
  */
 import { Num, formatNumber } from './document';
+import type { Palette } from './schema';
+
+/** The colours a heatmap needs, from the view's palette (nbguard/document/palette.py): the canvas
+ * keeps no colour of its own, so it matches the static HTML's matplotlib picture. */
+export type HeatPalette = Pick<Palette, 'nan' | 'inf' | 'over' | 'missing' | 'skipped' | 'scale'>;
 
 export type CellKind = 'finite' | 'nan' | 'inf' | 'missing';
 
@@ -37,6 +42,9 @@ export interface HeatmapModel {
   max: number | null;
   nanCount: number;
   infCount: number;
+  /** A finite value above it is drawn in the palette's "over" colour (activations: 65504 for fp16). */
+  limit: number | null;
+  overCount: number;
 }
 
 export interface HeatmapInput {
@@ -44,6 +52,7 @@ export interface HeatmapInput {
   steps: number[];
   values: Num[][];
   skippedSteps?: number[];
+  limit?: number | null;
 }
 
 export interface HeatmapOptions {
@@ -118,6 +127,8 @@ export function buildHeatmapModel(input: HeatmapInput, options: HeatmapOptions =
   let max: number | null = null;
   let nanCount = 0;
   let infCount = 0;
+  let overCount = 0;
+  const limit = input.limit ?? null;
   const cells = rowBins.map(([ra, rb]) =>
     columnBins.map(([ca, cb]) => {
       const values: Num[] = [];
@@ -134,13 +145,14 @@ export function buildHeatmapModel(input: HeatmapInput, options: HeatmapOptions =
         infCount++;
       } else if (cell.kind === 'finite' && (cell.value as number) > 0) {
         const v = cell.value as number;
+        overCount += limit !== null && v > limit ? 1 : 0;
         min = min === null || v < min ? v : min;
         max = max === null || v > max ? v : max;
       }
       return cell;
     })
   );
-  return { rows, columns, cells, min, max, nanCount, infCount };
+  return { rows, columns, cells, min, max, nanCount, infCount, limit, overCount };
 }
 
 /** Position of a finite value on the log colour scale, 0 (smallest) to 1 (largest). */
@@ -155,41 +167,45 @@ export function logPosition(value: number, min: number | null, max: number | nul
   return Math.min(1, Math.max(0, t));
 }
 
-// Viridis anchors: perceptually uniform and colour-blind safe; NaN/Inf get colours outside it.
-const VIRIDIS: Array<[number, number, number]> = [
-  [68, 1, 84],
-  [72, 40, 120],
-  [62, 74, 137],
-  [49, 104, 142],
-  [38, 130, 142],
-  [31, 158, 137],
-  [53, 183, 121],
-  [109, 205, 89],
-  [180, 222, 44],
-  [253, 231, 37]
-];
-export const NAN_COLOR = '#ff1f8e';
-export const INF_COLOR = '#ff7f0e';
+/** Parse "#rrggbb" into [r, g, b]. */
+function rgb(hex: string): [number, number, number] {
+  const match = /^#?([0-9a-f]{2})([0-9a-f]{2})([0-9a-f]{2})$/i.exec(hex.trim());
+  if (!match) {
+    throw new Error(`nbguard: palette colour ${JSON.stringify(hex)} is not #rrggbb`);
+  }
+  return [parseInt(match[1], 16), parseInt(match[2], 16), parseInt(match[3], 16)];
+}
 
-export function scaleColor(t: number): string {
-  const x = Math.min(1, Math.max(0, t)) * (VIRIDIS.length - 1);
-  const i = Math.min(VIRIDIS.length - 2, Math.floor(x));
+/** The colour at position t (0..1) of the palette's scale, interpolated between its stops. */
+export function scaleColor(t: number, scale: string[]): string {
+  if (scale.length === 0) {
+    throw new Error('nbguard: the palette has an empty scale');
+  }
+  const stops = scale.map(rgb);
+  if (stops.length === 1) {
+    return `rgb(${stops[0].join(', ')})`;
+  }
+  const x = Math.min(1, Math.max(0, t)) * (stops.length - 1);
+  const i = Math.min(stops.length - 2, Math.floor(x));
   const f = x - i;
-  const [a, b] = [VIRIDIS[i], VIRIDIS[i + 1]];
+  const [a, b] = [stops[i], stops[i + 1]];
   const mix = (k: number) => Math.round(a[k] + (b[k] - a[k]) * f);
   return `rgb(${mix(0)}, ${mix(1)}, ${mix(2)})`;
 }
 
-export function cellColor(cell: HeatCell, model: HeatmapModel): string | null {
+export function cellColor(cell: HeatCell, model: HeatmapModel, palette: HeatPalette): string {
   switch (cell.kind) {
     case 'nan':
-      return NAN_COLOR;
+      return palette.nan;
     case 'inf':
-      return INF_COLOR;
+      return palette.inf;
     case 'finite':
-      return scaleColor(logPosition(cell.value as number, model.min, model.max));
+      if (model.limit !== null && (cell.value as number) > model.limit) {
+        return palette.over;
+      }
+      return scaleColor(logPosition(cell.value as number, model.min, model.max), palette.scale);
     default:
-      return null;
+      return palette.missing;
   }
 }
 
@@ -246,18 +262,20 @@ export function describeCell(model: HeatmapModel, row: number, column: number, v
   const steps = c.first === c.last ? `step ${c.first}` : `steps ${c.first}–${c.last}`;
   const value = cell.kind === 'missing' ? 'no value' : `${valueName} ${formatNumber(cell.value)}`;
   const group = r.groups.length > 1 ? `${r.label} (${r.groups.length} groups)` : r.label;
-  return `${group} · ${steps} · ${value}${c.skipped ? ' · optimizer step skipped' : ''}`;
+  const over = cell.kind === 'finite' && model.limit !== null && (cell.value as number) > model.limit;
+  const marks = `${over ? ` · over the limit ${formatNumber(model.limit)}` : ''}${c.skipped ? ' · optimizer step skipped' : ''}`;
+  return `${group} · ${steps} · ${value}${marks}`;
 }
 
 /** Draw the model; a no-op where the canvas has no 2D context (e.g. jsdom). */
-export function drawHeatmap(canvas: HTMLCanvasElement, model: HeatmapModel, layout: HeatLayout): void {
+export function drawHeatmap(canvas: HTMLCanvasElement, model: HeatmapModel, layout: HeatLayout, palette: HeatPalette): void {
   const ctx = canvas.getContext('2d');
   if (!ctx) {
     return;
   }
   const style = getComputedStyle(canvas);
-  const text = style.getPropertyValue('--jp-ui-font-color1').trim() || '#333';
-  const muted = style.getPropertyValue('--jp-ui-font-color2').trim() || '#777';
+  // Labels in the theme's text colour (the inherited colour outside JupyterLab).
+  const text = style.getPropertyValue('--jp-ui-font-color1').trim() || style.color;
   const font = style.getPropertyValue('--jp-ui-font-family').trim() || 'sans-serif';
   const ratio = window.devicePixelRatio || 1;
   canvas.width = Math.ceil(layout.width * ratio);
@@ -269,7 +287,7 @@ export function drawHeatmap(canvas: HTMLCanvasElement, model: HeatmapModel, layo
 
   const { labelWidth, markerHeight, cellWidth: w, cellHeight: h } = layout;
   // Skipped optimizer steps: a strip above the grid, so a skipped column cannot be missed.
-  ctx.fillStyle = muted;
+  ctx.fillStyle = palette.skipped;
   model.columns.forEach((col, c) => {
     if (col.skipped) {
       ctx.fillRect(labelWidth + c * w, 0, Math.max(1, w - (w > 3 ? 1 : 0)), markerHeight - 2);
@@ -277,16 +295,13 @@ export function drawHeatmap(canvas: HTMLCanvasElement, model: HeatmapModel, layo
   });
   model.cells.forEach((row, r) => {
     row.forEach((cell, c) => {
-      const color = cellColor(cell, model);
       const x = labelWidth + c * w;
       const y = markerHeight + r * h;
-      if (color) {
-        ctx.fillStyle = color;
-        ctx.fillRect(x, y, w, h);
-      }
+      ctx.fillStyle = cellColor(cell, model, palette);
+      ctx.fillRect(x, y, w, h);
       if ((cell.kind === 'nan' || cell.kind === 'inf') && w >= 4 && h >= 4) {
         // A pattern as well as a colour: NaN gets an X, Inf a single stroke.
-        ctx.strokeStyle = '#fff';
+        ctx.strokeStyle = palette.missing; // light: stands out on both the NaN and the Inf colour
         ctx.lineWidth = 1;
         ctx.beginPath();
         ctx.moveTo(x + 1, y + h - 1);
@@ -318,7 +333,7 @@ function clip(label: string, n: number): string {
 }
 
 /** A heatmap element: title, canvas with hover tooltip, and a legend. */
-export function createHeatmap(title: string, input: HeatmapInput, valueName: string): HTMLElement {
+export function createHeatmap(title: string, input: HeatmapInput, valueName: string, palette: HeatPalette): HTMLElement {
   const model = buildHeatmapModel(input);
   const layout = layoutFor(model);
   const root = document.createElement('div');
@@ -352,7 +367,7 @@ export function createHeatmap(title: string, input: HeatmapInput, valueName: str
   tooltip.className = 'nbg-heatmap-tooltip';
   tooltip.hidden = true;
   frame.append(canvas, tooltip);
-  root.append(frame, legend(model, valueName));
+  root.append(frame, legend(model, valueName, palette));
 
   canvas.addEventListener('mousemove', event => {
     const rect = canvas.getBoundingClientRect();
@@ -372,27 +387,31 @@ export function createHeatmap(title: string, input: HeatmapInput, valueName: str
     tooltip.hidden = true;
   });
   // Draw once attached, so theme variables resolve against the real page.
-  requestAnimationFrame(() => drawHeatmap(canvas, model, layout));
+  requestAnimationFrame(() => drawHeatmap(canvas, model, layout, palette));
   return root;
 }
 
-function legend(model: HeatmapModel, valueName: string): HTMLElement {
+function legend(model: HeatmapModel, valueName: string, palette: HeatPalette): HTMLElement {
   const el = document.createElement('div');
   el.className = 'nbg-heatmap-legend';
   const scale = document.createElement('span');
   scale.className = 'nbg-legend-item';
   const bar = document.createElement('span');
   bar.className = 'nbg-legend-gradient';
-  bar.style.background = `linear-gradient(to right, ${[0, 0.25, 0.5, 0.75, 1].map(scaleColor).join(', ')})`;
+  bar.style.background = `linear-gradient(to right, ${palette.scale.join(', ')})`;
   scale.append(
     `${valueName} (log) ${formatNumber(model.min)} `,
     bar,
     ` ${formatNumber(model.max)}`
   );
   el.appendChild(scale);
-  el.appendChild(swatch(NAN_COLOR, `NaN (${model.nanCount})`, 'nbg-swatch-nan'));
-  el.appendChild(swatch(INF_COLOR, `Inf (${model.infCount})`, 'nbg-swatch-inf'));
-  el.appendChild(swatch('var(--jp-ui-font-color2)', 'skipped step (strip above)', 'nbg-swatch-skip'));
+  el.appendChild(swatch(palette.nan, `NaN (${model.nanCount})`, 'nbg-swatch-nan'));
+  el.appendChild(swatch(palette.inf, `Inf (${model.infCount})`, 'nbg-swatch-inf'));
+  if (model.limit !== null) {
+    el.appendChild(swatch(palette.over, `over the limit ${formatNumber(model.limit)} (${model.overCount})`, 'nbg-swatch-over'));
+  }
+  el.appendChild(swatch(palette.missing, 'no value', 'nbg-swatch-missing'));
+  el.appendChild(swatch(palette.skipped, 'skipped step (strip above)', 'nbg-swatch-skip'));
   if (model.columns.length > 0 && model.columns[0].first !== model.columns[0].last) {
     const note = document.createElement('span');
     note.className = 'nbg-legend-item nbg-muted';

@@ -1,22 +1,18 @@
 /**
- * The nbguard document drawn as DOM: header, finding and diagnosis cards with their fix
- * buttons, probe table, events with origins, heatmaps, applied fixes and watches.
+ * The Lab view of an nbguard output: a formatter of the payload's `view` (nbguard/document/view.py).
  *
- * Everything is built with text nodes (never innerHTML), so a document from an untrusted
- * notebook cannot inject markup; the renderer is therefore safe for untrusted outputs.
+ * view.py decides what is said (section order, titles, counts, the spelling of every number, the
+ * palette); this module decides only the layout, so the Lab view shows the same sections and
+ * values as the static HTML, the text and the Markdown. The document beside the view is read for
+ * the pictures only: a chart's `source` is the path of the data it draws.
+ *
+ * Everything is built with text nodes (never innerHTML), so a document from an untrusted notebook
+ * cannot inject markup; the renderer is therefore safe for untrusted outputs.
  */
-import {
-  Diagnosis,
-  FixApplied,
-  Finding,
-  History,
-  NbEvent,
-  NbguardDocument,
-  Probe,
-  Watch,
-  formatNumber
-} from './document';
+import { Payload, decodeNumber, documentHeading, isObject, lookup } from './document';
 import { createHeatmap } from './heatmap';
+import type { Card, Chart, Fact, FixView, Fold, NbguardDocument, Palette, Section, Table, View } from './schema';
+import { createSeries } from './series';
 
 /** Inserts `code` as a new cell below the cell owning this output, runs it when `run`. */
 export type FixInserter = (code: string, run: boolean) => Promise<string | void>;
@@ -26,155 +22,173 @@ export interface RenderContext {
   insertFix: FixInserter | null;
 }
 
-const SEVERITY_ORDER: Record<string, number> = { error: 0, warning: 1, info: 2 };
+/** What to draw for a payload: its view, or a note for outputs saved before views existed. */
+export function renderPayload(payload: Payload, context: RenderContext): HTMLElement {
+  return payload.view ? renderView(payload.view, payload.doc, context) : renderWithoutView(payload.doc);
+}
 
-export function renderDocument(doc: NbguardDocument, context: RenderContext): HTMLElement {
+export function renderView(view: View, doc: NbguardDocument, context: RenderContext): HTMLElement {
   const root = el('div', 'nbg-report');
-  root.dataset.kind = doc.kind;
-  root.appendChild(renderHeader(doc));
-
-  if (doc.findings.length > 0 || doc.kind === 'audit') {
-    const section = addSection(root, `Findings (${doc.findings.length})`, 'nbg-findings');
-    if (doc.findings.length === 0) {
-      section.appendChild(el('div', 'nbg-ok', 'No findings: this setup passed every rule.'));
-    }
-    const sorted = [...doc.findings].sort(
-      (a, b) => (SEVERITY_ORDER[a.severity] ?? 3) - (SEVERITY_ORDER[b.severity] ?? 3)
-    );
-    for (const finding of sorted) {
-      section.appendChild(renderFinding(finding, doc, context));
-    }
+  root.dataset.kind = String(doc.kind ?? '');
+  const header = el('div', 'nbg-header');
+  header.append(el('span', 'nbg-title', view.title), el('span', 'nbg-meta', view.meta));
+  root.appendChild(header);
+  if (view.summary) {
+    root.appendChild(el('div', 'nbg-summary', view.summary));
   }
-  if (doc.diagnoses.length > 0) {
-    const section = addSection(root, 'Diagnosis', 'nbg-diagnoses');
-    for (const diagnosis of doc.diagnoses) {
-      section.appendChild(renderDiagnosis(diagnosis, doc, context));
-    }
-  }
-  if (doc.events.length > 0) {
-    addSection(root, `Events (${doc.events.length})`, 'nbg-events').appendChild(renderEvents(doc.events));
-  }
-  if (doc.history) {
-    addSection(root, 'Gradient norms', 'nbg-history').appendChild(renderHistory(doc.history));
-  }
-  if (doc.activations && doc.activations.groups.length > 0) {
-    const a = doc.activations;
-    const section = addSection(root, 'Activation abs-max', 'nbg-activations');
-    section.appendChild(
-      createHeatmap(`activation abs-max (limit ${formatNumber(a.limit)})`, {
-        groups: a.groups,
-        steps: a.steps,
-        values: a.absmax
-      }, 'abs-max')
-    );
-  }
-  if (doc.probe && doc.probe.modules.length > 0) {
-    addSection(root, 'Activation probe', 'nbg-probe').appendChild(renderProbe(doc.probe));
-  }
-  if (doc.fixes_applied.length > 0) {
-    addSection(root, 'Fixes applied', 'nbg-fixes-applied').appendChild(renderFixesApplied(doc.fixes_applied));
-  }
-  for (const watch of doc.watches) {
-    root.appendChild(renderWatch(watch));
-  }
-  if (doc.environment) {
-    root.appendChild(renderKeyValues('Environment', doc.environment));
+  for (const section of view.sections) {
+    root.appendChild(renderSection(section, doc, view.palette, context));
   }
   return root;
 }
 
-function renderHeader(doc: NbguardDocument): HTMLElement {
+/** An output saved by an nbguard without views: its title, and what to do. */
+export function renderWithoutView(doc: NbguardDocument): HTMLElement {
+  const root = el('div', 'nbg-report nbg-legacy');
+  root.dataset.kind = String(doc.kind ?? '');
   const header = el('div', 'nbg-header');
-  const title = doc.title ?? `nbguard ${doc.kind}`;
-  header.appendChild(el('span', 'nbg-title', title));
-  const counts = severityCounts(doc.findings);
-  const summary: string[] = [];
-  for (const severity of ['error', 'warning', 'info']) {
-    if (counts[severity]) {
-      summary.push(`${counts[severity]} ${severity}${counts[severity] > 1 ? 's' : ''}`);
+  header.appendChild(el('span', 'nbg-title', documentHeading(doc)));
+  root.append(
+    header,
+    el('div', 'nbg-note', 'This output was saved by an older nbguard and carries no view: re-run the cell to see it here.')
+  );
+  return root;
+}
+
+export function renderSection(section: Section, doc: NbguardDocument, palette: Palette, context: RenderContext): HTMLElement {
+  if (section.kind === 'entry') {
+    return el('h3', 'nbg-entry', section.title);
+  }
+  const box = el('div', `nbg-section nbg-section-${section.kind}`);
+  box.dataset.section = section.kind;
+  if (section.kind === 'notes') {
+    for (const note of section.notes) {
+      box.appendChild(el('div', 'nbg-note', note));
+    }
+    return box;
+  }
+  if (section.title) {
+    box.appendChild(el('div', 'nbg-section-title', section.title));
+  }
+  if (section.facts.length) {
+    box.appendChild(renderFacts(section.facts, palette));
+  }
+  // A folded section (the environment) shows its title and facts; the rest opens on demand.
+  let body: HTMLElement = box;
+  if (section.folded) {
+    body = el('details', 'nbg-fold');
+    body.appendChild(el('summary', '', 'details'));
+    box.appendChild(body);
+  }
+  if (section.table) {
+    body.appendChild(renderTable(section.table));
+  }
+  if (section.empty) {
+    body.appendChild(el('div', 'nbg-empty', section.empty));
+  }
+  if (section.cards_title) {
+    body.appendChild(el('div', 'nbg-cards-title', section.cards_title));
+  }
+  for (const card of section.cards) {
+    body.appendChild(renderCard(card, section.kind, palette, context));
+  }
+  for (const note of section.notes) {
+    body.appendChild(el('div', 'nbg-note', note));
+  }
+  for (const chart of section.charts) {
+    body.appendChild(renderChart(chart, doc, palette));
+  }
+  return box;
+}
+
+// A fact's tone in the palette's colours: bad news in the NaN colour, as the static HTML shows it.
+const TONE_COLOR: Record<string, (palette: Palette) => string> = {
+  bad: palette => palette.nan,
+  skip: palette => palette.skipped,
+  good: palette => palette.good
+};
+
+function renderFacts(facts: Fact[], palette: Palette): HTMLElement {
+  const list = el('ul', 'nbg-facts');
+  for (const fact of facts) {
+    const item = el('li', fact.tone ? `nbg-fact nbg-fact-${fact.tone}` : 'nbg-fact', fact.text);
+    if (TONE_COLOR[fact.tone]) {
+      item.style.color = TONE_COLOR[fact.tone](palette);
+    }
+    list.appendChild(item);
+  }
+  return list;
+}
+
+// The data attribute a card's tag becomes, per section: what tools and tests select by.
+const TAG_ATTRIBUTE: Record<string, string> = { findings: 'rule', diagnoses: 'signature', watch: 'event', fix_cells: 'fix' };
+
+export function renderCard(card: Card, sectionKind: string, palette: Palette, context: RenderContext): HTMLElement {
+  const box = el('div', `nbg-card nbg-tone-${card.tone}`);
+  box.style.borderLeftColor = palette.severity[card.tone] ?? palette.severity.info;
+  if (card.tag && TAG_ATTRIBUTE[sectionKind]) {
+    box.dataset[TAG_ATTRIBUTE[sectionKind]] = card.tag;
+  }
+  const head = el('div', 'nbg-card-head');
+  if (card.badge) {
+    const badge = el('span', `nbg-badge nbg-badge-${card.tone}`, card.badge);
+    badge.style.backgroundColor = palette.severity[card.tone] ?? palette.severity.info;
+    head.appendChild(badge);
+  }
+  head.appendChild(el('span', 'nbg-card-title', card.title));
+  if (card.tag) {
+    head.appendChild(el('code', 'nbg-tag', card.tag));
+  }
+  box.appendChild(head);
+  for (const line of card.lines) {
+    box.appendChild(el('div', 'nbg-detail', line));
+  }
+  if (card.quote) {
+    box.appendChild(el('code', 'nbg-quote', card.quote));
+  }
+  if (card.table) {
+    box.appendChild(renderTable(card.table));
+  }
+  for (const fold of card.folds) {
+    box.appendChild(renderFold(fold));
+  }
+  for (const fix of card.fixes) {
+    box.appendChild(renderFix(fix, palette, context));
+  }
+  if (card.code) {
+    box.appendChild(el('pre', 'nbg-code', card.code));
+  }
+  return box;
+}
+
+function renderFold(fold: Fold): HTMLElement {
+  const details = el('details', `nbg-fold nbg-fold-${fold.kind}`);
+  details.append(el('summary', '', fold.label), el('pre', 'nbg-code', fold.text));
+  return details;
+}
+
+/** One fix: its id and title, its verdict, its cell code, and the two insert buttons. */
+export function renderFix(fix: FixView, palette: Palette, context: RenderContext): HTMLElement {
+  const box = el('div', 'nbg-fix');
+  box.dataset.fix = fix.id;
+  const head = el('div', 'nbg-fix-head');
+  head.append(el('code', 'nbg-fix-id', fix.id));
+  if (fix.title) {
+    head.appendChild(el('span', 'nbg-fix-title', fix.title));
+  }
+  if (fix.verdict) {
+    const verdict = el('span', `nbg-verdict nbg-verdict-${fix.verdict.status}`, fix.verdict.label);
+    if (fix.verdict.status === 'verified') {
+      verdict.style.color = palette.good;
+    }
+    head.appendChild(verdict);
+    if (fix.verdict.detail) {
+      head.appendChild(el('span', 'nbg-verdict-detail', fix.verdict.detail));
     }
   }
-  if (doc.events.length) {
-    summary.push(`${doc.events.length} event${doc.events.length > 1 ? 's' : ''}`);
-  }
-  if (summary.length) {
-    header.appendChild(el('span', 'nbg-summary', summary.join(' · ')));
-  }
-  const hardware = doc.hardware?.display_name ?? doc.hardware?.name;
-  const meta = [hardware ? `hardware: ${String(hardware)}` : '', doc.nbguard_version ? `nbguard ${doc.nbguard_version}` : '']
-    .filter(Boolean)
-    .join(' · ');
-  if (meta) {
-    header.appendChild(el('span', 'nbg-meta', meta));
-  }
-  return header;
-}
-
-function severityCounts(findings: Finding[]): Record<string, number> {
-  const counts: Record<string, number> = {};
-  for (const f of findings) {
-    counts[f.severity] = (counts[f.severity] ?? 0) + 1;
-  }
-  return counts;
-}
-
-export function renderFinding(finding: Finding, doc: NbguardDocument, context: RenderContext): HTMLElement {
-  const card = el('div', `nbg-card nbg-severity-${finding.severity}`);
-  card.dataset.rule = finding.rule;
-  const head = el('div', 'nbg-card-head');
-  head.append(
-    el('span', `nbg-badge nbg-badge-${finding.severity}`, finding.severity),
-    el('span', 'nbg-card-title', finding.title),
-    el('code', 'nbg-rule', finding.rule)
-  );
-  card.appendChild(head);
-  if (finding.detail) {
-    card.appendChild(el('div', 'nbg-detail', finding.detail));
-  }
-  if (Object.keys(finding.evidence).length > 0) {
-    card.appendChild(renderKeyValues('Evidence', finding.evidence));
-  }
-  for (const fixId of finding.fixes) {
-    card.appendChild(renderFix(fixId, doc, context));
-  }
-  return card;
-}
-
-function renderDiagnosis(diagnosis: Diagnosis, doc: NbguardDocument, context: RenderContext): HTMLElement {
-  const card = el('div', 'nbg-card nbg-severity-error');
-  card.dataset.signature = diagnosis.signature;
-  const head = el('div', 'nbg-card-head');
-  head.append(
-    el('span', 'nbg-badge nbg-badge-error', 'diagnosis'),
-    el('span', 'nbg-card-title', diagnosis.title),
-    el('code', 'nbg-rule', diagnosis.signature)
-  );
-  card.appendChild(head);
-  if (diagnosis.detail) {
-    card.appendChild(el('div', 'nbg-detail', diagnosis.detail));
-  }
-  if (diagnosis.exception) {
-    const details = el('details', 'nbg-evidence');
-    details.append(el('summary', '', 'Exception'), el('pre', 'nbg-code', diagnosis.exception));
-    card.appendChild(details);
-  }
-  for (const fixId of diagnosis.fixes) {
-    card.appendChild(renderFix(fixId, doc, context));
-  }
-  return card;
-}
-
-/** One fix: its title, its code, and the two insert buttons. */
-export function renderFix(fixId: string, doc: NbguardDocument, context: RenderContext): HTMLElement {
-  const fix = doc.fix_cells[fixId];
-  const box = el('div', 'nbg-fix');
-  box.dataset.fix = fixId;
-  const head = el('div', 'nbg-fix-head');
-  head.append(el('span', 'nbg-fix-title', fix ? fix.title : fixId), el('code', 'nbg-rule', fixId));
   box.appendChild(head);
-  if (!fix) {
-    box.appendChild(el('div', 'nbg-muted', 'No cell code was recorded for this fix.'));
-    return box;
+  if (!fix.code) {
+    return box; // no cell was recorded for this fix: nothing to insert
   }
   box.appendChild(el('pre', 'nbg-code', fix.code));
   const actions = el('div', 'nbg-fix-actions');
@@ -210,176 +224,83 @@ export function renderFix(fixId: string, doc: NbguardDocument, context: RenderCo
   return box;
 }
 
-export function renderEvents(events: NbEvent[]): HTMLElement {
-  const list = el('div', 'nbg-event-list');
-  for (const event of events) {
-    const item = el('div', 'nbg-event');
-    item.dataset.kind = event.kind;
-    const head = el('div', 'nbg-event-head');
-    head.append(
-      el('span', 'nbg-step', `step ${event.step}`),
-      el('code', 'nbg-rule', event.kind),
-      ...(event.cause ? [el('span', 'nbg-cause', event.cause)] : []),
-      el('span', 'nbg-event-message', event.message)
-    );
-    item.appendChild(head);
-    if (event.origins.length > 0) {
-      const rows = event.origins.map(o => [
-        o.phase,
-        o.module,
-        o.tensor ?? '',
-        o.dtype ?? '',
-        formatNumber(o.input_absmax),
-        formatNumber(o.output_absmax),
-        o.micro_batch === null ? '' : String(o.micro_batch)
-      ]);
-      item.appendChild(
-        table(['phase', 'module', 'tensor', 'dtype', 'input abs-max', 'output abs-max', 'micro-batch'], rows, 'nbg-origins')
-      );
-    } else if (event.kind.startsWith('nonfinite')) {
-      item.appendChild(el('div', 'nbg-muted', 'No module origin was found for this event.'));
-    }
-    if (Object.keys(event.evidence).length > 0) {
-      item.appendChild(renderKeyValues('Evidence', event.evidence));
-    }
-    list.appendChild(item);
-  }
-  return list;
-}
-
-function renderHistory(history: History): HTMLElement {
-  const box = el('div', 'nbg-history-box');
-  box.appendChild(
-    createHeatmap('gradient norm', {
-      groups: history.groups,
-      steps: history.steps,
-      values: history.grad_norm,
-      skippedSteps: history.skipped_steps
-    }, 'grad norm')
-  );
-  const series: Array<[string, (number | null)[]]> = [
-    ['loss', history.loss],
-    ['total grad norm', history.total_grad_norm],
-    ['loss scale', history.loss_scale]
-  ];
-  const rows = series
-    .filter(([, values]) => values.length > 0)
-    .map(([name, values]) => {
-      const last = values[values.length - 1];
-      const nonFinite = values.filter(v => v !== null && !Number.isFinite(v)).length;
-      return [name, formatNumber(last), String(nonFinite)];
-    });
-  if (rows.length) {
-    box.appendChild(table(['series', 'last', 'non-finite steps'], rows, 'nbg-series'));
-  }
-  if (history.skipped_steps.length) {
-    box.appendChild(
-      el('div', 'nbg-muted', `Skipped optimizer steps: ${history.skipped_steps.join(', ')}`)
-    );
-  }
-  return box;
-}
-
-function renderProbe(probe: Probe): HTMLElement {
-  const rows = probe.modules.map(m => [
-    m.module,
-    m.dtype ?? '',
-    formatNumber(m.absmax),
-    formatNumber(m.input_absmax),
-    formatNumber(m.headroom)
-  ]);
-  const wrap = el('div', 'nbg-probe-box');
-  wrap.appendChild(
-    el('div', 'nbg-muted', `limit ${formatNumber(probe.limit)}; headroom = limit / max(output, input abs-max)`)
-  );
-  wrap.appendChild(
-    table(['module', 'dtype', 'output abs-max', 'input abs-max', 'headroom'], rows, 'nbg-probe-table')
-  );
-  return wrap;
-}
-
-function renderFixesApplied(fixes: FixApplied[]): HTMLElement {
-  const list = el('div', 'nbg-applied-list');
-  for (const fix of fixes) {
-    const item = el('div', 'nbg-applied');
-    item.appendChild(el('code', 'nbg-rule', fix.fix));
-    if (fix.changed !== undefined && fix.changed !== null) {
-      item.appendChild(el('span', 'nbg-muted', ` changed: ${summarise(fix.changed)}`));
-    }
-    if (fix.code) {
-      item.appendChild(el('pre', 'nbg-code', fix.code));
-    }
-    list.appendChild(item);
-  }
-  return list;
-}
-
-function renderWatch(watch: Watch): HTMLElement {
-  const section = el('div', 'nbg-section nbg-watch');
-  section.appendChild(el('div', 'nbg-section-title', watch.title));
-  if (watch.events.length) {
-    section.appendChild(renderEvents(watch.events));
-  } else {
-    section.appendChild(el('div', 'nbg-ok', 'No events.'));
-  }
-  if (watch.history) {
-    section.appendChild(renderHistory(watch.history));
-  }
-  return section;
-}
-
-/** A collapsible key/value table (evidence, environment). */
-export function renderKeyValues(label: string, values: Record<string, unknown>): HTMLElement {
-  const details = el('details', 'nbg-evidence');
-  details.appendChild(el('summary', '', label));
-  const rows = Object.entries(values).map(([k, v]) => [k, summarise(v)]);
-  details.appendChild(table(['', ''], rows, 'nbg-kv', false));
-  return details;
-}
-
-function summarise(value: unknown): string {
-  if (value === null || value === undefined) {
-    return '—';
-  }
-  if (typeof value === 'string') {
-    return value;
-  }
-  if (typeof value === 'number') {
-    return formatNumber(value);
-  }
-  return JSON.stringify(value);
-}
-
-function addSection(root: HTMLElement, title: string, cls: string): HTMLElement {
-  const section = el('div', `nbg-section ${cls}`);
-  section.appendChild(el('div', 'nbg-section-title', title));
-  root.appendChild(section);
-  return section;
-}
-
-function table(headers: string[], rows: string[][], cls: string, showHeader = true): HTMLElement {
-  const t = el('table', `nbg-table ${cls}`);
-  if (showHeader) {
-    const tr = document.createElement('tr');
-    for (const h of headers) {
-      tr.appendChild(el('th', '', h));
+export function renderTable(table: Table): HTMLElement {
+  const t = el('table', 'nbg-table');
+  const headed = table.columns.some(c => c);
+  if (headed) {
+    const tr = el('tr', '');
+    for (const column of table.columns) {
+      tr.appendChild(el('th', '', column));
     }
     t.appendChild(el('thead', '')).appendChild(tr);
   }
   const body = el('tbody', '');
-  for (const row of rows) {
-    const tr = document.createElement('tr');
-    for (const cell of row) {
-      tr.appendChild(el('td', '', cell));
-    }
+  const bad = new Set(table.bad_rows);
+  table.rows.forEach((row, r) => {
+    const tr = el('tr', bad.has(r) ? 'nbg-bad-row' : '');
+    row.forEach((value, c) => {
+      // a key/value table (no column titles) heads each row with its key
+      const cell = el(!headed && c === 0 ? 'th' : 'td', table.numeric[c] ? 'nbg-num' : '');
+      cell.appendChild(table.code[c] && value ? el('code', '', value) : document.createTextNode(value));
+      tr.appendChild(cell);
+    });
     body.appendChild(tr);
-  }
+  });
   t.appendChild(body);
-  return t;
+  if (!table.note) {
+    return t;
+  }
+  const wrap = el('div', 'nbg-table-wrap');
+  wrap.append(t, el('div', 'nbg-note', table.note));
+  return wrap;
+}
+
+const VALUE_NAMES: Record<string, string> = { heatmap: 'grad norm', activations: 'abs-max' };
+
+/** A chart drawn from the document part its `source` names; its `empty` text when there is nothing to draw. */
+export function renderChart(chart: Chart, doc: NbguardDocument, palette: Palette): HTMLElement {
+  const box = el('div', `nbg-chart nbg-chart-${chart.kind}`);
+  if (chart.source[chart.source.length - 1] === 'history' && chart.kind === 'heatmap') {
+    box.classList.add('nbg-history'); // the gradient-norm heatmap: what the browser tests point at
+  }
+  if (chart.empty) {
+    box.appendChild(el('div', 'nbg-note nbg-chart-empty', `${chart.alt}: ${chart.empty}`));
+    return box;
+  }
+  const data = lookup(doc, chart.source);
+  const drawn = chart.kind === 'series' ? createSeries(chart.alt, data, palette) : heatmap(chart, data, palette);
+  if (!drawn) {
+    box.appendChild(el('div', 'nbg-note nbg-chart-empty', `${chart.alt}: not in this output`));
+    return box;
+  }
+  if (chart.kind === 'series') {
+    box.appendChild(el('div', 'nbg-heatmap-title', chart.alt));
+  }
+  box.appendChild(drawn);
+  return box;
+}
+
+function heatmap(chart: Chart, data: unknown, palette: Palette): HTMLElement | null {
+  const values = chart.kind === 'activations' ? 'absmax' : 'grad_norm';
+  if (!isObject(data) || !Array.isArray(data.groups) || !Array.isArray(data.steps) || !Array.isArray(data[values])) {
+    return null;
+  }
+  return createHeatmap(
+    chart.alt,
+    {
+      groups: data.groups.map(String),
+      steps: data.steps.map(Number),
+      values: (data[values] as unknown[]).map(row => (Array.isArray(row) ? row.map(decodeNumber) : [])),
+      skippedSteps: Array.isArray(data.skipped_steps) ? data.skipped_steps.map(Number) : [],
+      limit: chart.kind === 'activations' ? decodeNumber(data.limit) : null // cells above it: the "over" colour
+    },
+    VALUE_NAMES[chart.kind] ?? 'value',
+    palette
+  );
 }
 
 function button(label: string, cls: string): HTMLButtonElement {
-  const b = el('button', `jp-Button nbg-button ${cls}`, label) as HTMLButtonElement;
+  const b = el('button', `jp-Button nbg-button ${cls}`, label);
   b.type = 'button';
   return b;
 }

@@ -1,9 +1,9 @@
-/** The MIME renderer widget: parse the document, draw it, wire the fix buttons, host a live widget view. */
+/** The MIME renderer widget: read the payload, lay out its view, wire the fix buttons, host a live widget view. */
 import { IRenderMime } from '@jupyterlab/rendermime-interfaces';
 import { Panel, Widget } from '@lumino/widgets';
 
-import { DocumentError, MIME_TYPE, parseDocument } from './document';
-import { FixInserter, renderDocument } from './render';
+import { DocumentError, MIME_TYPE, readPayload } from './document';
+import { FixInserter, renderPayload } from './render';
 import { WidgetHost, WidgetRendererSource, widgetModelId } from './widgethost';
 
 // Ahead of text/html (50): JupyterLab shows this view, not the bundle's static HTML fallback.
@@ -49,8 +49,9 @@ export class NbguardRenderer extends Panel implements IRenderMime.IRenderer {
 
   private draw(model: IRenderMime.IMimeModel): HTMLElement {
     try {
-      const doc = parseDocument(model.data[MIME_TYPE]);
-      return renderDocument(doc, { insertFix: this.inserterFor(this, model, doc.output_id) });
+      const payload = readPayload(model.data[MIME_TYPE]);
+      const outputId = typeof payload.doc.output_id === 'string' ? payload.doc.output_id : null;
+      return renderPayload(payload, { insertFix: this.inserterFor(this, model, outputId) });
     } catch (error) {
       const content = document.createElement('div');
       content.className = 'nbg-render-error';

@@ -108,3 +108,66 @@ describe('registerCommTarget', () => {
     expect(kernel.registerCommTarget).toHaveBeenCalledTimes(1);
   });
 });
+
+describe('the replies follow nbguard/document/comm.schema.json', () => {
+  const schema = JSON.parse(readFileSync(join(__dirname, '..', '..', 'nbguard', 'document', 'comm.schema.json'), 'utf8'));
+  const defs: Record<string, any> = schema.$defs;
+  const resolve = (node: any): any => (node.$ref ? defs[node.$ref.split('/').pop()] : node);
+
+  /** The schema's judgement of one value, for the subset comm.schema.json uses. */
+  function fits(node: any, value: unknown): boolean {
+    node = resolve(node);
+    if (node.oneOf) {
+      return node.oneOf.filter((option: any) => fits(option, value)).length === 1;
+    }
+    if ('const' in node) {
+      return value === node.const;
+    }
+    if (node.enum) {
+      return node.enum.includes(value);
+    }
+    const types: string[] = Array.isArray(node.type) ? node.type : [node.type];
+    const type = value === null ? 'null' : typeof value === 'object' ? 'object' : typeof value;
+    if (!types.includes(type)) {
+      return false;
+    }
+    if (type !== 'object') {
+      return true;
+    }
+    const record = value as Record<string, unknown>;
+    const keys = Object.keys(record);
+    return (
+      (node.required ?? []).every((k: string) => k in record) &&
+      keys.every(k => k in (node.properties ?? {}) && fits(node.properties[k], record[k]))
+    );
+  }
+
+  it('accepts what the schema says and refuses what it does not (the checker itself)', () => {
+    expect(fits(defs.frontendMessage, { action: 'inserted', output_id: 'o', fallback: null })).toBe(true);
+    expect(fits(defs.frontendMessage, { action: 'inserted', output_id: 'o', fallback: 'elsewhere' })).toBe(false);
+    expect(fits(defs.frontendMessage, { action: 'inserted', output_id: 'o' })).toBe(false);
+    expect(fits(defs.frontendMessage, { action: 'error', message: 'x', extra: 1 })).toBe(false);
+  });
+
+  it('every reply handleCommMessage makes is a front-end message of the schema', async () => {
+    const kernelSays = [
+      { action: 'hello', nbguard_version: '0.1.0' },
+      { action: 'insert-cell', code: 'x = 1', output_id: 'o1', run: true },
+      { action: 'insert-cell', code: 'x = 1', output_id: 'o1', run: false }
+    ];
+    for (const message of kernelSays) {
+      expect(fits(defs.kernelMessage, message)).toBe(true);
+    }
+    const replies = [
+      ...(await Promise.all(kernelSays.map(m => handleCommMessage(m, host())))),
+      await handleCommMessage(kernelSays[1], host('executing-cell')),
+      await handleCommMessage(kernelSays[1], host('active-cell')),
+      await handleCommMessage(kernelSays[1], { insert: vi.fn().mockRejectedValue(new Error('read-only')) }),
+      await handleCommMessage({ action: 'explode' }, host()),
+      await handleCommMessage({ action: 'insert-cell', output_id: 'o1' }, host())
+    ];
+    for (const reply of replies) {
+      expect([reply, fits(defs.frontendMessage, reply)]).toEqual([reply, true]);
+    }
+  });
+});

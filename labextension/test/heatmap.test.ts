@@ -1,8 +1,6 @@
 import { beforeEach, describe, expect, it, vi } from 'vitest';
 
 import {
-  INF_COLOR,
-  NAN_COLOR,
   aggregate,
   bins,
   buildHeatmapModel,
@@ -11,14 +9,23 @@ import {
   createHeatmap,
   describeCell,
   layoutFor,
-  logPosition
+  logPosition,
+  scaleColor
 } from '../src/heatmap';
 import { Num } from '../src/document';
+import { loadFixture } from './fixtures';
+
+const palette = loadFixture('watch').view.palette; // the one palette, as the kernel sends it
 
 beforeEach(() => {
   // jsdom has no canvas; drawing is exercised in the browser test.
   vi.spyOn(HTMLCanvasElement.prototype, 'getContext').mockReturnValue(null);
 });
+
+function hexToRgb(hex: string): string {
+  const [r, g, b] = [1, 3, 5].map(i => parseInt(hex.slice(i, i + 2), 16));
+  return `rgb(${r}, ${g}, ${b})`;
+}
 
 describe('bins', () => {
   it('covers every item exactly once in at most max bins', () => {
@@ -111,9 +118,30 @@ describe('colours and hit-testing', () => {
     expect(logPosition(0.001, model.min, model.max)).toBe(0);
     expect(logPosition(1000, model.min, model.max)).toBe(1);
     expect(logPosition(1, model.min, model.max)).toBeCloseTo(0.5);
-    expect(cellColor(model.cells[1][0], model)).toBe(NAN_COLOR);
-    expect(cellColor(model.cells[1][1], model)).toBe(INF_COLOR);
-    expect(cellColor(model.cells[0][0], model)).not.toBe(cellColor(model.cells[0][1], model));
+    expect(cellColor(model.cells[1][0], model, palette)).toBe(palette.nan);
+    expect(cellColor(model.cells[1][1], model, palette)).toBe(palette.inf);
+    expect(cellColor(model.cells[0][0], model, palette)).not.toBe(cellColor(model.cells[0][1], model, palette));
+    expect(cellColor({ kind: 'missing', value: null }, model, palette)).toBe(palette.missing);
+  });
+
+  it('takes the ends of its scale from the palette', () => {
+    expect(scaleColor(0, palette.scale)).toBe(hexToRgb(palette.scale[0]));
+    expect(scaleColor(1, palette.scale)).toBe(hexToRgb(palette.scale[palette.scale.length - 1]));
+    expect(scaleColor(0, ['#000000', '#ffffff'])).toBe('rgb(0, 0, 0)');
+    expect(scaleColor(0.5, ['#000000', '#ffffff'])).toBe('rgb(128, 128, 128)');
+    expect(() => scaleColor(0.5, ['red'])).toThrow(/#rrggbb/);
+  });
+
+  it('draws finite values above an activation limit in the palette\'s over colour, and says so', () => {
+    const acts = buildHeatmapModel({ groups: ['mlp'], steps: [0, 1, 2], values: [[100, 70000, NaN]], limit: 65504 });
+    expect(acts.overCount).toBe(1);
+    expect(cellColor(acts.cells[0][1], acts, palette)).toBe(palette.over);
+    expect(cellColor(acts.cells[0][0], acts, palette)).not.toBe(palette.over);
+    expect(cellColor(acts.cells[0][2], acts, palette)).toBe(palette.nan); // NaN stays NaN
+    expect(describeCell(acts, 0, 1, 'abs-max')).toBe('mlp · step 1 · abs-max 70000 · over the limit 65504');
+    const gradients = buildHeatmapModel({ groups: ['mlp'], steps: [0, 1], values: [[100, 70000]] });
+    expect(gradients.overCount).toBe(0);
+    expect(cellColor(gradients.cells[0][1], gradients, palette)).not.toBe(palette.over); // no limit: no over
   });
 
   it('finds the cell under the pointer and describes group, step and value', () => {
@@ -123,12 +151,12 @@ describe('colours and hit-testing', () => {
     expect(cellAt(model, layout, x, y)).toEqual({ row: 1, column: 1 });
     expect(cellAt(model, layout, 2, y)).toBeNull();
     expect(cellAt(model, layout, layout.width + 5, y)).toBeNull();
-    expect(describeCell(model, 1, 1, 'grad norm')).toBe('layers.0 · step 11 · grad norm inf · optimizer step skipped');
-    expect(describeCell(model, 1, 0, 'grad norm')).toBe('layers.0 · step 10 · grad norm nan');
+    expect(describeCell(model, 1, 1, 'grad norm')).toBe('layers.0 · step 11 · grad norm Inf · optimizer step skipped');
+    expect(describeCell(model, 1, 0, 'grad norm')).toBe('layers.0 · step 10 · grad norm NaN');
   });
 
   it('builds a canvas with a tooltip that follows the pointer', () => {
-    const el = createHeatmap('gradient norm', { groups: ['embed', 'layers.0'], steps: [10, 11], values: [[1, 2], [NaN, 3]] }, 'grad norm');
+    const el = createHeatmap('gradient norm', { groups: ['embed', 'layers.0'], steps: [10, 11], values: [[1, 2], [NaN, 3]] }, 'grad norm', palette);
     document.body.appendChild(el);
     const canvas = el.querySelector('canvas')!;
     const tooltip = el.querySelector('.nbg-heatmap-tooltip') as HTMLElement;
@@ -138,7 +166,7 @@ describe('colours and hit-testing', () => {
       new MouseEvent('mousemove', { clientX: layout.labelWidth + 1, clientY: layout.markerHeight + layout.cellHeight + 1 })
     );
     expect(tooltip.hidden).toBe(false);
-    expect(tooltip.textContent).toBe('layers.0 · step 10 · grad norm nan');
+    expect(tooltip.textContent).toBe('layers.0 · step 10 · grad norm NaN');
     canvas.dispatchEvent(new MouseEvent('mouseleave'));
     expect(tooltip.hidden).toBe(true);
     expect(el.querySelector('.nbg-swatch-nan')!.textContent).toContain('NaN (1)');

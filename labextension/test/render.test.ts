@@ -1,8 +1,8 @@
 import { beforeEach, describe, expect, it, vi } from 'vitest';
 
-import { parseDocument } from '../src/document';
-import { renderDocument, renderFinding } from '../src/render';
-import { sampleDocument } from './fixtures';
+import { readPayload } from '../src/document';
+import { renderCard, renderPayload } from '../src/render';
+import { loadFixture } from './fixtures';
 
 beforeEach(() => {
   vi.spyOn(HTMLCanvasElement.prototype, 'getContext').mockReturnValue(null);
@@ -12,112 +12,169 @@ function flush(): Promise<void> {
   return new Promise(resolve => setTimeout(resolve, 0));
 }
 
-describe('finding cards', () => {
-  it('show severity, title, detail, collapsible evidence and one box per fix', () => {
-    const doc = parseDocument(sampleDocument());
-    const card = renderFinding(doc.findings[0], doc, { insertFix: null });
-    expect(card.classList.contains('nbg-severity-warning')).toBe(true);
-    expect(card.dataset.rule).toBe('trainable-low-precision');
-    expect(card.querySelector('.nbg-badge')!.textContent).toBe('warning');
-    expect(card.querySelector('.nbg-card-title')!.textContent).toBe('Trainable parameters are stored in bfloat16');
-    expect(card.querySelector('.nbg-detail')!.textContent).toContain('AdamW');
-    const evidence = card.querySelector('details.nbg-evidence') as HTMLDetailsElement;
-    expect(evidence.open).toBe(false);
-    expect(evidence.textContent).toContain('trainable_bf16');
-    expect(evidence.textContent).toContain('18');
-    const fix = card.querySelector('.nbg-fix') as HTMLElement;
-    expect(fix.dataset.fix).toBe('upcast-trainable-fp32');
-    expect(fix.querySelector('.nbg-code')!.textContent).toBe('nbguard.fixes.apply("upcast-trainable-fp32", model)');
-    expect(fix.querySelector('.nbg-fix-title')!.textContent).toBe('Keep trainable parameters in float32');
+function render(name: string, insertFix: any = null) {
+  const raw = loadFixture(name);
+  return { raw, root: renderPayload(readPayload(raw), { insertFix }) };
+}
+
+/** The first finding card of the real audit that has a fix with cell code. */
+function fixedCard(raw: ReturnType<typeof loadFixture>) {
+  const findings = raw.view.sections.find(s => s.kind === 'findings')!;
+  const card = findings.cards.find(c => c.fixes.some(f => f.code))!;
+  return { card, fix: card.fixes.find(f => f.code)!, palette: raw.view.palette };
+}
+
+describe('finding cards of a real audit', () => {
+  it('show badge, title, rule, detail, folded evidence and one box per fix, from the view', () => {
+    const { raw, root } = render('audit');
+    const findings = raw.view.sections.find(s => s.kind === 'findings')!;
+    const cards = [...root.querySelectorAll('.nbg-section-findings .nbg-card')] as HTMLElement[];
+    expect(cards.map(c => c.dataset.rule)).toEqual(findings.cards.map(c => c.tag));
+    expect(cards[0].querySelector('.nbg-badge')!.textContent).toBe('ERROR'); // the worst first
+    expect(cards[0].style.borderLeftColor).not.toBe('');
+    findings.cards.forEach((card, i) => {
+      expect(cards[i].querySelector('.nbg-card-title')!.textContent).toBe(card.title);
+      const folds = [...cards[i].querySelectorAll('details.nbg-fold')] as HTMLDetailsElement[];
+      expect(folds.map(f => f.querySelector('summary')!.textContent)).toEqual(card.folds.map(f => f.label));
+      expect(folds.every(f => !f.open)).toBe(true);
+      expect([...cards[i].querySelectorAll('.nbg-fix')].map(f => (f as HTMLElement).dataset.fix)).toEqual(card.fixes.map(f => f.id));
+    });
   });
 
   it('disable the buttons outside a notebook', () => {
-    const doc = parseDocument(sampleDocument());
-    const card = renderFinding(doc.findings[0], doc, { insertFix: null });
-    const buttons = [...card.querySelectorAll('button')] as HTMLButtonElement[];
-    expect(buttons.map(b => b.textContent)).toEqual(['Insert fix cell', 'Insert and run']);
-    expect(buttons.every(b => b.disabled)).toBe(true);
+    const { raw } = render('audit');
+    const { card, palette } = fixedCard(raw);
+    const node = renderCard(card, 'findings', palette, { insertFix: null });
+    const buttons = [...node.querySelectorAll('.nbg-fix')][0].querySelectorAll('button') as NodeListOf<HTMLButtonElement>;
+    expect([...buttons].map(b => b.textContent)).toEqual(['Insert fix cell', 'Insert and run']);
+    expect([...buttons].every(b => b.disabled)).toBe(true);
   });
 
   it('insert the fix cell code, with run=false and run=true', async () => {
-    const doc = parseDocument(sampleDocument());
+    const { raw } = render('audit');
+    const { card, fix, palette } = fixedCard(raw);
     const insertFix = vi.fn().mockResolvedValue(undefined);
-    const card = renderFinding(doc.findings[0], doc, { insertFix });
-    const [insert, insertRun] = [...card.querySelectorAll('button')] as HTMLButtonElement[];
+    const node = renderCard(card, 'findings', palette, { insertFix });
+    const box = node.querySelector(`.nbg-fix[data-fix="${fix.id}"]`)!;
+    const [insert, insertRun] = [...box.querySelectorAll('button')] as HTMLButtonElement[];
     insert.click();
     await flush();
-    expect(insertFix).toHaveBeenLastCalledWith('nbguard.fixes.apply("upcast-trainable-fp32", model)', false);
-    expect(card.querySelector('.nbg-fix-status')!.textContent).toBe('Inserted below.');
+    expect(insertFix).toHaveBeenLastCalledWith(fix.code, false);
+    expect(box.querySelector('.nbg-fix-status')!.textContent).toBe('Inserted below.');
     insertRun.click();
     await flush();
-    expect(insertFix).toHaveBeenLastCalledWith('nbguard.fixes.apply("upcast-trainable-fp32", model)', true);
-    expect(card.querySelector('.nbg-fix-status')!.textContent).toBe('Inserted below and ran.');
+    expect(insertFix).toHaveBeenLastCalledWith(fix.code, true);
+    expect(box.querySelector('.nbg-fix-status')!.textContent).toBe('Inserted below and ran.');
     expect(insert.disabled).toBe(false);
   });
 
   it('report a failed insertion on the card', async () => {
-    const doc = parseDocument(sampleDocument());
-    const insertFix = vi.fn().mockRejectedValue(new Error('the notebook is read-only'));
-    const card = renderFinding(doc.findings[0], doc, { insertFix });
-    (card.querySelector('button') as HTMLButtonElement).click();
+    const { raw } = render('audit');
+    const { card, fix, palette } = fixedCard(raw);
+    const node = renderCard(card, 'findings', palette, { insertFix: vi.fn().mockRejectedValue(new Error('the notebook is read-only')) });
+    const box = node.querySelector(`.nbg-fix[data-fix="${fix.id}"]`)!;
+    (box.querySelector('button') as HTMLButtonElement).click();
     await flush();
-    const status = card.querySelector('.nbg-fix-status')!;
+    const status = box.querySelector('.nbg-fix-status')!;
     expect(status.textContent).toBe('Could not insert: the notebook is read-only');
     expect(status.classList.contains('nbg-error-text')).toBe(true);
   });
 
-  it('say so when a fix has no recorded cell code', () => {
-    const doc = parseDocument(sampleDocument());
-    const card = renderFinding(doc.findings[1], doc, { insertFix: vi.fn() });
-    const boxes = card.querySelectorAll('.nbg-fix');
-    expect(boxes).toHaveLength(2);
-    expect(boxes[1].textContent).toContain('No cell code was recorded');
-    expect(boxes[1].querySelector('button')).toBeNull();
+  it('show a fix without cell code without buttons, and a verdict beside a fix', () => {
+    const { raw } = render('audit');
+    const { card, fix, palette } = fixedCard(raw);
+    const verified = { ...card, fixes: [{ ...fix, verdict: { status: 'verified' as const, label: 'verified', detail: 'step 3 finite' } }, { id: 'no-cell', title: '', code: '', verdict: null }] };
+    const node = renderCard(verified, 'findings', palette, { insertFix: vi.fn() });
+    const [withCode, without] = [...node.querySelectorAll('.nbg-fix')];
+    expect(withCode.querySelector('.nbg-verdict-verified')!.textContent).toBe('verified');
+    expect(withCode.querySelector('.nbg-verdict-detail')!.textContent).toBe('step 3 finite');
+    expect(without.querySelector('button')).toBeNull();
   });
 });
 
-describe('renderDocument', () => {
-  it('orders findings by severity and draws events, origins, probe and heatmap', () => {
-    const root = renderDocument(parseDocument(sampleDocument()), { insertFix: null });
-    const rules = [...root.querySelectorAll('.nbg-card')].map(c => (c as HTMLElement).dataset.rule);
-    expect(rules).toEqual(['fp16-on-gemma3', 'trainable-low-precision']);
-    expect(root.querySelector('.nbg-title')!.textContent).toBe('Precision audit');
-    expect(root.querySelector('.nbg-summary')!.textContent).toBe('1 error · 1 warning · 1 event');
-    expect(root.querySelector('.nbg-meta')!.textContent).toContain('NVIDIA A100');
-    const origin = root.querySelector('.nbg-origins tbody tr')!;
-    expect([...origin.querySelectorAll('td')].map(td => td.textContent)).toEqual([
-      'forward', 'model.layers.1.mlp.down_proj', 'output', 'torch.float16', '60000', 'inf', '0'
-    ]);
-    expect(root.querySelector('.nbg-cause')!.textContent).toBe('overflow');
-    expect(root.querySelector('.nbg-probe-table')!.textContent).toContain('inf');
-    expect(root.querySelector('.nbg-probe-table')!.textContent).toContain('input abs-max');
+describe('renderPayload', () => {
+  it('draws a passing audit with the view\'s empty text', () => {
+    const { raw, root } = render('healthy');
+    expect(root.querySelector('.nbg-section-findings .nbg-empty')!.textContent).toBe(raw.view.sections.find(s => s.kind === 'findings')!.empty);
+    expect(root.querySelector('.nbg-card')).toBeNull();
+  });
+
+  it('draws the probe table with its over-limit rows marked', () => {
+    const { raw, root } = render('probe');
+    const table = raw.view.sections.find(s => s.kind === 'probe')!.table!;
+    expect(table.bad_rows.length).toBeGreaterThan(0);
+    const rows = [...root.querySelectorAll('.nbg-section-probe tbody tr')];
+    expect(rows).toHaveLength(table.rows.length);
+    expect(rows.map((r, i) => r.classList.contains('nbg-bad-row') === table.bad_rows.includes(i))).not.toContain(false);
+    expect(rows[0].querySelector('code')!.textContent).toBe(table.rows[0][0]);
+  });
+
+  it('draws a watch: facts with tones, the origin table, heatmaps in the palette, and the series', () => {
+    const { raw, root } = render('watch');
+    const section = raw.view.sections[0];
+    expect([...root.querySelectorAll('.nbg-fact-bad')].map(n => n.textContent)).toEqual(
+      section.facts.filter(f => f.tone === 'bad').map(f => f.text)
+    );
+    const event = root.querySelector('.nbg-card[data-event="nonfinite-loss"]')!;
+    expect(event.querySelector('td code')!.textContent).toContain('<script>'); // the hostile name, as text
+    expect(root.querySelector('script')).toBeNull();
     expect(root.querySelector('.nbg-history canvas')).not.toBeNull();
-    expect(root.querySelector('.nbg-history')!.textContent).toContain('Skipped optimizer steps: 3');
+    expect(root.querySelector('.nbg-chart-activations canvas')).not.toBeNull();
+    expect(root.querySelector('.nbg-chart-activations .nbg-swatch-over')!.textContent).toContain(`over the limit ${raw.activations!.limit}`);
+    expect(root.querySelector('.nbg-history .nbg-swatch-over')).toBeNull(); // gradient norms have no limit
+    const nan = root.querySelector('.nbg-history .nbg-swatch-nan .nbg-legend-swatch') as HTMLElement;
+    expect(nan.style.background).toBe(rgb(raw.view.palette.nan));
+    const series = root.querySelector('.nbg-chart-series svg')!;
+    expect(series.querySelectorAll('.nbg-series-panel').length).toBeGreaterThanOrEqual(2); // loss, total grad norm
+    const badSteps = raw.history!.loss!.flatMap((v, i) => (typeof v === 'string' ? [raw.history!.steps[i]] : []));
+    expect(badSteps.length).toBeGreaterThan(0);
+    expect(series.querySelectorAll('.nbg-series-loss .nbg-series-bad')).toHaveLength(badSteps.length);
+    expect(series.querySelectorAll('.nbg-series-skip').length).toBe(raw.history!.skipped_steps!.length);
   });
 
-  it('shows a passing audit as such', () => {
-    const root = renderDocument(parseDocument({ schema_version: 1, kind: 'audit', findings: [] }), { insertFix: null });
-    expect(root.querySelector('.nbg-ok')!.textContent).toContain('No findings');
+  it('says why a chart is empty instead of drawing an empty canvas', () => {
+    const raw = loadFixture('watch');
+    const chart = raw.view.sections[0].charts.find(c => c.kind === 'heatmap')!;
+    chart.empty = 'every gradient norm recorded is non-finite (NaN/Inf): nothing to draw on a scale';
+    const root = renderPayload(readPayload(raw), { insertFix: null });
+    expect(root.querySelector('.nbg-history canvas')).toBeNull();
+    expect(root.querySelector('.nbg-history .nbg-chart-empty')!.textContent).toBe(`${chart.alt}: ${chart.empty}`);
   });
 
-  it('renders each watch of a report', () => {
-    const raw = sampleDocument();
-    raw.kind = 'report';
-    raw.watches = [{ title: 'Training run 1', events: raw.events, history: raw.history }];
-    const root = renderDocument(parseDocument(raw), { insertFix: null });
-    const watch = root.querySelector('.nbg-watch')!;
-    expect(watch.querySelector('.nbg-section-title')!.textContent).toBe('Training run 1');
-    expect(watch.querySelector('canvas')).not.toBeNull();
-    expect(watch.querySelector('.nbg-event')).not.toBeNull();
+  it('draws a report as its story: entry headings, then each entry\'s sections', () => {
+    const { raw, root } = render('report');
+    const entries = [...root.querySelectorAll('.nbg-entry')].map(n => n.textContent);
+    expect(entries).toEqual(raw.view.sections.filter(s => s.kind === 'entry').map(s => s.title));
+    expect(root.querySelector('.nbg-section-watch .nbg-history canvas')).not.toBeNull(); // drawn from ["entries", i, "history"]
+    expect(root.querySelector('.nbg-section-diagnoses .nbg-quote')!.textContent).toBe(
+      raw.view.sections.find(s => s.kind === 'diagnoses')!.cards[0].quote
+    );
+    const env = root.querySelector('.nbg-section-environment')!;
+    expect((env.querySelector('details.nbg-fold') as HTMLDetailsElement).open).toBe(false);
+    expect(env.querySelector('.nbg-facts')!.textContent).toContain('Python');
+  });
+
+  it('shows an output saved before views existed as its title and a note to re-run', () => {
+    const { view, ...old } = loadFixture('audit');
+    expect(view).toBeDefined();
+    const root = renderPayload(readPayload(old), { insertFix: null });
+    expect(root.querySelector('.nbg-title')!.textContent).toBe(old.title);
+    expect(root.querySelector('.nbg-note')!.textContent).toContain('re-run the cell');
+    expect(root.querySelector('.nbg-card')).toBeNull();
   });
 
   it('never turns document text into markup', () => {
-    const raw = sampleDocument();
-    raw.title = '<img src=x onerror="window.pwned=1">';
-    (raw.findings as any[])[0].detail = '<script>window.pwned=1</script>';
-    const root = renderDocument(parseDocument(raw), { insertFix: null });
+    const raw = loadFixture('audit');
+    raw.view.title = '<img src=x onerror="window.pwned=1">';
+    raw.view.sections[1].cards[0].lines = ['<script>window.pwned=1</script>'];
+    const root = renderPayload(readPayload(raw), { insertFix: null });
     expect(root.querySelector('img')).toBeNull();
     expect(root.querySelector('script')).toBeNull();
     expect(root.querySelector('.nbg-title')!.textContent).toBe('<img src=x onerror="window.pwned=1">');
   });
 });
+
+function rgb(hex: string): string {
+  const [r, g, b] = [1, 3, 5].map(i => parseInt(hex.slice(i, i + 2), 16));
+  return `rgb(${r}, ${g}, ${b})`;
+}

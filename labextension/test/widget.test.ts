@@ -3,7 +3,12 @@ import { beforeEach, describe, expect, it, vi } from 'vitest';
 import { MIME_TYPE } from '../src/document';
 import { HOSTING_RANK, NbguardRenderer, RENDERER_RANK, rendererFactory } from '../src/widget';
 import { WIDGET_VIEW_MIME, WidgetHost } from '../src/widgethost';
-import { sampleDocument } from './fixtures';
+import { loadFixture } from './fixtures';
+
+/** The real audit payload as the notebook displays it: with the output_id the front end adds. */
+function sampleDocument() {
+  return { ...loadFixture('audit'), output_id: 'out-123' };
+}
 
 beforeEach(() => {
   vi.spyOn(HTMLCanvasElement.prototype, 'getContext').mockReturnValue(null);
@@ -39,7 +44,7 @@ describe('NbguardRenderer', () => {
     const m = model(sampleDocument());
     await renderer.renderModel(m);
     expect(inserterFor).toHaveBeenCalledWith(renderer, m, 'out-123');
-    expect(renderer.node.querySelectorAll('.nbg-card')).toHaveLength(2);
+    expect(renderer.node.querySelectorAll('.nbg-card')).toHaveLength(sampleDocument().view.sections.flatMap(s => s.cards).length);
     expect(renderer.node.querySelectorAll(':scope > .nbg-static > .nbg-report')).toHaveLength(1);
     expect((renderer.node.querySelector('button.nbg-insert') as HTMLButtonElement).disabled).toBe(false);
   });
@@ -59,7 +64,7 @@ describe('NbguardRenderer hosting a widget view', () => {
     expect(source).toHaveBeenCalledWith('w1');
     const host = renderer.widgets[0] as WidgetHost;
     expect(host).toBeInstanceOf(WidgetHost);
-    expect(host.node.querySelectorAll(':scope > .nbg-static .nbg-card')).toHaveLength(2); // the static view meanwhile
+    expect(host.node.querySelectorAll(':scope > .nbg-static .nbg-card')).toHaveLength(sampleDocument().view.sections.flatMap(s => s.cards).length); // the static view meanwhile
   });
 
   it('never hosts for an untrusted output, a bundle without a widget view, or without a source', async () => {
@@ -80,7 +85,7 @@ describe('NbguardRenderer hosting a widget view', () => {
     const renderer = new NbguardRenderer(() => null, source);
     await renderer.renderModel(model(sampleDocument(), widgetView('w1'), true));
     const host = renderer.widgets[0];
-    const updated = { ...sampleDocument(), findings: [] };
+    const updated = loadFixture('healthy'); // the same widget, now showing a passing audit
     await renderer.renderModel(model(updated, widgetView('w1'), true));
     expect(renderer.widgets).toEqual([host]);
     expect(host.node.querySelectorAll('.nbg-card')).toHaveLength(0); // the updated static view

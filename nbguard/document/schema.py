@@ -21,3 +21,11 @@ def _schema_text() -> str:
 def schema() -> dict:
     """The JSON Schema of the v1 document every nbguard payload follows."""
     return json.loads(_schema_text())
+
+
+COMM_SCHEMA_PATH = Path(__file__).with_name("comm.schema.json")
+
+
+def comm_schema() -> dict:
+    """The JSON Schema of the messages on the "nbguard" comm (kernel <-> Lab extension)."""
+    return json.loads(COMM_SCHEMA_PATH.read_text(encoding="utf-8"))

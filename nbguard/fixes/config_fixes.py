@@ -78,14 +78,14 @@ def _vocab_size(target, num_tokens: int | None) -> int:
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens <= 0:
             raise ValueError(f"num_tokens must be a positive int (len(tokenizer)); got {num_tokens!r}")
         return num_tokens
-    tok = tokenizer_of(target.trainer)
+    tok = target.tokenizer if target.tokenizer is not None else tokenizer_of(target.trainer)
     if tok is None:
-        raise ValueError("resize-token-embeddings needs num_tokens=len(tokenizer), or trainer= with its tokenizer "
-                         "as processing_class")
+        raise ValueError("resize-token-embeddings needs num_tokens=len(tokenizer), tokenizer=, or trainer= with "
+                         "its tokenizer as processing_class")
     return len(tok)
 
 
-def _resize(target, num_tokens: int | None = None, tokenizer: str | None = None, **_: Any) -> dict:
+def _resize(target, num_tokens: int | None = None, **_: Any) -> dict:
     model = target.model
     if not callable(getattr(model, "resize_token_embeddings", None)):
         raise ValueError(f"resize-token-embeddings needs a transformers model; {type(model).__name__} cannot resize")
@@ -98,17 +98,10 @@ def _resize(target, num_tokens: int | None = None, tokenizer: str | None = None,
     return {"embedding_rows": f"{old} -> {size}"}
 
 
-def _resize_code(names, num_tokens: int | None = None, tokenizer: str | None = None, **_: Any) -> str:
-    """``tokenizer`` is the user's variable name for the tokenizer (a trainer's processing_class otherwise)."""
+def _resize_code(names, num_tokens: int | None = None, **_: Any) -> str:
+    """``names.tokenizer`` is the user's tokenizer (the trainer's processing_class when only a trainer is named)."""
     m = names.model
-    if tokenizer is not None and not (isinstance(tokenizer, str) and tokenizer.isidentifier()):
-        raise ValueError(f"tokenizer must be the variable name of your tokenizer, such as 'tok'; got {tokenizer!r}")
-    if num_tokens is not None:
-        size = repr(num_tokens)
-    elif tokenizer is None and names.trainer:
-        size = f"len({names.trainer}.processing_class)"
-    else:
-        size = f"len({tokenizer or 'tokenizer'})"
+    size = repr(num_tokens) if num_tokens is not None else f"len({names.tokenizer})"
     return f"""# Give every token of the tokenizer an embedding row; new rows start at the mean of the trained
 # rows (mean_resizing), not at random or zero values.
 _size = {size}

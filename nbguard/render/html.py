@@ -166,7 +166,7 @@ def section_html(section: Section, draw) -> str:
     if section.kind == "entry":
         return f'<h3 class="nbg-entry">{esc(section.title)}</h3>'
     parts = [f"<h3>{esc(section.title)}</h3>" if section.title else ""]
-    parts.append(_facts(section.facts) if section.kind != "environment" else "")
+    parts.append(_facts(section.facts))  # the environment's too: its one-line summary above the fold
     if section.table:
         table = table_html(section.table)
         parts.append(_details(esc("Python, platform, library versions"), table) if section.folded else table)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from nbguard.document.palette import NAN_COLOR
+
 from .lab_helpers import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, LabServer, require_built_extension, write_notebook
 
 pytestmark = pytest.mark.browser
@@ -41,6 +43,7 @@ display(result)"""
 LATER = 'print("a later cell")'
 SYNTHETIC_WATCH = """from IPython.display import display
 from nbguard.findings import Event, Finding, Origin, document
+from nbguard.render import mime_bundle
 
 origin = Origin("model.layers.1.mlp", "backward", dtype="torch.bfloat16", output_absmax=float("inf"))
 watch_doc = document(
@@ -55,7 +58,7 @@ watch_doc = document(
              "skipped_steps": [3], "loss": [2.0, 1.9, 1.8, "nan"], "total_grad_norm": [1.0, 2.0, "inf", "nan"],
              "loss_scale": []},
 )
-display({MIME: watch_doc, "text/plain": "synthetic watch"}, raw=True)""".replace("MIME", repr(MIME))
+display(mime_bundle(watch_doc), raw=True)"""  # the bundle carries the view the extension lays out
 LOAD_EXT = "%load_ext nbguard"
 # The kernel side of the comm (nbguard.notebook.comm) asks the extension for a cell below the
 # output with output_id "synthetic-watch-1"; during Run All the hello answer is not in yet.
@@ -192,7 +195,7 @@ def test_report_renders_and_fix_cell_lands_below_its_cell(lab, browser_page):
     # Preferred over the bundle's text/html fallback: one output, drawn by our renderer widget.
     assert audit_cell.locator(".jp-OutputArea-output.nbg-renderer > .nbg-static > .nbg-report").count() == 1
     assert audit_cell.locator(".jp-OutputArea-output.jp-RenderedHTMLCommon").count() == 0
-    assert card.locator(".nbg-badge").text_content() == "warning"
+    assert card.locator(".nbg-badge").text_content() == "WARNING"  # the view's badge
     assert card.locator(f'.nbg-fix[data-fix="{FIX}"]').count() == 1
     doc = nbguard_docs(state["cells"][2])[0]
     assert RULE in [f["rule"] for f in doc["findings"]]
@@ -241,12 +244,12 @@ def test_report_renders_and_fix_cell_lands_below_its_cell(lab, browser_page):
     canvas.hover(position={"x": x, "y": y})
     tooltip = page.locator(".jp-Notebook .jp-Cell").nth(5).locator(".nbg-heatmap-tooltip")
     tooltip.wait_for(state="visible", timeout=10_000)
-    assert tooltip.text_content() == "layers.1 · step 3 · grad norm nan · optimizer step skipped"
+    assert tooltip.text_content() == "layers.1 · step 3 · grad norm NaN · optimizer step skipped"
     pixel = canvas.evaluate(
         "(c, p) => Array.from(c.getContext('2d').getImageData(p.x * devicePixelRatio, p.y * devicePixelRatio, 1, 1).data)",
         {"x": x, "y": y},
     )
-    assert pixel[:3] == [0xFF, 0x1F, 0x8E], pixel  # NAN_COLOR
+    assert pixel[:3] == [int(NAN_COLOR[i:i + 2], 16) for i in (1, 3, 5)], pixel  # the palette's NaN colour
     shoot(page, "04-heatmap-hover.png")
 
     # "Insert and run" on the synthetic document: below its own cell (5), and executed.
