@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -245,7 +246,17 @@ def train_fsdp_rank(scenario: str, policy: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+def _run(make_cmd: Callable[[int], list[str]], timeout: float) -> subprocess.CompletedProcess:
+    """Run the launcher on a free port; once more on another if that port was taken in between
+    (other test runs share this machine)."""
+    for _attempt in range(2):
+        done = _run_once(make_cmd(free_port()), timeout)
+        if done.returncode == 0 or "address already in use" not in done.stdout.lower():
+            break
+    return done
+
+
+def _run_once(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -268,16 +279,19 @@ def launch_notebook(scenario: str, policy: str, out_dir: Path, timeout: float = 
                     trainer: bool = False) -> subprocess.CompletedProcess:
     """accelerate.notebook_launcher(train_rank, num_processes=2): forked workers, DDP over gloo."""
     fn = "train_trainer_rank" if trainer else "train_rank"
-    code = (f"import sys; from accelerate import notebook_launcher; from ddp_helpers import {fn}; "
-            f"notebook_launcher({fn}, args=({scenario!r}, {policy!r}, {str(out_dir)!r}), num_processes=2, "
-            f"use_port='{free_port()}')")
-    return _run([sys.executable, "-c", code], timeout)
+    def cmd(port: int) -> list[str]:
+        return [sys.executable, "-c", f"from accelerate import notebook_launcher; from ddp_helpers import {fn}; "
+                f"notebook_launcher({fn}, args=({scenario!r}, {policy!r}, {str(out_dir)!r}), num_processes=2, "
+                f"use_port='{port}')"]
+
+    return _run(cmd, timeout)
 
 
 def launch_streamed(scenario: str, policy: str, out_dir: Path, timeout: float = 150) -> subprocess.CompletedProcess:
     """notebook_launcher with the kernel side open, as ``%%nanwatch`` opens it: the parent process
     writes what it received from the forked ranks to ``out_dir/parent.json``."""
-    code = f"""
+    def cmd(port: int) -> list[str]:
+        return [sys.executable, "-c", f"""
 import json, nbguard
 from accelerate import notebook_launcher
 from ddp_helpers import train_rank
@@ -287,21 +301,23 @@ watches = RankWatches().open()
 watches.add_listener(lambda w, kind, payload: seen.append([kind, payload.get("rank") if isinstance(payload, dict)
                                                                  else payload.rank]))
 notebook_launcher(train_rank, args=({scenario!r}, {policy!r}, {str(out_dir)!r}), num_processes=2,
-                  use_port='{free_port()}')
+                  use_port='{port}')
 watches.detach()
 json.dump({{"document": watches.to_document(), "rows": watches.rank_rows(), "seen": seen,
            "report": nbguard.report().to_dict(), "stream_errors": watches.channel.errors}},
           open({str(out_dir / "parent.json")!r}, "w"))
-"""
-    return _run([sys.executable, "-c", code], timeout)
+"""]
+
+    return _run(cmd, timeout)
 
 
 def launch_torchrun(scenario: str, policy: str, out_dir: Path, timeout: float = 150,
                     trainer: bool = False, fsdp: bool = False) -> subprocess.CompletedProcess:
     """torchrun --nproc_per_node 2 on this file: separate (not forked) processes."""
     entry = "trainer" if trainer else "fsdp" if fsdp else "loop"
-    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                 "--master_port", str(free_port()), __file__, entry, scenario, policy, str(out_dir)], timeout)
+    return _run(lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                              "127.0.0.1", "--master_port", str(port), __file__, entry, scenario, policy, str(out_dir)],
+                timeout)
 
 
 ENTRIES = {"loop": train_rank, "trainer": train_trainer_rank, "fsdp": train_fsdp_rank}
