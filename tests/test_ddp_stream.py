@@ -1,8 +1,10 @@
 """Forked ranks stream their watch to the kernel process: one view with a row per rank, one report."""
 import json
 import multiprocessing
+import os
 
 from ddp_helpers import BAD_STEP, STEPS, launch_streamed, read_ranks
+from notebook_helpers import run, shell  # noqa: F401 - the fixture
 
 from nbguard.document.merge import gather
 from nbguard.watcher import stream
@@ -61,3 +63,19 @@ def test_forked_ranks_stream_steps_and_events_into_one_view_and_one_report(tmp_p
     report_events = [e for w in gather(parent["report"], "watches") for e in w["events"]]
     assert len(report_events) == 2 and {e["rank"] for e in report_events} == {1}
     assert report_events[0]["origins"][0]["module"] == "model.layers.0.self_attn.q_proj"
+
+
+def test_nanwatch_ranks_opens_the_stream_and_off_closes_it(shell):  # noqa: F811 - the fixture
+    """%nanwatch --ranks in a real InteractiveShell: the channel a forked rank would inherit is open
+    while it runs, one view is shown, and %nanwatch off closes the channel."""
+    cell = run(shell, "%nanwatch --ranks")
+    assert cell.error is None and stream._CHANNEL is not None and stream._CHANNEL.owner_pid == os.getpid()
+    assert len(cell.docs) == 1 and "across 0 ranks" in cell.docs[0]["title"]  # no rank has attached yet
+    off = run(shell, "%nanwatch off")
+    assert off.error is None and stream._CHANNEL is None
+
+
+def test_nanwatch_cell_without_a_launcher_or_a_model_still_asks_for_a_model(shell):  # noqa: F811
+    cell = run(shell, "%%nanwatch\nx = 1")
+    assert "no Trainer or torch.nn.Module found" in cell.stderr  # the magic's one-line error
+    assert stream._CHANNEL is None
