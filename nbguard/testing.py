@@ -114,6 +114,33 @@ def meta_llama_8b():
         return LlamaForCausalLM(llama_8b_config())
 
 
+def tiny_4bit(family: str = "llama", compute_dtype: torch.dtype = torch.float16, dtype: torch.dtype | None = None,
+              quant_type: str = "nf4", seed: int = 0, directory: str | None = None, **overrides: Any):
+    """A tiny model really quantised by bitsandbytes: saved with ``save_pretrained`` and reloaded
+    with ``BitsAndBytesConfig(load_in_4bit=True)`` on the CPU, so its linear layers are real
+    ``bitsandbytes.nn.Linear4bit`` (needs bitsandbytes >= 0.48, whose CPU backend quantises).
+
+    ``dtype``: what the non-quantised weights (embeddings, norms, lm_head) load as (None: float32).
+    ``directory``: keep the saved checkpoint there (default: a temporary folder removed after loading).
+    """
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    builders = {"llama": tiny_llama, "qwen2": tiny_qwen2, "gemma3": tiny_gemma3}
+    if family not in builders:
+        raise ValueError(f"family must be one of {sorted(builders)}; got {family!r}")
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
+                                bnb_4bit_compute_dtype=compute_dtype)
+    kwargs: dict[str, Any] = {"quantization_config": config, "device_map": "cpu"}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    with tempfile.TemporaryDirectory(prefix="nbguard-4bit-") as scratch:  # removed once loaded
+        path = directory or scratch
+        builders[family](seed=seed, **overrides).save_pretrained(path)
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
 def plant_fp16_overflow_token(model, token: int, layer: int = 0) -> None:
     """Make ``token`` overflow fp16 in ``model.model.layers[layer].self_attn.q_proj`` while ordinary
     tokens stay under it (a batch-dependent overflow, e.g. on one rank of a DDP run).

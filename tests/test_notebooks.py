@@ -180,6 +180,26 @@ def test_padding_without_packing(execute):
     assert (out / "04_fp16_padding_without_packing.html").is_file()
 
 
+def test_qlora_4bit_zero_embeddings(execute):
+    """Seed (b) on real bitsandbytes nf4 layers: caught, explained, fixed."""
+    _not_in_tf450_lane()
+    nb, out = execute("06_qlora_4bit_zero_embeddings.ipynb")
+    _no_errors(nb)
+    before = _docs(nb, "before-fix", "audit")
+    assert {"zero-embedding-rows", "trainable-low-precision"} <= _rules(before)
+    quantization = before[0]["stack"]["quantization"]
+    assert quantization["layers_4bit"] == 70 and quantization["quant_types"] == {"nf4": 70}
+    assert quantization["compute_dtypes"] == {"bfloat16": 70} and quantization["lora_on_4bit"] == 20
+    events = _events(_docs(nb, "before-fix", "watch"))
+    assert events and events[0]["kind"] in ("nonfinite-grad", "nonfinite-loss")
+    assert any(m.endswith("layernorm") or m.endswith("norm") for m in _origins(events, "backward"))
+    assert "nan" in _text(nb, "before-fix", "watch").split("logged (loss, grad_norm):")[1].split("\n")[0]
+    assert _rules(_docs(nb, "after-fix", "audit")) & {"zero-embedding-rows", "trainable-low-precision"} == set()
+    assert _events(_docs(nb, "after-fix", "watch")) == []
+    assert "nan" not in _text(nb, "after-fix", "watch").split("logged (loss, grad_norm):")[1].split("\n")[0]
+    assert (out / "06_qlora_4bit_zero_embeddings.html").is_file()
+
+
 @pytest.mark.tf450
 def test_gemma3_hybridcache_tf450(execute):
     nb, out = execute("05_gemma3_hybridcache_tf450.ipynb")

@@ -60,7 +60,7 @@ def test_scaler_stop_policy_raises_after_the_streak():
     assert info.value.event.kind == "skipped-steps" and watch.step == 8
 
 
-def test_fresh_scaler_skipping_its_first_steps_is_not_an_event():
+def test_fresh_scaler_skipping_its_first_steps_is_not_an_alarm():
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 22)
@@ -68,7 +68,9 @@ def test_fresh_scaler_skipping_its_first_steps_is_not_an_event():
         train(model, opt, batches(10), scaler=scaler, autocast=torch.float16)
     skipped = watch.history.skipped_steps
     assert 1 <= len(skipped) < 8 and skipped == list(range(len(skipped)))  # by design, at the start
-    assert watch.events == []
+    # each skipped step is recorded (issue 12), but no streak alarm and nothing else
+    assert [e.kind for e in watch.events] == ["scaler-skip"] * len(skipped)
+    assert [e.step for e in watch.events] == skipped
     assert watch.history.loss_scale[0] == 2.0 ** 22 and watch.history.loss_scale[-1] < 2.0 ** 22
     norms = watch.history.total_grad_norm
     assert all(n < 1e3 for n in norms[len(skipped):])  # reported unscaled

@@ -33,10 +33,28 @@ export interface NbguardDocument {
   /** Audit findings (Finding.to_dict()). */
   findings?: Finding[];
   probe?: Probe;
+  /**
+   * What the audit saw of the training stack: quantization (bitsandbytes 4/8-bit layers, the
+   * compute dtype each 4-bit layer really uses), unsloth (the markers Unsloth set), memory (the
+   * estimate behind switch-precision).
+   */
+  stack?: {};
   /** A single watch's events (Event.to_dict()). */
   events?: NbEvent[];
   history?: History;
   activations?: Activations;
+  /**
+   * The GradScaler skip streaks folded from the scaler-skip events (one entry per streak):
+   * first_step, last_step, count, and the cause/module the replay of its first step found.
+   */
+  skip_streaks?: ({
+    first_step: number;
+    last_step: number;
+    count: number;
+    cause?: string | null;
+    module?: string | null;
+    loss_scale?: number | string | null;
+  })[];
   /**
    * Optional identity of a watch document: when notebook outputs are merged into a report, a later
    * document with the same watch_id replaces the earlier one.
@@ -169,7 +187,7 @@ export interface Origin {
 }
 
 export interface NbEvent {
-  kind: "nonfinite-loss" | "nonfinite-grad" | "skipped-steps" | "frozen-params" | "frozen-eval-loss" | "grad-spike" | "few-supervised-tokens" | "watch-error";
+  kind: "nonfinite-loss" | "nonfinite-grad" | "skipped-steps" | "scaler-skip" | "frozen-params" | "frozen-eval-loss" | "grad-spike" | "few-supervised-tokens" | "watch-error";
   /** 0-based optimizer step, skipped steps counted. */
   step: number;
   message: string;
@@ -226,6 +244,7 @@ export interface Watch {
   events?: NbEvent[];
   history?: History;
   activations?: Activations;
+  skip_streaks?: NbguardDocument["skip_streaks"];
   summary?: {
     [key: string]: unknown;
   };

@@ -12,6 +12,7 @@ from ..introspect.inputs import check_args, check_batch, check_model, check_trai
 from ..session import record_audit
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .context import AuditContext
+from .memory_offer import memory_facts, memory_note
 from .probe import ProbeResult, run_probe
 from .registry import RULES, Rule, rule
 from .result import AuditResult
@@ -33,6 +34,47 @@ def _run_rules(ctx: AuditContext) -> list[Finding]:
             continue
         found.extend(out if isinstance(out, list) else [out])
     return found
+
+
+def stack_facts(ctx: AuditContext) -> tuple[dict, list[Finding]]:
+    """The quantization, Unsloth and memory facts the audit read (for the document even when no
+    rule fired), and an info finding per fact that could not be read (the audit goes on)."""
+    facts: dict = {}
+    failed: list[Finding] = []
+    readers = (("quantization", lambda: ctx.quantization.to_dict() if ctx.quantization.any else None),
+               ("unsloth", lambda: ctx.unsloth.to_dict() if ctx.unsloth.any else None),
+               ("memory", lambda: memory_facts(ctx)))
+    for name, read in readers:
+        try:
+            value = read()
+        except Exception as exc:  # one unreadable fact must not hide the findings
+            failed.append(Finding(
+                rule="facts-error", severity=Severity.INFO, title=f"the {name} facts could not be read",
+                detail=f"Reading the {name} facts raised {type(exc).__name__}: {exc}. The rules ran normally.",
+                evidence={"facts": name, "exception": f"{type(exc).__name__}: {exc}"},
+            ))
+            continue
+        if value is not None:
+            facts[name] = value
+    return facts, failed
+
+
+def _note_memory(findings: list[Finding], stack: dict) -> None:
+    """Findings that offer switch-precision show the estimate that decides what it does here."""
+    memory = stack.get("memory")
+    if memory is None or memory.get("target_fits") is not False:  # it fits: the full switch, as always
+        return
+    for f in findings:
+        if "switch-precision" in f.fixes:
+            f.evidence["memory"] = memory_note(memory)
+
+
+def _unsloth_fixes(findings: list[Finding]) -> None:
+    """On an Unsloth setup the precision fix is Unsloth's own (reload with dtype=, its trainer
+    flags): switch-precision would cast weights and rebuild the accelerator behind Unsloth's back."""
+    for f in findings:
+        if "switch-precision" in f.fixes:
+            f.fixes = ["unsloth-precision" if x == "switch-precision" else x for x in f.fixes]
 
 
 def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False) -> AuditResult:
@@ -64,8 +106,15 @@ def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None,
                 detail=f"The probe forward pass raised {type(exc).__name__}: {exc}.",
                 evidence={"exception": f"{type(exc).__name__}: {exc}"},
             ))
-    result = AuditResult(findings=_run_rules(ctx) + extra, hardware=hw, probe=ctx.probe,
-                         target="trainer" if trainer is not None else "model", with_args=args is not None)
+    findings = _run_rules(ctx) + extra
+    stack, failed = stack_facts(ctx)
+    findings += failed
+    _note_memory(findings, stack)
+    if "unsloth" in stack:
+        _unsloth_fixes(findings)
+    result = AuditResult(findings=findings, hardware=hw, probe=ctx.probe,
+                         target="trainer" if trainer is not None else "model", with_args=args is not None,
+                         stack=stack)
     record_audit(result)
     return result
 

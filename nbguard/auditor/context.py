@@ -15,6 +15,8 @@ import torch
 from ..environment import parsed_version
 from ..hardware import Hardware
 from ..introspect.dtypes import HALF_DTYPES, QUANTIZED_PARAM_CLASSES
+from ..introspect.quantization import read_quantization
+from ..introspect.unsloth import float32_forced_without_autocast, read_unsloth
 
 
 class AuditContext:
@@ -109,6 +111,17 @@ class AuditContext:
         return None
 
     @cached_property
+    def quantization(self):
+        """The bitsandbytes 4/8-bit layers and the dtype each 4-bit layer really computes in."""
+        return read_quantization(self.model, self.quantization_config, self.modules,
+                                 [p for _, p in self.named_params])
+
+    @cached_property
+    def unsloth(self):
+        """The markers Unsloth left on the model, trainer and environment (introspect/unsloth.py)."""
+        return read_unsloth(self.model, self.trainer, self.args)
+
+    @cached_property
     def is_peft(self) -> bool:
         return hasattr(self.model, "peft_config") or any(
             c.__module__.startswith("peft.") for c in type(self.model).__mro__
@@ -181,7 +194,10 @@ class AuditContext:
 
     @cached_property
     def uses_fp16(self) -> bool:
-        """fp16 in play: mixed precision, fp16 eval, or fp16 weights."""
+        """fp16 in play: mixed precision, fp16 eval, or fp16 weights (not Unsloth's forced-float32
+        mode, where fp16 storage is by design and autocast is off)."""
+        if float32_forced_without_autocast(self.unsloth, self.mixed_precision):
+            return False
         return (
             self.mixed_precision == "fp16"
             or bool(getattr(self.args, "fp16_full_eval", False))

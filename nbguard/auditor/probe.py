@@ -167,7 +167,8 @@ def run_probe(model: torch.nn.Module, batch: dict | None = None) -> ProbeResult:
             # A hook on a non-leaf lives and dies with this forward's graph; one on a leaf (a module that
             # returns a parameter) would outlive the probe, and its gradient is the parameter's anyway.
             if t.requires_grad and not t.is_leaf:
-                t.register_hook(lambda g, name=name: grads.append((name, g.detach().abs().amax().float().to(device))))
+                t.register_hook(lambda g, name=name: None if g is None else grads.append(
+                    (name, g.detach().abs().amax().float().to(device))))  # None: a custom backward (bitsandbytes) sent none
 
     handles = [m.register_forward_hook(hook) for m in names]
     loss, did_backward = None, False

@@ -18,6 +18,7 @@ class AuditResult(Displayable):
     target: str = "model"  # "trainer" when the audit was given a trainer: fix cells then use it
     with_args: bool = False  # TrainingArguments were audited: fix cells may change them
     environment: dict = field(default_factory=dict)
+    stack: dict = field(default_factory=dict)  # quantization / unsloth / memory facts, as data
 
     def __post_init__(self) -> None:
         # Worst first; ties keep the registration order of the rules.
@@ -51,7 +52,12 @@ class AuditResult(Displayable):
     def fix_options(self, fix_id: str) -> dict:
         """Options the findings chose for a fix (e.g. switch-precision's target)."""
         if fix_id == "switch-precision":
+            offer = (self.stack.get("memory") or {}).get("offer")
+            if offer is not None:  # fp32 does not fit this GPU: the partial variant (memory_offer.py)
+                return dict(offer)
             return {"to": self.hardware.best_half_precision}
+        if fix_id == "unsloth-precision":
+            return {"bf16": self.hardware.native_bf16}
         return {}
 
     def to_dict(self) -> dict[str, Any]:
@@ -59,6 +65,7 @@ class AuditResult(Displayable):
             "hardware": self.hardware.to_dict(),
             "findings": [f.to_dict() for f in self.findings],
             "probe": self.probe.to_dict() if self.probe is not None else None,
+            **({"stack": jsonable(self.stack)} if self.stack else {}),
         }
 
     def to_document(self, names: dict | None = None) -> dict[str, Any]:
@@ -78,6 +85,8 @@ class AuditResult(Displayable):
                         fix_cells=cells, title="nbguard precision audit")
         if self.probe is not None:
             sections["probe"] = self.probe.to_dict()
+        if self.stack:
+            sections["stack"] = jsonable(self.stack)
         if not self.environment:
             self.environment = environment_info()
         sections["environment"] = jsonable(self.environment)

@@ -18,7 +18,7 @@ from .model import SCHEMA_VERSION, document
 from .view import without_view
 
 ENVELOPE = ("schema_version", "nbguard_version", "output_id", "view")
-WATCH_KEYS = ("events", "history", "activations")
+WATCH_KEYS = ("events", "history", "activations", "skip_streaks")
 
 
 def _key(value: Any) -> str:

@@ -91,6 +91,7 @@ EVENT_KINDS = (
     "nonfinite-loss",
     "nonfinite-grad",
     "skipped-steps",
+    "scaler-skip",  # one per step the GradScaler skipped; evidence.streak_start folds a streak for display
     "frozen-params",
     "frozen-eval-loss",
     "grad-spike",

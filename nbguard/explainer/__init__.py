@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..session import record_diagnosis
+from ..session import SESSION, record_diagnosis
 from .diagnosis import Diagnosis, exception_text
 from .rules import RULES, rule
 
@@ -31,8 +31,25 @@ def diagnose(exc: BaseException) -> Diagnosis | None:
         for signature_rule in RULES.values():
             diagnosis = signature_rule(link)
             if diagnosis is not None:
-                return diagnosis
+                return _without_applied_fixes(diagnosis)
     return None
+
+
+def _without_applied_fixes(diagnosis: Diagnosis) -> Diagnosis:
+    """Never propose a fix this session already applied (with changes): the error came after it,
+    so applying it again would loop. The diagnosis says so instead."""
+    applied = [f["fix"] for f in SESSION.fixes_applied if f.get("changed")]
+    again = [fix for fix in diagnosis.fixes if fix in applied]
+    if not again:
+        return diagnosis
+    diagnosis.fixes = [fix for fix in diagnosis.fixes if fix not in again]
+    for fix in again:
+        diagnosis.fix_options.pop(fix, None)
+    diagnosis.evidence["fixes_already_applied"] = again
+    diagnosis.detail += (f" {', '.join(again)} was already applied in this session and this error came after it, "
+                         "so it is not proposed again: look at what it changed (nbguard.report()) and at the "
+                         "objects it did not reach (a model loaded again, a trainer built before it).")
+    return diagnosis
 
 
 def explain(exc: BaseException) -> Diagnosis | None:

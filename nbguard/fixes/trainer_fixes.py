@@ -9,6 +9,9 @@ import torch
 
 from ..hardware import resolve_hardware
 from ..introspect.dtypes import HALF_DTYPES, QUANTIZED_PARAM_CLASSES, dtype_name
+from ..introspect.quantization import set_compute_dtype
+from ..introspect.unsloth import read_unsloth
+from .partial_fp32 import apply_partial_fp32, partial_fp32_code
 from .registry import Fix, register
 
 
@@ -141,7 +144,37 @@ def _rebuild_accelerator(trainer, changed):
     changed["trainer.accelerator.mixed_precision"] = f"{old} -> {trainer.accelerator.mixed_precision}"
 
 
-def _switch(target, to=None, hardware=None, **_):
+def _check_only(only, model=None) -> list[str] | None:
+    """``only``: module names for the partial fp32 variant (None: the whole model switches)."""
+    if only is None:
+        return None
+    if isinstance(only, str) or not all(isinstance(n, str) for n in only):
+        raise ValueError(f"only must be a list of module names such as ['model.layers.3.mlp']; got {only!r}")
+    for name in only if model is not None else ():
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"only={name!r} is not a module of the model; use names from "
+                             "model.named_modules() (the probe and the watch report them)") from None
+    return list(only)
+
+
+def _refuse_unsloth(target) -> None:
+    """Unsloth chose the dtypes at load and rewrites the trainer's flags: casting behind its back
+    would undo that (a float32-forced model would double its memory), so its own fix applies."""
+    if read_unsloth(target.model, target.trainer, target.args).any:
+        raise ValueError("this model (or trainer) was set up by Unsloth: switch-precision would undo what Unsloth "
+                         "set; apply 'unsloth-precision' (Unsloth's flags and a reload with dtype=) instead")
+
+
+def _switch(target, to=None, hardware=None, only=None, **_):
+    _refuse_unsloth(target)
+    only = _check_only(only, target.model)
+    if only is not None:  # the variant for a model that does not fit the GPU in fp32
+        if to not in (None, "fp32") or target.model is None:
+            raise ValueError("only= is the partial fp32 variant: it needs model= and to='fp32'")
+        changed = apply_partial_fp32(target.model, only)
+        return {"to": "fp32", "scope": "partial", **changed} if changed else {}
     to = _resolve_to(to, hardware)
     changed = {}
     if target.args is not None:
@@ -159,10 +192,16 @@ def _switch(target, to=None, hardware=None, **_):
                 p.data = p.data.to(dtype)
         if casts:
             changed["parameters"] = casts
+        compute = set_compute_dtype(target.model, torch.float32 if to == "fp32" else torch.bfloat16)
+        if compute:
+            changed["4bit_compute_dtype"] = compute
     return {"to": to, **changed} if changed else {}
 
 
-def _switch_code(names, to=None, hardware=None, **_):
+def _switch_code(names, to=None, hardware=None, only=None, **_):
+    only = _check_only(only)
+    if only is not None:
+        return partial_fp32_code(names.model, only)
     to = _resolve_to(to, hardware)
     a, m, t = names.args, names.model, names.trainer
     mixed = "bf16" if to == "bf16" else "no"
@@ -206,6 +245,19 @@ AcceleratorState._reset_state()
 for _name, _param in {m}.named_parameters():
     if _param.is_floating_point() and {rule}:
         _param.data = _param.data.to({cast})
+"""
+    compute = "torch.float32" if to == "fp32" else "torch.bfloat16"
+    code += f"""
+# bitsandbytes 4-bit layers cast their input to their own compute_dtype: move them too (the 4-bit
+# weights stay quantised). When you reload, pass the same dtype:
+#   BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype={compute}, ...)
+for _module in {m}.modules():
+    if type(_module).__module__.startswith("bitsandbytes") and hasattr(_module, "compute_dtype"):
+        _module.compute_dtype = {compute}
+        _module.compute_type_is_set = True
+_qconfig = getattr({m}.config, "quantization_config", None)
+if getattr(_qconfig, "load_in_4bit", False):
+    _qconfig.bnb_4bit_compute_dtype = {compute}
 """
     return code
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from .guard import guarded
 from .tensors import iter_tensors
 
 FP16_LIMIT = float(torch.finfo(torch.float16).max)  # 65504: the largest finite fp16 value
@@ -64,19 +65,15 @@ class ActivationProbe:
     def reset(self) -> None:
         self._max = [None] * len(self.modules)
 
-    def _hook(self, i: int):
-        def hook(module, args, output) -> None:
-            try:
-                if not self._recording(module):
-                    return None
-                absmax = output_absmax(output)
-                if absmax is not None:
-                    seen = self._max[i]
-                    self._max[i] = absmax if seen is None else torch.maximum(seen, absmax.to(seen.device))
-            except Exception as exc:  # never break the user's forward
-                self._on_error(exc)
-            return None
-        return hook
+    def _hook(self, i: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple, output: object) -> None:
+            if not self._recording(module):
+                return
+            absmax = output_absmax(output)
+            if absmax is not None:
+                seen = self._max[i]
+                self._max[i] = absmax if seen is None else torch.maximum(seen, absmax.to(seen.device))
+        return guarded(hook, self._on_error)  # never break the user's forward
 
     def values(self, device: torch.device) -> torch.Tensor:
         """One float32 tensor on ``device``: the step's abs-max per group, NOT_SEEN where none ran."""

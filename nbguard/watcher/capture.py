@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -59,21 +59,49 @@ def autocast_as(active: list[tuple[str, torch.dtype]]):
         yield
 
 
+def _is_loss(value: Any) -> TypeGuard[torch.Tensor]:
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() == 1
+
+
+def find_loss(output: Any) -> tuple[str, torch.Tensor] | None:
+    """The loss a model returned, with its path in :func:`iter_tensors`' spelling.
+
+    ``output.loss`` / ``output["loss"]`` (ModelOutput, dicts, dataclasses, any object with a
+    ``.loss``); a bare scalar tensor; the first element of a tuple when it is a scalar
+    (transformers' ``return_dict=False`` puts the loss first). None: the loss is computed
+    outside the model, from its outputs.
+    """
+    if isinstance(output, torch.Tensor):
+        return ("output", output) if output.dim() == 0 and output.is_floating_point() else None
+    if isinstance(output, dict):
+        loss = output.get("loss")
+    elif isinstance(output, (tuple, list)):
+        if hasattr(output, "_fields") and "loss" in output._fields:  # a named tuple with a loss field
+            i = output._fields.index("loss")
+            return (f"[{i}]", output[i]) if _is_loss(output[i]) else None
+        first = output[0] if output else None
+        return ("[0]", first) if _is_loss(first) and first.dim() == 0 else None
+    else:
+        loss = getattr(output, "loss", None)
+    return ("loss", loss) if _is_loss(loss) else None
+
+
 def model_loss(output: Any) -> torch.Tensor | None:
-    """The ``loss`` a transformers model returns when it was given labels."""
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+    """The loss tensor a model returned, or None (see :func:`find_loss`)."""
+    found = find_loss(output)
+    return found[1] if found is not None else None
 
 
 def backward_targets(output: Any) -> list[tuple[str, torch.Tensor]]:
     """The output tensors the real backward starts from.
 
     When the model computed its own loss, only the loss: hooking logits as well would count the
-    loss's contribution twice in the replay. Otherwise every floating output that needs a grad.
+    loss's contribution twice in the replay. Otherwise every floating output that needs a grad
+    (the loss is then computed outside the model from them).
     """
-    loss = model_loss(output)
-    if loss is not None and loss.requires_grad:
-        return [("loss", loss)]
+    found = find_loss(output)
+    if found is not None and found[1].requires_grad:
+        return [found]
     return [(p, t) for p, t in iter_tensors(output) if t.is_floating_point() and t.requires_grad]
 
 

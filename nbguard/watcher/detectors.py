@@ -30,12 +30,21 @@ class SkipStreak:
         self.total = 0
         self.scales: list[float] = []
         self.reported = False
+        self.start: int | None = None  # the optimizer step that opened the current streak
+        self._updates = 0
 
-    def update(self, skipped: bool, scale: float | None) -> dict | None:
-        """Evidence for an event when the streak (or a collapsing scale) crosses the line."""
+    def update(self, skipped: bool, scale: float | None, step: int | None = None) -> dict | None:
+        """Evidence for an event when the streak (or a collapsing scale) crosses the line.
+
+        ``step``: the watch's optimizer step (default: the number of updates so far).
+        """
+        step = self._updates if step is None else step
+        self._updates += 1
         if not skipped:
-            self.streak, self.scales, self.reported = 0, [], False
+            self.streak, self.scales, self.reported, self.start = 0, [], False, None
             return None
+        if self.streak == 0:
+            self.start = step
         self.streak += 1
         self.total += 1
         if scale is not None:
@@ -44,7 +53,7 @@ class SkipStreak:
         if self.reported or not (self.streak >= self.settings.skip_streak or collapsed):
             return None
         self.reported = True
-        return {"consecutive_skipped": self.streak, "skipped_total": self.total,
+        return {"consecutive_skipped": self.streak, "skipped_total": self.total, "streak_start": self.start,
                 "scale_trend": list(self.scales[-12:]), "scale_collapsed": collapsed}
 
 
@@ -71,7 +80,7 @@ class FrozenDetector:
     def __init__(self, settings: WatchSettings):
         self.settings = settings
         self.last: list[float] | None = None
-        self.since: int | None = None
+        self.since = 0  # the step the current fingerprint was first seen (meaningful once last is set)
         self.reported = False
 
     def due(self, step: int) -> bool:

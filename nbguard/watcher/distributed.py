@@ -19,13 +19,15 @@ decided from the agreed flags, so every rank skips, or every rank stops, at the 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 LOSS, GRADS, LEAVING = 0, 1, 2
+# evidence an agreed event carries (a later event built from it, e.g. a skip streak's alarm, keeps them)
+RANK_EVIDENCE = ("world_size", "bad_ranks", "loss_bad_ranks", "grads_bad_ranks", "by_rank", "note")
 FLAGS = 3  # floats per rank in the exchanged vector
 
 
@@ -73,7 +75,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def is_sharded(params: list[torch.Tensor]) -> bool:
+def is_sharded(params: Sequence[torch.Tensor]) -> bool:
     return any(callable(getattr(p, "to_local", None)) for p in params)
 
 
@@ -109,7 +111,7 @@ class RankSync:
         self._store: Any = None
 
     @classmethod
-    def detect(cls, params: list[torch.Tensor], n_groups: int) -> RankSync | None:
+    def detect(cls, params: Sequence[torch.Tensor], n_groups: int) -> RankSync | None:
         if not process_group_ready():
             return None
         return cls(n_groups, is_sharded(params))

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..findings import Origin
+from ..introspect.unsloth import read_unsloth
 from .capture import MicroBatch, autocast_as, capture_rng, restore_rng
 from .tensors import Summary, float_tensors, iter_tensors, nonfinite_params, summarize
 
@@ -66,6 +67,7 @@ class _ForwardProbe:
         self.origin: Origin | None = None
         self.cause: str | None = None
         self.done = False
+        self.children_ran: list[bool] = []  # per stack frame: did any child module run inside it?
 
     def pre(self, module, args, kwargs):
         if self.done:
@@ -73,7 +75,10 @@ class _ForwardProbe:
         inputs = summarize(float_tensors(args, "args") + float_tensors(kwargs))
         if not inputs.finite and self.origin is None:
             self._origin_from_input(module, inputs)
+        if self.children_ran:
+            self.children_ran[-1] = True
         self.stack.append((module, inputs))
+        self.children_ran.append(False)
         return None
 
     def _origin_from_input(self, child, inputs: Summary) -> None:
@@ -86,8 +91,8 @@ class _ForwardProbe:
         parent, parent_inputs = self.stack[-1]
         bad = nonfinite_params(parent)
         self.cause = "nonfinite-parameter" if bad else inputs.cause
-        evidence = {"class": type(parent).__name__, "received_by": child_name,
-                    "received_as": inputs.first_bad,
+        evidence: dict[str, Any] = {"class": type(parent).__name__, "received_by": child_name,
+                                    "received_as": inputs.first_bad,
                     "note": "the value arose in this module's own code, between its children"}
         if bad:
             evidence["nonfinite_values"] = bad
@@ -99,6 +104,7 @@ class _ForwardProbe:
         if self.done:
             return None
         _, inputs = self.stack.pop() if self.stack else (None, Summary())
+        children_ran = self.children_ran.pop() if self.children_ran else True
         if self.origin is None:
             out = summarize(float_tensors(output, skip_masks=False))
             if not out.finite:
@@ -107,6 +113,13 @@ class _ForwardProbe:
                 evidence = {"class": type(module).__name__}
                 if bad:
                     evidence["nonfinite_values"] = bad
+                bypassed = [self.names.get(c, "?") for c in module.children()] if not children_ran else []
+                if bypassed:  # a fused kernel or compiled function used the children's weights directly
+                    evidence["bypassed_children"] = bypassed[:10]
+                    evidence["note"] = ("none of this module's children ran as modules (a fused kernel or a "
+                                        "compiled function used their weights directly, bypassing their hooks): "
+                                        "the value was made inside this module's forward, the nearest module "
+                                        "the replay can see")
                 self.origin = Origin(self.names.get(module, "?"), "forward", out.dtype, inputs.absmax,
                                      out.absmax, ", ".join(bad) if bad else out.first_bad,
                                      self.micro_batch, evidence)
@@ -189,6 +202,36 @@ class _BackwardProbe:
                              what.replace("grad of ", ""), micro_batch, evidence), evidence
 
 
+@contextlib.contextmanager
+def eager_everywhere():
+    """Functions compiled with ``torch.compile`` and called inside ``forward`` run eagerly too, not
+    only a compiled top-level module: every hook fires and no recompilation is triggered."""
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    if set_stance is None:
+        yield
+        return
+    with set_stance("force_eager"):
+        yield
+
+
+def next_steps(model: torch.nn.Module) -> list[str]:
+    """What to try when the eager replay stayed finite: the difference lies outside it."""
+    steps = [
+        "rerun the training step eagerly with compilation off: torch.compiler.set_stance('force_eager') "
+        "around the step, or TORCHDYNAMO_DISABLE=1 before starting Python (a compiled kernel may compute "
+        "differently from its eager form)",
+        "make kernels deterministic while you look: torch.use_deterministic_algorithms(True) and "
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8 (a non-deterministic kernel may not repeat its NaN)",
+        "the value may come from outside forward and backward: gradient accumulation across steps, "
+        "a custom loss or optimizer hook, or data changed in place after the step",
+    ]
+    if read_unsloth(model).any:
+        steps.insert(0, "Unsloth: set UNSLOTH_COMPILE_DISABLE=1 before loading the model (Unsloth reads it "
+                        "at load to skip its compiled module rewrites) and rerun the step eagerly; its fused "
+                        "kernels bypass module hooks, so the replay names their enclosing module")
+    return steps
+
+
 class Replayer:
     """Replays captured micro-batches on the eager model without leaving any trace on it."""
 
@@ -217,13 +260,14 @@ class Replayer:
             restore_rng(rng)
 
     def run(self, micro_batches: list[MicroBatch]) -> Localisation:
-        with self._preserved() as params:
+        with self._preserved() as params, eager_everywhere():
             for mb in micro_batches:
                 found = self._replay_one(mb, params)
                 if found is not None:
                     return found
         return Localisation("not-reproducible", [], {"micro_batches": len(micro_batches),
-                                                     "note": "the eager replay of this step stayed finite"})
+                                                     "note": "the eager replay of this step stayed finite",
+                                                     "next_steps": next_steps(self.eager)})
 
     def _replay_one(self, mb: MicroBatch, params) -> Localisation | None:
         forward = _ForwardProbe(self.names, mb.index)

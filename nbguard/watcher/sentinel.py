@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .distributed import local_tensor
+from .guard import guarded
 from .history import group_name
 
 
@@ -71,18 +72,13 @@ class GradNormCollector:
             h.remove()
         self.handles.clear()
 
-    def _hook(self, i: int):
+    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            if not self.enabled:
-                return
-            try:
-                if param.grad is not None:
-                    # FSDP2: the rank's shard; the shards' squares are summed across ranks later
-                    grad = local_tensor(param.grad.detach())
-                    self._norms[i] = torch.linalg.vector_norm(grad, dtype=torch.float32)
-            except Exception as exc:  # never break the user's backward
-                self._on_error(exc)
-        return hook
+            if self.enabled and param.grad is not None:
+                # FSDP2: the rank's shard; the shards' squares are summed across ranks later
+                grad = local_tensor(param.grad.detach())
+                self._norms[i] = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        return guarded(hook, self._on_error)  # never break the user's backward
 
     def reset(self) -> None:
         self._norms = [None] * len(self.params)

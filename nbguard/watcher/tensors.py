@@ -1,6 +1,7 @@
 """Small helpers over nested outputs: find the tensors, tell whether they are finite."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -9,16 +10,34 @@ from typing import Any
 import torch
 
 
-def iter_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(path, tensor) for every tensor inside tuples, lists, dicts and ModelOutputs."""
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def iter_tensors(obj: Any, path: str = "", _depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every tensor a model output can carry: a tensor, tuples and named
+    tuples, lists, dicts and ModelOutputs, dataclasses, and plain objects carrying a ``.loss``.
+
+    Paths are stable for one output structure, so a gradient recorded at a path in the real
+    backward finds its tensor again in the replay.
+    """
+    if _depth > 8:  # outputs are shallow; a deeper structure is something else (a cache, a graph)
+        return
     if isinstance(obj, torch.Tensor):
         yield path or "output", obj
     elif isinstance(obj, dict):  # ModelOutput is an OrderedDict
         for key, value in obj.items():
-            yield from iter_tensors(value, f"{path}.{key}" if path else str(key))
-    elif isinstance(obj, (tuple, list)):
+            yield from iter_tensors(value, _join(path, str(key)), _depth + 1)
+    elif isinstance(obj, (tuple, list)):  # named tuples included: by position
         for i, value in enumerate(obj):
-            yield from iter_tensors(value, f"{path}[{i}]")
+            yield from iter_tensors(value, f"{path}[{i}]", _depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name, None), _join(path, f.name), _depth + 1)
+    elif isinstance(getattr(obj, "loss", None), torch.Tensor) and not isinstance(obj, torch.nn.Module):
+        for key, value in vars(obj).items() if hasattr(obj, "__dict__") else [("loss", obj.loss)]:
+            if not key.startswith("_"):
+                yield from iter_tensors(value, _join(path, key), _depth + 1)
 
 
 def float_tensors(obj: Any, path: str = "", skip_masks: bool = True) -> list[tuple[str, torch.Tensor]]:

@@ -1,6 +1,7 @@
 """``NanWatch``: the per-step NaN/Inf watch, its events, history and policies."""
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -19,6 +20,7 @@ from . import distributed as ranks
 from .activations import FP16_LIMIT, ActivationProbe, host_values
 from .capture import MicroBatch, capture_autocast, capture_rng, model_loss
 from .detectors import EvalLossDetector, FrozenDetector, SkipStreak, SpikeDetector, WatchSettings
+from .guard import guarded_call, watch_hook
 from .history import ActivationHistory, GradHistory
 from .integrations.loop import OptimizerBinding, ScalerBinding, unwrap_optimizer
 from .policies import check_policy, drop_update
@@ -27,6 +29,37 @@ from .sentinel import GradNormCollector, StepStats
 from .supervision import FewTokensDetector
 
 Listener = Callable[["NanWatch", str, Any], None]
+
+
+def skip_streaks(events: list[Event]) -> list[dict[str, Any]]:
+    """Each GradScaler skip streak as data for the views: its steps, length, and the cause and
+    module the replay of its first step found."""
+    out = []
+    for first, last, count in fold_skip_streaks(events):
+        if first.kind != "scaler-skip":
+            continue
+        origin = first.origins[0] if first.origins else None
+        out.append({"first_step": first.step, "last_step": last, "count": count, "cause": first.cause,
+                    "module": origin.module if origin else None, "loss_scale": first.evidence.get("loss_scale")})
+    return out
+
+
+def fold_skip_streaks(events: list[Event]) -> list[tuple[Event, int, int]]:
+    """(first event, last step, count): the scaler-skip events of one streak become one entry
+    (the streak's first, localised event); every other event stands alone."""
+    folded: list[tuple[Event, int, int]] = []
+    open_streak: dict[Any, int] = {}  # streak_start -> index in folded
+    for e in events:
+        start = e.evidence.get("streak_start") if e.kind == "scaler-skip" else None
+        if start is not None and start in open_streak:
+            i = open_streak[start]
+            first, _, count = folded[i]
+            folded[i] = (first, e.step, count + 1)
+            continue
+        if start is not None:
+            open_streak[start] = len(folded)
+        folded.append((e, e.step, 1))
+    return folded
 
 # target -> the watch attached to it, so a second watch on the same target replaces the first
 _ATTACHED: weakref.WeakKeyDictionary[Any, NanWatch] = weakref.WeakKeyDictionary()
@@ -82,14 +115,14 @@ class NanWatch(Displayable):
         # multi-rank runs: one small collective per step, folded into the read
         self._ranks = ranks.RankSync.detect(self._collector.params, len(self._collector.groups))
         self._verdict: ranks.RankVerdict | None = None
-        self._streamer = None
+        self._streamer: Any = None  # a forked rank's stream to the kernel (stream.RankStreamer)
         self._keep_farewell = False
-        self._deepspeed = None
+        self._deepspeed: Any = None  # DeepSpeed's skip lines, read when deepspeed is imported
         self._probe: ActivationProbe | None = None
         self.activation_history: ActivationHistory | None = None  # None unless activations=True
         if activations:
             self._probe = ActivationProbe(self.model, self._collector.groups,
-                                          lambda m: self._active() and self._training_forward(m),
+                                          lambda m: self.active and self._training_forward(m),
                                           lambda exc: self._fail(exc, safe=False))
             self.activation_history = ActivationHistory(self._probe.groups, self.settings.history_capacity,
                                                         FP16_LIMIT)
@@ -98,12 +131,14 @@ class NanWatch(Displayable):
         self.attached = False
         self._listeners: list[Listener] = []
         self._replayer: Replayer | None = None
-        self._replays = 0
+        self._replays = 0  # replays of nonfinite-loss/grad events
+        self._skip_replays = 0  # replays of the first step of each GradScaler skip streak (own budget)
+        self._streak_first: Event | None = None  # the scaler-skip event that opened the current streak
         self._handles: list = []
         self._opt_binding: OptimizerBinding | None = None
         self._scaler_binding: ScalerBinding | None = None
-        self._callback = None
-        self._labels_tap = None  # Trainer only: labels the Trainer keeps from the model
+        self._callback: Any = None  # WatchCallback, Trainer only
+        self._labels_tap: Any = None  # LabelsTap, Trainer only: labels the Trainer keeps from the model
         self._trainer_control = None
         self._stop_requested = False
         self._broken = False
@@ -115,6 +150,9 @@ class NanWatch(Displayable):
         self._eval = EvalLossDetector(self.settings)
         self._few_tokens = FewTokensDetector()
         self._few_tokens_event: Event | None = None
+        self._micro_batches: list[MicroBatch] = []
+        self._losses: list[torch.Tensor] = []
+        self._stats: StepStats | None = None
         self._release_step()
 
     # ---- attach / detach -------------------------------------------------------------------
@@ -142,7 +180,8 @@ class NanWatch(Displayable):
             self._callback = WatchCallback(self)
             self.trainer.add_callback(self._callback)
             self._labels_tap = LabelsTap(self.trainer)
-            self._bind_trainer_parts()
+            self.attached = True
+            self.bind_trainer_step()
         self.attached = True
         _ATTACHED[self.target] = self
         from ..session import record_watch
@@ -171,7 +210,7 @@ class NanWatch(Displayable):
             self._remove_step_bindings()
             if self._ranks is not None:
                 self._ranks.owes_farewell = False  # detached by the user: nothing is left to say
-        if self._callback is not None:
+        if self._callback is not None and self.trainer is not None:
             self.trainer.remove_callback(self._callback)
             self._callback = None
         if self._labels_tap is not None:
@@ -208,6 +247,8 @@ class NanWatch(Displayable):
         return self._ranks is not None and self._ranks.owes_farewell
 
     def _farewell(self) -> None:
+        if self._ranks is None:
+            return
         try:
             self._ranks.farewell(self._collector.device())
         except Exception:  # the process group itself failed: nothing is left to keep matched
@@ -218,7 +259,7 @@ class NanWatch(Displayable):
 
     def _settle_farewell(self) -> None:
         """The watch failed at a step boundary before its part of the step's exchange: pay it now."""
-        if self._owes_farewell() and not self._ranks.step_exchanged:
+        if self._ranks is not None and self._ranks.owes_farewell and not self._ranks.step_exchanged:
             self._farewell()
 
     def _peers_left(self, verdict: ranks.RankVerdict) -> None:
@@ -231,33 +272,67 @@ class NanWatch(Displayable):
     def __enter__(self) -> NanWatch:
         return self.attach()
 
-    def __exit__(self, *exc) -> bool:
-        self.detach()
-        return False
+    def __exit__(self, *exc: object) -> None:
+        self.detach()  # exceptions propagate
 
-    def _bind_trainer_parts(self) -> None:
-        """The Trainer creates its optimizer (and accelerate its GradScaler) inside ``train()``."""
-        if not self._active():
+    # ---- the interface integrations use (Trainer callback, distributed helpers) ---------------
+    @property
+    def active(self) -> bool:
+        """Attached and not stepped aside after an internal error: hooks do their work."""
+        return self.attached and not self._broken
+
+    def _active(self) -> bool:
+        """The old private spelling of :attr:`active`, kept while branches written against it merge."""
+        return self.active
+
+    @property
+    def stop_requested(self) -> bool:
+        """The stop policy asked the training loop to end (a Trainer ends after this step)."""
+        return self._stop_requested
+
+    def begin_training(self, control: Any = None) -> None:
+        """A (new) ``Trainer.train()`` starts: forget an earlier stop, bind the optimizer and scaler."""
+        self._stop_requested = False
+        self.bind_trainer_step(control)
+
+    @watch_hook(safe=False)
+    def bind_trainer_step(self, control: Any = None) -> None:
+        """Keep the Trainer's ``control`` (to end training on ``stop``) and bind the optimizer and
+        GradScaler, which the Trainer and accelerate create inside ``train()``."""
+        if control is not None:
+            self._trainer_control = control
+        if self.trainer is None:
             return
-        try:
-            from .integrations.trainer import trainer_scaler
+        from .integrations.trainer import trainer_scaler
 
-            opt = self.trainer.optimizer
-            if opt is not None:
-                inner = unwrap_optimizer(opt)
-                if self._opt_binding is None or self._opt_binding.optimizer is not inner:
-                    if self._opt_binding is not None:
-                        self._opt_binding.remove()
-                    self.optimizer = inner
-                    self._opt_binding = OptimizerBinding(inner, self._pre_step, self._post_step)
-            scaler = trainer_scaler(self.trainer)
-            if scaler is not None and (self._scaler_binding is None or self._scaler_binding.scaler is not scaler):
-                if self._scaler_binding is not None:
-                    self._scaler_binding.remove()
-                self.scaler = scaler
-                self._scaler_binding = ScalerBinding(scaler, self._before_scaler_update, self._after_scaler_update)
-        except Exception as exc:
-            self._fail(exc, safe=False)
+        opt = self.trainer.optimizer
+        if opt is not None:
+            inner = unwrap_optimizer(opt)
+            if self._opt_binding is None or self._opt_binding.optimizer is not inner:
+                if self._opt_binding is not None:
+                    self._opt_binding.remove()
+                self.optimizer = inner
+                self._opt_binding = OptimizerBinding(inner, self._pre_step, self._post_step)
+        scaler = trainer_scaler(self.trainer)
+        if scaler is not None and (self._scaler_binding is None or self._scaler_binding.scaler is not scaler):
+            if self._scaler_binding is not None:
+                self._scaler_binding.remove()
+            self.scaler = scaler
+            self._scaler_binding = ScalerBinding(scaler, self._before_scaler_update, self._after_scaler_update)
+
+    @watch_hook(safe=False)
+    def record_eval_loss(self, eval_loss: float, global_step: int) -> None:
+        """An evaluation's loss: bit-identical repeats mean the weights are not changing."""
+        found = self._eval.update(float(eval_loss))
+        if found is not None:
+            found["global_step"] = global_step
+            self._emit(Event("frozen-eval-loss", max(self.step - 1, 0),
+                             f"eval loss is bit-identical across {found['evaluations']} evaluations "
+                             f"({eval_loss!r}): the weights are not changing", evidence=found))
+
+    def end_training(self) -> None:
+        """The loop ended: drop every reference to the unfinished step's batches."""
+        self._release_step()
 
     # ---- listeners ----------------------------------------------------------------------------
     def add_listener(self, callback: Listener) -> None:
@@ -272,13 +347,13 @@ class NanWatch(Displayable):
             self._listeners.remove(callback)
 
     def _notify(self, kind: str, payload: Any) -> None:
-        for callback in list(self._listeners):
-            try:
-                callback(self, kind, payload)
-            except Exception as exc:  # a broken dashboard must not break training
-                self.remove_listener(callback)
-                self._emit(Event("watch-error", self.step, f"a watch listener failed and was removed: "
-                                 f"{type(exc).__name__}: {exc}", evidence={"listener": repr(callback)}))
+        for callback in list(self._listeners):  # a broken dashboard must not break training
+            guarded_call(functools.partial(self._drop_listener, callback), callback, self, kind, payload)
+
+    def _drop_listener(self, callback: Listener, exc: BaseException) -> None:
+        self.remove_listener(callback)
+        self._emit(Event("watch-error", self.step, f"a watch listener failed and was removed: "
+                         f"{type(exc).__name__}: {exc}", evidence={"listener": repr(callback)}))
 
     def _emit(self, event: Event, agreed: bool = False) -> None:
         if self._ranks is not None and not agreed and event.rank is None:
@@ -287,9 +362,6 @@ class NanWatch(Displayable):
         self._notify("event", event)
 
     # ---- failure handling -------------------------------------------------------------------
-    def _active(self) -> bool:
-        return self.attached and not self._broken
-
     def _fail(self, exc: BaseException, safe: bool) -> None:
         """Record an internal error and step aside; removal waits for a point where it is safe
         (not while torch iterates the optimizer's hook dicts or the Trainer its callbacks)."""
@@ -314,29 +386,28 @@ class NanWatch(Displayable):
         if self._broken and self.attached:
             self._step_aside()  # a safe point: module hooks were copied before being called
             return None
-        if not self._active() or not self._training_forward(module):
-            return None
-        try:
-            trainer_labels = self._labels_tap.take() if self._labels_tap is not None else None
-            self._micro_batches.append(
-                MicroBatch(len(self._micro_batches), args, dict(kwargs), capture_rng(), capture_autocast(),
-                           trainer_labels=trainer_labels))
-            self._few_tokens.capture(self._micro_batches[-1].index, self._micro_batches[-1].labels())
-        except Exception as exc:
-            self._fail(exc, safe=True)
+        self._capture_micro_batch(module, args, kwargs)
         return None
 
+    @watch_hook(safe=True)
+    def _capture_micro_batch(self, module, args, kwargs) -> None:
+        if not self._training_forward(module):
+            return
+        trainer_labels = self._labels_tap.take() if self._labels_tap is not None else None
+        self._micro_batches.append(
+            MicroBatch(len(self._micro_batches), args, dict(kwargs), capture_rng(), capture_autocast(),
+                       trainer_labels=trainer_labels))
+        self._few_tokens.capture(self._micro_batches[-1].index, self._micro_batches[-1].labels())
+
+    @watch_hook(safe=False)
     def _root_post(self, module, args, kwargs, output):
-        if not self._active() or not self._training_forward(module) or not self._micro_batches:
+        if not self._training_forward(module) or not self._micro_batches:
             return None
-        try:
-            loss = model_loss(output)
-            if loss is not None:
-                self._losses.append(loss.detach())
-            if self.localize:
-                self._micro_batches[-1].record_output_grads(output)
-        except Exception as exc:
-            self._fail(exc, safe=False)
+        loss = model_loss(output)
+        if loss is not None:
+            self._losses.append(loss.detach())
+        if self.localize:
+            self._micro_batches[-1].record_output_grads(output)
         return None
 
     # ---- hooks: step boundaries -----------------------------------------------------------
@@ -369,59 +440,46 @@ class NanWatch(Displayable):
         return self._scaler_binding is not None and self._scaler_binding.enabled
 
     def _pre_step(self, optimizer, args, kwargs):
+        """Not a watch_hook itself: a watch that stepped aside across ranks still says farewell here."""
         if self._owes_farewell() and self._scaler_binding is None:
             self._farewell()
             return None
-        if not self._active() or self._scaler_guards():
-            return None
-        try:
-            self._check_update(self._read())
-        except NonFiniteError:
-            raise
-        except Exception as exc:
-            self._fail(exc, safe=False)
-            self._settle_farewell()
+        self._check_step()
+        self._settle_farewell()  # the check failed before this rank's part of the exchange: pay it now
         return None
 
+    @watch_hook(safe=False)
+    def _check_step(self) -> None:
+        if not self._scaler_guards():
+            self._check_update(self._read())
+
+    @watch_hook(safe=False)
     def _post_step(self, optimizer, args, kwargs):
-        if not self._active():
-            return None
-        try:
-            self._optimizer_stepped = True
-            if self._scaler_binding is None:
-                self._end_step(skipped=self._step_dropped)
-        except NonFiniteError:
-            raise
-        except Exception as exc:
-            self._fail(exc, safe=False)
+        self._optimizer_stepped = True
+        if self._scaler_binding is None:
+            self._end_step(skipped=self._step_dropped)
         return None
 
     def _before_scaler_update(self) -> None:
+        """Not a watch_hook itself, for the same farewell as ``_pre_step``."""
         if self._owes_farewell():
             self._farewell()
             return
-        if not self._active():
-            return
-        try:
-            self._read()  # a skipped step never reached the optimizer hooks: read it here
-        except Exception as exc:
-            self._fail(exc, safe=False)
-            self._settle_farewell()
+        self._read_before_update()
+        self._settle_farewell()
 
+    @watch_hook(safe=False)
+    def _read_before_update(self) -> None:
+        self._read()  # a skipped step never reached the optimizer hooks: read it here
+
+    @watch_hook(safe=True)
     def _after_scaler_update(self) -> None:
-        if not self._active():
-            return
-        try:
-            stats = self._read()
-            if stats.found_inf is not None:
-                scaler_skipped = stats.found_inf > 0 or not self._optimizer_stepped
-            else:
-                scaler_skipped = self._scaler_guards() and not self._optimizer_stepped
-            self._end_step(skipped=self._step_dropped or scaler_skipped, scaler_skipped=scaler_skipped)
-        except NonFiniteError:
-            raise
-        except Exception as exc:
-            self._fail(exc, safe=True)
+        stats = self._read()
+        if stats.found_inf is not None:
+            scaler_skipped = stats.found_inf > 0 or not self._optimizer_stepped
+        else:
+            scaler_skipped = self._scaler_guards() and not self._optimizer_stepped
+        self._end_step(skipped=self._step_dropped or scaler_skipped, scaler_skipped=scaler_skipped)
 
     # ---- the decisions --------------------------------------------------------------------
     def _check_update(self, stats: StepStats) -> None:
@@ -436,13 +494,10 @@ class NanWatch(Displayable):
             self._bad_streak = 0
             return
         self._bad_streak += 1
+        event: Event | None
         if self._bad_streak == 1:
             kind = "nonfinite-loss" if not stats.loss_finite else "nonfinite-grad"
-            if verdict is None:
-                event = self._make_event(kind, stats)
-            else:
-                event = ranks.agreed_event(self._ranks, verdict, self.step,
-                                           lambda: self._make_event(kind, stats, replay=not self._ranks.sharded))
+            event = self._localised_event(kind, stats)
             self._emit(event, agreed=True)
         else:
             event = next((e for e in reversed(self.events) if e.kind in ("nonfinite-loss", "nonfinite-grad")), None)
@@ -469,7 +524,8 @@ class NanWatch(Displayable):
     def _end_step(self, skipped: bool, scaler_skipped: bool = False) -> None:
         stats = self._read()
         step = self.step
-        self.history.append(step, stats.grad_norm, stats.loss, stats.total_grad_norm, stats.loss_scale, skipped)
+        self.history.append(step, list[float | None](stats.grad_norm), stats.loss, stats.total_grad_norm,
+                            stats.loss_scale, skipped)
         activations = None
         if self.activation_history is not None and stats.activations is not None:
             activations = host_values(stats.activations)
@@ -477,15 +533,12 @@ class NanWatch(Displayable):
         self._check_few_tokens(step, stats)
         stop_event = None
         if self._scaler_binding is not None:
-            streak = self._skips.update(scaler_skipped, stats.loss_scale)
+            if scaler_skipped:
+                self._emit(self._scaler_skip_event(stats), agreed=self._ranks is not None)
+            streak = self._skips.update(scaler_skipped, stats.loss_scale, step)
             if streak is not None:
-                if self._ranks is None or self._verdict is None:
-                    event = self._make_event("skipped-steps", stats, streak)
-                    self._emit(event)
-                else:  # the scaler's verdict is the same on every rank: so is the streak, and the event
-                    event = ranks.agreed_event(self._ranks, self._verdict, step, lambda: self._make_event(
-                        "skipped-steps", stats, streak, replay=not self._ranks.sharded))
-                    self._emit(event, agreed=True)
+                event = self._streak_event(stats, streak)
+                self._emit(event, agreed=self._ranks is not None)
                 if self.policy == "stop":
                     stop_event = event
         if not skipped:
@@ -502,10 +555,10 @@ class NanWatch(Displayable):
                 self._emit(Event("frozen-params", step, f"trainable weights have not changed for "
                                  f"{frozen['steps_unchanged']} optimizer steps", evidence=frozen))
         self.step += 1
-        payload = {"step": step, "loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
+        payload: dict[str, Any] = {"step": step, "loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
                    "loss_scale": stats.loss_scale, "skipped": skipped,
                    "grad_norm": dict(zip(self.history.groups, stats.grad_norm))}
-        if activations is not None:
+        if activations is not None and self.activation_history is not None:
             payload["activation_absmax"] = dict(zip(self.activation_history.groups, activations))
         self._release_step()
         self._notify("step", payload)
@@ -533,30 +586,58 @@ class NanWatch(Displayable):
 
     def _release_step(self) -> None:
         """Drop every reference to this step's batches and output gradients."""
-        self._micro_batches: list[MicroBatch] = []
-        self._losses: list[torch.Tensor] = []
-        self._stats: StepStats | None = None
+        self._micro_batches = []
+        self._losses = []
+        self._stats = None
         self._optimizer_stepped = False
         self._step_dropped = False
         self._collector.reset()
         self._few_tokens.reset()
         if self._probe is not None:
             self._probe.reset()
-        if getattr(self, "_ranks", None) is not None:
-            self._ranks.step_exchanged = False
-
-    def _on_eval_loss(self, eval_loss: float, global_step: int) -> None:
-        if not self._active():
-            return
-        found = self._eval.update(eval_loss)
-        if found is not None:
-            found["global_step"] = global_step
-            self._emit(Event("frozen-eval-loss", max(self.step - 1, 0),
-                             f"eval loss is bit-identical across {found['evaluations']} evaluations "
-                             f"({eval_loss!r}): the weights are not changing", evidence=found))
+        sync: ranks.RankSync | None = getattr(self, "_ranks", None)
+        if sync is not None:
+            sync.step_exchanged = False
 
     # ---- events and localisation ----------------------------------------------------------
-    def _make_event(self, kind: str, stats: StepStats, extra: dict | None = None, replay: bool = True) -> Event:
+    def _scaler_skip_event(self, stats: StepStats) -> Event:
+        """One event per step the GradScaler skipped. The first of a streak is localised by replay;
+        the others point at it (``streak_start``), so views fold a streak into one line."""
+        first = self._skips.streak == 0
+        start = self.step if first else self._skips.start
+        if first:
+            event = self._localised_event("scaler-skip", stats, {"streak_start": start}, budget="skip")
+            self._streak_first = event
+            return event
+        evidence = {"streak_start": start, "loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
+                    "loss_scale": stats.loss_scale, "localised_at_step": start}
+        return Event("scaler-skip", self.step, self._message("scaler-skip", None, [], evidence), evidence=evidence,
+                     rank=self._streak_first.rank if self._streak_first is not None else None)
+
+    def _streak_event(self, stats: StepStats, streak: dict) -> Event:
+        """The alarm after a streak: localised by the replay of the streak's first step when it had one."""
+        first = self._streak_first
+        if first is None or first.cause is None:
+            return self._localised_event("skipped-steps", stats, streak)
+        evidence = {**streak, "streak_start": first.step, "localised_at_step": first.step,
+                    **{k: v for k, v in first.evidence.items() if k in ("micro_batch", "replay_seconds")}}
+        evidence.update({"loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
+                         "loss_scale": stats.loss_scale})
+        evidence.update({k: v for k, v in first.evidence.items() if k in ranks.RANK_EVIDENCE})
+        return Event("skipped-steps", self.step, self._message("skipped-steps", first.cause, first.origins, evidence),
+                     first.cause, list(first.origins), evidence, rank=first.rank)
+
+    def _localised_event(self, kind: str, stats: StepStats, extra: dict | None = None,
+                         budget: str = "nonfinite") -> Event:
+        """``_make_event``, or across ranks the agreed event: the bad ranks localise, all get the same."""
+        if self._ranks is None or self._verdict is None:
+            return self._make_event(kind, stats, extra, budget)
+        sync = self._ranks
+        return ranks.agreed_event(sync, self._verdict, self.step,
+                                  lambda: self._make_event(kind, stats, extra, budget, replay=not sync.sharded))
+
+    def _make_event(self, kind: str, stats: StepStats, extra: dict | None = None, budget: str = "nonfinite",
+                    replay: bool = True) -> Event:
         groups = self.history.groups
         evidence: dict[str, Any] = dict(extra or {})
         evidence.update({"loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
@@ -570,8 +651,7 @@ class NanWatch(Displayable):
         if empty and kind in ("nonfinite-loss", "nonfinite-grad"):
             cause = "no-supervised-tokens"
             evidence["micro_batches_without_labels"] = empty
-        elif replay and self.localize and self._micro_batches and self._replays < self.settings.max_replays:
-            self._replays += 1
+        elif replay and self.localize and self._micro_batches and self._take_replay(budget):
             started = time.perf_counter()
             try:
                 found = self._replay()
@@ -582,6 +662,17 @@ class NanWatch(Displayable):
                 evidence.update(found.evidence)
             evidence["replay_seconds"] = time.perf_counter() - started
         return Event(kind, self.step, self._message(kind, cause, origins, evidence), cause, origins, evidence)
+
+    def _take_replay(self, budget: str) -> bool:
+        """Skip streaks (a fresh fp16 run has a few at start-up) do not use up the NaN events' replays."""
+        used = self._skip_replays if budget == "skip" else self._replays
+        if used >= self.settings.max_replays:
+            return False
+        if budget == "skip":
+            self._skip_replays += 1
+        else:
+            self._replays += 1
+        return True
 
     def _replay(self):
         if self._replayer is None:
@@ -598,6 +689,8 @@ class NanWatch(Displayable):
             "nonfinite-grad": "non-finite gradient",
             "skipped-steps": f"GradScaler skipped {evidence.get('consecutive_skipped')} optimizer steps in a row "
                              f"(loss scale down to {evidence.get('loss_scale')})",
+            "scaler-skip": f"GradScaler skipped this step: non-finite gradients at loss scale "
+                           f"{evidence.get('loss_scale')}",
         }.get(kind, kind)
         text = what  # renderers and summary() show the step themselves
         if cause == "no-supervised-tokens":
@@ -608,6 +701,10 @@ class NanWatch(Displayable):
             text += f", {o.dtype})" if o.dtype else ")"
             if o.micro_batch:
                 text += f", micro-batch {o.micro_batch}"
+            if o.evidence.get("bypassed_children"):
+                text += "; made inside its own forward: a fused kernel bypassed its children's hooks"
+        elif cause == "not-reproducible" and evidence.get("next_steps"):
+            text += f" (not reproduced by an eager replay; next: {evidence['next_steps'][0].split(':')[0]})"
         elif cause:
             text += f" ({cause})"
         return text
@@ -617,14 +714,20 @@ class NanWatch(Displayable):
         skipped = len(self.history.skipped_steps)
         lines = [f"nbguard watch ({'attached' if self.attached else 'detached'}, policy={self.policy}): "
                  f"{self.step} optimizer steps, {skipped} skipped, {len(self.events)} events"]
-        for e in self.events:
-            lines.append(f"  step {e.step} [{e.kind}] {e.message}")
+        for e, last, count in fold_skip_streaks(self.events):
+            if count > 1:
+                lines.append(f"  steps {e.step}-{last} [{e.kind}] x{count}: {e.message}")
+            else:
+                lines.append(f"  step {e.step} [{e.kind}] {e.message}")
         return "\n".join(lines)
 
     def to_document(self) -> dict[str, Any]:
         sections: dict[str, Any] = {"events": [e.to_dict() for e in self.events], "history": self.history.to_dict()}
         if self.activation_history is not None:
             sections["activations"] = self.activation_history.to_dict()
+        streaks = skip_streaks(self.events)
+        if streaks:
+            sections["skip_streaks"] = streaks
         title = "nbguard NaN/Inf watch"
         if self._ranks is not None:
             title += f" (rank {self._ranks.rank} of {self._ranks.world_size})"

@@ -17,18 +17,6 @@ def _param_list(params, limit=10):
     return capped([f"{n}: {dtype_name(p.dtype)}" for n, p in params], limit)
 
 
-def _bnb_compute_dtype(ctx):
-    q = ctx.quantization_config
-    if q is None:
-        return None
-    dtype = getattr(q, "bnb_4bit_compute_dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.replace("torch.", ""), None)
-    if dtype is None or not (getattr(q, "load_in_4bit", False) or getattr(q, "_load_in_4bit", False)):
-        return None
-    return dtype
-
-
 @rule("bf16-unsupported", "error")
 def bf16_unsupported(ctx):
     """bf16 asked for on hardware without native bf16 (compute capability < 8.0)."""
@@ -42,7 +30,7 @@ def bf16_unsupported(ctx):
     bf16_trainable = [(n, p) for n, p in ctx.trainable if p.dtype == torch.bfloat16]
     if bf16_trainable:
         asks.append(f"{len(bf16_trainable)} trainable parameters stored in bfloat16")
-    if _bnb_compute_dtype(ctx) == torch.bfloat16:
+    if torch.bfloat16 in ctx.quantization.compute_dtype_set:  # the 4-bit layers' own compute dtype
         asks.append("bnb_4bit_compute_dtype=bfloat16")
     if not asks:
         return None
@@ -208,29 +196,4 @@ def mixed_param_dtypes(ctx):
         {"counts": {dtype_name(d): c for d, c in ctx.dtype_counts.items()},
          **{f"{k}_parameters": capped(v) for k, v in by_dtype.items()}},
         fixes=["switch-precision"],
-    )
-
-
-@rule("bnb-compute-dtype", "warning")
-def bnb_compute_dtype(ctx):
-    """The 4-bit compute dtype disagrees with the training precision (or is float32, which is slow)."""
-    dtype = _bnb_compute_dtype(ctx)
-    if dtype is None:
-        return None
-    wanted = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(ctx.mixed_precision)
-    if wanted is not None and dtype != wanted:
-        reason = (f"the 4-bit layers compute in {dtype_name(dtype)} while training runs in "
-                  f"{ctx.mixed_precision}: every quantised matmul casts back and forth"
-                  + (" and fp16 compute brings back fp16's overflow risk." if dtype == torch.float16 else "."))
-    elif dtype == torch.float32 and wanted is None and ctx.hardware.is_gpu:
-        reason = "the 4-bit layers compute in float32 (the bitsandbytes default), which is several times slower."
-    else:
-        return None
-    return finding(
-        "bnb-compute-dtype",
-        f"bnb_4bit_compute_dtype={dtype_name(dtype)} does not match the training precision",
-        f"With bitsandbytes 4-bit weights, {reason} Set bnb_4bit_compute_dtype to the training precision "
-        f"({ctx.hardware.best_half_precision if wanted is None else ctx.mixed_precision}) when loading the model.",
-        {"bnb_4bit_compute_dtype": dtype_name(dtype), "mixed_precision": ctx.mixed_precision,
-         "hardware": ctx.hardware.name},
     )

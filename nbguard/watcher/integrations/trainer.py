@@ -47,28 +47,26 @@ class LabelsTap:
 
 
 class WatchCallback(TrainerCallback):
+    """Drives the watch through its public interface (``begin_training``, ``bind_trainer_step``,
+    ``stop_requested``, ``record_eval_loss``, ``end_training``); each of those is guarded."""
+
     def __init__(self, watch):
         self.watch = watch
 
-    def _bind(self, control):
-        self.watch._trainer_control = control
-        self.watch._bind_trainer_parts()
-
     def on_train_begin(self, args, state, control, **kwargs):
-        self.watch._stop_requested = False  # a new train() call starts clean
-        self._bind(control)
+        self.watch.begin_training(control)  # a new train() call starts clean
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._bind(control)
+        self.watch.bind_trainer_step(control)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.watch._stop_requested:
+        if self.watch.stop_requested:
             control.should_training_stop = True
         return control
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         if metrics and "eval_loss" in metrics:
-            self.watch._on_eval_loss(float(metrics["eval_loss"]), state.global_step)
+            self.watch.record_eval_loss(float(metrics["eval_loss"]), state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.watch._release_step()
+        self.watch.end_training()
