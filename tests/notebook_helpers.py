@@ -56,3 +56,14 @@ def assert_fallbacks(outputs) -> None:
     for data in outputs:
         assert {"text/plain", "text/html", MIME} <= set(data), sorted(data)
         assert data["text/plain"].strip() and "<" in data["text/html"]
+
+
+def usage_line(cell: Cell) -> str:
+    """The one line a magic's bad input printed: the cell failed with IPython's UsageError, no traceback."""
+    from IPython.core.error import UsageError
+
+    assert type(cell.error) is UsageError, (cell.error, cell.stderr)
+    lines = cell.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("UsageError: nbguard: "), cell.stderr
+    assert "Traceback" not in cell.stdout + cell.stderr
+    return lines[0][len("UsageError: "):]

@@ -1,8 +1,10 @@
 """The exception explainer: known error signatures -> a diagnosis with fixes.
 
 ``explain(exc)`` walks the exception chain (``__cause__`` / ``__context__``) and returns the first
-:class:`Diagnosis` a registered rule gives, or None. The notebook front end calls it from an
-IPython custom exception handler; it works just as well on an exception caught in a script.
+:class:`Diagnosis` a registered rule gives, or None. The notebook front end calls it from
+IPython's ``post_run_cell`` event; it works just as well on an exception caught in a script.
+Known warnings that announce a failure have their own signatures (:mod:`.warnings`,
+``diagnose_warning(text, origin)``).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from collections.abc import Iterator
 from ..session import SESSION, record_diagnosis
 from .diagnosis import Diagnosis, exception_text
 from .rules import RULES, rule
+from .warnings import WARNING_SIGNATURES, diagnose_warning, warning_signature
 
 
 def exception_chain(exc: BaseException) -> Iterator[BaseException]:
@@ -60,4 +63,5 @@ def explain(exc: BaseException) -> Diagnosis | None:
     return diagnosis
 
 
-__all__ = ["Diagnosis", "RULES", "diagnose", "exception_chain", "exception_text", "explain", "rule"]
+__all__ = ["Diagnosis", "RULES", "WARNING_SIGNATURES", "diagnose", "diagnose_warning", "exception_chain",
+           "exception_text", "explain", "rule", "warning_signature"]

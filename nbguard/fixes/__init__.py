@@ -93,20 +93,30 @@ def _target(fix: Fix, model, trainer, args, tokenizer=None) -> Target:
     return Target(model=model, trainer=trainer, args=args, tokenizer=tokenizer)
 
 
-def apply(fix_id: str, *, model=None, trainer=None, **options: Any) -> FixResult:
-    """Apply ``fix_id`` in place; the result says what changed (nothing, when already applied)."""
+def apply(fix_id: str, *, model=None, trainer=None, names: dict[str, str] | None = None,
+          **options: Any) -> FixResult:
+    """Apply ``fix_id`` in place; the result says what changed (nothing, when already applied).
+
+    ``names`` are the caller's variable names for what it passed (``{"model": "my_model"}``): the
+    recorded cell then reruns as is in the caller's notebook.
+    """
     fix = get(fix_id)
     args = options.pop("args", None)
     tokenizer = options.pop("tokenizer", None)
     target = _target(fix, model, trainer, args, tokenizer)
+    given = {key: value for key, value in (("model", model), ("trainer", trainer), ("args", args),
+                                           ("tokenizer", tokenizer)) if value is not None}
+    if names is not None and not isinstance(names, dict):
+        raise TypeError(f"names must be a dict such as {{'model': 'my_model'}}, got {type(names).__name__}")
+    users = {key: name for key, name in (names or {}).items() if key in given}
     changed = fix.apply(target, **options)
     # The recorded cell names what apply was given, so it has the same reach as the action.
     if trainer is not None:
-        names = {"trainer": "trainer"}
+        names = {"trainer": users.get("trainer", "trainer")}
     else:
-        names = {key: key for key, value in (("model", model), ("args", args)) if value is not None}
+        names = {key: users.get(key, key) for key in ("model", "args") if key in given}
     if tokenizer is not None:
-        names["tokenizer"] = "tokenizer"
+        names["tokenizer"] = users.get("tokenizer", "tokenizer")
     cell = code(fix_id, **names, **options)
     record_fix(fix_id, changed, cell)
     return FixResult(fix=fix_id, changed=changed, code=cell)

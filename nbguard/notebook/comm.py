@@ -50,7 +50,7 @@ class LabChannel:
     """The kernel end of the comm; one per kernel process (``CHANNEL``)."""
 
     def __init__(self) -> None:
-        self.comm = None
+        self.comm: Any = None  # a comm.base_comm.BaseComm (or ipykernel's Comm) once open
         self.extension_version: str | None = None
         self._pending: dict[str, deque[Reply]] = defaultdict(deque)
 
@@ -107,7 +107,7 @@ class LabChannel:
         self._fail_pending("the front end closed the nbguard comm")
 
     def _reply(self, data: dict[str, Any]) -> None:
-        output_id = data.get("output_id")
+        output_id: Any = data.get("output_id")
         if output_id is None and data.get("action") == "error" and len(self._pending) == 1:
             output_id = next(iter(self._pending))  # an error without an id can only be the one request
         queue = self._pending.get(output_id)

@@ -1,9 +1,10 @@
-"""The IPython custom exception handler that follows a known error's traceback with a diagnosis.
+"""The explainer in the shell: a diagnosis card under a known error's traceback, through IPython's events.
 
-The normal traceback always shows first (IPython's own ``showtraceback``, so ``%debug``,
-``sys.last_exc`` and the kernel's error reply behave as before). A handler that was installed
-before nbguard keeps its exceptions: it runs instead of the plain traceback for them, and is put
-back on unload.
+nbguard does not own exceptions: IPython shows its own traceback (``%xmode`` applies, other
+extensions' custom exception handlers keep theirs, ``%debug`` and ``sys.last_value`` behave as
+before), and afterwards the ``post_run_cell`` event hands us the cell's ``result.error_in_exec``
+(the same event and field in IPython 7.34, as in Colab, and in IPython 8/9). Unload unregisters
+exactly the one callback load registered.
 """
 from __future__ import annotations
 
@@ -13,55 +14,45 @@ from typing import Any
 
 
 class ExplainerHandler:
-    """Installs into one shell; ``uninstall()`` restores exactly what was there."""
+    """Listens to one shell's ``post_run_cell``; ``uninstall()`` removes only what ``install()`` added."""
 
     def __init__(self, shell, show: Callable[[Any], None]):
         self.shell = shell
         self.show = show  # shows a Diagnosis (the card with fix buttons, or the static bundle)
-        self.previous: tuple[tuple, Any] | None = None
-        self.last_diagnosis = None
-        self.last_exception: BaseException | None = None
-
-    @property
-    def installed(self) -> bool:
-        return self.previous is not None
+        self.installed = False
+        self.last_diagnosis: Any = None
+        self._shown: BaseException | None = None  # an error already explained under an inner cell
 
     def install(self) -> None:
-        if self.installed:
-            return
-        shell = self.shell
-        self.previous = (tuple(shell.custom_exceptions), shell.CustomTB)
-        handled = (Exception,) + tuple(e for e in self.previous[0] if not issubclass(e, Exception))
-        shell.set_custom_exc(handled, self._handle)
+        if not self.installed:
+            self.shell.events.register("post_run_cell", self._post_run_cell)
+            self.installed = True
 
     def uninstall(self) -> None:
-        if not self.installed:
-            return
-        exceptions, custom_tb = self.previous
-        self.shell.custom_exceptions = exceptions
-        self.shell.CustomTB = custom_tb
-        self.previous = None
+        if self.installed:
+            self.shell.events.unregister("post_run_cell", self._post_run_cell)
+            self.installed = False
 
-    # -- the handler itself (called by IPython as handler(shell, etype, value, tb, tb_offset)) ------
-    def _handle(self, shell, etype, value, tb, tb_offset=None):
-        previous_types, previous_tb = self.previous or ((), None)
-        if previous_types and isinstance(value, previous_types):
-            stb = previous_tb(etype, value, tb, tb_offset=tb_offset)  # the earlier handler shows its own view
-        else:
-            shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
-            stb = None
-        self.explain(value)
-        return stb
+    def already_shown(self, error: BaseException) -> None:
+        """``error`` was explained under an inner cell (``%%nanwatch``); the outer cell re-reports it."""
+        self._shown = error
+
+    def _post_run_cell(self, result) -> None:
+        error = getattr(result, "error_in_exec", None)
+        shown, self._shown = self._shown, None  # held only until the next cell ends
+        if error is None or error is shown or _is_usage_error(error):
+            return
+        self.explain(error)
 
     def explain(self, value: BaseException):
         """Diagnose ``value`` and show the card; errors here are reported, never raised."""
-        self.last_exception = value
         try:
             from ..explainer import explain
 
             diagnosis = explain(value)
         except Exception as err:  # a bug in a rule must not hide the user's own error
-            print(f"nbguard: the explainer failed ({type(err).__name__}: {err})", file=sys.stderr)
+            print(f"nbguard: the explainer failed ({type(err).__name__}: {err}); this is a bug in nbguard, "
+                  "please report it", file=sys.stderr)
             return None
         if diagnosis is not None:
             self.last_diagnosis = diagnosis
@@ -70,3 +61,9 @@ class ExplainerHandler:
             except Exception as err:
                 print(f"nbguard: could not show the diagnosis ({type(err).__name__}: {err})", file=sys.stderr)
         return diagnosis
+
+
+def _is_usage_error(error: BaseException) -> bool:
+    from IPython.core.error import UsageError
+
+    return isinstance(error, UsageError)

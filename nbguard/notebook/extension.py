@@ -1,9 +1,10 @@
 """``%load_ext nbguard`` / ``%unload_ext nbguard``: what the extension adds, and taking it all back.
 
-Load registers the magics, the exception explainer (an IPython custom exception handler that
-chains to any earlier one) and the comm to the lab extension. Unload restores the earlier
-exception handler and any magics nbguard shadowed, detaches watches started by ``%nanwatch``,
-closes the widgets it opened and the comm. Loading twice is harmless.
+Load registers the magics, their tab completers, the explainer of exceptions and of known warnings
+(``post_run_cell`` callbacks: nbguard owns no exception handler), the warning listeners and the
+comm to the lab extension. Unload removes exactly those, puts back any magics nbguard shadowed,
+detaches watches started by ``%nanwatch``, closes the widgets it opened and the comm. Loading
+twice is harmless.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from . import present
 from . import resolve as R
+from .cellwarnings import WarningExplainer
 from .comm import CHANNEL
 from .exceptions import ExplainerHandler
 
@@ -19,51 +21,60 @@ MAGIC_NAMES = {"line": ("precision_check", "nanwatch", "nbguard"), "cell": ("nan
 
 
 class ExtensionState:
-    def __init__(self, shell):
+    def __init__(self, shell: Any) -> None:
         self.shell = shell
         self.watches: list[Any] = []  # LiveWatch objects started by %nanwatch
         self.last_names: dict[str, str] = {}  # the user's names from the last %precision_check
         self.last_audit = None
         self.shadowed: dict[str, dict[str, Any]] = {}  # magics of the same name that existed before
-        self.magics = None
+        self.magics: Any = None
+        self.completers: Any = None
         self.handler = ExplainerHandler(shell, show=self.show_diagnosis)
+        self.warnings = WarningExplainer(shell, show=self.show_diagnosis)
 
     # -- names and objects for fix code -------------------------------------------------------
     def names_for_fixes(self) -> dict[str, str]:
-        """The user's variable names: from the last audit, else the one trainer/model in the namespace."""
+        """The user's variable names: from the last audit, else the one trainer/model in the namespace
+        (plus the one TrainingArguments and tokenizer when there is no trainer to reach them through)."""
         names = dict(self.last_names)
         ns = self.shell.user_ns
-        if "trainer" in names or "model" in names:
-            if all(name.split(".")[0] in ns for name in names.values()):
-                return names
-        names = {}
-        try:
-            trainer = R.unique(R.candidates(ns, R.is_trainer), "trainers", "")
-            if trainer:
-                names["trainer"] = trainer[0]
-            else:
-                model = R.unique(R.top_level_models(R.candidates(ns, R.is_model)), "models", "")
-                if model:
-                    names["model"] = model[0]
+        if not (("trainer" in names or "model" in names) and all(n.split(".")[0] in ns for n in names.values())):
+            names = {}
+            self._find_name(names, "trainer", R.is_trainer, "trainers")
             if "trainer" not in names:
-                args = R.unique(R.candidates(ns, R.is_training_args), "TrainingArguments", "")
-                if args:
-                    names["args"] = args[0]
-        except R.MagicError:
-            pass  # ambiguous: no name is guessed; fixes that need one get no cell
+                self._find_name(names, "model", R.is_model, "models", top_level=True)
+        if "trainer" not in names:
+            if "args" not in names:
+                self._find_name(names, "args", R.is_training_args, "TrainingArguments")
+            self._find_name(names, "tokenizer", R.is_tokenizer, "tokenizers")
         return names
+
+    def _find_name(self, names: dict[str, str], key: str, predicate, what: str, top_level: bool = False) -> None:
+        """``names[key]`` = the one variable passing ``predicate``; nothing when none or ambiguous."""
+        found = R.candidates(self.shell.user_ns, predicate)
+        if top_level:
+            found = R.top_level_models(found)
+        try:
+            one = R.unique(found, what, "")
+        except R.MagicError:
+            return  # ambiguous: no name is guessed; fixes that need one get no cell
+        if one:
+            names[key] = one[0]
 
     def show_diagnosis(self, diagnosis) -> None:
         names = self.names_for_fixes()
 
         def apply(fix_id: str):
-            from nbguard import fixes
+            from .. import fixes
 
-            targets = {k: R.lookup(self.shell.user_ns, v) for k, v in names.items() if k in ("model", "trainer")}
+            # looked up at click time: the view keeps names, never the user's objects
+            targets = {k: R.lookup(self.shell.user_ns, v) for k, v in names.items()
+                       if k in ("model", "trainer", "args", "tokenizer")}
             if not targets:
-                raise R.MagicError("no model or trainer variable found to apply the fix to")
+                raise R.MagicError("no model, trainer or TrainingArguments variable found to apply the fix to")
             options = diagnosis.fix_options.get(fix_id, {})
-            return fixes.apply(fix_id, **targets, **options).changed, fixes.code(fix_id, **names, **options)
+            applied = fixes.apply(fix_id, **targets, names=names, **options)
+            return applied.changed, applied.code
 
         present.show_diagnosis(diagnosis, names=names, apply=apply)
 
@@ -72,7 +83,9 @@ class ExtensionState:
         if live in self.watches:
             self.watches.remove(live)
         try:
-            live.watch.detach()
+            watch = live.watch
+            if watch is not None:
+                watch.detach()
         finally:
             live.finish()
 
@@ -101,6 +114,11 @@ def load(ipython) -> ExtensionState:
     state.magics = NbguardMagics(ipython, state)
     ipython.register_magics(state.magics)
     state.handler.install()
+    state.warnings.install()
+    from .complete import Completers
+
+    state.completers = Completers(ipython, state.magics)
+    state.completers.install()
     try:
         CHANNEL.open(ipython)
     except Exception as err:  # no comm: "Insert cell" falls back to a code block
@@ -115,6 +133,9 @@ def unload(ipython) -> None:
         return
     state.stop_watches()
     state.handler.uninstall()
+    state.warnings.uninstall()
+    if state.completers is not None:
+        state.completers.uninstall()
     manager = ipython.magics_manager
     for kind, names in MAGIC_NAMES.items():
         for name in names:

@@ -1,71 +1,75 @@
 """``%precision_check``, ``%nanwatch`` / ``%%nanwatch`` and ``%nbguard``: parse, resolve names, call the core.
 
-Mistakes in a magic's arguments are one line on stderr (``nbguard: ...``), never a traceback.
+Each magic declares its options with IPython's ``magic_arguments``, so ``%precision_check?`` is
+its manual. Bad input raises :class:`IPython.core.error.UsageError`: one line, no traceback, and
+the cell fails (so nbclient, papermill and "Run all" stop). A bug inside nbguard is never shown
+as a usage error: it raises :class:`nbguard.NbguardError` naming itself a bug, with the original
+traceback chained below it.
 """
 from __future__ import annotations
 
-import argparse
-import shlex
 import sys
+import weakref
+from collections.abc import Callable
 from typing import Any
 
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from ..errors import NbguardError
 from . import resolve as R
 from .resolve import MagicError
 
 POLICIES = ("warn", "skip", "stop")
+NBGUARD_COMMANDS = ("fix", "report", "explain")
+ISSUES_HINT = "this is a bug in nbguard, not in your notebook: please report it with the traceback below"
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises :class:`MagicError` instead of printing usage and exiting."""
-
-    def error(self, message):
-        raise MagicError(f"%{self.prog}: {message}")
-
-    def exit(self, status=0, message=None):
-        if message:
-            raise MagicError(message.strip())
-        raise MagicError(self.format_usage().strip())
+def internal_error(magic: str, err: BaseException) -> NbguardError:
+    """nbguard's own error for a bug met while running ``magic`` (never disguised as bad input)."""
+    return NbguardError(f"%{magic} failed inside nbguard ({type(err).__name__}: {err}); {ISSUES_HINT}")
 
 
-def _parse(parser: argparse.ArgumentParser, line: str) -> argparse.Namespace:
+def _parse(magic_func: Callable, line: str):
+    """``parse_argstring`` with unbalanced quotes reported as a usage error too."""
     try:
-        return parser.parse_args(shlex.split(line))
-    except ValueError as err:  # unbalanced quotes
-        raise MagicError(f"%{parser.prog}: {err}") from None
+        return parse_argstring(magic_func, line)
+    except ValueError as err:  # shlex: "No closing quotation"
+        raise MagicError(f"%{magic_func.__name__}: {err}") from None
 
 
-def _precision_parser():
-    p = _Parser(prog="precision_check", add_help=False)
-    p.add_argument("objects", nargs="*")
-    p.add_argument("--hardware", default=None)
-    p.add_argument("--probe", action="store_true")
-    p.add_argument("--batch", default=None)
-    return p
+class _WeakObjects:
+    """The objects a view may act on again later (re-audit, Apply), held weakly.
 
+    A view lives as long as its output; holding the model strongly there would keep a deleted
+    model (and its GPU memory) alive. Objects that cannot be weakly referenced (a batch dict) are
+    looked up again by their notebook name.
+    """
 
-def _nanwatch_parser():
-    p = _Parser(prog="nanwatch", add_help=False)
-    p.add_argument("target", nargs="?")
-    p.add_argument("--policy", choices=POLICIES, default="warn")
-    p.add_argument("--optimizer", default=None)
-    p.add_argument("--scaler", default=None)
-    p.add_argument("--activations", action="store_true")
-    p.add_argument("--ranks", action="store_true")  # the ranks a notebook_launcher in this cell forks
-    return p
+    def __init__(self, ns: dict[str, Any], objects: dict[str, Any], names: dict[str, str]):
+        self._ns, self._names = ns, dict(names)
+        self._refs: dict[str, Callable[[], Any]] = {}
+        for key, obj in objects.items():
+            if obj is None:
+                continue
+            try:
+                self._refs[key] = weakref.ref(obj)
+            except TypeError:
+                self._refs[key] = self._by_name(key)
 
+    def _by_name(self, key: str) -> Callable[[], Any]:
+        return lambda: R.lookup(self._ns, self._names[key])
 
-def _nbguard_parser():
-    p = _Parser(prog="nbguard", add_help=False)
-    sub = p.add_subparsers(dest="command", parser_class=_Parser)
-    fix = sub.add_parser("fix", add_help=False)
-    fix.add_argument("fix_id")
-    fix.add_argument("--apply", action="store_true")
-    rep = sub.add_parser("report", add_help=False)
-    rep.add_argument("path")
-    sub.add_parser("explain", add_help=False)
-    return p
+    def get(self) -> dict[str, Any]:
+        objects = {}
+        for key, ref in self._refs.items():
+            obj = ref()
+            if obj is None:
+                name = self._names.get(key, key)
+                raise MagicError(f"{name!r} no longer exists (it was deleted or replaced); run the magic again")
+            objects[key] = obj
+        return objects
 
 
 @magics_class
@@ -75,48 +79,92 @@ class NbguardMagics(Magics):
         self.state = state  # the extension's state (watches started here, last names, ...)
 
     @property
-    def ns(self) -> dict[str, Any]:
-        return self.shell.user_ns
+    def ip(self) -> Any:
+        """The shell (``Magics.shell`` is typed optional; a registered magic always has one)."""
+        return self.shell
 
-    def _guarded(self, func, *args):
+    @property
+    def ns(self) -> dict[str, Any]:
+        return self.ip.user_ns
+
+    def _guarded(self, magic: str, func: Callable, *args: Any) -> Any:
         try:
             return func(*args)
+        except UsageError as err:  # argparse's, from magic_arguments: say which magic it was
+            message = str(err)
+            raise UsageError(message if message.startswith("nbguard:") else f"nbguard: %{magic}: {message}") from None
         except MagicError as err:
-            print(f"nbguard: {err}", file=sys.stderr)
-        except (TypeError, ValueError) as err:  # the core's messages for bad input name the argument
-            print(f"nbguard: {err}", file=sys.stderr)
-        return None
+            raise UsageError(f"nbguard: {err}") from None
+        except Exception as err:
+            raise internal_error(magic, err) from err
 
     # -- %precision_check ------------------------------------------------------------------------
+    @magic_arguments()
+    @argument("objects", nargs="*", metavar="OBJ",
+              help="the Trainer, model and/or TrainingArguments to audit, by their notebook names "
+                   "(default: the one Trainer in the notebook, else the one top-level model)")
+    @argument("--hardware", metavar="NAME", default=None,
+              help="audit for this GPU instead of this machine: cpu, t4, v100, a10g, l4, a100, rtx3090, "
+                   "rtx4090, h100")
+    @argument("--probe", action="store_true",
+              help="also run one forward/backward pass and check activations against the fp16 limit")
+    @argument("--batch", metavar="NAME", default=None,
+              help="the batch (a dict of tensors) the probe runs on; default: a synthetic batch")
     @line_magic
     def precision_check(self, line: str = ""):
-        """%precision_check [OBJ ...] [--hardware NAME] [--probe] [--batch NAME]: audit precision."""
-        return self._guarded(self._precision_check, line)
+        """Audit a fine-tuning setup's precision against the hardware; shows findings with fixes.
+
+        Examples::
+
+            %precision_check                       # the one trainer (or model) in the notebook
+            %precision_check trainer --hardware t4 # as it would run on a Colab T4
+            %precision_check model args --probe --batch batch
+        """
+        return self._guarded("precision_check", self._precision_check, line)
 
     def _precision_check(self, line: str) -> None:
         from .. import api, fixes
 
-        opts = _parse(_precision_parser(), line)
+        opts = _parse(self.precision_check, line)
         targets, names = self._audit_targets(opts.objects)
         batch = None
         if opts.batch:
             batch = R.lookup(self.ns, opts.batch)
             if not R.is_batch(batch):
                 raise MagicError(f"--batch {opts.batch!r} is a {R.describe(batch)}, expected a dict of tensors")
-        kwargs = dict(targets, batch=batch, hardware=opts.hardware, probe=opts.probe)
-        result = api.audit(**kwargs)
-        self.state.last_names = names
+            names["batch"] = opts.batch
+        hardware = self._hardware(opts.hardware)
+        result = api.audit(**targets, batch=batch, hardware=hardware, probe=opts.probe)
+        self.state.last_names = {k: v for k, v in names.items() if k != "batch"}
         self.state.last_audit = result
+        held = _WeakObjects(self.ns, dict(targets, batch=batch), names)
+        fix_names = dict(self.state.last_names)
+
+        def rerun():
+            objects = held.get()
+            return api.audit(**objects, hardware=hardware, probe=opts.probe)
 
         def apply(fix_id: str):
+            objects = held.get()
             options = result.fix_options(fix_id)
-            applied = fixes.apply(fix_id, model=targets.get("model"), trainer=targets.get("trainer"),
-                                  args=targets.get("args"), **options)
-            return applied.changed, fixes.code(fix_id, **names, **options)
+            applied = fixes.apply(fix_id, model=objects.get("model"), trainer=objects.get("trainer"),
+                                  args=objects.get("args"), names=fix_names, **options)
+            return applied.changed, applied.code
 
         from .present import show_audit
 
-        show_audit(result, names=names, rerun=lambda: api.audit(**kwargs), apply=apply)
+        show_audit(result, names=fix_names, rerun=rerun, apply=apply)
+
+    @staticmethod
+    def _hardware(name: str | None):
+        if name is None:
+            return None
+        from ..hardware import resolve_hardware
+
+        try:
+            return resolve_hardware(name)
+        except (KeyError, ValueError, TypeError) as err:
+            raise MagicError(f"--hardware: {err.args[0] if err.args else err}") from None
 
     def _audit_targets(self, given: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
         targets: dict[str, Any] = {}
@@ -156,19 +204,53 @@ class NbguardMagics(Magics):
         raise MagicError(f"no Trainer or torch.nn.Module found in the notebook; name one: {magic} model")
 
     # -- %nanwatch / %%nanwatch ------------------------------------------------------------------
+    @magic_arguments()
+    @argument("target", nargs="?", metavar="OBJ",
+              help="the Trainer or model to watch, by its notebook name (default: the one Trainer, else the "
+                   "one top-level model); 'off' (line magic only) detaches the watch %%nanwatch started")
+    @argument("--policy", choices=POLICIES, default="warn",
+              help="on a non-finite step: warn (record and go on), skip (drop that update), "
+                   "stop (stop training; a plain loop gets nbguard.NonFiniteError)")
+    @argument("--optimizer", metavar="NAME", default=None,
+              help="the optimizer of a plain PyTorch loop (default: the one optimizer over the model)")
+    @argument("--scaler", metavar="NAME", default=None,
+              help="the torch.amp.GradScaler of a plain loop (default: the one GradScaler, if any)")
+    @argument("--activations", action="store_true",
+              help="also record each module group's activation abs-max per step (fp16 headroom heatmap)")
+    @argument("--ranks", action="store_true",
+              help="the ranks a notebook_launcher in this cell forks: one dashboard with a row per rank "
+                   "(implied when the cell calls notebook_launcher and names no object)")
     @line_cell_magic
     def nanwatch(self, line: str = "", cell: str | None = None):
-        """%nanwatch [OBJ] [--policy warn|skip|stop] [--optimizer NAME] [--activations]; %nanwatch off; %%nanwatch [OBJ].
+        """Watch training for NaN/Inf at one host read per step and name the module where it was born.
 
-        %%nanwatch [--ranks] around ``notebook_launcher(...)`` (``--ranks`` is implied when the cell calls it
-        and names no OBJ): the forked ranks, which call ``nbguard.watch`` themselves, stream to one dashboard
-        here with a row per rank, and ``%nbguard report`` holds every rank."""
+        As a line magic the watch stays on until ``%nanwatch off``; as a cell magic it watches the
+        cell it heads, then detaches and prints a summary. If the watched cell raises, the cell
+        fails with that error (traceback and diagnosis as usual).
+
+        Examples::
+
+            %nanwatch                               # the one trainer/model in the notebook
+            %nanwatch model --optimizer opt --policy skip
+            %nanwatch off
+
+            %%nanwatch trainer --policy stop
+            trainer.train()
+
+        Around ``notebook_launcher(...)`` (``--ranks``, implied when the cell calls it and names no
+        object) the forked ranks call ``nbguard.watch`` themselves and stream to one dashboard here,
+        with a row per rank; ``%nbguard report`` then holds every rank::
+
+            %%nanwatch
+            notebook_launcher(train, num_processes=2)
+        """
         if cell is None:
-            return self._guarded(self._nanwatch_line, line)
-        return self._guarded(self._nanwatch_cell, line, cell)
+            return self._guarded("nanwatch", self._nanwatch_line, line)
+        return self._guarded("nanwatch", self._nanwatch_cell, line, cell)
 
     def _nanwatch_line(self, line: str) -> None:
-        if line.strip() == "off":
+        opts = _parse(self.nanwatch, line)
+        if opts.target == "off":
             if not self.state.watches:
                 raise MagicError("no watch started by %nanwatch is running")
             from .display import new_output_id, publish
@@ -176,25 +258,33 @@ class NbguardMagics(Magics):
             for live in self.state.stop_watches():
                 publish(dict(live.doc, output_id=new_output_id()))  # the final summary, here where it was switched off
             return
-        self._start_watch(line)
+        self._start_watch(opts)
 
     def _nanwatch_cell(self, line: str, cell: str) -> None:
-        if line.strip() == "off":
+        opts = _parse(self.nanwatch, line)
+        if opts.target == "off":
             raise MagicError("%%nanwatch watches the cell it heads; use %nanwatch off on its own line")
-        live = self._start_watch(line, cell)
+        outer = self.ip.displayhook.exec_result  # this cell's ExecutionResult (None outside run_cell)
+        live = self._start_watch(opts, cell)
         try:
-            self.shell.run_cell(cell, store_history=False)
+            inner = self.ip.run_cell(cell, store_history=False)
         finally:
             self.state.stop_watch(live)
-            summary = getattr(live.watch, "summary", None)
-            if callable(summary):
-                print(summary())
+            print(live.summary())
+        error = inner.error_before_exec or inner.error_in_exec
+        if error is not None:
+            # The inner cell already showed its traceback and diagnosis; make THIS cell fail with the
+            # same error (nbclient/papermill stop) without printing it a second time.
+            self.state.handler.already_shown(error)
+            if outer is not None:
+                outer.error_in_exec = error
+            else:
+                raise UsageError(f"nbguard: the watched cell raised {type(error).__name__} (traceback above)")
 
-    def _start_watch(self, line: str, cell: str | None = None):
+    def _start_watch(self, opts, cell: str | None = None):
         from .. import api
         from .present import LiveWatch
 
-        opts = _parse(_nanwatch_parser(), line)
         if opts.ranks or (cell is not None and not opts.target and "notebook_launcher(" in cell):
             from .ranks import watch_forked_ranks  # nbguard.watch runs inside the forked ranks
 
@@ -217,7 +307,7 @@ class NbguardMagics(Magics):
             raise MagicError("--optimizer is for a model; a Trainer brings its own optimizer")
         self.state.stop_watches()  # one %nanwatch at a time: never two watches on the same run
         watch = api.watch(target, optimizer=optimizer, scaler=scaler, policy=opts.policy,
-                              activations=opts.activations)
+                          activations=opts.activations)
         live = LiveWatch(watch)
         self.state.watches.append(live)
         return live
@@ -244,47 +334,103 @@ class NbguardMagics(Magics):
         return found[1] if found else None
 
     # -- %nbguard fix / report / explain ---------------------------------------------------------
+    @magic_arguments()
+    @argument("command", choices=NBGUARD_COMMANDS,
+              help="fix: put a fix's cell below (with your variable names); report: write everything this "
+                   "session recorded to a file; explain: diagnose the last exception again")
+    @argument("value", nargs="?", metavar="ID_OR_PATH",
+              help="fix: the fix id (nbguard.fixes.available()); report: the file, ending .html, .md or .json")
+    @argument("--apply", action="store_true",
+              help="fix only: also run the fix now, on the objects your notebook names")
     @line_magic
     def nbguard(self, line: str = ""):
-        """%nbguard fix ID [--apply] | %nbguard report PATH | %nbguard explain"""
-        return self._guarded(self._nbguard, line)
+        """nbguard's fixes, reports and the explainer, from a notebook cell.
+
+        Examples::
+
+            %nbguard fix upcast-trainable-fp32          # the fix as a new cell below this one
+            %nbguard fix disable-use-cache --apply      # ...and applied now
+            %nbguard report nbguard-report.html
+            %nbguard explain
+        """
+        return self._guarded("nbguard", self._nbguard, line)
 
     def _nbguard(self, line: str) -> None:
-        opts = _parse(_nbguard_parser(), line)
+        opts = _parse(self.nbguard, line)
+        if opts.apply and opts.command != "fix":
+            raise MagicError("--apply goes with %nbguard fix ID")
         if opts.command == "fix":
-            self._fix(opts.fix_id, opts.apply)
+            if not opts.value:
+                raise MagicError("which fix? %nbguard fix ID [--apply]; ids: nbguard.fixes.available()")
+            self._fix(opts.value, opts.apply)
         elif opts.command == "report":
-            from .. import api
-
-            api.report().save(opts.path)
-            print(f"nbguard: report written to {opts.path}")
-        elif opts.command == "explain":
-            self._explain_last()
+            if not opts.value:
+                raise MagicError("where to? %nbguard report PATH (.html, .md or .json)")
+            self._report(opts.value)
         else:
-            raise MagicError("usage: %nbguard fix ID [--apply] | %nbguard report PATH | %nbguard explain")
+            if opts.value:
+                raise MagicError(f"%nbguard explain takes no argument (got {opts.value!r})")
+            self._explain_last()
+
+    def _report(self, path: str) -> None:
+        from .. import api
+        from ..reporting.report import FORMATS
+
+        suffix = "." + path.rsplit(".", 1)[-1].lower() if "." in path else ""
+        if suffix not in FORMATS:
+            raise MagicError(f"cannot tell the report format from {path!r}: end it with {', '.join(FORMATS)}")
+        try:
+            api.report().save(path)
+        except OSError as err:
+            raise MagicError(f"could not write {path!r}: {err.strerror or err}") from None
+        print(f"nbguard: report written to {path}")
 
     def _fix(self, fix_id: str, apply_now: bool) -> None:
-        from nbguard import fixes
+        from .. import fixes
 
         try:
-            fixes.get(fix_id)
+            fix = fixes.get(fix_id)
         except (KeyError, ValueError) as err:
             raise MagicError(str(err.args[0] if err.args else err)) from None
         names = self.state.names_for_fixes()
         audit = self.state.last_audit
         options = audit.fix_options(fix_id) if audit is not None else {}
-        code = fixes.code(fix_id, **names, **options)
+        objects = self._fix_objects(fix, names) if apply_now else {}
+        try:
+            code = fixes.code(fix_id, **names, **options)
+        except ValueError as err:  # the cell needs a name the notebook does not have
+            raise MagicError(f"{err.args[0]}; no such variable in the notebook") from None
         if apply_now:
-            targets = {k: R.lookup(self.ns, v) for k, v in names.items() if k in ("model", "trainer")}
-            applied = fixes.apply(fix_id, **targets, **options)
+            try:
+                applied = fixes.apply(fix_id, **objects, names=names, **options)
+            except (TypeError, ValueError) as err:  # the fix's own checks of the objects it was given
+                raise MagicError(f"{fix_id} cannot apply here: {err}") from None
             print(f"nbguard: applied {fix_id}: {applied.changed or 'nothing to change'}")
-        self.shell.set_next_input(code, replace=False)
+        self.ip.set_next_input(code, replace=False)
+
+    def _fix_objects(self, fix, names: dict[str, str]) -> dict[str, Any]:
+        """Every object the fix acts on, looked up by the notebook's names; a missing one is named."""
+        objects = {key: R.lookup(self.ns, name) for key, name in names.items()
+                   if key in ("model", "trainer", "args", "tokenizer")}
+        has_trainer = "trainer" in objects
+        has_model = "model" in objects or has_trainer
+        has_args = "args" in objects or has_trainer
+        missing = {"model": not has_model, "args": not has_args, "model-or-args": not (has_model or has_args),
+                   "trainer": not has_trainer, "tokenizer": not ("tokenizer" in objects or has_trainer)
+                   }.get(fix.needs, False)
+        if missing:
+            wanted = {"model": "a model (torch.nn.Module) or a Trainer", "args": "TrainingArguments or a Trainer",
+                      "model-or-args": "a model, TrainingArguments or a Trainer", "trainer": "a Trainer",
+                      "tokenizer": "a tokenizer or a Trainer"}[fix.needs]
+            raise MagicError(f"fix {fix.id!r} acts on {wanted}, and the notebook has no single variable holding "
+                             "one; create it, or run %precision_check NAME first so nbguard knows its name")
+        return objects
 
     def _explain_last(self) -> None:
         exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         if exc is None:
             raise MagicError("no exception to explain yet in this session")
         if self.state.handler.explain(exc) is None:
-            from nbguard.explainer import exception_text
+            from ..explainer import exception_text
 
             print(f"nbguard: no known signature in the last exception ({exception_text(exc)[:200]})")

@@ -5,6 +5,7 @@ Each ``show_*`` emits ONE output (see :mod:`.display`) and keeps the views it op
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -56,10 +57,14 @@ def show_diagnosis(diagnosis, *, names: dict[str, str], apply: Callable[[str], t
 
 
 class LiveWatch:
-    """A watch's output: the live dashboard plus a static copy refreshed when the run ends."""
+    """A watch's output: the live dashboard plus a static copy refreshed when the run ends.
+
+    Holds its watch weakly: while attached, the model's hooks keep the watch alive; once the user
+    deletes the model, this output keeps only its last document.
+    """
 
     def __init__(self, watch):
-        self.watch = watch
+        self._watch = weakref.ref(watch)
         self.handle = None
         self.doc = with_output_id(watch.to_document())
         self.dashboard = None
@@ -71,12 +76,23 @@ class LiveWatch:
         self.handle = publish(self.doc, self.widget, None if self.dashboard else NO_WIDGETS_HINT)
 
     @property
+    def watch(self):
+        """The watch while it is alive, else None."""
+        return self._watch()
+
+    def summary(self) -> str:
+        watch = self.watch
+        return watch.summary() if watch is not None else "nbguard watch: ended (its model was deleted)"
+
+    @property
     def widget(self):
         return self.dashboard.widget if self.dashboard is not None else None
 
     def refresh_static(self) -> None:
         """Bring the static copy of this output (text/HTML/JSON) up to date, in place."""
-        self.doc = with_output_id(self.watch.to_document(), self.doc["output_id"])
+        watch = self.watch
+        if watch is not None:
+            self.doc = with_output_id(watch.to_document(), self.doc["output_id"])
         republish(self.handle, self.doc, self.widget, None if self.dashboard else NO_WIDGETS_HINT)
 
     def finish(self) -> None:

@@ -33,6 +33,12 @@ def is_training_args(obj: Any) -> bool:
     return transformers is not None and isinstance(obj, transformers.TrainingArguments)
 
 
+def is_tokenizer(obj: Any) -> bool:
+    transformers = sys.modules.get("transformers")
+    base = getattr(transformers, "PreTrainedTokenizerBase", None) if transformers is not None else None
+    return base is not None and isinstance(obj, base)
+
+
 def is_optimizer(obj: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.optim.Optimizer)

@@ -10,6 +10,7 @@ the full accumulated gradient, before clipping or unscaling.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -73,12 +74,24 @@ class GradNormCollector:
         self.handles.clear()
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        # Weakly: the garbage collector does not see into a tensor's post-accumulate-grad hooks, so a
+        # hook holding the collector (and through it the watch and the model) would be a cycle that is
+        # never freed: `del model` would not give the memory back while the watch is attached.
+        collector = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
-            if self.enabled and param.grad is not None:
+            live = collector()
+            if live is not None and live.enabled and param.grad is not None:
                 # FSDP2: the rank's shard; the shards' squares are summed across ranks later
                 grad = local_tensor(param.grad.detach())
-                self._norms[i] = torch.linalg.vector_norm(grad, dtype=torch.float32)
-        return guarded(hook, self._on_error)  # never break the user's backward
+                live._norms[i] = torch.linalg.vector_norm(grad, dtype=torch.float32)
+
+        def on_error(exc: BaseException) -> None:
+            live = collector()
+            if live is not None:
+                live._on_error(exc)
+
+        return guarded(hook, on_error)  # never break the user's backward
 
     def reset(self) -> None:
         self._norms = [None] * len(self.params)

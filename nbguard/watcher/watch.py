@@ -61,8 +61,17 @@ def fold_skip_streaks(events: list[Event]) -> list[tuple[Event, int, int]]:
         folded.append((e, e.step, 1))
     return folded
 
-# target -> the watch attached to it, so a second watch on the same target replaces the first
-_ATTACHED: weakref.WeakKeyDictionary[Any, NanWatch] = weakref.WeakKeyDictionary()
+
+# target -> (a weak reference to) the watch attached to it, so a second watch on the same target
+# replaces the first. The value is weak because the watch holds its target: a strong value would
+# keep the key alive for ever, and with it the model.
+_ATTACHED: weakref.WeakKeyDictionary[Any, weakref.ref[NanWatch]] = weakref.WeakKeyDictionary()
+
+
+def attached_watch(target: Any) -> NanWatch | None:
+    """The watch currently registered on ``target``, if it is still alive."""
+    ref = _ATTACHED.get(target)
+    return ref() if ref is not None else None
 
 
 def _is_trainer(obj) -> bool:
@@ -159,7 +168,7 @@ class NanWatch(Displayable):
     def attach(self) -> NanWatch:
         if self.attached:
             return self
-        previous = _ATTACHED.get(self.target)
+        previous = attached_watch(self.target)
         if previous is not None and previous is not self and previous.attached:
             previous.detach()  # never stack two watches' hooks on one model
         self._broken = False
@@ -183,7 +192,7 @@ class NanWatch(Displayable):
             self.attached = True
             self.bind_trainer_step()
         self.attached = True
-        _ATTACHED[self.target] = self
+        _ATTACHED[self.target] = weakref.ref(self)
         from ..session import record_watch
 
         record_watch(self)
@@ -220,10 +229,25 @@ class NanWatch(Displayable):
             self._deepspeed.detach()
             self._deepspeed = None
         self._release_step()
-        self.attached = False
-        if _ATTACHED.get(self.target) is self:
+        was_attached, self.attached = self.attached, False
+        if attached_watch(self.target) is self:
             del _ATTACHED[self.target]
+        if was_attached:
+            from ..session import release_watch
+
+            release_watch(self)  # the session keeps this watch's document, not the watch
         return self
+
+    def __del__(self) -> None:
+        # Collected while attached (the user deleted the model with the watch on): the session
+        # keeps the story for the report. Never raise from a finalizer.
+        try:
+            if getattr(self, "attached", False):
+                from ..session import release_watch
+
+                release_watch(self)
+        except Exception:
+            pass
 
     def _step_aside(self) -> None:
         """The watch's own detach after an internal error: across ranks it keeps the step hook that

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -57,7 +58,11 @@ class WatchDashboard:
     def __init__(self, watch, output_id: str = "", *, light_interval: float = 0.5, heavy_interval: float = 2.0,
                  heavy_budget: float = 0.02, light_budget: float = 0.01, window: int = 2048, clock: Callable[[], float] = time.monotonic,
                  on_new_events: Callable[[], None] | None = None):
-        self.watch, self.output_id = watch, output_id
+        # the watch weakly (a dashboard outlives its run; it must not keep a deleted model alive),
+        # its histories strongly: they are plain data, and all a finished dashboard draws from
+        self._watch, self.output_id = weakref.ref(watch), output_id
+        self._grad_history = watch.history
+        self._activation_history = getattr(watch, "activation_history", None)
         self.on_new_events = on_new_events  # e.g. refresh the static copy so a saved notebook shows the event
         self._events_announced = 0
         self.light_interval, self.heavy_interval = light_interval, heavy_interval
@@ -102,16 +107,23 @@ class WatchDashboard:
         # import the renderer now, not on the first training step: a first draw that pays for
         # importing matplotlib would look expensive and push every later draw far apart
     # -- wiring to the watch --------------------------------------------------------------------
+    @property
+    def watch(self):
+        """The watch while it is alive, else None."""
+        return self._watch()
+
     def attach(self) -> WatchDashboard:
-        if not self.attached:
+        if not self.attached and self.watch is not None:
             self.watch.add_listener(self.on_watch)
             self.attached = True
         return self
 
     def detach(self) -> None:
         if self.attached:
+            watch = self.watch
             try:
-                self.watch.remove_listener(self.on_watch)
+                if watch is not None:
+                    watch.remove_listener(self.on_watch)
             except (KeyError, ValueError):
                 pass
             self.attached = False
@@ -198,7 +210,7 @@ class WatchDashboard:
 
     def render_heavy(self) -> None:
         self.renders["heavy"] += 1
-        self._history = self.watch.history.to_dict()
+        self._history = self._grad_history.to_dict()
         groups = self._history.get("groups", [])
         if list(self.layer.options) != groups:
             current = self.layer.value
@@ -209,7 +221,7 @@ class WatchDashboard:
         section = slice_history(self._history, lo, hi)
         if section.get("steps"):
             self.heatmap.value = heatmap_png(section)
-        acts = getattr(self.watch, "activation_history", None)
+        acts = self._activation_history
         if acts is not None:
             self._activations = acts.to_dict()
             self._draw_activations(lo, hi)

@@ -1,0 +1,152 @@
+"""Known warnings that announce a failure: one small signature each, beside the exception rules.
+
+A warning signature receives the warning's text and where it came from (a ``warnings`` category
+name or a logger name) and returns a :class:`Diagnosis` or None. Register with
+``@warning_signature("stable-id", source=...)``; the id is the diagnosis' ``signature``.
+``source`` names the channel the library really uses: the ``warnings`` module (``"warnings"``)
+or a logger (``"logging:transformers"``), so the notebook front end knows where to listen.
+The diagnosis' ``exception`` field carries the warning's first line (``UserWarning: ...``).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .diagnosis import Diagnosis
+
+WarningRule = Callable[[str, str], "Diagnosis | None"]
+
+
+@dataclass(frozen=True)
+class WarningSignature:
+    id: str
+    source: str  # "warnings" or "logging:<logger name>": the channel the library emits it on
+    match: WarningRule
+
+
+WARNING_SIGNATURES: dict[str, WarningSignature] = {}
+
+
+def warning_signature(signature: str, source: str) -> Callable[[WarningRule], WarningRule]:
+    if source != "warnings" and not source.startswith("logging:"):
+        raise ValueError(f"source must be 'warnings' or 'logging:<logger>', got {source!r}")
+
+    def register(func: WarningRule) -> WarningRule:
+        if signature in WARNING_SIGNATURES:
+            raise ValueError(f"duplicate warning signature id {signature!r}")
+        WARNING_SIGNATURES[signature] = WarningSignature(signature, source, func)
+        return func
+
+    return register
+
+
+def logger_names() -> list[str]:
+    """The loggers the registered signatures listen on (``["bitsandbytes", "transformers"]``)."""
+    return sorted({s.source.split(":", 1)[1] for s in WARNING_SIGNATURES.values() if s.source.startswith("logging:")})
+
+
+def diagnose_warning(text: str, origin: str) -> Diagnosis | None:
+    """The diagnosis of a known warning, or None. ``origin``: the category or logger name it came with."""
+    if not isinstance(text, str):
+        raise TypeError(f"diagnose_warning() needs the warning's text, got {type(text).__name__}")
+    for signature in WARNING_SIGNATURES.values():
+        diagnosis = signature.match(text, origin)
+        if diagnosis is not None:
+            return diagnosis
+    return None
+
+
+def _first_line(origin: str, text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return f"{origin}: {line[:300]}"
+
+
+def _diagnosis(signature: str, text: str, origin: str, title: str, detail: str, fixes=(), **evidence) -> Diagnosis:
+    evidence = {"warning_origin": origin, **evidence}
+    return Diagnosis(signature, title, detail, _first_line(origin, text), list(fixes), evidence)
+
+
+# trl's DataCollatorForCompletionOnlyLM (trl < 0.20; transformers-based SFT recipes copy it):
+# warnings.warn(f"Could not find response key `{template}` in the following instance: {text}.
+# This instance will be ignored in loss calculation. ...", UserWarning)
+_RESPONSE_KEY = re.compile(r"Could not find (?:response|instruction) key [`'\"]?(?P<key>.*?)[`'\"]? in the following instance"
+                           r".*?This instance will be ignored in loss calculation", re.S)
+
+
+@warning_signature("response-key-not-found", source="warnings")
+def response_key_not_found(text: str, origin: str):
+    match = _RESPONSE_KEY.search(text)
+    if not match:
+        return None
+    return _diagnosis(
+        "response-key-not-found", text, origin,
+        "A completion-only collator found no response template in a row: that row trains on nothing",
+        "The collator sets every label of the row to -100 when it cannot find the response template's "
+        "token ids in it (the template tokenises differently inside the text than alone, or truncation "
+        "cut it off). The row then adds no supervised token; when every row of a batch is like this the "
+        "mean loss is 0/0 and turns NaN. Pass the template as token ids taken from a tokenised example "
+        "(with its leading context, e.g. the tokens of \"\\n### Response:\"), or raise max_length. "
+        "%precision_check with --batch shows the share of rows without a supervised token.",
+        response_key=match.group("key"))
+
+
+# torch.utils.checkpoint (reentrant): warnings.warn("None of the inputs have requires_grad=True.
+# Gradients will be None", stacklevel=2)
+@warning_signature("checkpoint-inputs-no-grad", source="warnings")
+def checkpoint_inputs_no_grad(text: str, origin: str):
+    if "None of the inputs have requires_grad=True" not in text or "Gradients will be None" not in text:
+        return None
+    return _diagnosis(
+        "checkpoint-inputs-no-grad", text, origin,
+        "Gradient checkpointing gets inputs that need no grad: the checkpointed layers will get no gradients",
+        "Reentrant gradient checkpointing only backpropagates into a segment whose inputs require grad. "
+        "With a frozen base model (LoRA/PEFT, or frozen embeddings) the hidden states entering the first "
+        "checkpointed layer do not, so the adapters inside the checkpointed layers get no gradient (loss "
+        "flat, or 'element 0 of tensors does not require grad' at backward). Make the embedding output "
+        "require grad (model.enable_input_require_grads()), or checkpoint with use_reentrant=False.",
+        fixes=["enable-input-require-grads"])
+
+
+# transformers <= 4.5x, Gemma2ForCausalLM.forward: logger.warning_once("It is strongly recommended to
+# train Gemma2 models with the `eager` attention implementation instead of `sdpa`. ...")
+_GEMMA2_EAGER = re.compile(r"strongly recommended to train Gemma ?2 models with the `?eager`? attention "
+                           r"implementation instead of `?(?P<impl>[\w-]+)`?", re.I)
+
+
+@warning_signature("gemma2-eager-attention", source="logging:transformers")
+def gemma2_eager_attention(text: str, origin: str):
+    match = _GEMMA2_EAGER.search(text)
+    if not match:
+        return None
+    return _diagnosis(
+        "gemma2-eager-attention", text, origin,
+        f"Gemma 2 is training with {match.group('impl')} attention, which ignores its attention softcapping",
+        "Gemma 2 caps its attention logits (attn_logit_softcapping) and only the eager implementation "
+        "applies the cap; SDPA and FlashAttention skip it, so training runs on logits the model never saw "
+        "in pre-training: the loss drifts or diverges, and in fp16 the uncapped logits can overflow. Load "
+        "the model with attn_implementation=\"eager\" (or set model.config._attn_implementation = \"eager\" "
+        "before training).",
+        attn_implementation=match.group("impl"))
+
+
+# bitsandbytes.nn.modules.Linear4bit.set_compute_type: logger.warning("Input type into Linear4bit is
+# torch.float16, but bnb_4bit_compute_dtype=torch.float32 (default). This will lead to slow ...")
+_LINEAR4BIT = re.compile(r"Input type into Linear4bit is (?P<input>torch\.\w+), but "
+                         r"bnb_4bit_compute_dtype=(?P<compute>torch\.\w+)")
+
+
+@warning_signature("linear4bit-input-dtype", source="logging:bitsandbytes")
+def linear4bit_input_dtype(text: str, origin: str):
+    match = _LINEAR4BIT.search(text)
+    if not match:
+        return None
+    return _diagnosis(
+        "linear4bit-input-dtype", text, origin,
+        f"4-bit layers get {match.group('input')} inputs but compute in {match.group('compute')}",
+        "bitsandbytes' Linear4bit dequantises its weights and casts its input to its own compute dtype "
+        "(bnb_4bit_compute_dtype, fp32 by default). The model's activations arrive in fp16, so every 4-bit "
+        "matmul converts them to fp32 and back: slow, and a sign the quantisation config and the training "
+        "precision disagree. Load with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=...) "
+        "set to the precision you train in (bf16 on GPUs that have it natively, else fp16).",
+        input_dtype=match.group("input"), compute_dtype=match.group("compute"))
