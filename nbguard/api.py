@@ -6,26 +6,51 @@ Each function imports its part of nbguard when called: ``import nbguard`` must n
 from __future__ import annotations
 
 
-def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False):
+def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False, verify=False):
     """Audit a fine-tuning setup's precision against the hardware; returns an ``AuditResult``.
 
     The batch rules read ``batch`` (a dict of tensors, or a tokenizer's BatchEncoding) when given, else a few
     batches drawn from ``trainer.get_train_dataloader()`` with every RNG put back, so training is unchanged.
+    ``verify=True`` runs every fix the findings offer on a shadow of one training step on ``batch``
+    (the probe's synthetic batch when none is given): ``result.verification``.
     """
     from .auditor import run_audit
 
-    return run_audit(model=model, trainer=trainer, args=args, batch=batch, hardware=hardware, probe=probe)
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify must be True or False; got {type(verify).__name__}")
+    result = run_audit(model=model, trainer=trainer, args=args, batch=batch, hardware=hardware, probe=probe)
+    if verify:
+        from .verifier.audit import verify_audit
+
+        verify_audit(result, model, trainer, args, batch)
+    return result
 
 
-def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, activations=False):
+def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, activations=False, verify=True):
     """Attach a NaN/Inf watch to a model (with its optimizer) or a Trainer; returns a ``NanWatch``.
 
     ``activations=True`` also records each module group's output abs-max per step (fp16 headroom).
+    ``verify=True`` runs the fixes of the first localised NaN/Inf on a shadow of its step (at most
+    about 3 step times); ``verify=False`` turns that off.
     """
+    from .verifier import auto_verify
     from .watcher import NanWatch
 
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify must be True or False, got {type(verify).__name__}")
     return NanWatch(target, optimizer=optimizer, scaler=scaler, policy=policy, localize=localize,
-                    activations=activations).attach()
+                    activations=activations, verifier=auto_verify if verify else None).attach()
+
+
+def verify(subject, fix_id=None, **kwargs):
+    """Run the candidate fixes of a watch event (or audit finding) on the failing step; returns a ``Verification``.
+
+    ``nbguard.verify(watch.events[0])``; ``nbguard.verify(finding, model=model, batch=batch)``;
+    ``fix_id="init-new-embeddings"`` checks one fix; ``memory_budget=`` (bytes) caps the step level.
+    """
+    from .verifier import verify as _verify
+
+    return _verify(subject, fix_id, **kwargs)
 
 
 def explain(exc):

@@ -81,3 +81,17 @@ def test_a_series_with_no_finite_value_is_labelled_not_left_blank():
     assert nonfinite_caption("loss", 0, 6) == ""
     history = {"groups": ["a"], "steps": list(range(6)), "grad_norm": [[1.0] * 6], "loss": ["nan"] * 6}
     assert series_png(history).startswith(b"\x89PNG")  # drawn, with the sentence, not an error
+
+
+def test_the_probe_view_shows_backward_gradients_when_the_probe_read_them():
+    modules = [{"module": "mlp.down_proj", "dtype": "float16", "absmax": 100.0, "input_absmax": 10.0, "headroom": 655.0,
+                "grad_absmax": "inf", "grad_headroom": 0.0},
+               {"module": "lm_head", "dtype": "float16", "absmax": 5.0, "input_absmax": 1.0, "headroom": 13100.0,
+                "grad_absmax": 2.0, "grad_headroom": 32752.0}]
+    section = view(document("audit", probe={"limit": 65504.0, "modules": modules})).section("probe")
+    assert "gradient abs-max" in section.table.columns
+    assert section.table.rows[0][4] == "Inf ⚠ over limit" and section.table.bad_rows == [0]
+    assert any("backward: 1 module(s)" in f.text for f in section.facts)
+    forward_only = [{k: v for k, v in m.items() if not k.startswith("grad")} for m in modules]
+    plain = view(document("audit", probe={"limit": 65504.0, "modules": forward_only})).section("probe")
+    assert "gradient abs-max" not in plain.table.columns and plain.table.bad_rows == []

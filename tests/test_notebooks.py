@@ -145,6 +145,11 @@ def test_peft_zero_embeddings_bf16(execute):
     assert events and events[0]["kind"] in ("nonfinite-grad", "nonfinite-loss")
     # the gradient overflow is born in an RMSNorm's backward at the zero hidden state
     assert any(m.endswith("layernorm") or m.endswith("norm") for m in _origins(events, "backward"))
+    # the fixes run on the failing step: fp32 adapters alone are not enough, the embedding init is verified
+    [verification] = [d["verification"] for d in _docs(nb, "before-fix", "verification")]
+    got = {v["fix"]: v["verdict"] for v in verification["verdicts"]}
+    assert got["init-new-embeddings"] == "verified" and got["upcast-trainable-fp32"] == "not enough"
+    assert events[0]["evidence"]["verification"]["verdicts"][0]["fix"] == "init-new-embeddings"
     assert _rules(_docs(nb, "after-fix", "audit")) & {"zero-embedding-rows", "trainable-low-precision"} == set()
     assert _events(_docs(nb, "after-fix", "watch")) == []
     assert "nan" not in _text(nb, "after-fix", "watch").split("logged (loss, grad_norm):")[1].split("\n")[0]

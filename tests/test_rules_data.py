@@ -47,6 +47,16 @@ def test_rules_and_fixes_are_registered_with_what_they_need():
         fixes.apply("scale-loss-for-accumulation", model=tiny_llama())
 
 
+def test_tokenizer_is_a_name_for_every_fix_that_reads_one():
+    tok = word_tokenizer(pad="unk")
+    tok.add_tokens(["w128", "w129"])
+    model = tiny_llama()
+    result = fixes.apply("resize-token-embeddings", model=model, tokenizer=tok)  # the object, for apply
+    assert model.get_input_embeddings().weight.shape[0] == 130 and "len(tokenizer)" in result.code
+    assert "len(my_tok)" in fixes.code("resize-token-embeddings", model="m", tokenizer="my_tok")  # a name, for code
+    assert "len(tr.processing_class)" in fixes.code("resize-token-embeddings", trainer="tr")
+
+
 # ---- sampling from the trainer's own dataloader -----------------------------------------------
 class SpyCollator:
     """Records the first input id of every row it collates: the order the sampler handed examples out."""

@@ -256,6 +256,21 @@ def test_added_tokens_without_resize_flagged_and_the_real_index_error(tmp_path):
     assert "token-ids-out-of-range" not in after and "zero-embedding-rows" not in after
 
 
+def test_added_tokens_found_in_batches_sampled_from_the_trainer(tmp_path):
+    from transformers import Trainer
+
+    tok = tiny_tokenizer(extra=2)
+    ids = torch.tensor(tok(["w1 w2 w3 <new0>", "w4 w5 w6 w7"])["input_ids"])
+    rows = [{"input_ids": r, "attention_mask": torch.ones_like(r), "labels": r.clone()} for r in ids] * 4
+    trainer = Trainer(model=tiny_llama(), args=make_args(tmp_path, max_steps=1), train_dataset=rows)
+    # No tokenizer on the trainer and no batch= : only the sampled batches show it.
+    f = audit(trainer=trainer).finding("token-ids-out-of-range")
+    assert f.evidence["input_ids_out_of_range"] == {"first": [TINY_VOCAB], "count": 1}
+    assert f.evidence["batch_source"] == "trainer" and "tokenizer_size" not in f.evidence
+    with pytest.raises(IndexError, match="index out of range in self"):
+        trainer.train()
+
+
 def test_in_range_ids_and_a_resized_model_are_fine():
     model = tiny_llama()
     assert "token-ids-out-of-range" not in audit(model, batch=tiny_batch())

@@ -89,6 +89,11 @@ export interface NbguardDocument {
   /** Remarks shown verbatim by every renderer. */
   notes?: string[];
   /**
+   * Candidate fixes run on a shadow of the failing step (nbguard.verify, audit(verify=True)); also
+   * inside an event's evidence and a diagnosis.
+   */
+  verification?: Verification;
+  /**
    * The presentation model (nbguard.document.view.view(doc).to_dict()), added by mime_bundle to a
    * displayed document: every word and number a renderer shows. Derived data: dropped when
    * documents are merged or saved, made anew when shown.
@@ -262,6 +267,7 @@ export interface Diagnosis {
   evidence?: {
     [key: string]: unknown;
   };
+  verification?: Verification;
 }
 
 export interface FixApplied {
@@ -298,6 +304,78 @@ export interface Entry {
   fixes_applied?: NbguardDocument["fixes_applied"];
   fix_cells?: NbguardDocument["fix_cells"];
   notes?: NbguardDocument["notes"];
+  verification?: NbguardDocument["verification"];
+}
+
+/** One shadow run of the step. */
+export interface StepEvidence {
+  loss?: EncodedNumberOrNull;
+  total_grad_norm?: EncodedNumberOrNull;
+  grads_finite?: boolean | null;
+  largest_activation?: EncodedNumberOrNull;
+  largest_activation_at?: string | null;
+  /** 'forward: <module>' or 'gradient: <parameter>' */
+  first_nonfinite?: string | null;
+  nonfinite_grads?: string[];
+  precision?: string;
+  seconds?: number;
+  micro_batches?: number;
+  healthy?: boolean;
+}
+
+export interface ModuleEvidence {
+  module: string;
+  dtype?: string | null;
+  absmax?: EncodedNumberOrNull;
+  finite: boolean;
+}
+
+/** The origin module alone on its captured inputs. */
+export interface ModuleCheck {
+  module: string;
+  phase?: string;
+  reference_absmax?: EncodedNumberOrNull;
+  /** dtype name -> the fp32 output fits its range */
+  fits?: {
+    [key: string]: boolean;
+  };
+  seconds?: number;
+  skipped?: string | null;
+  summary?: string;
+}
+
+export interface FixVerdict {
+  fix: string;
+  verdict: "verified" | "not enough" | "not checked";
+  reason: string;
+  options?: {
+    [key: string]: unknown;
+  };
+  title?: string;
+  /** The exact cell that was verified. */
+  code?: string | null;
+  step?: null | StepEvidence;
+  module?: null | ModuleEvidence;
+  /** What the shadow changed, by tensor or setting. */
+  changes?: {
+    [key: string]: unknown;
+  };
+}
+
+export interface Verification {
+  subject: string;
+  /** Ranked: verified, not enough, not checked. */
+  verdicts: FixVerdict[];
+  baseline?: null | StepEvidence;
+  module_check?: null | ModuleCheck;
+  step_level?: boolean;
+  step_skipped?: string | null;
+  /** estimate (bytes, by part) and budget (bytes) */
+  memory?: {
+    [key: string]: unknown;
+  };
+  seconds?: number;
+  notes?: string[];
 }
 
 /** View: what every renderer shows of a document, computed once (nbguard/document/view.py). */

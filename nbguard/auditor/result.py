@@ -18,6 +18,7 @@ class AuditResult(Displayable):
     target: str = "model"  # "trainer" when the audit was given a trainer: fix cells then use it
     with_args: bool = False  # TrainingArguments were audited: fix cells may change them
     environment: dict = field(default_factory=dict)
+    verification: Any = None  # a Verification when the audit ran with verify=True
     stack: dict = field(default_factory=dict)  # quantization / unsloth / memory facts, as data
 
     def __post_init__(self) -> None:
@@ -85,6 +86,8 @@ class AuditResult(Displayable):
                         fix_cells=cells, title="nbguard precision audit")
         if self.probe is not None:
             sections["probe"] = self.probe.to_dict()
+        if self.verification is not None:
+            sections["verification"] = self.verification.to_dict()
         if self.stack:
             sections["stack"] = jsonable(self.stack)
         if not self.environment:

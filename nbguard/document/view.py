@@ -354,6 +354,11 @@ def headroom_key(module: dict) -> float:
     return math.inf
 
 
+def _over(headroom: Any) -> bool:
+    value = as_float(headroom)
+    return value is not None and (not math.isfinite(value) or value < 1)
+
+
 def _probe(doc: dict, path: list[Any]) -> list[Section]:
     probe = doc.get("probe")
     if not isinstance(probe, dict):
@@ -362,20 +367,29 @@ def _probe(doc: dict, path: list[Any]) -> list[Section]:
         raise TypeError(f"probe modules must be a list, got {type(probe.get('modules')).__name__}")
     modules = sorted((m for m in probe.get("modules") or [] if isinstance(m, dict)), key=headroom_key)
     over = sum(1 for m in modules if headroom_key(m) < 1)
+    backward = any(m.get("grad_absmax") is not None for m in modules)  # the probe read gradients too
     rows, bad_rows = [], []
     for index, m in enumerate(modules[:MAX_PROBE_ROWS]):
         bad = headroom_key(m) < 1
         headroom = "overflow" if m.get("headroom") is None and bad else f"{fmt_num(m.get('headroom'), 3)}×"
-        rows.append([str(m.get("module")), str(m.get("dtype") or ""), fmt_num(m.get("absmax")),
-                     fmt_num(m.get("input_absmax")), headroom + (" ⚠ over limit" if bad else "")])
+        row = [str(m.get("module")), str(m.get("dtype") or ""), fmt_num(m.get("absmax")), fmt_num(m.get("input_absmax"))]
+        if backward:
+            grad_bad = _over(m.get("grad_headroom"))
+            row.append(fmt_num(m.get("grad_absmax")) + (" ⚠ over limit" if grad_bad else ""))
+            bad = bad or grad_bad
+        rows.append([*row, headroom + (" ⚠ over limit" if headroom_key(m) < 1 else "")])
         if bad:
             bad_rows.append(index)
     more = len(modules) - len(rows)
-    table = Table(columns=["module", "dtype", "output abs-max", "input abs-max", "headroom"], rows=rows,
-                  numeric=[False, False, True, True, True], code=[True, False, False, False, False], bad_rows=bad_rows,
+    columns = ["module", "dtype", "output abs-max", "input abs-max", *(["gradient abs-max"] if backward else []), "headroom"]
+    table = Table(columns=columns, rows=rows, numeric=[False, False] + [True] * (len(columns) - 2),
+                  code=[True] + [False] * (len(columns) - 1), bad_rows=bad_rows,
                   note=f"{more} more modules with more headroom not shown." if more > 0 else "")
     facts = [Fact(f"Limit {fmt_num(probe.get('limit', 65504.0))}: {plural(len(modules), 'module')}, {over} at or over "
                   "the limit (least headroom first)", "bad" if over else "")]
+    grad_over = sum(1 for m in modules if _over(m.get("grad_headroom")))
+    if backward:
+        facts.append(Fact(f"backward: {grad_over} module(s) whose gradients reach the limit", "bad" if grad_over else ""))
     return [Section(kind="probe", title="Activation probe", facts=facts, table=table)]
 
 

@@ -23,6 +23,7 @@ class Diagnosis(Displayable):
     fixes: list[str] = field(default_factory=list)
     evidence: dict[str, Any] = field(default_factory=dict)
     fix_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # e.g. switch-precision's "to"
+    verification: dict[str, Any] | None = None  # Verification.to_dict() when a watch captured the failing step
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -32,6 +33,7 @@ class Diagnosis(Displayable):
             "exception": self.exception,
             "fixes": list(self.fixes),
             "evidence": jsonable(self.evidence),
+            **({"verification": self.verification} if self.verification is not None else {}),
         }
 
     def fix_cells(self, names: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
@@ -58,4 +60,5 @@ class Diagnosis(Displayable):
             title=self.title,
             diagnoses=[self.to_dict()],
             fix_cells=self.fix_cells(names),
+            **({"verification": self.verification} if self.verification is not None else {}),
         )

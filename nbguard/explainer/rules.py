@@ -436,4 +436,14 @@ def nbguard_stopped(exc):
     evidence = {"kind": event.kind, "step": event.step, "cause": event.cause}
     if origin is not None:
         evidence["origin"] = origin.to_dict()
-    return _diagnosis("nbguard-stopped", exc, f"Stopped at step {event.step}: {event.kind}{where}", detail, **evidence)
+    # the watch ran the candidate fixes on this step: offer the verified ones, and carry every verdict
+    verification = event.evidence.get("verification")
+    from ..fixes import FIXES
+
+    verified = [v for v in (verification or {}).get("verdicts", [])
+                if v.get("verdict") == "verified" and v.get("fix") in FIXES]
+    diagnosis = _diagnosis("nbguard-stopped", exc, f"Stopped at step {event.step}: {event.kind}{where}", detail,
+                           [v["fix"] for v in verified], {v["fix"]: v.get("options") or {} for v in verified},
+                           **evidence)
+    diagnosis.verification = verification
+    return diagnosis

@@ -6,7 +6,6 @@ from typing import Any
 import torch
 
 from ..introspect.embeddings import embedding_shape
-from ..introspect.tokenizer import tokenizer_of
 from .model_fixes import _configs
 from .registry import Fix, register
 
@@ -78,11 +77,11 @@ def _vocab_size(target, num_tokens: int | None) -> int:
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens <= 0:
             raise ValueError(f"num_tokens must be a positive int (len(tokenizer)); got {num_tokens!r}")
         return num_tokens
-    tok = target.tokenizer if target.tokenizer is not None else tokenizer_of(target.trainer)
-    if tok is None:
+    # fixes.apply already fills target.tokenizer from tokenizer=, or the trainer's processing_class.
+    if target.tokenizer is None or not hasattr(target.tokenizer, "__len__"):
         raise ValueError("resize-token-embeddings needs num_tokens=len(tokenizer), tokenizer=, or trainer= with "
                          "its tokenizer as processing_class")
-    return len(tok)
+    return len(target.tokenizer)
 
 
 def _resize(target, num_tokens: int | None = None, **_: Any) -> dict:

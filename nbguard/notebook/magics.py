@@ -110,6 +110,9 @@ class NbguardMagics(Magics):
               help="also run one forward/backward pass and check activations against the fp16 limit")
     @argument("--batch", metavar="NAME", default=None,
               help="the batch (a dict of tensors) the probe runs on; default: a synthetic batch")
+    @argument("--verify", action="store_true",
+              help="run each fix the findings offer on a shadow of one training step on the batch (your weights "
+                   "untouched) and show which ones make it healthy")
     @line_magic
     def precision_check(self, line: str = ""):
         """Audit a fine-tuning setup's precision against the hardware; shows findings with fixes.
@@ -134,7 +137,7 @@ class NbguardMagics(Magics):
                 raise MagicError(f"--batch {opts.batch!r} is a {R.describe(batch)}, expected a dict of tensors")
             names["batch"] = opts.batch
         hardware = self._hardware(opts.hardware)
-        result = api.audit(**targets, batch=batch, hardware=hardware, probe=opts.probe)
+        result = api.audit(**targets, batch=batch, hardware=hardware, probe=opts.probe, verify=opts.verify)
         self.state.last_names = {k: v for k, v in names.items() if k != "batch"}
         self.state.last_audit = result
         held = _WeakObjects(self.ns, dict(targets, batch=batch), names)
@@ -142,7 +145,7 @@ class NbguardMagics(Magics):
 
         def rerun():
             objects = held.get()
-            return api.audit(**objects, hardware=hardware, probe=opts.probe)
+            return api.audit(**objects, hardware=hardware, probe=opts.probe, verify=opts.verify)
 
         def apply(fix_id: str):
             objects = held.get()

@@ -169,7 +169,7 @@ def section_html(section: Section, draw) -> str:
     parts.append(_facts(section.facts))  # the environment's too: its one-line summary above the fold
     if section.table:
         table = table_html(section.table)
-        parts.append(_details(esc("Python, platform, library versions"), table) if section.folded else table)
+        parts.append(_details("details", table) if section.folded else table)
     if section.empty:
         parts.append(f"<p>{esc(section.empty)}</p>")
     if section.cards_title:

@@ -92,9 +92,17 @@ class NanWatch(Displayable):
     """
 
     def __init__(self, target, *, optimizer=None, scaler=None, policy: str = "warn", localize: bool = True,
-                 settings: WatchSettings | None = None, activations: bool = False):
+                 settings: WatchSettings | None = None, activations: bool = False,
+                 verifier: Callable[[NanWatch, Event], None] | None = None):
         if not isinstance(activations, bool):
             raise TypeError(f"activations must be True or False, got {type(activations).__name__}")
+        if verifier is not None and not callable(verifier):
+            raise TypeError(f"verifier must be callable as verifier(watch, event), got {type(verifier).__name__}")
+        # verifier(watch, event) for the first localised non-finite event: nbguard.watch passes
+        # nbguard.verifier.auto_verify (which runs the fixes on a shadow of the step) unless verify=False
+        self._verifier = verifier
+        self.verification = None  # the Verification it left
+        self._kept_step = None  # (event, CapturedStep) that nbguard.verify(event) reuses
         self.policy = check_policy(policy)
         # Stable identity across displays: merged notebook outputs keep only the latest view.
         self.watch_id = uuid.uuid4().hex
@@ -382,6 +390,8 @@ class NanWatch(Displayable):
     def _emit(self, event: Event, agreed: bool = False) -> None:
         if self._ranks is not None and not agreed and event.rank is None:
             event.rank = self._ranks.rank  # this rank's own event (an agreed one names its origin rank)
+        if self._verifier is not None and self._kept_step is None:
+            self._verifier(self, event)  # first, so listeners see the event with its verdicts
         self.events.append(event)
         self._notify("event", event)
 

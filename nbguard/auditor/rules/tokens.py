@@ -5,7 +5,6 @@ import torch
 
 from ...findings import Finding
 from ...introspect.embeddings import embedding_shape
-from ...introspect.tokenizer import tokenizer_of
 from ..context import AuditContext
 from ..registry import capped, finding, rule
 
@@ -29,21 +28,23 @@ def token_ids_out_of_range(ctx: AuditContext) -> Finding | None:
         return None
     rows = shape[0]
     evidence: dict = {"embedding_rows": rows}
-    tok = tokenizer_of(ctx.trainer)
+    tok = ctx.tokenizer
     if tok is not None and len(tok) > rows:
         evidence["tokenizer_size"] = len(tok)
-    batch = ctx.batch or {}
+    # The batch given to the audit, else batches drawn from the Trainer's own dataloader.
     for key in ("input_ids", "labels"):
-        bad = _out_of_range(batch.get(key), rows)
+        bad = sorted({i for batch in ctx.batches for i in _out_of_range(batch.get(key), rows)})
         if bad:
             evidence[f"{key}_out_of_range"] = capped(bad)
     if len(evidence) == 1:
         return None
+    if any(k.endswith("_out_of_range") for k in evidence):
+        evidence.update(ctx.sample.to_evidence())
     seen = []
     if "tokenizer_size" in evidence:
         seen.append(f"the tokenizer has {evidence['tokenizer_size']} tokens")
     if any(k.endswith("_out_of_range") for k in evidence):
-        seen.append("the batch holds ids at or above that")
+        seen.append("a batch holds ids at or above that")
     return finding(
         "token-ids-out-of-range",
         f"token ids beyond the {rows}-row embedding matrix",

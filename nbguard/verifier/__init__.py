@@ -1,0 +1,143 @@
+"""Verified fixes: every candidate fix is run on the user's own failing step, on a shadow of the model.
+
+``verify(event)`` uses the step the watch captured for its first localised event;
+``verify(finding, model=..., batch=...)`` (and ``audit(..., verify=True)``) a batch the caller gives.
+The result is a :class:`Verification`: "verified", "not enough" or "not checked" per fix, with evidence.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import fixes as fix_registry
+from ..auditor.probe import _forward_kwargs, _model_device, synthetic_batch
+from ..findings import Event, Finding
+from ..introspect.inputs import check_batch
+from ..session import SESSION
+from ..watcher.capture import MicroBatch, capture_rng
+from .candidates import CAUSE_FIXES, for_event, with_options
+from .engine import verify_step
+from .recipes import RECIPES, NotCheckable, Recipe, recipe
+from .result import NOT_CHECKED, NOT_ENOUGH, VERDICTS, VERIFIED, FixVerdict, ModuleCheck, StepEvidence, Verification
+from .shadow import CapturedStep, ShadowPlan
+
+AUTO_MAX_STEP_RUNS = 2  # plus the module level: automatic verification stays within 3 step times
+# GradScaler overflows: "skipped-steps" (a streak), and "scaler-skip" (each skipped step; branch stacks adds it)
+VERIFIABLE_KINDS = ("nonfinite-loss", "nonfinite-grad", "skipped-steps", "scaler-skip")
+
+
+def _subject_of_event(event: Any) -> str:
+    origin = event.origins[0] if event.origins else None
+    where = f" in {origin.module or '<model>'} ({origin.phase})" if origin is not None else ""
+    return f"step {event.step} {event.kind}: {event.cause or 'cause unknown'}{where}"
+
+
+def step_from_event(event: Any, model: Any, micro_batches: list) -> CapturedStep:
+    """The captured step of ``event`` (its origin named in eager terms: torch.compile's prefix dropped)."""
+    origin = event.origins[0] if event.origins else None
+    name = origin.module.replace("_orig_mod.", "") if origin is not None else None
+    return CapturedStep(model, list(micro_batches), name, origin.phase if origin else None,
+                        (origin.micro_batch or 0) if origin else 0, event.cause != "not-reproducible")
+
+
+def _autocast_from_args(args: Any, model: Any) -> list:
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    if args is not None and getattr(args, "bf16", False):
+        return [(device, torch.bfloat16)]
+    if args is not None and getattr(args, "fp16", False):
+        return [(device, torch.float16)]
+    return []
+
+
+def step_from_batch(model: Any, batch: dict | None = None, args: Any = None) -> CapturedStep:
+    """A one-micro-batch step from a batch (the probe's synthetic batch when None), in the args' precision."""
+    if batch is None:
+        batch = synthetic_batch(model)
+    check_batch(batch)
+    device = _model_device(model)
+    kwargs = _forward_kwargs(model, {k: v.to(device) for k, v in batch.items()})
+    step = CapturedStep(model, [MicroBatch(0, (), kwargs, capture_rng(), _autocast_from_args(args, model))])
+    step.modes = [(m, True) for m, _ in step.modes]  # a training step, as model.train() / the Trainer runs it
+    return step
+
+
+def _kept_step(event: Any, watch: Any = None) -> tuple[Any, CapturedStep | None]:
+    """(the watch, the step it kept for ``event``), searching this session's watches when none is given."""
+    watches = [watch] if watch is not None else list(SESSION.watches)
+    for w in watches:
+        kept = getattr(w, "_kept_step", None)
+        if kept is not None and kept[0] is event:
+            return w, kept[1]
+    return watch, None
+
+
+def verify(subject: Any, fix_id: str | None = None, *, model: Any = None, batch: dict | None = None,
+           trainer: Any = None, args: Any = None, watch: Any = None, options: dict | None = None,
+           memory_budget: float | None = None, hardware: Any = None) -> Verification:
+    """Verify the fixes of a watch event (on its captured step) or an audit finding (on ``batch``).
+
+    ``fix_id`` checks one fix only; ``options`` gives a fix's options ({"switch-precision": {"to": "fp32"}});
+    ``memory_budget`` (bytes) caps the step-level check (default: half the free memory of the model's device).
+    """
+    if fix_id is not None and fix_id not in fix_registry.FIXES and fix_id not in RECIPES:
+        raise ValueError(f"unknown fix id {fix_id!r}; valid ids: {', '.join(sorted(set(fix_registry.FIXES) | set(RECIPES)))}")
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"options must be a dict of fix id -> options, got {type(options).__name__}")
+    if isinstance(subject, Event):
+        watch, step = _kept_step(subject, watch)
+        if step is None:
+            raise ValueError("this event's step was not captured: a watch keeps the failing step of its first "
+                             "localised non-finite event (nbguard.watch(..., verify=True), the default). Verify a "
+                             "finding on a batch instead: nbguard.verify(finding, model=model, batch=batch)")
+        moved = step.weights_moved()
+        if moved:
+            raise ValueError(f"the model's weights changed since step {subject.step} was captured ({len(moved)} "
+                             f"parameters, e.g. {moved[0]}: an optimizer step or a fix), so that step can no longer "
+                             f"be re-run as it failed. The verification made when it failed is watch.verification "
+                             f"(also event.evidence['verification']); verify on a batch with "
+                             f"nbguard.verify(finding, model=model, batch=batch)")
+        fix_ids = [fix_id] if fix_id else list(CAUSE_FIXES.get(subject.cause or "", []))
+        candidates = with_options(fix_ids, step, options, hardware)
+        names = {"trainer": "trainer"} if getattr(watch, "trainer", None) is not None else {"model": "model"}
+        return verify_step(step, candidates, _subject_of_event(subject), memory_budget=memory_budget, names=names)
+    if isinstance(subject, Finding):
+        if trainer is not None:
+            model = trainer.model if model is None else model
+            args = trainer.args if args is None else args
+        if model is None:
+            raise ValueError("verifying a finding needs the model (model= or trainer=) and a batch to run the step on "
+                             "(batch=; without it the probe's synthetic batch is used)")
+        step = step_from_batch(model, batch, args)
+        fix_ids = [fix_id] if fix_id else list(subject.fixes)
+        names = {"trainer": "trainer"} if trainer is not None else {"model": "model"}
+        return verify_step(step, with_options(fix_ids, step, options, hardware), f"finding {subject.rule}",
+                           memory_budget=memory_budget, names=names)
+    raise TypeError(f"verify() takes a watch Event or an audit Finding, got {type(subject).__name__}")
+
+
+def auto_verify(watch: Any, event: Any) -> None:
+    """The watch's first localised non-finite event: keep its step and verify its fixes, bounded.
+
+    Never raises: a failure is recorded on the event as ``verification_error``.
+    """
+    if getattr(watch, "_kept_step", None) is not None:
+        return
+    if event.kind not in VERIFIABLE_KINDS or event.cause not in CAUSE_FIXES or not watch._micro_batches:
+        return
+    try:
+        step = step_from_event(event, watch.model, watch._micro_batches)
+        watch._kept_step = (event, step)
+        candidates = for_event(event, step)
+        names = {"trainer": "trainer"} if watch.trainer is not None else {"model": "model"}
+        result = verify_step(step, candidates, _subject_of_event(event), max_step_runs=AUTO_MAX_STEP_RUNS,
+                             baseline=False, names=names)
+        watch.verification = result
+        event.evidence["verification"] = result.to_dict()
+    except Exception as exc:  # verification must never break the user's training
+        event.evidence["verification_error"] = f"{type(exc).__name__}: {exc}"
+
+
+__all__ = ["CAUSE_FIXES", "NOT_CHECKED", "NOT_ENOUGH", "RECIPES", "VERDICTS", "VERIFIED", "CapturedStep", "FixVerdict",
+           "ModuleCheck", "NotCheckable", "Recipe", "ShadowPlan", "StepEvidence", "Verification", "auto_verify",
+           "recipe", "step_from_batch", "step_from_event", "verify"]
