@@ -139,3 +139,31 @@ def tiny_4bit(family: str = "llama", compute_dtype: torch.dtype = torch.float16,
         path = directory or scratch
         builders[family](seed=seed, **overrides).save_pretrained(path)
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+def plant_fp16_overflow_token(model, token: int, layer: int = 0) -> None:
+    """Make ``token`` overflow fp16 in ``model.model.layers[layer].self_attn.q_proj`` while ordinary
+    tokens stay under it (a batch-dependent overflow, e.g. on one rank of a DDP run).
+
+    The token's embedding is set to q_proj's first weight row, so after the RMSNorm its first query
+    feature is over twice an ordinary token's largest; q_proj is then scaled so the token gives 1.5x
+    the fp16 limit while ordinary tokens stay under 0.8x (checked on a reference batch).
+    """
+    block = model.model.layers[layer]
+    q_proj = block.self_attn.q_proj
+    seen: list[float] = []
+    handle = q_proj.register_forward_hook(lambda m, a, out: seen.append(out.detach().abs().max().item()))
+    try:
+        with torch.no_grad():
+            model.model.embed_tokens.weight[token] = q_proj.weight[0]
+            model(input_ids=torch.full((1, 4), token))
+            hot = seen.pop()
+            ids = tiny_batch(2, 12, model.config.vocab_size, seed=99)["input_ids"]
+            model(input_ids=torch.where(ids == token, torch.full_like(ids, token + 1), ids))
+            plain = seen.pop()
+            factor = 1.5 * 65504 / hot
+            if plain * factor >= 0.8 * 65504:
+                raise RuntimeError(f"token {token} is not separated from ordinary tokens in {type(model).__name__}")
+            q_proj.weight.mul_(factor)
+    finally:
+        handle.remove()

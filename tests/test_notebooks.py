@@ -217,6 +217,35 @@ def test_gemma3_hybridcache_tf450(execute):
     assert (out / "05_gemma3_hybridcache_tf450.html").is_file()
 
 
+def test_ddp_two_ranks(execute):
+    """%%nanwatch around notebook_launcher: one dashboard with a row per rank, the event on both
+    ranks naming rank 1 and the module, weights identical after skip, one report for all ranks."""
+    import json
+
+    from nbguard.document.merge import gather
+
+    _not_in_tf450_lane()
+    nb, out = execute("07_ddp_two_ranks.ipynb")
+    _no_errors(nb)
+    watches = gather(_docs(nb, "before-fix", "watch")[-1], "watches")
+    assert [w["title"] for w in watches] == [f"nbguard NaN/Inf watch (rank {r} of 2)" for r in (0, 1)]
+    for w in watches:
+        (event,) = w["events"]
+        assert event["rank"] == 1 and event["cause"] == "overflow" and event["step"] == 1
+        assert event["origins"][0]["module"] == "model.layers.0.self_attn.q_proj"
+        assert w["history"]["skipped_steps"] == [1] and w["history"]["steps"] == [0, 1, 2, 3]
+    sums = {line.split(":")[0]: line.split("sum=")[1] for line in _text(nb, "before-fix", "watch").splitlines()
+            if "weights finite=True" in line}
+    assert set(sums) == {"rank 0", "rank 1"} and sums["rank 0"] == sums["rank 1"]
+    states = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"].values()
+    status = [m["state"]["value"] for m in states if "<th>rank</th>" in str(m["state"].get("value", ""))]
+    assert status and all(f"<td>{r}</td><td>3</td>" in status[-1] for r in (0, 1))  # a row per rank, last step 3
+    report = json.loads((out / "07_ddp_two_ranks.json").read_text())
+    events = [e for w in gather(report, "watches") for e in w["events"]]
+    assert len(events) == 2 and all(e["rank"] == 1 for e in events)
+    assert (out / "07_ddp_two_ranks.html").is_file()
+
+
 def test_committed_notebooks_have_no_outputs():
     import nbformat
 

@@ -202,6 +202,13 @@ export interface NbEvent {
   evidence?: {
     [key: string]: unknown;
   };
+  /**
+   * Multi-rank runs (DDP, FSDP): the rank the event is about; for a non-finite step, the rank
+   * whose own loss or gradients were non-finite before the reduction (null: one process, or the
+   * rank could not be told). Evidence keys of such events: bad_ranks, loss_bad_ranks,
+   * grads_bad_ranks, world_size, reported_by_rank, by_rank.
+   */
+  rank?: number | null;
 }
 
 /**

@@ -120,6 +120,7 @@ class Event:
     cause: str | None = None
     origins: list[Origin] = field(default_factory=list)
     evidence: dict[str, Any] = field(default_factory=dict)
+    rank: int | None = None  # multi-rank runs: the rank it is about (the origin rank of a bad step)
 
     def __post_init__(self) -> None:
         if self.kind not in EVENT_KINDS:
@@ -139,6 +140,7 @@ class Event:
             "cause": self.cause,
             "origins": [o.to_dict() for o in self.origins],
             "evidence": jsonable(self.evidence),
+            "rank": self.rank,
         }
 
     @classmethod
@@ -150,6 +152,7 @@ class Event:
             cause=data.get("cause"),
             origins=[Origin.from_dict(o) for o in data.get("origins", [])],
             evidence=data.get("evidence", {}),
+            rank=data.get("rank"),
         )
 
 

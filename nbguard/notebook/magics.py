@@ -221,6 +221,9 @@ class NbguardMagics(Magics):
               help="the torch.amp.GradScaler of a plain loop (default: the one GradScaler, if any)")
     @argument("--activations", action="store_true",
               help="also record each module group's activation abs-max per step (fp16 headroom heatmap)")
+    @argument("--ranks", action="store_true",
+              help="the ranks a notebook_launcher in this cell forks: one dashboard with a row per rank "
+                   "(implied when the cell calls notebook_launcher and names no object)")
     @line_cell_magic
     def nanwatch(self, line: str = "", cell: str | None = None):
         """Watch training for NaN/Inf at one host read per step and name the module where it was born.
@@ -237,6 +240,13 @@ class NbguardMagics(Magics):
 
             %%nanwatch trainer --policy stop
             trainer.train()
+
+        Around ``notebook_launcher(...)`` (``--ranks``, implied when the cell calls it and names no
+        object) the forked ranks call ``nbguard.watch`` themselves and stream to one dashboard here,
+        with a row per rank; ``%nbguard report`` then holds every rank::
+
+            %%nanwatch
+            notebook_launcher(train, num_processes=2)
         """
         if cell is None:
             return self._guarded("nanwatch", self._nanwatch_line, line)
@@ -259,7 +269,7 @@ class NbguardMagics(Magics):
         if opts.target == "off":
             raise MagicError("%%nanwatch watches the cell it heads; use %nanwatch off on its own line")
         outer = self.ip.displayhook.exec_result  # this cell's ExecutionResult (None outside run_cell)
-        live = self._start_watch(opts)
+        live = self._start_watch(opts, cell)
         try:
             inner = self.ip.run_cell(cell, store_history=False)
         finally:
@@ -275,10 +285,17 @@ class NbguardMagics(Magics):
             else:
                 raise UsageError(f"nbguard: the watched cell raised {type(error).__name__} (traceback above)")
 
-    def _start_watch(self, opts):
+    def _start_watch(self, opts, cell: str | None = None):
         from .. import api
         from .present import LiveWatch
 
+        if opts.ranks or (cell is not None and not opts.target and "notebook_launcher(" in cell):
+            from .ranks import watch_forked_ranks  # nbguard.watch runs inside the forked ranks
+
+            self.state.stop_watches()
+            live = watch_forked_ranks()
+            self.state.watches.append(live)
+            return live
         if opts.target:
             target = R.lookup(self.ns, opts.target)
             if not (R.is_trainer(target) or R.is_model(target)):

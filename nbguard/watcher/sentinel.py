@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .distributed import local_tensor
 from .guard import guarded
 from .history import group_name
 
@@ -31,6 +32,7 @@ class StepStats:
     found_inf: float | None = None  # the GradScaler's verdict, when one is used
     activations: list[float] | None = None  # per probed group output abs-max (NOT_SEEN: no forward)
     extra: list[float] | None = None  # scalars other detectors asked to ride along (supervised-token counts)
+    exchanged: list[float] | None = None  # across ranks: what the step's one collective returned
 
     @property
     def total_grad_norm(self) -> float:
@@ -80,7 +82,9 @@ class GradNormCollector:
         def hook(param: torch.Tensor) -> None:
             live = collector()
             if live is not None and live.enabled and param.grad is not None:
-                live._norms[i] = torch.linalg.vector_norm(param.grad.detach(), dtype=torch.float32)
+                # FSDP2: the rank's shard; the shards' squares are summed across ranks later
+                grad = local_tensor(param.grad.detach())
+                live._norms[i] = torch.linalg.vector_norm(grad, dtype=torch.float32)
 
         def on_error(exc: BaseException) -> None:
             live = collector()
@@ -92,9 +96,14 @@ class GradNormCollector:
     def reset(self) -> None:
         self._norms = [None] * len(self.params)
 
+    def device(self) -> torch.device:
+        """Where this step's norms live (the device of the step's read and collective)."""
+        ref = next((n for n in self._norms if n is not None), None)
+        return ref.device if ref is not None else (self.params[0].device if self.params else torch.device("cpu"))
+
     def fingerprint(self) -> torch.Tensor:
         """Per-group sum of parameter norms: it stays bit-identical only if the weights do."""
-        norms = torch._foreach_norm([p.detach() for p in self.params])
+        norms = torch._foreach_norm([local_tensor(p.detach()) for p in self.params])
         return self._per_group([n.float() for n in norms], square=False)
 
     def _per_group(self, values: list[torch.Tensor], square: bool) -> torch.Tensor:
@@ -110,15 +119,23 @@ class GradNormCollector:
     def read(self, losses: list[torch.Tensor], scale: torch.Tensor | None, with_fingerprint: bool,
              sum_losses: bool = False, found_inf: torch.Tensor | None = None,
              activations: Callable[[torch.device], torch.Tensor] | None = None,
-             extra: list[torch.Tensor] | None = None) -> StepStats:
-        """Stack everything this step produced and read it with a single ``tolist()``."""
-        ref = next((n for n in self._norms if n is not None), None)
-        device = ref.device if ref is not None else (self.params[0].device if self.params else torch.device("cpu"))
+             extra: list[torch.Tensor] | None = None,
+             exchange: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None) -> StepStats:
+        """Stack everything this step produced and read it with a single ``tolist()``.
+
+        ``exchange(norms, loss)`` (multi-rank runs) returns the step's all-reduced flags; they are
+        appended last and read in the same ``tolist()``.
+        """
+        device = self.device()
         zero = torch.zeros((), device=device)
         parts = [self._per_group([n if n is not None else zero for n in self._norms], square=True).sqrt()]
         if losses:
             stacked = torch.stack([loss.detach().float().to(device) for loss in losses])
             parts.append((stacked.sum() if sum_losses else stacked.mean()).reshape(1))
+        n_exchanged = 0
+        if exchange is not None:
+            shared = exchange(parts[0], parts[1] if losses else None)
+            n_exchanged = shared.numel()
         if scale is not None:
             parts.append(scale.detach().float().reshape(1).to(device))
         if found_inf is not None:
@@ -133,7 +150,11 @@ class GradNormCollector:
         n_extra = len(extra) if extra else 0
         if extra:
             parts.append(torch.stack([t.detach().float().reshape(()).to(device) for t in extra]))
+        if n_exchanged:
+            parts.append(shared)
         values = torch.cat(parts).tolist()  # the one host sync of the step
+        exchanged = values[len(values) - n_exchanged:] if n_exchanged else None
+        values = values[:len(values) - n_exchanged]
         extra_values = values[len(values) - n_extra:] if n_extra else None
         values = values[:len(values) - n_extra]
         g = len(self.groups)
@@ -145,4 +166,4 @@ class GradNormCollector:
         if loss_scale:
             norms = [v / loss_scale for v in norms]  # activations are forward values: never scaled
         return StepStats(norms, loss, loss_scale, rest if with_fingerprint else None, inf_flags, acts_values,
-                         extra_values)
+                         extra_values, exchanged)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import time
 import traceback
 import uuid
@@ -16,6 +17,7 @@ import torch
 from ..document.model import fold_skip_streaks as fold_streaks
 from ..errors import NonFiniteError
 from ..findings import Displayable, Event, document
+from . import distributed as ranks
 from .activations import FP16_LIMIT, ActivationProbe, host_values
 from .capture import MicroBatch, capture_autocast, capture_rng, model_loss
 from .detectors import EvalLossDetector, FrozenDetector, SkipStreak, SpikeDetector, WatchSettings
@@ -103,7 +105,7 @@ class NanWatch(Displayable):
             if optimizer is None:
                 raise ValueError("nbguard.watch(model) needs the optimizer that trains it: pass optimizer=opt "
                                  "(and scaler=scaler if you use a GradScaler), or pass a Trainer instead")
-            self.model = target
+            self.model = ranks.unwrap_parallel(target)  # DDP: hook and replay the user's module
         else:
             raise TypeError(f"target must be a torch.nn.Module or a transformers Trainer/TRL SFTTrainer, "
                             f"got {type(target).__name__}")
@@ -115,6 +117,12 @@ class NanWatch(Displayable):
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._collector = GradNormCollector(named, lambda exc: self._fail(exc, safe=False))
         self.history = GradHistory(self._collector.groups, self.settings.history_capacity)
+        # multi-rank runs: one small collective per step, folded into the read
+        self._ranks = ranks.RankSync.detect(self._collector.params, len(self._collector.groups))
+        self._verdict: ranks.RankVerdict | None = None
+        self._streamer: Any = None  # a forked rank's stream to the kernel (stream.RankStreamer)
+        self._keep_farewell = False
+        self._deepspeed: Any = None  # DeepSpeed's skip lines, read when deepspeed is imported
         self._probe: ActivationProbe | None = None
         self.activation_history: ActivationHistory | None = None  # None unless activations=True
         if activations:
@@ -184,6 +192,16 @@ class NanWatch(Displayable):
         from ..session import record_watch
 
         record_watch(self)
+        if "deepspeed" in sys.modules and self._deepspeed is None:
+            from .deepspeed_skips import DeepSpeedSkips  # its engine skips steps itself: read its log lines
+
+            self._deepspeed = DeepSpeedSkips(self).attach()
+        if self._ranks is not None:
+            self._ranks.announce()  # peers check at the first step that every rank watches
+        if self._ranks is not None and self._streamer is None:
+            from .stream import connect  # a forked rank of a %%nanwatch cell: the kernel shows it live
+
+            self._streamer = connect(self, self._ranks.rank, self._ranks.world_size)
         return self
 
     def detach(self) -> NanWatch:
@@ -193,18 +211,19 @@ class NanWatch(Displayable):
         self._collector.detach()
         if self._probe is not None:
             self._probe.detach()
-        if self._opt_binding is not None:
-            self._opt_binding.remove()
-            self._opt_binding = None
-        if self._scaler_binding is not None:
-            self._scaler_binding.remove()
-            self._scaler_binding = None
+        if not (self._keep_farewell and self._owes_farewell()):
+            self._remove_step_bindings()
+            if self._ranks is not None:
+                self._ranks.owes_farewell = False  # detached by the user: nothing is left to say
         if self._callback is not None and self.trainer is not None:
             self.trainer.remove_callback(self._callback)
             self._callback = None
         if self._labels_tap is not None:
             self._labels_tap.remove()
             self._labels_tap = None
+        if self._deepspeed is not None:
+            self._deepspeed.detach()
+            self._deepspeed = None
         self._release_step()
         was_attached, self.attached = self.attached, False
         if attached_watch(self.target) is self:
@@ -225,6 +244,50 @@ class NanWatch(Displayable):
                 release_watch(self)
         except Exception:
             pass
+
+    def _step_aside(self) -> None:
+        """The watch's own detach after an internal error: across ranks it keeps the step hook that
+        joins the next exchange once more (flagged as leaving), so no peer waits in a collective."""
+        self._keep_farewell = True
+        try:
+            self.detach()
+        finally:
+            self._keep_farewell = False
+
+    def _remove_step_bindings(self) -> None:
+        if self._opt_binding is not None:
+            self._opt_binding.remove()
+            self._opt_binding = None
+        if self._scaler_binding is not None:
+            self._scaler_binding.remove()
+            self._scaler_binding = None
+
+    # ---- ranks: a watch that steps aside still joins one exchange so no peer waits for it --------
+    def _owes_farewell(self) -> bool:
+        return self._ranks is not None and self._ranks.owes_farewell
+
+    def _farewell(self) -> None:
+        if self._ranks is None:
+            return
+        try:
+            self._ranks.farewell(self._collector.device())
+        except Exception:  # the process group itself failed: nothing is left to keep matched
+            pass
+        finally:
+            if not self.attached:
+                self._remove_step_bindings()
+
+    def _settle_farewell(self) -> None:
+        """The watch failed at a step boundary before its part of the step's exchange: pay it now."""
+        if self._ranks is not None and self._ranks.owes_farewell and not self._ranks.step_exchanged:
+            self._farewell()
+
+    def _peers_left(self, verdict: ranks.RankVerdict) -> None:
+        """Another rank's watch stepped aside: step aside here too, at the same step."""
+        self._broken = True
+        self._emit(Event("watch-error", self.step, f"the watch on rank(s) {verdict.leaving} stepped aside after an "
+                         f"internal error; it steps aside on every rank so that no rank waits in a collective",
+                         evidence={"leaving_ranks": verdict.leaving}))
 
     def __enter__(self) -> NanWatch:
         return self.attach()
@@ -312,7 +375,9 @@ class NanWatch(Displayable):
         self._emit(Event("watch-error", self.step, f"a watch listener failed and was removed: "
                          f"{type(exc).__name__}: {exc}", evidence={"listener": repr(callback)}))
 
-    def _emit(self, event: Event) -> None:
+    def _emit(self, event: Event, agreed: bool = False) -> None:
+        if self._ranks is not None and not agreed and event.rank is None:
+            event.rank = self._ranks.rank  # this rank's own event (an agreed one names its origin rank)
         if self._verifier is not None and self._kept_step is None:
             self._verifier(self, event)  # first, so listeners see the event with its verdicts
         self.events.append(event)
@@ -325,13 +390,15 @@ class NanWatch(Displayable):
         if self._broken:
             return
         self._broken = True
+        if self._ranks is not None:
+            self._ranks.owes_farewell = True
         self._emit(Event("watch-error", self.step,
                          f"nbguard's watch hit an internal error and detached itself; training goes on: "
                          f"{type(exc).__name__}: {exc}",
                          evidence={"exception": repr(exc), "traceback": traceback.format_exc(limit=6)}))
         warnings.warn(f"nbguard watch detached after an internal error: {exc!r}", RuntimeWarning, stacklevel=2)
         if safe:
-            self.detach()
+            self._step_aside()
 
     # ---- hooks: micro-batches -----------------------------------------------------------------
     def _training_forward(self, module) -> bool:
@@ -339,7 +406,7 @@ class NanWatch(Displayable):
 
     def _root_pre(self, module, args, kwargs):
         if self._broken and self.attached:
-            self.detach()  # a safe point: module hooks were copied before being called
+            self._step_aside()  # a safe point: module hooks were copied before being called
             return None
         self._capture_micro_batch(module, args, kwargs)
         return None
@@ -367,6 +434,12 @@ class NanWatch(Displayable):
 
     # ---- hooks: step boundaries -----------------------------------------------------------
     def _read(self) -> StepStats:
+        if self._stats is None and self._ranks is not None and self._ranks.exchanges == 0 \
+                and not self._ranks.all_ranks_watch():
+            warnings.warn(f"nbguard: the watch runs on rank {self._ranks.rank} but not on every rank: it watches "
+                          f"this rank alone (no agreement across ranks); call nbguard.watch on every rank",
+                          RuntimeWarning, stacklevel=2)
+            self._ranks = None
         if self._stats is None:
             binding = self._scaler_binding
             scale = binding.scale() if binding is not None else None
@@ -376,18 +449,31 @@ class NanWatch(Displayable):
             self._stats = self._collector.read(self._losses, scale, self._frozen.due(self.step), sum_losses=shares,
                                                found_inf=found_inf,
                                                activations=self._probe.values if self._probe is not None else None,
-                                               extra=self._few_tokens.pending())
+                                               extra=self._few_tokens.pending(),
+                                               exchange=self._ranks.exchange if self._ranks is not None else None)
+            if self._ranks is not None:
+                self._verdict = self._ranks.settle(self._stats)
+                if self._verdict.leaving:
+                    self._peers_left(self._verdict)
         return self._stats
 
     def _scaler_guards(self) -> bool:
         """An enabled GradScaler already refuses non-finite updates: it decides, we count."""
         return self._scaler_binding is not None and self._scaler_binding.enabled
 
-    @watch_hook(safe=False)
     def _pre_step(self, optimizer, args, kwargs):
+        """Not a watch_hook itself: a watch that stepped aside across ranks still says farewell here."""
+        if self._owes_farewell() and self._scaler_binding is None:
+            self._farewell()
+            return None
+        self._check_step()
+        self._settle_farewell()  # the check failed before this rank's part of the exchange: pay it now
+        return None
+
+    @watch_hook(safe=False)
+    def _check_step(self) -> None:
         if not self._scaler_guards():
             self._check_update(self._read())
-        return None
 
     @watch_hook(safe=False)
     def _post_step(self, optimizer, args, kwargs):
@@ -396,8 +482,16 @@ class NanWatch(Displayable):
             self._end_step(skipped=self._step_dropped)
         return None
 
-    @watch_hook(safe=False)
     def _before_scaler_update(self) -> None:
+        """Not a watch_hook itself, for the same farewell as ``_pre_step``."""
+        if self._owes_farewell():
+            self._farewell()
+            return
+        self._read_before_update()
+        self._settle_farewell()
+
+    @watch_hook(safe=False)
+    def _read_before_update(self) -> None:
         self._read()  # a skipped step never reached the optimizer hooks: read it here
 
     @watch_hook(safe=True)
@@ -411,16 +505,22 @@ class NanWatch(Displayable):
 
     # ---- the decisions --------------------------------------------------------------------
     def _check_update(self, stats: StepStats) -> None:
-        """Before the optimizer moves anything: is this update finite? Apply the policy if not."""
-        if stats.loss_finite and stats.grads_finite:
+        """Before the optimizer moves anything: is this update finite? Apply the policy if not.
+
+        Across ranks the agreed verdict decides, so every rank applies the same policy."""
+        if not self._active():
+            return
+        verdict = self._verdict if self._ranks is not None else None
+        finite = not verdict.bad_ranks if verdict is not None else stats.loss_finite and stats.grads_finite
+        if finite:
             self._bad_streak = 0
             return
         self._bad_streak += 1
         event: Event | None
         if self._bad_streak == 1:
             kind = "nonfinite-loss" if not stats.loss_finite else "nonfinite-grad"
-            event = self._make_event(kind, stats)
-            self._emit(event)
+            event = self._localised_event(kind, stats)
+            self._emit(event, agreed=True)
         else:
             event = next((e for e in reversed(self.events) if e.kind in ("nonfinite-loss", "nonfinite-grad")), None)
             if event is not None:
@@ -456,11 +556,11 @@ class NanWatch(Displayable):
         stop_event = None
         if self._scaler_binding is not None:
             if scaler_skipped:
-                self._emit(self._scaler_skip_event(stats))
+                self._emit(self._scaler_skip_event(stats), agreed=self._ranks is not None)
             streak = self._skips.update(scaler_skipped, stats.loss_scale, step)
             if streak is not None:
                 event = self._streak_event(stats, streak)
-                self._emit(event)
+                self._emit(event, agreed=self._ranks is not None)
                 if self.policy == "stop":
                     stop_event = event
         if not skipped:
@@ -517,6 +617,9 @@ class NanWatch(Displayable):
         self._few_tokens.reset()
         if self._probe is not None:
             self._probe.reset()
+        sync: ranks.RankSync | None = getattr(self, "_ranks", None)
+        if sync is not None:
+            sync.step_exchanged = False
 
     # ---- events and localisation ----------------------------------------------------------
     def _scaler_skip_event(self, stats: StepStats) -> Event:
@@ -525,26 +628,38 @@ class NanWatch(Displayable):
         first = self._skips.streak == 0
         start = self.step if first else self._skips.start
         if first:
-            event = self._make_event("scaler-skip", stats, {"streak_start": start}, budget="skip")
+            event = self._localised_event("scaler-skip", stats, {"streak_start": start}, budget="skip")
             self._streak_first = event
             return event
         evidence = {"streak_start": start, "loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
                     "loss_scale": stats.loss_scale, "localised_at_step": start}
-        return Event("scaler-skip", self.step, self._message("scaler-skip", None, [], evidence), evidence=evidence)
+        return Event("scaler-skip", self.step, self._message("scaler-skip", None, [], evidence), evidence=evidence,
+                     rank=self._streak_first.rank if self._streak_first is not None else None)
 
     def _streak_event(self, stats: StepStats, streak: dict) -> Event:
         """The alarm after a streak: localised by the replay of the streak's first step when it had one."""
         first = self._streak_first
         if first is None or first.cause is None:
-            return self._make_event("skipped-steps", stats, streak)
+            return self._localised_event("skipped-steps", stats, streak)
         evidence = {**streak, "streak_start": first.step, "localised_at_step": first.step,
                     **{k: v for k, v in first.evidence.items() if k in ("micro_batch", "replay_seconds")}}
         evidence.update({"loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
                          "loss_scale": stats.loss_scale})
+        evidence.update({k: v for k, v in first.evidence.items() if k in ranks.RANK_EVIDENCE})
         return Event("skipped-steps", self.step, self._message("skipped-steps", first.cause, first.origins, evidence),
-                     first.cause, list(first.origins), evidence)
+                     first.cause, list(first.origins), evidence, rank=first.rank)
 
-    def _make_event(self, kind: str, stats: StepStats, extra: dict | None = None, budget: str = "nonfinite") -> Event:
+    def _localised_event(self, kind: str, stats: StepStats, extra: dict | None = None,
+                         budget: str = "nonfinite") -> Event:
+        """``_make_event``, or across ranks the agreed event: the bad ranks localise, all get the same."""
+        if self._ranks is None or self._verdict is None:
+            return self._make_event(kind, stats, extra, budget)
+        sync = self._ranks
+        return ranks.agreed_event(sync, self._verdict, self.step,
+                                  lambda: self._make_event(kind, stats, extra, budget, replay=not sync.sharded))
+
+    def _make_event(self, kind: str, stats: StepStats, extra: dict | None = None, budget: str = "nonfinite",
+                    replay: bool = True) -> Event:
         groups = self.history.groups
         evidence: dict[str, Any] = dict(extra or {})
         evidence.update({"loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
@@ -558,7 +673,7 @@ class NanWatch(Displayable):
         if empty and kind in ("nonfinite-loss", "nonfinite-grad"):
             cause = "no-supervised-tokens"
             evidence["micro_batches_without_labels"] = empty
-        elif self.localize and self._micro_batches and self._take_replay(budget):
+        elif replay and self.localize and self._micro_batches and self._take_replay(budget):
             started = time.perf_counter()
             try:
                 found = self._replay()
@@ -635,7 +750,10 @@ class NanWatch(Displayable):
         streaks = skip_streaks(self.events)
         if streaks:
             sections["skip_streaks"] = streaks
-        return document("watch", title="nbguard NaN/Inf watch", watch_id=self.watch_id, **sections)
+        title = "nbguard NaN/Inf watch"
+        if self._ranks is not None:
+            title += f" (rank {self._ranks.rank} of {self._ranks.world_size})"
+        return document("watch", title=title, watch_id=self.watch_id, **sections)
 
     def __repr__(self) -> str:
         return (f"<NanWatch {type(self.target).__name__} policy={self.policy} step={self.step} "

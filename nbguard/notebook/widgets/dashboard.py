@@ -142,6 +142,8 @@ class WatchDashboard:
                 print(f"nbguard: dashboard update failed ({self.errors[0]}); training goes on", file=sys.stderr)
 
     def _append(self, payload: dict) -> None:
+        if payload.get("rank", 0) != 0:
+            return  # a multi-rank run: the series follow rank 0; every rank has its row (_rank_rows)
         self.steps.append(int(payload.get("step", len(self.steps))))
         self.loss.append(payload.get("loss"))
         self.grad_norm.append(payload.get("total_grad_norm", payload.get("grad_norm")))
@@ -187,7 +189,7 @@ class WatchDashboard:
             f"loss {esc(last_value(self.loss))} · grad norm {esc(last_value(self.grad_norm))} · "
             f"loss scale {esc(last_value(self.loss_scale))} · skipped {sum(self.skipped)} · "
             f"events <b>{len(self.events)}</b>"
-        )
+        ) + self._rank_rows()
         lo, hi = self._range()
         keep = [i for i, s in enumerate(self.steps) if lo <= s <= hi]
         keep_set = set(keep)
@@ -291,8 +293,18 @@ class WatchDashboard:
                 self._draw_activations(lo, hi)
             self.render_layer()
 
+    def _rank_rows(self) -> str:
+        """One row per rank when the watch is a multi-rank view (``nbguard.notebook.ranks``)."""
+        rows = getattr(self.watch, "rank_rows", None)
+        if not callable(rows):
+            return ""
+        cols = ("rank", "step", "loss", "total_grad_norm", "skipped", "events", "last_event")
+        body = "".join("<tr>" + "".join(f"<td>{esc(row.get(c))}</td>" for c in cols) + "</tr>" for row in rows())
+        return f"<table><tr>{''.join(f'<th>{esc(c.replace(chr(95), chr(32)))}</th>' for c in cols)}</tr>{body}</table>"
+
     @staticmethod
     def _event_label(event: dict) -> str:
         first = (event.get("origins") or [{}])[0]
         where = f" @ {first.get('module')} ({first.get('phase')})" if first.get("module") else ""
-        return f"step {event.get('step')}: {event.get('kind')}{where}"
+        rank = f" [rank {event['rank']}]" if event.get("rank") is not None else ""
+        return f"step {event.get('step')}: {event.get('kind')}{rank}{where}"

@@ -1,0 +1,326 @@
+"""Two-rank DDP runs for the watch (gloo on CPU), launched the ways users launch them.
+
+``train_rank(scenario, policy, out_dir)`` is the user's training function: an accelerate loop
+with ``nbguard.watch`` inside it. Each rank writes what it saw to ``out_dir/rank{N}.json``; the
+tests read those files. ``launch_notebook`` / ``launch_torchrun`` run it through accelerate's
+``notebook_launcher`` (forked workers, as in a notebook) and through ``torchrun``, each in a new
+session that is killed as a whole (``os.killpg``) when it outlives its timeout: a hang fails the
+test instead of hanging it.
+
+Scenarios (faults on rank 1 only; rank 0's batches are healthy):
+  healthy   - nothing planted
+  forward   - rank 1's batch holds a token that overflows fp16 in layer 0's q_proj (fp16 autocast)
+  backward  - rank 1's layer-1 SiLU makes NaN in backward (its forward stays finite)
+  loss      - rank 1's batch has every label -100: its mean loss is 0/0
+  uncaught  - as forward, but the function does not catch nbguard's NonFiniteError (policy stop)
+  rank0only - healthy, but only rank 0 attaches a watch: it must watch alone, not wait for rank 1
+  scaler    - fp16 autocast + GradScaler; rank 1's batches overflow from BAD_STEP on: the scaler
+              skips every step on both ranks (the all-reduced grads are inf), a streak of 2 is an event
+  fail      - rank 1's watch hits an internal error in its step read: it must step aside without
+              leaving rank 0 blocked in the step's collective
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 4
+BAD_STEP = 1
+HOT_TOKEN = 7
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _batches(rank: int, scenario: str) -> list[dict[str, torch.Tensor]]:
+    from nbguard.testing import tiny_batch
+
+    out = []
+    for step in range(STEPS):
+        b = tiny_batch(2, 12, seed=100 * rank + step)
+        for key in ("input_ids", "labels"):  # the hot token only where it is planted
+            b[key] = torch.where(b[key] == HOT_TOKEN, torch.full_like(b[key], HOT_TOKEN + 1), b[key])
+        if rank == 1 and scenario == "scaler" and step >= BAD_STEP:
+            b["input_ids"][0, 3] = HOT_TOKEN  # every step from BAD_STEP on: a streak of GradScaler skips
+        if rank == 1 and step == BAD_STEP:
+            if scenario in ("forward", "uncaught"):
+                b["input_ids"][0, 3] = HOT_TOKEN
+            elif scenario == "loss":
+                b["labels"][:] = -100
+        out.append(b)
+    return out
+
+
+def _break_read(watch) -> None:
+    """An internal failure of the watch on this rank: from step BAD_STEP its step read raises
+    (before its part of the step's exchange, the hardest moment for the peers)."""
+    real = watch._collector.read
+
+    def read(*args, **kwargs):
+        if watch.step >= BAD_STEP:
+            raise RuntimeError("planted failure inside nbguard's step read")
+        return real(*args, **kwargs)
+
+    watch._collector.read = read
+
+
+def _loop(model, opt, scaler, accelerator, rank: int, scenario: str) -> tuple[str | None, int]:
+    """The user's loop: fp16 autocast (and a GradScaler) where the scenario needs them."""
+    from nbguard.errors import NonFiniteError
+
+    steps = 0
+    try:
+        for batch in _batches(rank, scenario):
+            with torch.autocast("cpu", dtype=torch.float16, enabled=scenario in ("forward", "scaler", "uncaught")):
+                loss = model(**batch).loss
+            if scaler is not None:
+                accelerator.backward(scaler.scale(loss))
+                scaler.step(opt)
+                scaler.update()
+            else:
+                accelerator.backward(loss)
+                opt.step()
+            opt.zero_grad()
+            steps += 1
+    except NonFiniteError as err:
+        if scenario == "uncaught":
+            raise  # the user's function does not catch it: every rank's process fails
+        return str(err), steps
+    return None, steps
+
+
+def train_rank(scenario: str, policy: str, out_dir: str) -> None:
+    """The user's training function (runs on every rank)."""
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from watch_helpers import PoisonedSiLU
+
+    from nbguard.testing import plant_fp16_overflow_token, tiny_llama
+    from nbguard.watcher import NanWatch, WatchSettings
+
+    torch.set_num_threads(1)
+    accelerator = Accelerator(cpu=True)
+    rank = accelerator.process_index
+    model = tiny_llama()
+    if scenario in ("forward", "scaler", "uncaught"):
+        plant_fp16_overflow_token(model, HOT_TOKEN)
+    if scenario == "backward":
+        model.model.layers[1].mlp.act_fn = PoisonedSiLU(armed=rank == 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = accelerator.prepare(model, opt)
+    # a modest initial scale: the healthy rank's scaled gradients stay finite, only rank 1 overflows
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scenario == "scaler" else None
+    settings = WatchSettings(skip_streak=2) if scenario == "scaler" else None
+    watched = not (scenario == "rank0only" and rank != 0)  # a user who watches rank 0 alone
+    watch = NanWatch(model, optimizer=opt, scaler=scaler, policy=policy, settings=settings)
+    if watched:
+        watch.attach()
+    if scenario == "fail" and rank == 1:
+        _break_read(watch)
+    started = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stopped, steps = _loop(model, opt, scaler, accelerator, rank, scenario)
+    watch.detach()
+    warned = [str(w.message) for w in caught if "not on every rank" in str(w.message)]
+    inner = accelerator.unwrap_model(model)
+    weights = torch.cat([p.detach().flatten() for p in inner.parameters()])
+    result: dict[str, Any] = {
+        "rank": rank, "world_size": accelerator.num_processes, "steps": steps, "stopped": stopped,
+        "watch_steps": watch.step, "events": [e.to_dict() for e in watch.events],
+        "weights_finite": bool(torch.isfinite(weights).all()),
+        "weights_sum": float(weights.double().sum()), "weights_abs_sum": float(weights.double().abs().sum()),
+        "exchanges": watch._ranks.exchanges if watch._ranks is not None else 0,
+        "streamed": watch._streamer is not None, "watched": watched, "warned": warned,
+        "seconds": time.perf_counter() - started,
+        "distributed_type": str(accelerator.distributed_type),
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # both ranks finished: nobody left waiting in a collective
+
+
+def train_trainer_rank(scenario: str, policy: str, out_dir: str) -> None:
+    """The HF Trainer (gradient accumulation 2, clipping) under DDP; ``backward`` arms rank 1's
+    layer-1 SiLU at optimizer step BAD_STEP only."""
+    import tempfile
+
+    import torch.distributed as dist
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from watch_helpers import PoisonedSiLU
+
+    import nbguard
+    from nbguard.testing import TinyDataset, tiny_llama
+
+    torch.set_num_threads(1)
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=STEPS, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_grad_norm=1.0, use_cpu=True, report_to=[],
+                             save_strategy="no", logging_steps=1, disable_tqdm=True, ddp_backend="gloo")
+    rank = args.process_index
+    model = tiny_llama()
+    act = model.model.layers[1].mlp.act_fn = PoisonedSiLU(armed=False)
+
+    class ArmOnRank1(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            act.armed = scenario == "backward" and rank == 1 and state.global_step == BAD_STEP
+
+    trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(64), callbacks=[ArmOnRank1()])
+    watch = nbguard.watch(trainer, policy=policy)
+    trainer.train()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    result = {"rank": rank, "world_size": args.world_size, "steps": trainer.state.global_step, "stopped": None,
+              "watch_steps": watch.step, "events": [e.to_dict() for e in watch.events],
+              "weights_finite": bool(torch.isfinite(weights).all()), "weights_sum": float(weights.double().sum()),
+              "weights_abs_sum": float(weights.double().abs().sum()),
+              "exchanges": watch._ranks.exchanges if watch._ranks is not None else 0,
+              "distributed_type": str(trainer.accelerator.distributed_type)}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+
+
+def train_fsdp_rank(scenario: str, policy: str, out_dir: str) -> None:
+    """FSDP2 (``fully_shard`` per decoder layer and the root) in a plain loop; records, per step,
+    each group's norm of the WHOLE averaged gradient (gathered with ``full_tensor``) next to the
+    watch's, which come from the shards."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import nbguard
+    from nbguard.errors import NonFiniteError
+    from nbguard.testing import tiny_llama
+    from nbguard.watcher import group_name
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = tiny_llama()
+    if scenario == "backward":
+        from watch_helpers import PoisonedSiLU
+
+        model.model.layers[1].mlp.act_fn = PoisonedSiLU(armed=rank == 1)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    watch = nbguard.watch(model, optimizer=opt, policy=policy)
+    reference: list[dict[str, float]] = []
+    stopped, steps = None, 0
+    try:
+        for batch in _batches(rank, scenario):
+            model(**batch).loss.backward()
+            sq: dict[str, float] = {}
+            for name, p in model.named_parameters():
+                full = p.grad.full_tensor()  # a collective on every rank, outside the watch
+                sq[group_name(name)] = sq.get(group_name(name), 0.0) + float(full.double().square().sum())
+            reference.append({g: v ** 0.5 for g, v in sq.items()})
+            opt.step()
+            opt.zero_grad()
+            steps += 1
+    except NonFiniteError as err:
+        stopped = str(err)
+    watch.detach()
+    full = torch.cat([p.detach().full_tensor().flatten() for p in model.parameters()])
+    result = {"rank": rank, "world_size": dist.get_world_size(), "steps": steps, "stopped": stopped,
+              "watch_steps": watch.step, "events": [e.to_dict() for e in watch.events],
+              "groups": watch.history.groups,
+              "watch_norms": {g: watch.history.grad_norm(g) for g in watch.history.groups},
+              "reference_norms": reference, "sharded": watch._ranks.sharded,
+              "weights_finite": bool(torch.isfinite(full).all()), "weights_sum": float(full.double().sum()),
+              "distributed_type": "FSDP2"}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run(make_cmd: Callable[[int], list[str]], timeout: float) -> subprocess.CompletedProcess:
+    """Run the launcher on a free port; once more on another if that port was taken in between
+    (other test runs share this machine)."""
+    for _attempt in range(2):
+        done = _run_once(make_cmd(free_port()), timeout)
+        if done.returncode == 0 or "address already in use" not in done.stdout.lower():
+            break
+    return done
+
+
+def _run_once(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+        out, _ = proc.communicate()
+        raise AssertionError(f"the two-rank run hung (killed after {timeout:.0f}s):\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def read_ranks(out_dir: Path, world_size: int = 2) -> list[dict[str, Any]]:
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def launch_notebook(scenario: str, policy: str, out_dir: Path, timeout: float = 150,
+                    trainer: bool = False) -> subprocess.CompletedProcess:
+    """accelerate.notebook_launcher(train_rank, num_processes=2): forked workers, DDP over gloo."""
+    fn = "train_trainer_rank" if trainer else "train_rank"
+    def cmd(port: int) -> list[str]:
+        return [sys.executable, "-c", f"from accelerate import notebook_launcher; from ddp_helpers import {fn}; "
+                f"notebook_launcher({fn}, args=({scenario!r}, {policy!r}, {str(out_dir)!r}), num_processes=2, "
+                f"use_port='{port}')"]
+
+    return _run(cmd, timeout)
+
+
+def launch_streamed(scenario: str, policy: str, out_dir: Path, timeout: float = 150) -> subprocess.CompletedProcess:
+    """notebook_launcher with the kernel side open, as ``%%nanwatch`` opens it: the parent process
+    writes what it received from the forked ranks to ``out_dir/parent.json``."""
+    def cmd(port: int) -> list[str]:
+        return [sys.executable, "-c", f"""
+import json, nbguard
+from accelerate import notebook_launcher
+from ddp_helpers import train_rank
+from nbguard.notebook.ranks import RankWatches
+seen = []
+watches = RankWatches().open()
+watches.add_listener(lambda w, kind, payload: seen.append([kind, payload.get("rank") if isinstance(payload, dict)
+                                                                 else payload.rank]))
+notebook_launcher(train_rank, args=({scenario!r}, {policy!r}, {str(out_dir)!r}), num_processes=2,
+                  use_port='{port}')
+watches.detach()
+json.dump({{"document": watches.to_document(), "rows": watches.rank_rows(), "seen": seen,
+           "report": nbguard.report().to_dict(), "stream_errors": watches.channel.errors}},
+          open({str(out_dir / "parent.json")!r}, "w"))
+"""]
+
+    return _run(cmd, timeout)
+
+
+def launch_torchrun(scenario: str, policy: str, out_dir: Path, timeout: float = 150,
+                    trainer: bool = False, fsdp: bool = False) -> subprocess.CompletedProcess:
+    """torchrun --nproc_per_node 2 on this file: separate (not forked) processes."""
+    entry = "trainer" if trainer else "fsdp" if fsdp else "loop"
+    return _run(lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                              "127.0.0.1", "--master_port", str(port), __file__, entry, scenario, policy, str(out_dir)],
+                timeout)
+
+
+ENTRIES = {"loop": train_rank, "trainer": train_trainer_rank, "fsdp": train_fsdp_rank}
+
+if __name__ == "__main__":
+    ENTRIES[sys.argv[1]](*sys.argv[2:5])
