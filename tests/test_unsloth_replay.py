@@ -99,6 +99,12 @@ def test_a_step_the_replay_cannot_reproduce_says_what_to_try_next():
     assert any("use_deterministic_algorithms" in s for s in steps)
     assert not any("UNSLOTH" in s for s in steps)
     assert "not reproduced by an eager replay" in event.message
+    from nbguard.document.view import view
+    from nbguard.render import render_text
+
+    card = view(watch.to_document()).section("watch").cards[0]
+    assert [line for line in card.lines if line.startswith("try next: ")] == [f"try next: {s}" for s in steps]
+    assert f"try next: {steps[0]}" in render_text(watch.to_document()).replace("\n      ", " ")
 
 
 def test_on_an_unsloth_model_the_first_thing_to_try_is_its_compile_switch():

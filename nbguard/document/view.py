@@ -584,10 +584,14 @@ def event_card(event: dict, cells: dict[str, dict] | None = None, verdicts: dict
     verification = (event.get("evidence") or {}).get("verification")
     if isinstance(verification, dict):  # the fixes the watch ran on this very step, verified first
         fixes = ranked(verification_card(verification, "").fixes)
+    lines = [f"cause: {event['cause']}"] if event.get("cause") else []
+    next_steps = (event.get("evidence") or {}).get("next_steps")
+    if isinstance(next_steps, list):  # the replay did not reproduce it: what to try instead
+        lines += [f"try next: {step}" for step in next_steps]
     return Card(
         tone="error" if kind.startswith("nonfinite") else "warning",
         title=f"{rank}step {event.get('step')}: {event.get('message', '')}", tag=kind,
-        lines=[f"cause: {event['cause']}"] if event.get("cause") else [],
+        lines=lines,
         table=table, folds=folds, fixes=fixes,
     )
 
