@@ -6,24 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from qlora_helpers import q_proj, qlora, scale_4bit
-from watch_helpers import PoisonedSiLU, batches
+from watch_helpers import PoisonedSiLU, batches, output_absmax
 
 import nbguard
 from nbguard.auditor import run_probe
 
 torch.set_num_threads(1)
 PREFIX = "base_model.model.model.layers.0.self_attn.q_proj"
-
-
-def _absmax(model, module, batch) -> float:
-    seen = []
-    handle = module.register_forward_hook(lambda m, a, out: seen.append(out.detach().abs().max().item()))
-    try:
-        with torch.no_grad():
-            model(**batch)
-    finally:
-        handle.remove()
-    return seen[0]
 
 
 def _fp16_qlora(**lora):
@@ -35,7 +24,7 @@ def _base_overflow():
     model = _fp16_qlora()
     data = batches(2)
     wrapper = q_proj(model)
-    scale_4bit(wrapper.base_layer, 2e5 / _absmax(model, wrapper.base_layer, data[0]))
+    scale_4bit(wrapper.base_layer, 2e5 / output_absmax(model, wrapper.base_layer, data[0]))
     return model, data
 
 
@@ -47,7 +36,7 @@ def _lora_overflow():
     with torch.no_grad():
         lora_b.weight.normal_()
     # both factors grow by the same amount: each weight stays well inside fp16, the product does not
-    factor = (2e5 / _absmax(model, lora_b, data[0])) ** 0.5
+    factor = (2e5 / output_absmax(model, lora_b, data[0])) ** 0.5
     with torch.no_grad():
         lora_a.weight.mul_(factor)
         lora_b.weight.mul_(factor)
@@ -61,7 +50,7 @@ def _sum_overflow():
     data = batches(2)
     wrapper = q_proj(model)
     base = wrapper.base_layer
-    scale_4bit(base, 4e4 / _absmax(model, base, data[0]))
+    scale_4bit(base, 4e4 / output_absmax(model, base, data[0]))
     with torch.no_grad():  # the base layer's own effective weight, whatever packing the CPU backend uses
         weight = base(torch.eye(64, dtype=torch.float16)).float().T
     with torch.no_grad():
