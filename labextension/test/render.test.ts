@@ -166,7 +166,7 @@ describe('renderPayload', () => {
   it('never turns document text into markup', () => {
     const raw = loadFixture('audit');
     raw.view.title = '<img src=x onerror="window.pwned=1">';
-    raw.view.sections[1].cards[0].lines = ['<script>window.pwned=1</script>'];
+    raw.view.sections.find(s => s.kind === 'findings')!.cards[0].lines = ['<script>window.pwned=1</script>'];
     const root = renderPayload(readPayload(raw), { insertFix: null });
     expect(root.querySelector('img')).toBeNull();
     expect(root.querySelector('script')).toBeNull();
