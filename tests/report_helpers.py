@@ -171,14 +171,14 @@ def audit_document(**extra) -> dict:
                     hardware=PROFILES["t4"].to_dict(), fix_cells=cells, **extra)
 
 
-def watched_run_with_planted_fault(steps: int = 4, bad_step: int = 2, policy: str = "skip"):
+def watched_run_with_planted_fault(steps: int = 4, bad_step: int = 2, policy: str = "skip", activations: bool = False):
     """A real ``nbguard.watch`` over a tiny Llama whose hostile-named module overflows on
     ``bad_step``; returns (model, watch)."""
     import nbguard
 
     model, overflow = _model_with_hostile_overflow()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with nbguard.watch(model, optimizer=opt, policy=policy) as watch:
+    with nbguard.watch(model, optimizer=opt, policy=policy, activations=activations) as watch:
         for step in range(steps):
             overflow.armed = step == bad_step
             model(**tiny_batch(2, 12, seed=step)).loss.backward()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from audit_helpers import make_args, seed_peft_model
-from report_helpers import _model_with_hostile_overflow
+from report_helpers import _model_with_hostile_overflow, watched_run_with_planted_fault
 
 import nbguard
 import nbguard.fixes
@@ -77,16 +77,7 @@ def audit_with_probe() -> AuditResult:
 def watch_with_nan_origin(steps: int = 8, bad_step: int = 3) -> NanWatch:
     """A watch (policy "skip", activations recorded) over a tiny Llama whose planted module
     overflows on one step: a non-finite loss localised to its module, the step skipped."""
-    model, overflow = _model_with_hostile_overflow()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with nbguard.watch(model, optimizer=opt, policy="skip", activations=True) as watch:
-        for step in range(steps):
-            overflow.armed = step == bad_step
-            model(**tiny_batch(2, 12, seed=step)).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    overflow.armed = False
-    return watch
+    return watched_run_with_planted_fault(steps, bad_step, policy="skip", activations=True)[1]
 
 
 def diagnosis_of_real_exception() -> Diagnosis:
