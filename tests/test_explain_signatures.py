@@ -28,10 +28,20 @@ def half_overflow():
     torch.zeros(2, 4, dtype=torch.float16).masked_fill(torch.ones(2, 4, dtype=torch.bool), -1e9)
 
 
+# transformers >= 5.x's own words (integrations/sdpa_attention.py); older releases (the Colab lane's
+# 5.9) leave the scores uncapped instead of raising, so there the signature is tried on this text.
+SDPA_SOFTCAP = ("`sdpa` attention does not support `softcap`. Try using `eager`, `flex_attention`, or the few FA "
+                "kernels supporting it")
+
+
 def softcap_with_sdpa():
     from test_rules_precision_audit import tiny_gemma2
 
+    from nbguard.auditor.rules.attention import sdpa_raises_on_softcap
+
     tiny_gemma2("sdpa")(**tiny_batch())
+    if not sdpa_raises_on_softcap():
+        raise ValueError(SDPA_SOFTCAP)
 
 
 def embedding_out_of_range():
