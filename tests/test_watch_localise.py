@@ -224,3 +224,20 @@ def test_a_failing_replay_keeps_the_event_unlocalised():
     watch.detach()
     event = _one_event(watch, "nonfinite-grad")
     assert event.origins == [] and "simulated out of memory" in event.evidence["replay_error"]
+
+
+def test_the_replay_leaves_every_module_in_the_mode_the_user_set():
+    from watch_helpers import PoisonedSiLU, batches, train
+
+    import nbguard
+    from nbguard.testing import tiny_llama
+
+    model = tiny_llama()
+    model.model.layers[1].mlp.act_fn = PoisonedSiLU(armed=True)  # a NaN in backward: the step is replayed
+    model.model.layers[0].eval()  # the user keeps one block in eval mode while the rest trains
+    modes = {name: m.training for name, m in model.named_modules()}
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nbguard.watch(model, optimizer=opt, policy="skip") as watch:
+        train(model, opt, batches(1))
+    assert watch.events and watch.events[0].origins  # the replay ran
+    assert {name: m.training for name, m in model.named_modules()} == modes

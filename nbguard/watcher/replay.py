@@ -284,13 +284,16 @@ class Replayer:
             if do_backward:
                 backward.hook_params(self.names)
             restore_rng(mb.rng)
-            was_training = self.eager.training
+            # every module's own flag is put back: train(was_training) would switch the submodules a
+            # user keeps in eval (a frozen tower, dropout turned off) to train mode for the rest of the run
+            modes = [(m, m.training) for m in self.eager.modules()]
             self.eager.train()
             try:
                 with torch.enable_grad(), autocast_as(mb.autocast):
                     output = self.eager(*mb.args, **mb.kwargs)
             finally:
-                self.eager.train(was_training)
+                for module, training in modes:
+                    module.training = training
             forward.done = True  # gradient checkpointing re-runs forwards during backward
             if forward.origin is not None:
                 return Localisation(forward.cause, [forward.origin], {"micro_batch": mb.index})
