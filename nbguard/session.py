@@ -155,8 +155,6 @@ class SessionRecord:
         return entry
 
 
-Entry = TimelineEntry  # the name the reporting package uses
-
 SESSION = SessionRecord()
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 from notebook_helpers import MIME, run, shell  # noqa: F401
-from verify_helpers import chat_batch, peft_zero_embeddings, verdicts
+from verify_helpers import chat_batch, fp16_overflow_run, peft_zero_embeddings, verdicts
 from watch_helpers import batches, scale_output_to, train
 
 import nbguard
@@ -80,12 +80,7 @@ def test_the_stop_diagnosis_offers_the_verified_fix_with_its_verdicts():
 
 
 def test_verification_is_data_that_round_trips_and_displays():
-    model = tiny_llama()
-    data = batches(1)
-    scale_output_to(model, model.model.layers[1].mlp.up_proj, data[0], 2e5)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    with nbguard.watch(model, optimizer=opt, policy="skip") as watch:
-        train(model, opt, data, autocast=torch.float16)
+    _, _, watch = fp16_overflow_run()
     v = nbguard.verify(watch.events[0])
     data = v.to_dict()
     assert Verification.from_dict(json.loads(json.dumps(data))).to_dict() == data
@@ -107,12 +102,7 @@ def test_verification_is_data_that_round_trips_and_displays():
 def test_a_fix_without_a_recipe_is_not_checked_with_the_reason(monkeypatch):
     monkeypatch.setitem(FIXES, "pad-right", Fix("pad-right", "Pad on the right", "tokenizer.padding_side='right'",
                                                  lambda target, **_: {}, lambda names, **_: "tokenizer.padding_side = 'right'\n"))
-    model = tiny_llama()
-    data = batches(1)
-    scale_output_to(model, model.model.layers[1].mlp.up_proj, data[0], 2e5)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    with nbguard.watch(model, optimizer=opt, policy="skip") as watch:
-        train(model, opt, data, autocast=torch.float16)
+    _, _, watch = fp16_overflow_run()
     [verdict] = nbguard.verify(watch.events[0], fix_id="pad-right").verdicts
     assert verdict.verdict == "not checked" and "no shadow recipe" in verdict.reason
     assert verdict.code == fixes.code("pad-right", model="model")

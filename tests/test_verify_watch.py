@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from verify_helpers import peft_trainer, peft_zero_embeddings, verdicts
+from verify_helpers import fp16_overflow_run, peft_trainer, peft_zero_embeddings, verdicts
 from watch_helpers import PoisonedSiLU, batches, scale_output_to, train
 
 import nbguard
@@ -11,17 +11,6 @@ from nbguard.testing import tiny_batch, tiny_llama
 from nbguard.verifier import AUTO_MAX_STEP_RUNS, Verification
 
 torch.set_num_threads(1)
-
-
-def _fp16_overflow(**watch_options):
-    """up_proj's output is 2e5: it overflows fp16 (65504), fits bf16 and fp32."""
-    model = tiny_llama()
-    data = batches(2)
-    scale_output_to(model, model.model.layers[1].mlp.up_proj, data[0], 2e5)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    with nbguard.watch(model, optimizer=opt, policy="skip", **watch_options) as watch:
-        train(model, opt, data[:1], autocast=torch.float16)
-    return model, opt, watch
 
 
 def test_peft_zero_embeddings_fp32_adapters_not_enough_embedding_init_verified():
@@ -56,7 +45,7 @@ def test_peft_zero_embeddings_fp32_adapters_not_enough_embedding_init_verified()
 
 
 def test_fp16_overflow_bf16_verified_module_level_names_the_ranges():
-    model, _, watch = _fp16_overflow()
+    model, _, watch = fp16_overflow_run()
     v = watch.verification
     assert v.module_check.module == "model.layers.1.mlp.up_proj"
     assert v.module_check.fits == {"float16": False, "bfloat16": True, "float32": True}
@@ -75,7 +64,7 @@ def test_fp16_overflow_bf16_verified_module_level_names_the_ranges():
 
 
 def test_verify_false_turns_automatic_verification_off():
-    _, _, watch = _fp16_overflow(verify=False)
+    _, _, watch = fp16_overflow_run(verify=False)
     event = watch.events[0]
     assert watch.verification is None and "verification" not in event.evidence
     with pytest.raises(ValueError, match="not captured"):
@@ -137,14 +126,14 @@ def test_data_fix_is_not_enough_when_the_rest_of_the_step_overflows():
 
 
 def test_data_fix_changes_nothing_on_a_batch_with_labels_everywhere():
-    _, _, watch = _fp16_overflow()
+    _, _, watch = fp16_overflow_run()
     v = nbguard.verify(watch.events[0], fix_id="drop-unsupervised-rows")
     assert [x.fix for x in v.verdicts] == ["drop-unsupervised-rows"]
     assert v.verdicts[0].verdict == "not checked" and "changes nothing" in v.verdicts[0].reason
 
 
 def test_a_step_over_the_memory_budget_is_not_checked_with_the_reason():
-    _, _, watch = _fp16_overflow()
+    _, _, watch = fp16_overflow_run()
     v = nbguard.verify(watch.events[0], memory_budget=10_000)
     assert not v.step_level and "budget" in v.step_skipped and v.baseline is None
     switch = v.verdict("switch-precision")
@@ -170,7 +159,7 @@ def test_verify_refuses_a_step_whose_weights_moved_since():
 
 
 def test_bad_arguments_are_named():
-    _, _, watch = _fp16_overflow()
+    _, _, watch = fp16_overflow_run()
     with pytest.raises(ValueError, match="unknown fix id 'no-such-fix'"):
         nbguard.verify(watch.events[0], fix_id="no-such-fix")
     with pytest.raises(ValueError, match="memory_budget must be a positive number"):
@@ -246,13 +235,13 @@ def test_pad_right_is_verified_on_the_batch_padded_on_the_right():
 
 
 def test_pad_right_changes_nothing_on_a_batch_without_left_padding():
-    _, _, watch = _fp16_overflow()
+    _, _, watch = fp16_overflow_run()
     [verdict] = nbguard.verify(watch.events[0], fix_id="pad-right-for-training").verdicts
     assert verdict.verdict == "not checked" and "changes nothing" in verdict.reason
 
 
 def test_the_partial_fp32_variant_is_not_passed_off_as_the_full_switch():
-    _, _, watch = _fp16_overflow()
+    _, _, watch = fp16_overflow_run()
     v = nbguard.verify(watch.events[0], fix_id="switch-precision",
                        options={"switch-precision": {"to": "fp32", "only": ["model.layers.1.mlp.up_proj"]}})
     [verdict] = v.verdicts

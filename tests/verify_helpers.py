@@ -4,8 +4,10 @@ from __future__ import annotations
 import tempfile
 
 import torch
+from watch_helpers import batches, scale_output_to, train
 
-from nbguard.testing import TinyDataset, tiny_gemma3
+import nbguard
+from nbguard.testing import TinyDataset, tiny_gemma3, tiny_llama
 
 NEW_TOKENS, VOCAB = 4, 128
 
@@ -103,3 +105,14 @@ def _equal(x, y) -> bool:
     if isinstance(x, dict):
         return x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
     return x == y
+
+
+def fp16_overflow_run(**watch_options):
+    """up_proj's output is 2e5: it overflows fp16 (65504), fits bf16 and fp32."""
+    model = tiny_llama()
+    data = batches(2)
+    scale_output_to(model, model.model.layers[1].mlp.up_proj, data[0], 2e5)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nbguard.watch(model, optimizer=opt, policy="skip", **watch_options) as watch:
+        train(model, opt, data[:1], autocast=torch.float16)
+    return model, opt, watch

@@ -24,8 +24,6 @@ from .model import fold_skip_streaks
 from .palette import palette
 
 SEVERITY_ORDER = ("error", "warning", "info")
-SECTION_ORDER = ("notes", "hardware", "stack", "findings", "probe", "watch", "verifications", "diagnoses",
-                 "fixes_applied", "fix_cells", "environment")
 KEY_PACKAGES = ("torch", "transformers", "peft", "accelerate", "trl", "bitsandbytes", "unsloth")
 MAX_PROBE_ROWS = 40
 MAX_EVENTS = 100
@@ -174,9 +172,6 @@ class View:
 
     def section(self, kind: str) -> Section | None:
         return next((s for s in self.sections if s.kind == kind), None)
-
-    def all_sections(self, kind: str) -> list[Section]:
-        return [s for s in self.sections if s.kind == kind]
 
 
 # -- building it ---------------------------------------------------------------------------------
@@ -547,21 +542,6 @@ def overview_facts(overview: dict) -> list[Fact]:
     return facts
 
 
-def origin_summary(origin: dict) -> str:
-    parts = [str(origin.get("module"))]
-    if origin.get("tensor"):
-        parts[0] += f" ({origin['tensor']})"
-    if origin.get("dtype"):
-        parts.append(str(origin["dtype"]))
-    if origin.get("input_absmax") is not None:
-        parts.append(f"input abs-max {fmt_num(origin['input_absmax'])}")
-    if origin.get("output_absmax") is not None:
-        parts.append(f"output abs-max {fmt_num(origin['output_absmax'])}")
-    if origin.get("micro_batch") is not None:
-        parts.append(f"micro-batch {origin['micro_batch']}")
-    return ", ".join(parts)
-
-
 def event_card(event: dict, cells: dict[str, dict] | None = None, verdicts: dict[str, Verdict] | None = None) -> Card:
     """One watch event as a card: step, kind, cause, message, its origins and evidence."""
     kind = str(event.get("kind", ""))
@@ -763,6 +743,7 @@ def _environment(doc: dict, path: list[Any]) -> list[Section]:
     return [Section(kind="environment", title="Environment", facts=facts, table=table, folded=True)]
 
 
+# The section order every face shows (a report's entries follow; the environment closes it).
 _BUILDERS: list[tuple[str, Callable[[dict, list[Any]], list[Section]]]] = [
     ("notes", _notes), ("hardware", _hardware), ("stack", _stack), ("findings", _findings), ("probe", _probe), ("watches", _watch),
     ("verifications", _verifications), ("diagnoses", _diagnoses), ("fixes applied", _fixes_applied),
