@@ -46,6 +46,26 @@ def _best_precision_here() -> str:
         return "fp32"
 
 
+# pytorch#139298 / trl#7181: the cuDNN SDPA backward returns NaN on Hopper (sm90) with a padding mask on
+# some torch 2.5-2.7 builds. Registered before anomaly-nan-output, which would match the same message.
+_CUDNN_NAN = re.compile(r"Function '(ScaledDotProductCudnnAttentionBackward\d*)' returned nan values")
+
+
+@rule("cudnn-attention-backward-nan")
+def cudnn_attention_backward_nan(exc):
+    match = _CUDNN_NAN.search(str(exc))
+    if not match:
+        return None
+    detail = (
+        "The NaN comes from PyTorch's cuDNN scaled-dot-product-attention backward, not from the model: on Hopper "
+        "GPUs (sm90) with a padding attention mask, several torch releases return NaN gradients from this kernel "
+        "(pytorch#139298). Turn the cuDNN backend off (torch.backends.cuda.enable_cudnn_sdp(False)) so SDPA uses "
+        "the flash or memory-efficient kernel, or load the model with another attention implementation."
+    )
+    return _diagnosis("cudnn-attention-backward-nan", exc, "NaN from the cuDNN attention backward (Hopper)", detail,
+                      ["disable-cudnn-sdp"], function=match.group(1))
+
+
 _ANOMALY_NAN = re.compile(r"Function '(\w+)' returned nan values in its (\d+)(?:st|nd|rd|th) output")
 
 
@@ -447,3 +467,77 @@ def nbguard_stopped(exc):
                            **evidence)
     diagnosis.verification = verification
     return diagnosis
+
+
+# trl SFTTrainer with assistant_only_loss=True: RuntimeError("... at least one example has no assistant tokens ...
+# missing the `{% generation %}` keyword") (trl 0.20-1.x) and ValueError("The chat template is not
+# training-compatible (missing prefix-preservation or `{% generation %}` markers) ...") (trl 1.x).
+@rule("assistant-mask-no-generation")
+def assistant_mask_no_generation(exc):
+    text = str(exc)
+    if "generation %}" not in text or not ("no assistant tokens" in text or "not training-compatible" in text):
+        return None
+    detail = (
+        "assistant_only_loss supervises exactly the tokens the chat template wraps in {% generation %}..."
+        "{% endgeneration %}; this template has no such block (and TRL has no training version of it), so every "
+        "label would be -100. Add the block around each assistant reply, including its end-of-turn token, and set "
+        "it as tokenizer.chat_template; or train on the whole conversation (assistant_only_loss=False). "
+        "nbguard.audit(trainer) reports the share of supervised tokens per role for the template you set."
+    )
+    return _diagnosis("assistant-mask-no-generation", exc,
+                      "assistant_only_loss: the chat template marks no assistant tokens", detail)
+
+
+# transformers Trainer.compute_loss: ValueError("The model did not return a loss from the inputs, only the
+# following keys: logits. ..."); modelling code: ValueError("`token_type_ids` is required as a model input when training")
+_REQUIRED_INPUT = re.compile(r"`(\w+)` is required as a model input when training")
+
+
+@rule("model-returned-no-loss")
+def model_returned_no_loss(exc):
+    text = str(exc)
+    required = _REQUIRED_INPUT.search(text)
+    if required is None and "did not return a loss from the inputs" not in text:
+        return None
+    if required is not None:
+        title = f"the model needs {required.group(1)} in training and the batch has none"
+        cause = (f"The processor or collator did not put {required.group(1)} into the batch (or "
+                 "remove_unused_columns dropped it): build batches with the model's own processor and keep that column.")
+    else:
+        title = "the model returned no loss: the batch has no labels"
+        cause = ("The batch reached the model without labels, so it computed logits only. Use a collator that adds "
+                 "labels (DataCollatorForLanguageModeling(tokenizer, mlm=False) for a causal LM) or keep the labels "
+                 "column (remove_unused_columns, label_names).")
+    return _diagnosis("model-returned-no-loss", exc, title,
+                      cause + " nbguard.audit(trainer) runs one dry forward on a sampled batch and says this before train().",
+                      missing_input=required.group(1) if required else None)
+
+
+# transformers GenericForSequenceClassification: ValueError("Cannot handle batch sizes > 1 if no padding token is defined.")
+@rule("classifier-no-pad-token")
+def classifier_no_pad_token(exc):
+    if "Cannot handle batch sizes > 1 if no padding token is defined" not in str(exc):
+        return None
+    detail = (
+        "A decoder classification / reward head scores each row's last non-pad token and needs "
+        "model.config.pad_token_id to find it. Give the tokenizer a pad token distinct from EOS and set "
+        "model.config.pad_token_id = tokenizer.pad_token_id (with pad == EOS the head would score the token before "
+        "each final EOS)."
+    )
+    return _diagnosis("classifier-no-pad-token", exc, "the classification head has no pad_token_id", detail,
+                      ["distinct-pad-token", "sync-pad-token-id"])
+
+
+# transformers trainer_utils / quantizer_mxfp4 (gpt-oss): "... quantized with QuantizationMethod.MXFP4 but that
+# quantization method do not support training" and "MXFP4 quantization don't support training".
+@rule("mxfp4-not-trainable")
+def mxfp4_not_trainable(exc):
+    text = str(exc)
+    if "MXFP4" not in text or "support training" not in text:
+        return None
+    detail = (
+        "MXFP4 weights (gpt-oss checkpoints) cannot be trained. Load them dequantised "
+        "(quantization_config=Mxfp4Config(dequantize=True), bf16, about 4x the memory) to fine-tune the whole "
+        "model or LoRA on top; or, to save memory, dequantise and then quantise to 4-bit with bitsandbytes for QLoRA."
+    )
+    return _diagnosis("mxfp4-not-trainable", exc, "MXFP4-quantised weights cannot be trained", detail)

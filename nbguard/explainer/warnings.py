@@ -150,3 +150,33 @@ def linear4bit_input_dtype(text: str, origin: str):
         "precision disagree. Load with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=...) "
         "set to the precision you train in (bf16 on GPUs that have it natively, else fp16).",
         input_dtype=match.group("input"), compute_dtype=match.group("compute"))
+
+
+# transformers.utils.chat_template_utils: logger.warning_once("return_assistant_tokens_mask==True but chat template
+# does not contain `{% generation %}` keyword.")
+@warning_signature("assistant-mask-no-generation", source="logging:transformers")
+def assistant_mask_no_generation_warning(text: str, origin: str):
+    if "return_assistant_tokens_mask" not in text or "generation %}" not in text:
+        return None
+    return _diagnosis(
+        "assistant-mask-no-generation", text, origin,
+        "The chat template has no {% generation %} block: the assistant mask is all zeros",
+        "apply_chat_template(return_assistant_tokens_mask=True) marks the tokens inside {% generation %}..."
+        "{% endgeneration %}; without the block no token is an assistant token, so assistant-only loss "
+        "supervises nothing (every label -100, a NaN or zero loss). Add the block around each assistant reply "
+        "and its end-of-turn token. nbguard.audit(trainer) reports the supervised share per role.")
+
+
+# transformers tokenization_utils_tokenizers._patch_mistral_regex: logger.warning("The tokenizer you are loading
+# from '...' with an incorrect regex pattern: ... You should set the `fix_mistral_regex=True` flag ...")
+@warning_signature("mistral-regex-warning", source="logging:transformers")
+def mistral_regex_warning(text: str, origin: str):
+    if "incorrect regex pattern" not in text or "fix_mistral_regex" not in text:
+        return None
+    return _diagnosis(
+        "mistral-regex-warning", text, origin,
+        "Mistral tokenizer loaded with the old pre-tokenizer regex",
+        "Whether it matters depends on the text: digits, punctuation and line breaks may split differently from "
+        "the pattern the model was trained with. nbguard.audit(trainer) tokenises the sampled rows with and "
+        "without the fix and says whether any id differs (rule mistral-regex-unfixed); to be safe, reload with "
+        "AutoTokenizer.from_pretrained(..., fix_mistral_regex=True) before building the dataset.")

@@ -1,0 +1,207 @@
+"""Fixes for the data, chat-template and configuration rules: BOS, packing masks, pad ids, MoE routers, train mode."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..introspect.moe import trainable_router_params
+from .registry import Fix, Names, Target, register
+
+PACKING_MARK = "drops_mask_for_packing"  # set on the wrapping collator by apply and by the cell: never wrap twice
+
+
+# ---- tokenizer-no-bos ------------------------------------------------------------------------
+def _no_bos(target: Target, **_: Any) -> dict:
+    tok = target.tokenizer
+    if not getattr(tok, "add_bos_token", False):
+        return {}
+    tok.add_bos_token = False
+    return {"tokenizer.add_bos_token": "True -> False (the chat template writes the BOS)"}
+
+
+def _no_bos_code(names: Names, **_: Any) -> str:
+    return f"""# The chat template already writes the BOS token: stop the tokenizer adding a second one, then
+# rebuild the dataset / trainer (examples tokenised before this keep their two BOS tokens).
+{names.tokenizer}.add_bos_token = False
+"""
+
+
+register(Fix("tokenizer-no-bos", "Stop the tokenizer adding a second BOS",
+             "Set tokenizer.add_bos_token = False when the chat template renders BOS itself (rebuild the dataset after).",
+             _no_bos, _no_bos_code, needs="tokenizer"))
+
+
+# ---- drop-mask-for-packing -------------------------------------------------------------------
+class DropMaskForPacking:
+    """Wraps a collator: packed batches (position_ids present) lose their attention_mask, so transformers
+    builds one block per example from position_ids instead of causal attention across the row."""
+
+    drops_mask_for_packing = True
+
+    def __init__(self, collator: Any):
+        self.collator = collator
+
+    def __call__(self, features: Any) -> Any:
+        batch = self.collator(features)
+        if "position_ids" in batch:
+            batch.pop("attention_mask", None)
+        return batch
+
+
+def _drop_mask(target: Target, **_: Any) -> dict:
+    trainer = target.trainer
+    if getattr(trainer.data_collator, PACKING_MARK, False):
+        return {}
+    trainer.data_collator = DropMaskForPacking(trainer.data_collator)
+    return {"trainer.data_collator": "packed batches no longer carry attention_mask"}
+
+
+def _drop_mask_code(names: Names, **_: Any) -> str:
+    t = names.trainer
+    return f"""# Packed rows: transformers separates the examples by position_ids only when attention_mask is absent.
+class DropMaskForPacking:
+    {PACKING_MARK} = True
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __call__(self, features):
+        batch = self.collator(features)
+        if "position_ids" in batch:
+            batch.pop("attention_mask", None)
+        return batch
+
+
+if not getattr({t}.data_collator, "{PACKING_MARK}", False):
+    {t}.data_collator = DropMaskForPacking({t}.data_collator)
+"""
+
+
+register(Fix("drop-mask-for-packing", "Drop attention_mask from packed batches",
+             "Wrap the collator so packed batches carry position_ids only: each example attends to itself alone.",
+             _drop_mask, _drop_mask_code, needs="trainer"))
+
+
+# ---- sync-pad-token-id -----------------------------------------------------------------------
+def _sync_pad(target: Target, **_: Any) -> dict:
+    tok, model = target.tokenizer, target.model
+    if model is None:
+        raise ValueError("fix 'sync-pad-token-id' sets model.config.pad_token_id: pass model= (or trainer=)")
+    if tok.pad_token_id is None:
+        raise ValueError("the tokenizer has no pad token: apply 'distinct-pad-token' first")
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    changed = {}
+    for owner in {id(c): c for c in (model.config, config)}.values():
+        if owner.pad_token_id != tok.pad_token_id:
+            changed[f"{type(owner).__name__}.pad_token_id"] = f"{owner.pad_token_id} -> {tok.pad_token_id}"
+            owner.pad_token_id = tok.pad_token_id
+    return changed
+
+
+def _sync_pad_code(names: Names, **_: Any) -> str:
+    m, t = names.model, names.tokenizer
+    return f"""# The classification head pools the last token that is not config.pad_token_id: use the tokenizer's pad id.
+{m}.config.pad_token_id = {t}.pad_token_id
+{m}.config.get_text_config().pad_token_id = {t}.pad_token_id
+"""
+
+
+register(Fix("sync-pad-token-id", "Give the model the tokenizer's pad id",
+             "Set model.config.pad_token_id to tokenizer.pad_token_id so a classification head pools each row's last token.",
+             _sync_pad, _sync_pad_code, needs="tokenizer"))
+
+
+# ---- enable-router-aux-loss / freeze-moe-router ----------------------------------------------
+def _moe_configs(model: Any) -> list[Any]:
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return list({id(c): c for c in (config, text)}.values())
+
+
+def _router_aux(target: Target, **_: Any) -> dict:
+    changed = {}
+    for config in _moe_configs(target.model):
+        if not getattr(config, "output_router_logits", False):
+            config.output_router_logits = True
+            changed[f"{type(config).__name__}.output_router_logits"] = "False -> True"
+    return changed
+
+
+def _router_aux_code(names: Names, **_: Any) -> str:
+    m = names.model
+    return f"""# Add router_aux_loss_coef x the load-balancing loss to the loss, so trained routers keep using every expert.
+{m}.config.output_router_logits = True
+{m}.config.get_text_config().output_router_logits = True
+"""
+
+
+register(Fix("enable-router-aux-loss", "Train MoE routers with the load-balancing loss",
+             "Set config.output_router_logits = True so the forward adds router_aux_loss_coef x the auxiliary loss.",
+             _router_aux, _router_aux_code))
+
+
+def _freeze_router(target: Target, **_: Any) -> dict:
+    params = trainable_router_params(target.model)
+    for _, p in params:
+        p.requires_grad_(False)
+    return {"frozen": [n for n, _ in params]} if params else {}
+
+
+def _freeze_router_code(names: Names, **_: Any) -> str:
+    return f"""# Keep the MoE routers as pre-trained (rebuild the optimizer / trainer after this).
+for name, module in {names.model}.named_modules():
+    if "Router" in type(module).__name__ or "TopK" in type(module).__name__:
+        module.requires_grad_(False)
+"""
+
+
+register(Fix("freeze-moe-router", "Freeze the MoE routers",
+             "requires_grad=False on the router weights so fine-tuning cannot collapse expert routing.",
+             _freeze_router, _freeze_router_code))
+
+
+# ---- train-mode-everywhere -------------------------------------------------------------------
+def _train_everywhere(target: Target, **_: Any) -> dict:
+    model = target.model
+    if not model.training:
+        return {}
+    off = [n for n, m in model.named_modules() if not m.training]
+    for _, module in model.named_modules():
+        torch.nn.Module.train(module, True)  # nn.Module's own train: past a wrapper's override
+    return {"train_mode": off} if off else {}
+
+
+def _train_everywhere_code(names: Names, **_: Any) -> str:
+    return f"""import torch
+
+# Put every submodule back in training mode (a wrapper's train() did not reach them after evaluation).
+for module in {names.model}.modules():
+    torch.nn.Module.train(module, True)
+"""
+
+
+register(Fix("train-mode-everywhere", "Put every submodule back in training mode",
+             "Call nn.Module.train on each submodule so dropout runs again after an evaluation left it off.",
+             _train_everywhere, _train_everywhere_code))
+
+
+# ---- disable-cudnn-sdp -----------------------------------------------------------------------
+def _no_cudnn_sdp(target: Target, **_: Any) -> dict:
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        return {}
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return {"torch.backends.cuda.cudnn_sdp": "enabled -> disabled"}
+
+
+def _no_cudnn_sdp_code(names: Names, **_: Any) -> str:
+    return """import torch
+
+# The cuDNN SDPA backward returns NaN on Hopper with a padding mask on some torch releases: use flash / mem-efficient.
+torch.backends.cuda.enable_cudnn_sdp(False)
+"""
+
+
+register(Fix("disable-cudnn-sdp", "Turn off the cuDNN attention backend",
+             "torch.backends.cuda.enable_cudnn_sdp(False): SDPA falls back to the flash or memory-efficient kernel.",
+             _no_cudnn_sdp, _no_cudnn_sdp_code, needs="model-or-args"))

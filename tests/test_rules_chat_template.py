@@ -1,0 +1,151 @@
+"""Assistant-only loss coverage per role and double BOS, on real TRL SFTTrainers over an in-process tokenizer."""
+from __future__ import annotations
+
+import pytest
+import torch
+from chat_helpers import (
+    BOS_ID,
+    EMPTY_THINK,
+    EVERYTHING_GENERATED,
+    WITH_GENERATION,
+    WITHOUT_GENERATION,
+    chat_tokenizer,
+    conversation,
+)
+
+import nbguard
+from nbguard.auditor.rules.chat_loss import role_supervision
+from nbguard.explainer import diagnose, diagnose_warning
+from nbguard.testing import tiny_llama
+
+
+def sft_trainer(tmp_path, tok, rows, **config):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, per_device_train_batch_size=2,
+                     save_strategy="no", disable_tqdm=True, max_length=64, **config)
+    return SFTTrainer(model=tiny_llama(), args=args, processing_class=tok, train_dataset=Dataset.from_list(rows))
+
+
+def chats(n: int = 4) -> list[dict]:
+    return [{"messages": conversation(seed=i)} for i in range(n)]
+
+
+def rule_findings(result, rule_id: str):
+    return [f for f in result.findings if f.rule == rule_id]
+
+
+def supervised_ids(trainer) -> set[int]:
+    batch = next(iter(trainer.get_train_dataloader()))
+    return set(batch["input_ids"][batch["labels"] != -100].tolist())
+
+
+def user_markers(tok) -> set[int]:
+    return {tok.convert_tokens_to_ids("<|user|>"), tok.convert_tokens_to_ids("<|system|>")}
+
+
+# ---- assistant-loss-coverage -----------------------------------------------------------------
+def test_healthy_template_supervises_only_the_assistant_and_stays_quiet(tmp_path):
+    tok = chat_tokenizer(WITH_GENERATION)
+    trainer = sft_trainer(tmp_path, tok, chats(), assistant_only_loss=True)
+    assert not supervised_ids(trainer) & user_markers(tok)  # the real batches train on the replies only
+    seen = role_supervision(tok, WITH_GENERATION)
+    assert seen.supervised["user"] == seen.supervised["system"] == 0 and seen.share("assistant") > 0.8
+    assert not rule_findings(nbguard.audit(trainer=trainer), "assistant-loss-coverage")
+
+
+def test_template_around_everything_is_flagged_and_trains_on_the_user(tmp_path):
+    tok = chat_tokenizer(EVERYTHING_GENERATED)
+    trainer = sft_trainer(tmp_path, tok, chats(), assistant_only_loss=True)
+    assert user_markers(tok) <= supervised_ids(trainer)  # the degradation: the real labels supervise the user's turns
+    (f,) = rule_findings(nbguard.audit(trainer=trainer), "assistant-loss-coverage")
+    assert f.severity.value == "warning" and "user" in f.title
+    assert f.evidence["per_role"]["user"]["share"] == 1.0 and f.evidence["per_role"]["system"]["share"] > 0.8
+
+
+def test_empty_think_block_inside_the_generation_block_is_flagged(tmp_path):
+    tok = chat_tokenizer(EMPTY_THINK)
+    trainer = sft_trainer(tmp_path, tok, chats(), assistant_only_loss=True)
+    think = {tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")}
+    assert think <= supervised_ids(trainer)  # the model is taught to open and close an empty think block
+    (f,) = rule_findings(nbguard.audit(trainer=trainer), "assistant-loss-coverage")
+    assert f.evidence["empty_think_supervised"] == 4 and "think" in f.title
+    assert f.evidence["per_role"]["user"]["supervised"] == 0
+
+
+def test_template_without_generation_fails_in_trl_and_the_audit_says_it_masks_nothing(tmp_path):
+    tok = chat_tokenizer(WITHOUT_GENERATION)
+    with pytest.raises(ValueError) as raised:  # TRL has no training version of this template
+        sft_trainer(tmp_path, tok, chats(), assistant_only_loss=True)
+    diagnosis = diagnose(raised.value)
+    assert diagnosis is not None and diagnosis.signature == "assistant-mask-no-generation"
+    # The same template set on a trainer built with it (the mask computed, no TRL guard): the audit calls it.
+    trainer = sft_trainer(tmp_path, chat_tokenizer(WITH_GENERATION), chats(), assistant_only_loss=True)
+    trainer.processing_class.chat_template = WITHOUT_GENERATION
+    (f,) = rule_findings(nbguard.audit(trainer=trainer), "assistant-loss-coverage")
+    assert f.severity.value == "error" and f.evidence["per_role"]["assistant"]["supervised"] == 0
+    assert f.evidence["generation_markers"] is False
+
+
+def test_transformers_warning_without_generation_has_a_signature(caplog):
+    from transformers.utils import logging as hf_logging
+
+    import logging
+
+    tok = chat_tokenizer(WITHOUT_GENERATION)
+    logging.Logger.warning_once.cache_clear()  # type: ignore[attr-defined]  # emitted once per process otherwise
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            out = tok.apply_chat_template(conversation(), tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+    finally:
+        hf_logging.disable_propagation()
+    assert sum(out["assistant_masks"]) == 0
+    (text,) = [r.getMessage() for r in caplog.records if "generation" in r.getMessage()]
+    diagnosis = diagnose_warning(text, "transformers")
+    assert diagnosis is not None and diagnosis.signature == "assistant-mask-no-generation"
+
+
+def test_coverage_rule_is_silent_without_assistant_only_loss(tmp_path):
+    trainer = sft_trainer(tmp_path, chat_tokenizer(EVERYTHING_GENERATED), chats())
+    assert not rule_findings(nbguard.audit(trainer=trainer), "assistant-loss-coverage")
+
+
+# ---- double-bos ------------------------------------------------------------------------------
+def text_rows(tok, n: int = 4) -> list[dict]:
+    """Conversations rendered to text by the template (which writes <s>), the way a text-field SFT recipe does."""
+    return [{"text": tok.apply_chat_template(conversation(seed=i), tokenize=False)} for i in range(n)]
+
+
+def first_token_loss(model, ids: list[int]) -> float:
+    batch = torch.tensor([ids])
+    labels = batch.clone()
+    labels[:, : len(ids) - 6] = -100  # the same answer tokens are scored in both
+    with torch.no_grad():
+        return float(model(input_ids=batch, labels=labels).loss)
+
+
+def test_double_bos_from_template_plus_tokenizer_is_flagged(tmp_path):
+    tok = chat_tokenizer(WITH_GENERATION, add_bos=True)
+    trainer = sft_trainer(tmp_path, tok, text_rows(tok))
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert (batch["input_ids"][:, :2] == BOS_ID).all()  # TRL tokenised the templated text with the BOS added
+    (f,) = rule_findings(nbguard.audit(trainer=trainer), "double-bos")
+    assert f.evidence["template_renders_bos_and_tokenizer_adds_one"] is True
+    assert f.evidence["rows"]["count"] == 4 and f.fixes == ["tokenizer-no-bos"]
+    # The step differs: the same answer scored after one BOS or two.
+    model, ids = tiny_llama(), batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
+    assert first_token_loss(model, ids) != pytest.approx(first_token_loss(model, ids[1:]), rel=1e-4)
+
+    result = nbguard.fixes.apply("tokenizer-no-bos", tokenizer=tok)
+    assert result.changed and tok(text_rows(tok, 1)[0]["text"])["input_ids"][:2] == [BOS_ID, 3]
+    rebuilt = sft_trainer(tmp_path, tok, text_rows(tok))
+    assert not rule_findings(nbguard.audit(trainer=rebuilt), "double-bos")
+
+
+def test_single_bos_from_the_template_stays_quiet(tmp_path):
+    tok = chat_tokenizer(WITH_GENERATION, add_bos=False)
+    trainer = sft_trainer(tmp_path, tok, text_rows(tok))
+    assert not rule_findings(nbguard.audit(trainer=trainer), "double-bos")
