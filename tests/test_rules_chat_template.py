@@ -89,9 +89,9 @@ def test_template_without_generation_fails_in_trl_and_the_audit_says_it_masks_no
 
 
 def test_transformers_warning_without_generation_has_a_signature(caplog):
-    from transformers.utils import logging as hf_logging
-
     import logging
+
+    from transformers.utils import logging as hf_logging
 
     tok = chat_tokenizer(WITHOUT_GENERATION)
     logging.Logger.warning_once.cache_clear()  # type: ignore[attr-defined]  # emitted once per process otherwise
@@ -103,7 +103,7 @@ def test_transformers_warning_without_generation_has_a_signature(caplog):
     finally:
         hf_logging.disable_propagation()
     assert sum(out["assistant_masks"]) == 0
-    (text,) = [r.getMessage() for r in caplog.records if "generation" in r.getMessage()]
+    (text,) = {r.getMessage() for r in caplog.records if "generation" in r.getMessage()}
     diagnosis = diagnose_warning(text, "transformers")
     assert diagnosis is not None and diagnosis.signature == "assistant-mask-no-generation"
 
