@@ -30,12 +30,25 @@ def last_attended(mask: torch.Tensor) -> torch.Tensor:
     return (positions * mask.long()).argmax(dim=-1)
 
 
+def pad_id_in_training(ctx) -> tuple[int | None, bool]:
+    """The pad id the head will pool with in train(), and whether the Trainer set it: transformers 5's Trainer
+    copies its processing_class's special tokens into the model config before training (align_special_tokens)."""
+    import transformers.trainer_utils as trainer_utils
+
+    pad = getattr(ctx.text_config, "pad_token_id", None)
+    tok = getattr(ctx.trainer, "processing_class", None)
+    tok_pad = getattr(getattr(tok, "tokenizer", tok), "pad_token_id", None)
+    if tok_pad is not None and hasattr(trainer_utils, "align_special_tokens"):
+        return tok_pad, tok_pad != pad
+    return pad, False
+
+
 @rule("classifier-pools-wrong-token", "error")
 def classifier_pools_wrong_token(ctx):
     """A decoder classification / reward head with no pad_token_id, or one that pools another token than the last real one."""
     if ctx.model is None or not _is_decoder_classifier(ctx.model):
         return None
-    pad = getattr(ctx.text_config, "pad_token_id", None)
+    pad, aligned = pad_id_in_training(ctx)
     batch_size = max([int(b["input_ids"].shape[0]) for b in ctx.batches if isinstance(b.get("input_ids"), torch.Tensor)]
                      + [int(getattr(ctx.args, "per_device_train_batch_size", 1) or 1)])
     tok_pad = getattr(ctx.tokenizer, "pad_token_id", None)
@@ -47,7 +60,7 @@ def classifier_pools_wrong_token(ctx):
             "model.config.pad_token_id is None, so the head cannot find each row's last token and raises \"Cannot "
             f"handle batch sizes > 1 if no padding token is defined\" (batch size {batch_size}). Set "
             "model.config.pad_token_id to the tokenizer's pad id (a pad token distinct from EOS).",
-            {"config_pad_token_id": None, "tokenizer_pad_token_id": tok_pad, "batch_size": batch_size},
+            {"pad_token_id_in_training": None, "tokenizer_pad_token_id": tok_pad, "batch_size": batch_size},
             fixes=["sync-pad-token-id"])
     wrong, rows = [], 0
     for b, batch in enumerate(ctx.batches):
@@ -68,6 +81,7 @@ def classifier_pools_wrong_token(ctx):
            if pad == eos else f" (the tokenizer pads with id {tok_pad}). ")
         + "The reward / class is learned from the wrong position. Give the tokenizer a pad token distinct from EOS "
           "and set model.config.pad_token_id to it.",
-        {"config_pad_token_id": pad, "tokenizer_pad_token_id": tok_pad, "eos_token_id": eos, "rows": capped(wrong),
+        {"pad_token_id_in_training": pad, "set_by_trainer_from_tokenizer": aligned, "tokenizer_pad_token_id": tok_pad,
+         "eos_token_id": eos, "rows": capped(wrong),
          **ctx.sample.to_evidence()},
         fixes=["distinct-pad-token"] if pad == eos else ["sync-pad-token-id"])
