@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from ..introspect.modes import dropout_in_eval
 from ..introspect.moe import trainable_router_params
 from .registry import Fix, Names, Target, register
 
@@ -161,29 +162,30 @@ register(Fix("freeze-moe-router", "Freeze the MoE routers",
              _freeze_router, _freeze_router_code))
 
 
-# ---- train-mode-everywhere -------------------------------------------------------------------
-def _train_everywhere(target: Target, **_: Any) -> dict:
-    model = target.model
-    if not model.training:
-        return {}
-    off = [n for n, m in model.named_modules() if not m.training]
-    for _, module in model.named_modules():
-        torch.nn.Module.train(module, True)  # nn.Module's own train: past a wrapper's override
-    return {"train_mode": off} if off else {}
+# ---- dropout-train-mode ----------------------------------------------------------------------
+def _dropout_train(target: Target, **_: Any) -> dict:
+    off = dropout_in_eval(target.model)
+    modules = dict(target.model.named_modules())
+    for name in off:
+        modules[name].train(True)  # dropout layers only: modules the user keeps in eval on purpose stay there
+    return {"dropout_back_in_train_mode": off} if off else {}
 
 
-def _train_everywhere_code(names: Names, **_: Any) -> str:
+def _dropout_train_code(names: Names, **_: Any) -> str:
     return f"""import torch
 
-# Put every submodule back in training mode (a wrapper's train() did not reach them after evaluation).
-for module in {names.model}.modules():
-    torch.nn.Module.train(module, True)
+# A wrapper's train() did not reach these dropout layers after evaluation: put them back in training mode.
+if {names.model}.training:
+    for module in {names.model}.modules():
+        dropout = isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0
+        if dropout or getattr(module, "attention_dropout", 0.0) > 0:  # transformers attention reads its own flag
+            module.train(True)
 """
 
 
-register(Fix("train-mode-everywhere", "Put every submodule back in training mode",
-             "Call nn.Module.train on each submodule so dropout runs again after an evaluation left it off.",
-             _train_everywhere, _train_everywhere_code))
+register(Fix("dropout-train-mode", "Put dropout layers back in training mode",
+             "Dropout layers (p > 0) left in eval mode inside a training model go back to train mode.",
+             _dropout_train, _dropout_train_code))
 
 
 # ---- disable-cudnn-sdp -----------------------------------------------------------------------
