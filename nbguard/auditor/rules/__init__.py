@@ -8,6 +8,7 @@ from . import (  # noqa: F401  (registers them)
     chat_loss,
     dry_forward,
     embeddings,
+    known_bugs,
     labels,
     mistral_regex,
     moe,
