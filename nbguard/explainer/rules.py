@@ -541,3 +541,20 @@ def mxfp4_not_trainable(exc):
         "model or LoRA on top; or, to save memory, dequantise and then quantise to 4-bit with bitsandbytes for QLoRA."
     )
     return _diagnosis("mxfp4-not-trainable", exc, "MXFP4-quantised weights cannot be trained", detail)
+
+
+# torch DistributedDataParallel reducer: RuntimeError("Expected to mark a variable ready only once. This error is
+# caused by one of the following reasons: 1) Use of a module parameter outside the `forward` function. ...")
+@rule("ddp-variable-ready-twice")
+def ddp_variable_ready_twice(exc):
+    if "mark a variable ready only once" not in str(exc):
+        return None
+    detail = (
+        "DDP with find_unused_parameters=True marked a parameter ready after the forward (it did not see it in "
+        "the graph) and again when its gradient arrived. The usual cause in fine-tuning is reentrant activation "
+        "checkpointing, which hides the checkpointed layers' parameters from that graph; the Trainer turns "
+        "find_unused_parameters on for PEFT models. Checkpoint with use_reentrant=False "
+        "(gradient_checkpointing_kwargs={'use_reentrant': False}) or set ddp_find_unused_parameters=False."
+    )
+    return _diagnosis("ddp-variable-ready-twice", exc, "DDP marked a parameter ready twice (reentrant checkpointing)",
+                      detail, ["non-reentrant-checkpointing"])

@@ -207,3 +207,33 @@ torch.backends.cuda.enable_cudnn_sdp(False)
 register(Fix("disable-cudnn-sdp", "Turn off the cuDNN attention backend",
              "torch.backends.cuda.enable_cudnn_sdp(False): SDPA falls back to the flash or memory-efficient kernel.",
              _no_cudnn_sdp, _no_cudnn_sdp_code, needs="model-or-args"))
+
+
+# ---- non-reentrant-checkpointing -------------------------------------------------------------
+def _non_reentrant(target: Target, **_: Any) -> dict:
+    changed: dict[str, Any] = {}
+    args, model = target.args, target.model
+    if args is not None and getattr(args, "gradient_checkpointing", False):
+        kwargs = dict(getattr(args, "gradient_checkpointing_kwargs", None) or {})
+        if kwargs.get("use_reentrant") is not False:
+            args.gradient_checkpointing_kwargs = {**kwargs, "use_reentrant": False}
+            changed["args.gradient_checkpointing_kwargs"] = "use_reentrant=False"
+    if model is not None and getattr(model, "is_gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        changed["model"] = "checkpointing re-enabled with use_reentrant=False"
+    return changed
+
+
+def _non_reentrant_code(names: Names, **_: Any) -> str:
+    lines = ["# Non-reentrant checkpointing: DDP sees the checkpointed parameters once (no \"marked ready twice\")."]
+    if names.args is not None:
+        lines += [f"{names.args}.gradient_checkpointing_kwargs = {{"
+                  f"**({names.args}.gradient_checkpointing_kwargs or {{}}), \"use_reentrant\": False}}"]
+    lines += [f"if getattr({names.model}, \"is_gradient_checkpointing\", False):",
+              f"    {names.model}.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{\"use_reentrant\": False}})"]
+    return "\n".join(lines) + "\n"
+
+
+register(Fix("non-reentrant-checkpointing", "Checkpoint without reentrancy",
+             "gradient_checkpointing_kwargs={'use_reentrant': False} on the arguments and the model.",
+             _non_reentrant, _non_reentrant_code, needs="model-or-args"))
