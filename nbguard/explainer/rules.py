@@ -490,7 +490,7 @@ def assistant_mask_no_generation(exc):
 
 # transformers Trainer.compute_loss: ValueError("The model did not return a loss from the inputs, only the
 # following keys: logits. ..."); modelling code: ValueError("`token_type_ids` is required as a model input when training")
-_REQUIRED_INPUT = re.compile(r"`(\w+)` is required as a model input when training")
+_REQUIRED_INPUT = re.compile(r"`(\w+)` is required as a model input when training|data was passed .* but `(\w+)` is missing")
 
 
 @rule("model-returned-no-loss")
@@ -499,9 +499,10 @@ def model_returned_no_loss(exc):
     required = _REQUIRED_INPUT.search(text)
     if required is None and "did not return a loss from the inputs" not in text:
         return None
-    if required is not None:
-        title = f"the model needs {required.group(1)} in training and the batch has none"
-        cause = (f"The processor or collator did not put {required.group(1)} into the batch (or "
+    missing = next((g for g in required.groups() if g), None) if required is not None else None
+    if missing is not None:
+        title = f"the model needs {missing} in training and the batch has none"
+        cause = (f"The processor or collator did not put {missing} into the batch (or "
                  "remove_unused_columns dropped it): build batches with the model's own processor and keep that column.")
     else:
         title = "the model returned no loss: the batch has no labels"
@@ -510,7 +511,7 @@ def model_returned_no_loss(exc):
                  "column (remove_unused_columns, label_names).")
     return _diagnosis("model-returned-no-loss", exc, title,
                       cause + " nbguard.audit(trainer) runs one dry forward on a sampled batch and says this before train().",
-                      missing_input=required.group(1) if required else None)
+                      missing_input=missing)
 
 
 # transformers GenericForSequenceClassification: ValueError("Cannot handle batch sizes > 1 if no padding token is defined.")
@@ -558,3 +559,26 @@ def ddp_variable_ready_twice(exc):
     )
     return _diagnosis("ddp-variable-ready-twice", exc, "DDP marked a parameter ready twice (reentrant checkpointing)",
                       detail, ["non-reentrant-checkpointing"])
+
+
+# transformers VLMs (get_placeholder_mask): ValueError("Image features and image tokens do not match, tokens: 3,
+# features: 4") (earlier: "Image features and image tokens do not match: tokens: 720, features 360").
+_IMAGE_MISMATCH = re.compile(r"Image features and image tokens do not match[:,]? tokens: (\d+), features:? (\d+)")
+
+
+@rule("vlm-image-tokens-mismatch")
+def vlm_image_tokens_mismatch(exc):
+    match = _IMAGE_MISMATCH.search(str(exc))
+    if not match:
+        return None
+    tokens, features = int(match.group(1)), int(match.group(2))
+    detail = (
+        f"The batch holds {tokens} image placeholder tokens but the vision tower gave {features} features. "
+        + ("Truncation cut placeholders the processor had expanded: raise max_length above the longest example with "
+           "its image tokens, or drop examples that do not fit. " if tokens < features else
+           "The text holds more placeholders than the images give features (a placeholder written by hand, or images "
+           "dropped from the batch). ")
+        + "nbguard.audit(trainer) counts both on sampled batches before training (rule vlm-image-tokens-truncated)."
+    )
+    return _diagnosis("vlm-image-tokens-mismatch", exc, "image tokens and image features do not match", detail,
+                      image_tokens=tokens, image_features=features)

@@ -237,3 +237,66 @@ def _non_reentrant_code(names: Names, **_: Any) -> str:
 register(Fix("non-reentrant-checkpointing", "Checkpoint without reentrancy",
              "gradient_checkpointing_kwargs={'use_reentrant': False} on the arguments and the model.",
              _non_reentrant, _non_reentrant_code, needs="model-or-args"))
+
+
+# ---- mask-special-labels ---------------------------------------------------------------------
+class MaskSpecialLabels:
+    """Wraps a collator: labels equal to the image token id, and negative labels, become -100."""
+
+    masks_special_labels = True
+
+    def __init__(self, collator: Any, image_token_id: int | None):
+        self.collator, self.image_token_id = collator, image_token_id
+
+    def __call__(self, features: Any) -> Any:
+        batch = self.collator(features)
+        labels = batch["labels"]
+        bad = labels < 0
+        if self.image_token_id is not None:
+            bad |= labels == self.image_token_id
+        batch["labels"] = labels.masked_fill(bad, -100)
+        return batch
+
+
+def _image_token(model: Any) -> int | None:
+    config = getattr(model, "config", None)
+    return next((v for n in ("image_token_id", "image_token_index")
+                 if isinstance(v := getattr(config, n, None), int)), None)
+
+
+def _mask_labels(target: Target, **_: Any) -> dict:
+    trainer = target.trainer
+    if getattr(trainer.data_collator, "masks_special_labels", False):
+        return {}
+    token = _image_token(trainer.model)
+    trainer.data_collator = MaskSpecialLabels(trainer.data_collator, token)
+    return {"trainer.data_collator": f"labels equal to {token} or negative become -100"}
+
+
+def _mask_labels_code(names: Names, **_: Any) -> str:
+    t = names.trainer
+    return f"""# Never supervise image placeholders, and give cross-entropy only -100 as the ignored label.
+class MaskSpecialLabels:
+    masks_special_labels = True
+
+    def __init__(self, collator, image_token_id):
+        self.collator, self.image_token_id = collator, image_token_id
+
+    def __call__(self, features):
+        batch = self.collator(features)
+        labels = batch["labels"]
+        bad = labels < 0
+        if self.image_token_id is not None:
+            bad |= labels == self.image_token_id
+        batch["labels"] = labels.masked_fill(bad, -100)
+        return batch
+
+
+if not getattr({t}.data_collator, "masks_special_labels", False):
+    {t}.data_collator = MaskSpecialLabels({t}.data_collator, getattr({t}.model.config, "image_token_id", None))
+"""
+
+
+register(Fix("mask-special-labels", "Mask image-token and negative labels",
+             "Wrap the collator so labels equal to the image token id, or negative, become -100.",
+             _mask_labels, _mask_labels_code, needs="trainer"))

@@ -22,4 +22,5 @@ from . import (  # noqa: F401  (registers them)
     tokens,
     train_mode,
     training,
+    vlm,
 )

@@ -1,10 +1,11 @@
-"""One dry forward on a sampled row, the way the Trainer will call the model: does it return a loss?
+"""One dry forward on a sampled batch, the way the Trainer will call the model: does it return a loss?
 
 A collator that adds no labels (DataCollatorWithPadding on a causal LM), a processor that drops an
 input the model needs in training (``token_type_ids``, ``mm_token_type_ids``), or a model whose head
 computes no loss all end the same way: ``train()`` raises on its first step ("The model did not return
-a loss from the inputs"). One forward of one row, without gradients, in the model's current mode and
-with every RNG put back, says so before training.
+a loss from the inputs"). One forward of the first sampled batch (whole: a VLM's pixel_values and image grids
+do not split by row), without gradients, in the model's current mode and with every RNG put back, says
+so before training.
 """
 from __future__ import annotations
 
@@ -26,25 +27,19 @@ def _uses_model_loss(trainer: Any) -> bool:
     return owner is Trainer or owner.__module__.startswith("trl.trainer.sft_trainer")
 
 
-def first_row(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """The batch cut to its first row (tensors whose first dimension is the batch's), on ``device``."""
-    rows = next(iter(batch.values())).shape[0]
-    return {k: (v[:1] if v.dim() and v.shape[0] == rows else v).to(device) for k, v in batch.items()}
-
-
 def dry_forward(model: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, str | None]:
     """(output, None) or (None, "ExceptionType: message"), the model and every RNG left as found."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     with preserved_rng(), torch.no_grad():
         try:
-            return model(**first_row(batch, device)), None
+            return model(**{k: v.to(device) for k, v in batch.items()}), None
         except (ValueError, TypeError, KeyError) as exc:  # what a missing input raises in modelling code
             return None, f"{type(exc).__name__}: {exc}"
 
 
 @rule("forward-returns-no-loss", "error")
 def forward_returns_no_loss(ctx):
-    """A dry forward of one sampled row, as the Trainer calls the model, raises or returns no loss."""
+    """A dry forward of a sampled batch, as the Trainer calls the model, raises or returns no loss."""
     trainer = ctx.trainer
     if trainer is None or not ctx.batches or not _uses_model_loss(trainer):
         return None
@@ -60,7 +55,7 @@ def forward_returns_no_loss(ctx):
         returned = list(output.keys()) if isinstance(output, dict) else [type(output).__name__]
         return finding(
             "forward-returns-no-loss", "the model returns no loss for the trainer's batches",
-            f"A forward of one sampled row (inputs: {', '.join(keys)}) returned only {', '.join(returned)}: "
+            f"A forward of the first sampled batch (inputs: {', '.join(keys)}) returned only {', '.join(returned)}: "
             + ("the batch has no labels, so the model computes no loss. " if "labels" not in batch else "")
             + "train() will stop on its first step with \"The model did not return a loss from the inputs\". "
               "Use a collator that adds labels (DataCollatorForLanguageModeling(tokenizer, mlm=False) for a causal "
@@ -68,7 +63,7 @@ def forward_returns_no_loss(ctx):
             {"inputs": keys, "returned": returned, **ctx.sample.to_evidence()})
     return finding(
         "forward-returns-no-loss", "the model's forward fails on the trainer's batches",
-        f"A forward of one sampled row (inputs: {', '.join(keys)}) raised {error}. train() will raise the same on its "
+        f"A forward of the first sampled batch (inputs: {', '.join(keys)}) raised {error}. train() will raise the same on its "
         "first step. A processor or collator that drops an input the model needs in training (token_type_ids, "
         "pixel_values, mm_token_type_ids) or remove_unused_columns removing it are the usual causes.",
         {"inputs": keys, "exception": error, **ctx.sample.to_evidence()})
