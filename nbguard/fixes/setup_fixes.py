@@ -144,9 +144,9 @@ register(Fix("enable-router-aux-loss", "Train MoE routers with the load-balancin
 
 def _freeze_router(target: Target, **_: Any) -> dict:
     params = trainable_router_params(target.model)
-    for _, p in params:
-        p.requires_grad_(False)
-    return {"frozen": [n for n, _ in params]} if params else {}
+    for _name, param in params:
+        param.requires_grad_(False)
+    return {"frozen": [name for name, _ in params]} if params else {}
 
 
 def _freeze_router_code(names: Names, **_: Any) -> str:
