@@ -105,7 +105,7 @@ def test_transformers_warning_without_generation_has_a_signature(caplog):
     assert sum(out["assistant_masks"]) == 0
     (text,) = {r.getMessage() for r in caplog.records if "generation" in r.getMessage()}
     diagnosis = diagnose_warning(text, "transformers")
-    assert diagnosis is not None and diagnosis.signature == "assistant-mask-no-generation"
+    assert diagnosis is not None and diagnosis.signature == "generation-keyword-missing"
 
 
 def test_coverage_rule_is_silent_without_assistant_only_loss(tmp_path):

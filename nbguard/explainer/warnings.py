@@ -154,12 +154,12 @@ def linear4bit_input_dtype(text: str, origin: str):
 
 # transformers.utils.chat_template_utils: logger.warning_once("return_assistant_tokens_mask==True but chat template
 # does not contain `{% generation %}` keyword.")
-@warning_signature("assistant-mask-no-generation", source="logging:transformers")
+@warning_signature("generation-keyword-missing", source="logging:transformers")
 def assistant_mask_no_generation_warning(text: str, origin: str):
     if "return_assistant_tokens_mask" not in text or "generation %}" not in text:
         return None
     return _diagnosis(
-        "assistant-mask-no-generation", text, origin,
+        "generation-keyword-missing", text, origin,
         "The chat template has no {% generation %} block: the assistant mask is all zeros",
         "apply_chat_template(return_assistant_tokens_mask=True) marks the tokens inside {% generation %}..."
         "{% endgeneration %}; without the block no token is an assistant token, so assistant-only loss "
