@@ -1,6 +1,7 @@
 """Fixes for the data, chat-template and configuration rules: BOS, packing masks, pad ids, MoE routers, train mode."""
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -34,16 +35,17 @@ register(Fix("tokenizer-no-bos", "Stop the tokenizer adding a second BOS",
 
 
 # ---- drop-mask-for-packing -------------------------------------------------------------------
+# The fix's cell carries this class's own source: no annotations, no names from this module.
 class DropMaskForPacking:
     """Wraps a collator: packed batches (position_ids present) lose their attention_mask, so transformers
     builds one block per example from position_ids instead of causal attention across the row."""
 
     drops_mask_for_packing = True
 
-    def __init__(self, collator: Any):
+    def __init__(self, collator):
         self.collator = collator
 
-    def __call__(self, features: Any) -> Any:
+    def __call__(self, features):
         batch = self.collator(features)
         if "position_ids" in batch:
             batch.pop("attention_mask", None)
@@ -61,18 +63,7 @@ def _drop_mask(target: Target, **_: Any) -> dict:
 def _drop_mask_code(names: Names, **_: Any) -> str:
     t = names.trainer
     return f"""# Packed rows: transformers separates the examples by position_ids only when attention_mask is absent.
-class DropMaskForPacking:
-    {PACKING_MARK} = True
-
-    def __init__(self, collator):
-        self.collator = collator
-
-    def __call__(self, features):
-        batch = self.collator(features)
-        if "position_ids" in batch:
-            batch.pop("attention_mask", None)
-        return batch
-
+{inspect.getsource(DropMaskForPacking)}
 
 if not getattr({t}.data_collator, "{PACKING_MARK}", False):
     {t}.data_collator = DropMaskForPacking({t}.data_collator)
@@ -240,15 +231,16 @@ register(Fix("non-reentrant-checkpointing", "Checkpoint without reentrancy",
 
 
 # ---- mask-special-labels ---------------------------------------------------------------------
+# The fix's cell carries this class's own source: no annotations, no names from this module.
 class MaskSpecialLabels:
     """Wraps a collator: labels equal to the image token id, and negative labels, become -100."""
 
     masks_special_labels = True
 
-    def __init__(self, collator: Any, image_token_id: int | None):
+    def __init__(self, collator, image_token_id):
         self.collator, self.image_token_id = collator, image_token_id
 
-    def __call__(self, features: Any) -> Any:
+    def __call__(self, features):
         batch = self.collator(features)
         labels = batch["labels"]
         bad = labels < 0
@@ -276,21 +268,7 @@ def _mask_labels(target: Target, **_: Any) -> dict:
 def _mask_labels_code(names: Names, **_: Any) -> str:
     t = names.trainer
     return f"""# Never supervise image placeholders, and give cross-entropy only -100 as the ignored label.
-class MaskSpecialLabels:
-    masks_special_labels = True
-
-    def __init__(self, collator, image_token_id):
-        self.collator, self.image_token_id = collator, image_token_id
-
-    def __call__(self, features):
-        batch = self.collator(features)
-        labels = batch["labels"]
-        bad = labels < 0
-        if self.image_token_id is not None:
-            bad |= labels == self.image_token_id
-        batch["labels"] = labels.masked_fill(bad, -100)
-        return batch
-
+{inspect.getsource(MaskSpecialLabels)}
 
 if not getattr({t}.data_collator, "masks_special_labels", False):
     {t}.data_collator = MaskSpecialLabels({t}.data_collator, getattr({t}.model.config, "image_token_id", None))
