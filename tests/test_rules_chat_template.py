@@ -14,7 +14,8 @@ from chat_helpers import (
 )
 
 import nbguard
-from nbguard.auditor.rules.chat_loss import role_supervision
+from nbguard.auditor.context import AuditContext
+from nbguard.auditor.rules.chat_loss import role_supervision, sampled_role_supervision
 from nbguard.explainer import diagnose, diagnose_warning
 from nbguard.testing import tiny_llama
 
@@ -52,6 +53,10 @@ def test_healthy_template_supervises_only_the_assistant_and_stays_quiet(tmp_path
     assert not supervised_ids(trainer) & user_markers(tok)  # the real batches train on the replies only
     seen = role_supervision(tok, WITH_GENERATION)
     assert seen.supervised["user"] == seen.supervised["system"] == 0 and seen.share("assistant") > 0.8
+    ctx = AuditContext(model=trainer.model, trainer=trainer, args=trainer.args)
+    sampled, rows = sampled_role_supervision(ctx, WITH_GENERATION)  # the trainer's own rows, read back
+    assert rows == 4 and sampled.supervised["user"] == sampled.supervised["system"] == 0
+    assert sampled.share("assistant") > 0.8
     assert not rule_findings(nbguard.audit(trainer=trainer), "assistant-loss-coverage")
 
 
@@ -60,8 +65,9 @@ def test_template_around_everything_is_flagged_and_trains_on_the_user(tmp_path):
     trainer = sft_trainer(tmp_path, tok, chats(), assistant_only_loss=True)
     assert user_markers(tok) <= supervised_ids(trainer)  # the degradation: the real labels supervise the user's turns
     (f,) = rule_findings(nbguard.audit(trainer=trainer), "assistant-loss-coverage")
-    assert f.severity.value == "warning" and "user" in f.title
+    assert f.severity.value == "warning" and "user" in f.title and f.evidence["per_role_source"] == "sampled rows"
     assert f.evidence["per_role"]["user"]["share"] == 1.0 and f.evidence["per_role"]["system"]["share"] > 0.8
+    assert f.evidence["probe_per_role"]["user"]["share"] == 1.0  # the probe conversation agrees
 
 
 def test_empty_think_block_inside_the_generation_block_is_flagged(tmp_path):
@@ -70,7 +76,8 @@ def test_empty_think_block_inside_the_generation_block_is_flagged(tmp_path):
     think = {tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")}
     assert think <= supervised_ids(trainer)  # the model is taught to open and close an empty think block
     (f,) = rule_findings(nbguard.audit(trainer=trainer), "assistant-loss-coverage")
-    assert f.evidence["empty_think_supervised"] == 4 and "think" in f.title
+    assert f.evidence["per_role_source"] == "sampled rows" and f.evidence["sampled_rows"] == 4
+    assert f.evidence["empty_think_supervised"] == 16 and "think" in f.title  # 4 rows x 2 replies x 2 tokens
     assert f.evidence["per_role"]["user"]["supervised"] == 0
 
 
@@ -80,12 +87,15 @@ def test_template_without_generation_fails_in_trl_and_the_audit_says_it_masks_no
         sft_trainer(tmp_path, tok, chats(), assistant_only_loss=True)
     diagnosis = diagnose(raised.value)
     assert diagnosis is not None and diagnosis.signature == "assistant-mask-no-generation"
-    # The same template set on a trainer built with it (the mask computed, no TRL guard): the audit calls it.
+    # The trainer's rows were built with a good template: the audit reads them back and stays quiet.
     trainer = sft_trainer(tmp_path, chat_tokenizer(WITH_GENERATION), chats(), assistant_only_loss=True)
     trainer.processing_class.chat_template = WITHOUT_GENERATION
+    assert not rule_findings(nbguard.audit(trainer=trainer), "assistant-loss-coverage")
+    # Rows that cannot be read back (tokenised on the fly, no "messages" column): the template decides alone.
+    trainer.train_dataset = trainer.train_dataset.remove_columns("messages")
     (f,) = rule_findings(nbguard.audit(trainer=trainer), "assistant-loss-coverage")
     assert f.severity.value == "error" and f.evidence["per_role"]["assistant"]["supervised"] == 0
-    assert f.evidence["generation_markers"] is False
+    assert f.evidence["per_role_source"] == "probe conversation" and f.evidence["generation_markers"] is False
 
 
 def test_transformers_warning_without_generation_has_a_signature(caplog):

@@ -22,6 +22,7 @@ PROBE = [
     {"role": "assistant", "content": "Five times four is twenty."},
 ]
 _EMPTY_THINK = re.compile(r"<think>\s*</think>")
+SAMPLED_CONVERSATIONS = 8
 
 
 @dataclass
@@ -61,25 +62,50 @@ def _message_spans(tok, template: str, messages: list[dict], text: str) -> list[
     return spans
 
 
+def _count(out: RoleSupervision, tok, template: str, messages: list[dict], supervised: list[bool]) -> bool:
+    """Add one conversation's tokens to ``out`` by role; False when its ids are not the template's rendering."""
+    text = tok.apply_chat_template(messages, chat_template=template, tokenize=False)
+    offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    if len(offsets) < len(supervised):
+        return False
+    spans = _message_spans(tok, template, messages, text)
+    thinks = [m.span() for m in _EMPTY_THINK.finditer(text)]
+    for (begin, _), masked in zip(offsets, supervised):
+        role = next((r for s, e, r in spans if s <= begin < e), "all")
+        out.total[role] = out.total.get(role, 0) + 1
+        out.supervised[role] = out.supervised.get(role, 0) + int(masked)
+        if masked and any(s <= begin < e for s, e in thinks):
+            out.empty_think_supervised += 1
+    return True
+
+
 def role_supervision(tok, template: str, messages: list[dict] = PROBE) -> RoleSupervision:
     """Render ``messages`` with the assistant mask and count supervised tokens per role."""
     rendered = tok.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
                                        return_assistant_tokens_mask=True)
-    mask = list(rendered["assistant_masks"])
-    text = tok.apply_chat_template(messages, chat_template=template, tokenize=False)
-    offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-    if len(offsets) != len(mask):
-        raise RuntimeError(f"the rendered text tokenises to {len(offsets)} tokens but the mask has {len(mask)}")
-    spans = _message_spans(tok, template, messages, text)
-    thinks = [m.span() for m in _EMPTY_THINK.finditer(text)]
     out = RoleSupervision()
-    for (begin, _), masked in zip(offsets, mask):
-        role = next((r for s, e, r in spans if s <= begin < e), "all")
-        out.total[role] = out.total.get(role, 0) + 1
-        out.supervised[role] = out.supervised.get(role, 0) + int(bool(masked))
-        if masked and any(s <= begin < e for s, e in thinks):
-            out.empty_think_supervised += 1
+    if not _count(out, tok, template, messages, [bool(m) for m in rendered["assistant_masks"]]):
+        raise RuntimeError("the rendered conversation tokenises to fewer tokens than its assistant mask")
     return out
+
+
+def sampled_role_supervision(ctx, template: str) -> tuple[RoleSupervision, int] | None:
+    """The same count on the trainer's own examples (TRL keeps "messages" beside input_ids and labels):
+    supervised = labels != -100. None when the dataset keeps no conversations or labels."""
+    dataset = getattr(ctx.trainer, "train_dataset", None)
+    columns = getattr(dataset, "column_names", None) or []
+    if "messages" not in columns or "input_ids" not in columns or "labels" not in columns:
+        return None
+    out, rows = RoleSupervision(), 0
+    for index in range(min(len(dataset), SAMPLED_CONVERSATIONS)):
+        example = dataset[index]
+        ids = list(example["input_ids"])
+        rendered = ctx.tokenizer(ctx.tokenizer.apply_chat_template(example["messages"], chat_template=template,
+                                                                   tokenize=False), add_special_tokens=False)
+        if rendered["input_ids"][:len(ids)] != ids:  # built some other way (tools, extra kwargs): not comparable
+            continue
+        rows += _count(out, ctx.tokenizer, template, example["messages"], [v != -100 for v in example["labels"]])
+    return (out, rows) if rows else None
 
 
 @rule("assistant-loss-coverage", "error")
@@ -90,9 +116,14 @@ def assistant_loss_coverage(ctx):
     template = training_template(ctx)
     if template is None:
         return None
-    seen = role_supervision(ctx.tokenizer, template)
+    probe = role_supervision(ctx.tokenizer, template)
+    sampled = sampled_role_supervision(ctx, template)
+    # The trainer's own rows when they can be read back, else the probe conversation.
+    seen = sampled[0] if sampled else probe
     others = {r: seen.supervised.get(r, 0) for r in seen.total if r not in ("assistant", "all")}
-    evidence = {"per_role": seen.to_evidence(), "empty_think_supervised": seen.empty_think_supervised,
+    evidence = {"per_role": seen.to_evidence(), "per_role_source": "sampled rows" if sampled else "probe conversation",
+                "probe_per_role": probe.to_evidence(), "sampled_rows": sampled[1] if sampled else 0,
+                "empty_think_supervised": seen.empty_think_supervised,
                 "generation_markers": bool(re.search(r"\{%-?\s*generation\s*-?%\}", template))}
     if sum(seen.supervised.values()) == 0:
         return finding(
