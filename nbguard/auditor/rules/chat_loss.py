@@ -94,7 +94,7 @@ def sampled_role_supervision(ctx, template: str) -> tuple[RoleSupervision, int] 
     supervised = labels != -100. None when the dataset keeps no conversations or labels."""
     dataset = getattr(ctx.trainer, "train_dataset", None)
     columns = getattr(dataset, "column_names", None) or []
-    if "messages" not in columns or "input_ids" not in columns or "labels" not in columns:
+    if dataset is None or not {"messages", "input_ids", "labels"} <= set(columns):
         return None
     out, rows = RoleSupervision(), 0
     for index in range(min(len(dataset), SAMPLED_CONVERSATIONS)):
