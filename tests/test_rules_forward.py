@@ -112,3 +112,17 @@ def test_no_pad_id_fails_in_a_step_and_the_fix_repairs_it(tmp_path):
     assert nbguard.fixes.apply("sync-pad-token-id", trainer=trainer, tokenizer=tok).changed
     assert not findings(nbguard.audit(trainer=trainer), "classifier-pools-wrong-token")
     trainer.train()
+
+
+def test_left_padding_with_a_distinct_pad_pools_the_last_token_and_stays_quiet(tmp_path):
+    """transformers 5 pools the rightmost non-pad token, so left padding scores the same token as right padding."""
+    from transformers import DataCollatorWithPadding
+
+    tok = word_tokenizer(pad="unk", padding_side="left")
+    model = classifier(tok.pad_token_id)
+    rows = ragged_examples(2)
+    left = DataCollatorWithPadding(tok)(rows)
+    with torch.no_grad():
+        scores = model(**left).logits[:, 0]
+    assert scores.tolist() == pytest.approx([score(model, r["input_ids"]) for r in rows], abs=1e-5)
+    assert not findings(nbguard.audit(trainer=reward_trainer(tmp_path, model, tok)), "classifier-pools-wrong-token")
