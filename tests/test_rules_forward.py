@@ -126,3 +126,21 @@ def test_left_padding_with_a_distinct_pad_pools_the_last_token_and_stays_quiet(t
         scores = model(**left).logits[:, 0]
     assert scores.tolist() == pytest.approx([score(model, r["input_ids"]) for r in rows], abs=1e-5)
     assert not findings(nbguard.audit(trainer=reward_trainer(tmp_path, model, tok)), "classifier-pools-wrong-token")
+
+
+def test_dry_forward_leaves_a_4bit_model_as_found(tmp_path):
+    """An eval-mode forward would make bitsandbytes repack the 4-bit weights for CPU inference (different numerics
+    for the training that follows): the dry forward runs in training mode and puts every module's flag back."""
+    from peft import LoraConfig, get_peft_model
+
+    from nbguard.testing import tiny_4bit
+
+    model = get_peft_model(tiny_4bit("llama", compute_dtype=torch.bfloat16, dtype=torch.bfloat16),
+                           LoraConfig(r=4, target_modules=["q_proj"]))
+    model.eval()  # as from_pretrained leaves it: the Trainer only calls train() inside train()
+    before = {n: (p.shape, p.dtype) for n, p in model.named_parameters()}
+    modes = [m.training for m in model.modules()]
+    trainer = lm_trainer(model, make_args(tmp_path), ragged_examples(8), tokenizer=word_tokenizer(pad="unk"))
+    assert not findings(nbguard.audit(trainer=trainer), "forward-returns-no-loss")
+    assert {n: (p.shape, p.dtype) for n, p in model.named_parameters()} == before
+    assert [m.training for m in model.modules()] == modes

@@ -1,6 +1,9 @@
 """Train/eval mode facts: dropout that evaluation left off inside a model that says it is training."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 
@@ -18,3 +21,15 @@ def dropout_in_eval(model: torch.nn.Module) -> list[str]:
     if not model.training:
         return []
     return [name for name, m in model.named_modules() if not m.training and applies_dropout(m)]
+
+
+@contextlib.contextmanager
+def in_training_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model.train()`` as each training step calls it, then every module's own flag put back."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.train()
+        yield
+    finally:
+        for module, mode in modes:
+            module.training = mode

@@ -3,16 +3,18 @@
 A collator that adds no labels (DataCollatorWithPadding on a causal LM), a processor that drops an
 input the model needs in training (``token_type_ids``, ``mm_token_type_ids``), or a model whose head
 computes no loss all end the same way: ``train()`` raises on its first step ("The model did not return
-a loss from the inputs"). One forward of the first sampled batch (whole: a VLM's pixel_values and image grids
-do not split by row), without gradients, in the model's current mode and with every RNG put back, says
-so before training.
+a loss from the inputs"). One forward of the first sampled batch (whole: a VLM's pixel_values and image
+grids do not split by row), without gradients, in training mode under the trainer's autocast, with every
+module's mode and every RNG put back, says so before training.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
+from ...introspect.modes import in_training_mode
 from ..registry import finding, rule
 from ..sampling import preserved_rng
 
@@ -27,10 +29,15 @@ def _uses_model_loss(trainer: Any) -> bool:
     return owner is Trainer or owner.__module__.startswith("trl.trainer.sft_trainer")
 
 
-def dry_forward(model: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, str | None]:
-    """(output, None) or (None, "ExceptionType: message"), the model and every RNG left as found."""
+def dry_forward(model: Any, batch: dict[str, torch.Tensor], trainer: Any = None) -> tuple[Any, str | None]:
+    """(output, None) or (None, "ExceptionType: message"), in training mode and under the trainer's own autocast,
+    as a training step runs it (an eval-mode forward differs: bitsandbytes repacks 4-bit weights for CPU
+    inference on its first eval forward, some models require inputs only in training); every module's
+    mode and every RNG put back."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    with preserved_rng(), torch.no_grad():
+    autocast = getattr(trainer, "compute_loss_context_manager", None)
+    with preserved_rng(), in_training_mode(model), torch.no_grad(), (
+            autocast() if callable(autocast) else contextlib.nullcontext()):
         try:
             return model(**{k: v.to(device) for k, v in batch.items()}), None
         except (ValueError, TypeError, KeyError) as exc:  # what a missing input raises in modelling code
@@ -46,7 +53,7 @@ def forward_returns_no_loss(ctx):
     if any(p.device.type == "meta" for _, p in ctx.named_params[:1]):
         return None
     batch = ctx.batches[0]
-    output, error = dry_forward(ctx.model, batch)
+    output, error = dry_forward(ctx.model, batch, trainer)
     keys = sorted(batch)
     if error is None:
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
