@@ -62,7 +62,7 @@ def test_inner_eval_left_by_evaluation_trains_without_dropout_and_is_caught(tmp_
     check = DropoutModeCheck()
     with pytest.warns(UserWarning, match="dropout layer"):
         trainer_for(tmp_path, model, check).train()
-    assert [r["step"] for r in check.records] == [1, 2]
+    assert [r["step"] for r in check.records] == [1, 2] and check.steps_with_dropout_off == 2
 
     assert nbguard.fixes.apply("dropout-train-mode", model=model).changed
     first, second = two_losses(model)

@@ -18,8 +18,11 @@ from ..introspect.modes import dropout_in_eval
 class DropoutModeCheck(TrainerCallback):
     """Records (and warns once about) training steps that ran with dropout layers in eval mode."""
 
+    KEEP = 10  # records kept (the first steps); ``steps_with_dropout_off`` counts them all
+
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
+        self.steps_with_dropout_off = 0
 
     def check(self, model: Any, step: int) -> dict[str, Any] | None:
         try:
@@ -32,7 +35,9 @@ class DropoutModeCheck(TrainerCallback):
         if not self.records:
             warnings.warn(f"nbguard: step {step} trained with {len(off)} dropout layer(s) in eval mode "
                           f"({', '.join(off[:3])}...): a wrapper's train() did not reach them", stacklevel=2)
-        self.records.append(record)
+        self.steps_with_dropout_off += 1
+        if len(self.records) < self.KEEP:
+            self.records.append(record)
         return record
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
