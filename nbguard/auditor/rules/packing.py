@@ -29,8 +29,6 @@ def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 def cross_example_pairs(config, batch: dict) -> torch.Tensor | None:
     """(batch,) count of (query, key) pairs the model's mask allows across packed examples; None when not packed."""
-    from transformers.masking_utils import create_causal_mask
-
     ids, positions = batch.get("input_ids"), batch.get("position_ids")
     if not isinstance(ids, torch.Tensor) or not isinstance(positions, torch.Tensor) or ids.dim() != 2:
         return None
@@ -42,17 +40,30 @@ def cross_example_pairs(config, batch: dict) -> torch.Tensor | None:
     # Padding after the last example restarts positions too: only boundaries between real tokens count.
     if not bool(((segments != segments[:, :1]) & real).any()):
         return None
-    cfg = copy.copy(config)
-    cfg._attn_implementation = "sdpa"  # the boolean mask eager/sdpa both follow
-    embeds = torch.empty((*ids.shape, 1), device=ids.device)
-    mask = create_causal_mask(cfg, embeds, mask2d, None, position_ids=positions, allow_is_causal_skip=False)
-    if mask is None:
-        mask = torch.ones((ids.shape[0], 1, ids.shape[1], ids.shape[1]), dtype=torch.bool, device=ids.device).tril()
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        raise RuntimeError(f"create_causal_mask returned {type(mask).__name__}, not a boolean mask")
+    mask = _model_mask(config, ids, mask2d, positions)
     crossing = segments[:, :, None] != segments[:, None, :]
     both_real = real[:, :, None] & real[:, None, :]
     return (mask[:, 0] & crossing & both_real).sum(dim=(1, 2))
+
+
+def _model_mask(config, ids: torch.Tensor, mask2d: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+    """The boolean (batch, 1, q, k) mask transformers builds from these inputs (sdpa/eager follow the same one).
+    Releases before masking_utils (or its position_ids argument) read no example boundary: plain causal."""
+    causal = torch.ones((ids.shape[0], 1, ids.shape[1], ids.shape[1]), dtype=torch.bool, device=ids.device).tril()
+    try:
+        from transformers.masking_utils import create_causal_mask
+
+        cfg = copy.copy(config)
+        cfg._attn_implementation = "sdpa"
+        embeds = torch.empty((*ids.shape, 1), device=ids.device)  # only its shape and device are read
+        mask = create_causal_mask(cfg, embeds, mask2d, None, position_ids=positions, allow_is_causal_skip=False)
+    except (ImportError, TypeError):
+        return causal
+    if mask is None:  # sdpa's is_causal path
+        return causal
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise RuntimeError(f"create_causal_mask returned {type(mask).__name__}, not a boolean mask")
+    return mask
 
 
 @rule("packed-samples-attend-across", "error")

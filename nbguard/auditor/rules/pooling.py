@@ -14,9 +14,9 @@ from ..registry import capped, finding, rule
 
 
 def _is_decoder_classifier(model) -> bool:
-    names = [c.__name__ for c in type(getattr(model, "get_base_model", lambda: model)()).__mro__]
-    return any(n.endswith("ForSequenceClassification") for n in names) and hasattr(
-        getattr(model, "get_base_model", lambda: model)(), "score")
+    """A decoder's classification head (``score``, pooling the last token), under PEFT or not."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return hasattr(base, "score") and any(c.__name__.endswith("ForSequenceClassification") for c in type(base).__mro__)
 
 
 def pooled_positions(input_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
