@@ -81,6 +81,15 @@ def test_pad_equal_to_eos_pools_before_the_final_eos(tmp_path):
     assert f.fixes == ["distinct-pad-token"]
 
 
+def test_lora_reward_model_is_read_through_peft(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(classifier(EOS), LoraConfig(r=4, target_modules=["q_proj"], task_type="SEQ_CLS"))
+    trainer = reward_trainer(tmp_path, model, word_tokenizer(pad="eos"))
+    (f,) = findings(nbguard.audit(trainer=trainer), "classifier-pools-wrong-token")
+    assert f.evidence["rows"]["count"] == 8
+
+
 def test_distinct_pad_pools_the_last_token_and_stays_quiet(tmp_path):
     tok = word_tokenizer(pad="unk")
     model = classifier(tok.pad_token_id)
