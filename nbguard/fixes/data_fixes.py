@@ -176,3 +176,59 @@ else:  # transformers 4.46+: the Trainer divides when the model takes no loss kw
 register(Fix("scale-loss-for-accumulation", "Scale the loss for gradient accumulation",
              "Tell the Trainer its loss is a per-micro-batch mean so training_step divides it by the accumulation steps.",
              _scale_loss, _scale_loss_code, needs="trainer"))
+
+
+# ---- drop-unsupervised-rows ------------------------------------------------------------------
+def supervised_mask(labels: torch.Tensor) -> torch.Tensor:
+    """(rows, tokens): the labels the causal loss is computed over (the first one is shifted away)."""
+    labels = labels if labels.dim() >= 2 else labels[None]
+    shifted = labels[:, 1:] if labels.shape[-1] > 1 else labels
+    return (shifted != -100).reshape(shifted.shape[0], -1)
+
+
+def supervised_rows(labels: torch.Tensor) -> torch.Tensor:
+    """Per row: does it keep a label other than -100 after the causal shift?"""
+    return supervised_mask(labels).any(dim=1)
+
+
+def _row_is_supervised(row: Any) -> bool:
+    return bool(supervised_rows(torch.as_tensor(row["labels"]))[0])
+
+
+def _drop_rows(target: Target, **_: Any) -> dict:
+    trainer = target.trainer
+    data = trainer.train_dataset
+    if data is None:
+        raise ValueError("fix 'drop-unsupervised-rows' filters trainer.train_dataset, and this trainer has none")
+    rows = len(data)
+    if hasattr(data, "filter"):  # a datasets.Dataset
+        kept = data.filter(_row_is_supervised)
+    else:
+        kept = [row for row in data if _row_is_supervised(row)]
+    if len(kept) == rows:
+        return {}
+    if not len(kept):
+        raise ValueError(f"every one of the {rows} rows of trainer.train_dataset has no supervised token (labels all "
+                         "-100 after the shift): dropping them leaves nothing to train on; fix the label masking "
+                         "(truncation, the response template) instead")
+    trainer.train_dataset = kept
+    return {"trainer.train_dataset": f"{rows} -> {len(kept)} rows"}
+
+
+def _drop_rows_code(names: Names, **_: Any) -> str:
+    t = names.trainer
+    return f"""# Rows whose labels are all -100 (after the causal shift) give a 0/0 loss: drop them from the data.
+def _has_supervised_token(row):
+    return any(label != -100 for label in list(row["labels"])[1:])
+
+
+if hasattr({t}.train_dataset, "filter"):  # a datasets.Dataset
+    {t}.train_dataset = {t}.train_dataset.filter(_has_supervised_token)
+else:
+    {t}.train_dataset = [_row for _row in {t}.train_dataset if _has_supervised_token(_row)]
+"""
+
+
+register(Fix("drop-unsupervised-rows", "Drop rows without a supervised token",
+             "Filter trainer.train_dataset to the rows whose labels keep a token other than -100 (after the shift).",
+             _drop_rows, _drop_rows_code, needs="trainer"))

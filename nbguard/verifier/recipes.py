@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from ..fixes import FIXES
 from ..fixes.config_fixes import _resolve_attn
+from ..fixes.data_fixes import supervised_rows
 from ..fixes.model_fixes import _configs
 from ..fixes.trainer_fixes import _weight_target
 from ..introspect.dtypes import HALF_DTYPES, QUANTIZED_PARAM_CLASSES, dtype_name
@@ -36,18 +38,19 @@ PlanBuilder = Callable[..., ShadowPlan]
 class Recipe:
     fix_id: str
     plan: PlanBuilder  # plan(step, **options) -> ShadowPlan
-    code: Callable[[], str] | None = None  # the cell, for a fix the registry does not (yet) hold
-    title: str = ""
 
 
 RECIPES: dict[str, Recipe] = {}
 
 
-def recipe(fix_id: str, *, code: Callable[[], str] | None = None, title: str = "") -> Callable[[PlanBuilder], PlanBuilder]:
+def recipe(fix_id: str) -> Callable[[PlanBuilder], PlanBuilder]:
+    """Register the shadow plan of a registered fix (a recipe for an unknown fix id would offer a cell nobody has)."""
     def register(plan: PlanBuilder) -> PlanBuilder:
+        if fix_id not in FIXES:
+            raise ValueError(f"a verification recipe for {fix_id!r}, which is not a registered fix (nbguard.fixes)")
         if fix_id in RECIPES:
             raise ValueError(f"a verification recipe for {fix_id!r} is registered twice")
-        RECIPES[fix_id] = Recipe(fix_id, plan, code, title)
+        RECIPES[fix_id] = Recipe(fix_id, plan)
         return plan
     return register
 
@@ -190,16 +193,11 @@ def _lower_lr(step: CapturedStep, **_: Any) -> ShadowPlan:
 
 
 # ---- data fixes: verified on the corrected batch ------------------------------------------------
-def _supervised_rows(labels: torch.Tensor) -> torch.Tensor:
-    shifted = labels[:, 1:] if labels.dim() >= 2 and labels.shape[-1] > 1 else labels
-    return (shifted != -100).reshape(shifted.shape[0], -1).any(dim=1)
-
-
 def _drop_unsupervised(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     labels = kwargs.get("labels")
     if not isinstance(labels, torch.Tensor):  # nothing to judge rows by: leave the micro-batch as it is
         return args, kwargs
-    keep = _supervised_rows(labels)
+    keep = supervised_rows(labels)
     if bool(keep.all()):
         return args, kwargs
     if not bool(keep.any()):
@@ -212,16 +210,7 @@ def _drop_unsupervised(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     return tuple(take(a) for a in args), {k: take(v) for k, v in kwargs.items()}
 
 
-def _drop_unsupervised_code() -> str:
-    return """# Rows whose labels are all -100 (after the causal shift) give a 0/0 loss: drop them from the data.
-def _has_supervised_token(row):
-    return any(label != -100 for label in list(row["labels"])[1:])
-
-train_dataset = train_dataset.filter(_has_supervised_token)  # a datasets.Dataset; for a list: [r for r in ... if ...]
-"""
-
-
-@recipe("drop-unsupervised-rows", code=_drop_unsupervised_code, title="Drop rows without a supervised token")
+@recipe("drop-unsupervised-rows")
 def _drop_rows(step: CapturedStep, **_: Any) -> ShadowPlan:
     if not any(isinstance(mb.kwargs.get("labels"), torch.Tensor) for mb in step.micro_batches):
         raise NotCheckable("the step's labels did not reach the model (the trainer keeps them), so the corrected "
@@ -230,7 +219,7 @@ def _drop_rows(step: CapturedStep, **_: Any) -> ShadowPlan:
     for mb in step.micro_batches:
         labels = mb.kwargs.get("labels")
         if isinstance(labels, torch.Tensor):
-            dropped += int((~_supervised_rows(labels)).sum())
+            dropped += int((~supervised_rows(labels)).sum())
     if not dropped:
         return ShadowPlan()
     return ShadowPlan(batch=_drop_unsupervised, changes={"rows dropped": dropped})

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..fixes.data_fixes import supervised_mask
 from ..watcher.capture import MicroBatch, autocast_as, capture_rng, model_loss, restore_rng
 from ..watcher.replay import eager_everywhere, unwrap_compiled
 from ..watcher.tensors import float_tensors, iter_tensors
@@ -216,6 +217,7 @@ def run_step(step: CapturedStep, plan: ShadowPlan) -> StepEvidence:
     activations = _Activations(model)
     first_bad: str | None = None
     ran = 0
+    supervised: int | None = None
     try:
         with quiet_watches(step.model), preserved(model), eager_everywhere(), \
                 attributes_set(checkpointing_off(model) + plan.attributes):
@@ -226,6 +228,9 @@ def run_step(step: CapturedStep, plan: ShadowPlan) -> StepEvidence:
                     continue
                 args, kwargs = corrected
                 ran += 1
+                labels = kwargs.get("labels")
+                if isinstance(labels, torch.Tensor):
+                    supervised = (supervised or 0) + int(supervised_mask(labels).sum())
                 restore_rng(mb.rng)
                 with torch.enable_grad(), autocast_as(autocast if autocast is not None else mb.autocast):
                     output = torch.func.functional_call(model, substitutes, args, kwargs, tie_weights=True,
@@ -270,7 +275,7 @@ def run_step(step: CapturedStep, plan: ShadowPlan) -> StepEvidence:
                         largest_activation=largest, largest_activation_at=where, first_nonfinite=first_bad,
                         nonfinite_grads=bad_grads[:MAX_NAMED_GRADS],
                         precision=f"{precision}; {_dtype_summary(model, plan.tensors)}",
-                        seconds=time.perf_counter() - started, micro_batches=ran)
+                        seconds=time.perf_counter() - started, micro_batches=ran, supervised_tokens=supervised)
 
 
 def _backward_seeds(output: Any, mb: MicroBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
