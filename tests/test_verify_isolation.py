@@ -107,8 +107,8 @@ def test_a_4bit_layers_compute_dtype_is_switched_for_the_shadow_and_restored(tmp
 
 
 def test_the_shadow_runs_each_module_in_the_mode_the_step_ran_in():
+    from nbguard.step.capture import MicroBatch, capture_rng
     from nbguard.verifier.shadow import CapturedStep, ShadowPlan, run_step
-    from nbguard.watcher.capture import MicroBatch, capture_rng
 
     model = tiny_llama(attention_dropout=0.5)
     attn = model.model.layers[0].self_attn

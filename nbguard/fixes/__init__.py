@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..introspect.inputs import check_args, check_model, check_trainer
 from ..session import record_fix
+from ..step.targets import resolve_targets
 from . import config_fixes, data_fixes, model_fixes, trainer_fixes, unsloth_fixes  # noqa: F401  (registers the fixes)
 from .registry import FIXES, Fix, Names, Target
 from .result import FixResult
@@ -69,14 +69,7 @@ def _trainer_tokenizer(trainer) -> Any:
 
 
 def _target(fix: Fix, model, trainer, args, tokenizer=None) -> Target:
-    if trainer is not None:
-        check_trainer(trainer)
-        model = trainer.model if model is None else model
-        args = trainer.args if args is None else args
-    if model is not None:
-        check_model(model)
-    if args is not None:
-        check_args(args)
+    model, args, _ = resolve_targets(trainer, model, args)
     if fix.needs == "model" and model is None:
         raise ValueError(f"fix {fix.id!r} needs model= (or trainer=)")
     if fix.needs == "args" and args is None:

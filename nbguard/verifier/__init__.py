@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from .. import fixes as fix_registry
-from ..auditor.probe import _forward_kwargs, _model_device, synthetic_batch
 from ..findings import Event, Finding
 from ..introspect.inputs import check_batch
 from ..session import SESSION
-from ..watcher.capture import MicroBatch, capture_rng
+from ..step.batch import forward_kwargs, model_device, synthetic_batch
+from ..step.capture import MicroBatch, capture_rng
+from ..step.precision import PrecisionUnavailable, args_mixed_precision, trainer_autocast
+from ..step.targets import resolve_targets
 from .candidates import CAUSE_FIXES, for_event, with_options
 from .engine import verify_step
 from .recipes import RECIPES, NotCheckable, Recipe, recipe
@@ -33,21 +33,13 @@ def _subject_of_event(event: Any) -> str:
     return f"step {event.step} {event.kind}: {event.cause or 'cause unknown'}{where}"
 
 
-def step_from_event(event: Any, model: Any, micro_batches: list) -> CapturedStep:
-    """The captured step of ``event`` (its origin named in eager terms: torch.compile's prefix dropped)."""
+def step_from_event(event: Any, model: Any, micro_batches: list, args: Any = None) -> CapturedStep:
+    """The captured step of ``event`` (its origin named in eager terms: torch.compile's prefix dropped);
+    ``args``: the Trainer's TrainingArguments when a Trainer ran it."""
     origin = event.origins[0] if event.origins else None
     name = origin.module.replace("_orig_mod.", "") if origin is not None else None
     return CapturedStep(model, list(micro_batches), name, origin.phase if origin else None,
-                        (origin.micro_batch or 0) if origin else 0, event.cause != "not-reproducible")
-
-
-def _autocast_from_args(args: Any, model: Any) -> list:
-    device = next((p.device.type for p in model.parameters()), "cpu")
-    if args is not None and getattr(args, "bf16", False):
-        return [(device, torch.bfloat16)]
-    if args is not None and getattr(args, "fp16", False):
-        return [(device, torch.float16)]
-    return []
+                        (origin.micro_batch or 0) if origin else 0, event.cause != "not-reproducible", args)
 
 
 def step_from_batch(model: Any, batch: dict | None = None, args: Any = None) -> CapturedStep:
@@ -55,9 +47,12 @@ def step_from_batch(model: Any, batch: dict | None = None, args: Any = None) -> 
     if batch is None:
         batch = synthetic_batch(model)
     check_batch(batch)
-    device = _model_device(model)
-    kwargs = _forward_kwargs(model, {k: v.to(device) for k, v in batch.items()})
-    step = CapturedStep(model, [MicroBatch(0, (), kwargs, capture_rng(), _autocast_from_args(args, model))])
+    kwargs = forward_kwargs(model, batch)
+    try:  # the autocast the Trainer's accelerator would enter for these args on this device
+        autocast = trainer_autocast(args_mixed_precision(args), model_device(model).type) if args is not None else []
+    except PrecisionUnavailable:
+        autocast = []  # the Trainer refuses these args here: nothing to reproduce but the weights' own precision
+    step = CapturedStep(model, [MicroBatch(0, (), kwargs, capture_rng(), autocast)], args=args)
     step.modes = [(m, True) for m, _ in step.modes]  # a training step, as model.train() / the Trainer runs it
     return step
 
@@ -102,9 +97,7 @@ def verify(subject: Any, fix_id: str | None = None, *, model: Any = None, batch:
         names = {"trainer": "trainer"} if getattr(watch, "trainer", None) is not None else {"model": "model"}
         return verify_step(step, candidates, _subject_of_event(subject), memory_budget=memory_budget, names=names)
     if isinstance(subject, Finding):
-        if trainer is not None:
-            model = trainer.model if model is None else model
-            args = trainer.args if args is None else args
+        model, args, _ = resolve_targets(trainer, model, args)
         if model is None:
             raise ValueError("verifying a finding needs the model (model= or trainer=) and a batch to run the step on "
                              "(batch=; without it the probe's synthetic batch is used)")
@@ -127,6 +120,7 @@ def auto_verify(watch: Any, event: Any) -> None:
         return
     try:
         step = step_from_event(event, watch.model, watch._micro_batches)
+        step.args = watch.trainer.args if watch.trainer is not None else None
         watch._kept_step = (event, step)
         candidates = for_event(event, step)
         names = {"trainer": "trainer"} if watch.trainer is not None else {"model": "model"}

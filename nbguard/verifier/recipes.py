@@ -24,6 +24,8 @@ from ..fixes.model_fixes import _configs
 from ..fixes.trainer_fixes import _weight_target
 from ..introspect.dtypes import HALF_DTYPES, QUANTIZED_PARAM_CLASSES, dtype_name
 from ..introspect.embeddings import embedding_matrices, padding_row, token_deltas, zero_mask, zero_rows
+from ..step.batch import model_device
+from ..step.precision import PrecisionUnavailable, autocast_text, trainer_autocast
 from .shadow import CapturedStep, ShadowPlan
 
 
@@ -131,6 +133,31 @@ def _switch_precision(step: CapturedStep, to: str | None = None, only: Any = Non
             plan.attributes += [(layer, "compute_dtype", compute), (layer, "compute_type_is_set", True)]
             plan.changes[f"{name}.compute_dtype"] = f"{dtype_name(current)} -> {dtype_name(compute)}"
     captured = step.micro_batches[0].autocast if step.micro_batches else []
+    if step.args is not None:
+        _trainer_autocast(step, to, captured, plan)
+    else:
+        _loop_autocast(to, captured, plan)
+    return plan
+
+
+def _trainer_autocast(step: CapturedStep, to: str, captured: list, plan: ShadowPlan) -> None:
+    """A Trainer: the cell sets its flags and rebuilds its accelerator, which enters the autocast."""
+    device = model_device(step.eager).type
+    try:
+        regions = trainer_autocast("bf16" if to == "bf16" else "no", device)
+    except PrecisionUnavailable as exc:
+        raise NotCheckable(f"the cell's precision cannot run on this machine: {exc}") from None
+    plan.autocast = regions
+    wrapped = _accelerate_wrapped(step.eager)
+    if wrapped is not None:  # prepare() wrapped forward in the old autocast; the cell rebuilds the accelerator
+        plan.attributes.append((wrapped, "forward", wrapped._original_forward))
+        plan.changes["accelerator autocast"] = autocast_text(regions) if regions else "off"
+    elif regions != captured:
+        plan.changes["autocast"] = f"{autocast_text(captured)} -> {autocast_text(regions)}"
+
+
+def _loop_autocast(to: str, captured: list, plan: ShadowPlan) -> None:
+    """A plain loop: the cell changes the weights only; the loop's own autocast moves as the note says."""
     half = [(d, t) for d, t in captured if t in HALF_DTYPES]
     if to == "fp32" and half:
         plan.autocast = []
@@ -138,17 +165,8 @@ def _switch_precision(step: CapturedStep, to: str | None = None, only: Any = Non
     elif to == "bf16" and any(t == torch.float16 for _, t in half):
         plan.autocast = [(d, torch.bfloat16 if t == torch.float16 else t) for d, t in captured]
         plan.changes["autocast"] = "float16 -> bfloat16"
-    wrapped = _accelerate_wrapped(step.eager)
-    if wrapped is not None:
-        # a Trainer's accelerator wrapped forward in its autocast; the fix rebuilds the accelerator
-        device = next((p.device.type for p in step.eager.parameters()), "cpu")
-        plan.attributes.append((wrapped, "forward", wrapped._original_forward))
-        plan.autocast = [(device, torch.bfloat16)] if to == "bf16" else []
-        plan.changes["accelerator autocast"] = "bfloat16" if to == "bf16" else "off"
     if plan.autocast is not None:
-        plan.note = ("a Trainer switches its autocast through the args this fix sets; in your own loop, change "
-                     "the dtype of your torch.autocast the same way")
-    return plan
+        plan.note = "in your own loop, change the dtype of your torch.autocast the same way"
 
 
 @recipe("disable-use-cache")

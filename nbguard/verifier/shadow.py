@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from ..fixes.data_fixes import supervised_mask
-from ..watcher.capture import MicroBatch, autocast_as, capture_rng, model_loss, restore_rng
-from ..watcher.replay import eager_everywhere, unwrap_compiled
-from ..watcher.tensors import float_tensors, iter_tensors
+from ..step.capture import MicroBatch, capture_rng, model_loss, restore_rng
+from ..step.eager import eager_everywhere, unwrap_compiled
+from ..step.precision import autocast_as, autocast_text
+from ..step.tensors import float_tensors, iter_tensors
 from ..watcher.watch import _ATTACHED
 from .result import StepEvidence
 
@@ -70,6 +71,7 @@ class CapturedStep:
     origin_phase: str | None = None
     origin_micro_batch: int = 0
     reproduced: bool = True  # the replay saw the failure (False: it stayed finite in eager)
+    args: Any = None  # the TrainingArguments the step ran under (None: a plain loop, its autocast its own)
     weights: list[tuple[str, torch.Tensor, int, int, torch.dtype]] = field(default_factory=list)
     modes: list[tuple[torch.nn.Module, bool]] = field(default_factory=list)
 
@@ -182,18 +184,14 @@ class _Activations:
 
 
 def _dtype_summary(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> str:
-    counts: dict[str, int] = {}
+    """The weight dtypes the step ran with: "trainable 4 float32; frozen 12 bfloat16"."""
+    counts: dict[str, dict[str, int]] = {"trainable": {}, "frozen": {}}
     for name, p in model.named_parameters():
-        if p.requires_grad:
-            dt = str(tensors.get(name, p).dtype).replace("torch.", "")
-            counts[dt] = counts.get(dt, 0) + 1
-    return "trainable " + ", ".join(f"{n} {d}" for d, n in sorted(counts.items())) if counts else "no trainable weights"
-
-
-def _autocast_text(regions: list[tuple[str, torch.dtype]]) -> str:
-    if not regions:
-        return "no autocast"
-    return ", ".join(f"autocast {d} {str(t).replace('torch.', '')}" for d, t in regions)
+        group = counts["trainable" if p.requires_grad else "frozen"]
+        dt = str(tensors.get(name, p).dtype).replace("torch.", "")
+        group[dt] = group.get(dt, 0) + 1
+    parts = [f"{kind} " + ", ".join(f"{n} {d}" for d, n in sorted(dts.items())) for kind, dts in counts.items() if dts]
+    return "; ".join(parts) if counts["trainable"] else "; ".join(["no trainable weights", *parts])
 
 
 def run_step(step: CapturedStep, plan: ShadowPlan) -> StepEvidence:
@@ -269,7 +267,7 @@ def run_step(step: CapturedStep, plan: ShadowPlan) -> StepEvidence:
     if losses:
         loss_value = sum(losses) / len(losses) if all(math.isfinite(x) for x in losses) else \
             next(x for x in losses if not math.isfinite(x))
-    precision = _autocast_text(autocast if autocast is not None else
+    precision = autocast_text(autocast if autocast is not None else
                                (step.micro_batches[0].autocast if step.micro_batches else []))
     return StepEvidence(loss=loss_value, total_grad_norm=total, grads_finite=grads_finite,
                         largest_activation=largest, largest_activation_at=where, first_nonfinite=first_bad,

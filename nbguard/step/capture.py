@@ -5,17 +5,13 @@ Only references are kept (no copies); they are released at the end of every opti
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 import torch
 
+from .precision import AutocastRegions
 from .tensors import iter_tensors
-
-
-def _autocast_devices() -> tuple[str, ...]:
-    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -30,33 +26,6 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def capture_autocast() -> list[tuple[str, torch.dtype]]:
-    """The autocast regions active around this forward, to re-enter them in the replay."""
-    active = []
-    for device in _autocast_devices():
-        try:
-            if torch.is_autocast_enabled(device):
-                active.append((device, torch.get_autocast_dtype(device)))
-        except (RuntimeError, TypeError, AttributeError):  # torch < 2.4 has per-device functions
-            if device == "cpu" and torch.is_autocast_cpu_enabled():
-                active.append(("cpu", torch.get_autocast_cpu_dtype()))
-            elif device == "cuda" and torch.is_autocast_enabled():
-                active.append(("cuda", torch.get_autocast_gpu_dtype()))
-    return active
-
-
-@contextlib.contextmanager
-def autocast_as(active: list[tuple[str, torch.dtype]]):
-    with contextlib.ExitStack() as stack:
-        for device in _autocast_devices():  # leave autocast the caller may have on exactly as captured
-            dtype = dict(active).get(device)
-            if dtype is not None:
-                stack.enter_context(torch.autocast(device, dtype=dtype))
-            else:
-                stack.enter_context(torch.autocast(device, enabled=False))
-        yield
 
 
 def _is_loss(value: Any) -> TypeGuard[torch.Tensor]:
@@ -111,7 +80,7 @@ class MicroBatch:
     args: tuple
     kwargs: dict
     rng: dict[str, Any]
-    autocast: list[tuple[str, torch.dtype]]
+    autocast: AutocastRegions
     output_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     trainer_labels: torch.Tensor | None = None  # the Trainer's labels when it kept them from the model
 
