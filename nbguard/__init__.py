@@ -12,6 +12,7 @@ In a notebook, ``%load_ext nbguard`` adds ``%precision_check`` and ``%nanwatch``
 """
 from __future__ import annotations
 
+from . import render  # noqa: F401  (registers the formats every Displayable result shows itself in)
 from .api import audit, explain, report, verify, watch
 from .document import Event, Finding, Origin, Severity, __version__
 from .errors import NbguardError, NonFiniteError

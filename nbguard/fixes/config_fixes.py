@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from ..introspect.embeddings import embedding_shape
-from .model_fixes import _configs
+from .model_fixes import model_configs
 from .registry import Fix, register
 
 ATTN_CHOICES = ("eager", "sdpa")
@@ -20,7 +20,7 @@ def _softcapped(model) -> bool:
     return any(getattr(c, "attn_logit_softcapping", None) is not None for c in (cfg, text) if c is not None)
 
 
-def _resolve_attn(model, to: str | None) -> str:
+def resolve_attn(model, to: str | None) -> str:
     if to is None:  # softcapping needs eager; everything else runs on sdpa
         return "eager" if _softcapped(model) else "sdpa"
     if to not in ATTN_CHOICES:
@@ -34,7 +34,7 @@ def _set_attn(target, to: str | None = None, **_: Any) -> dict:
     cfg = getattr(model, "config", None)
     if cfg is None:
         raise ValueError(f"set-attn-implementation needs a transformers model; {type(model).__name__} has no config")
-    to = _resolve_attn(model, to)
+    to = resolve_attn(model, to)
     old = getattr(cfg, "_attn_implementation", None)
     if old == to:
         return {}
@@ -49,7 +49,7 @@ def _set_attn(target, to: str | None = None, **_: Any) -> dict:
 def _set_attn_code(names, to: str | None = None, **_: Any) -> str:
     m = names.model
     if to is not None:
-        _resolve_attn(None, to)  # the same check as apply
+        resolve_attn(None, to)  # the same check as apply
         choice = f'"{to}"'
         head = f"# Attention in {to}."
     else:
@@ -133,7 +133,7 @@ def _untie(target, **_: Any) -> dict:
         if isinstance(module, torch.nn.Linear) and module.weight is weight:
             module.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
             changed[f"{name}.weight"] = "own copy of the input embeddings"
-    for path, cfg in _configs(model):
+    for path, cfg in model_configs(model):
         if getattr(cfg, "tie_word_embeddings", False):
             cfg.tie_word_embeddings = False
             changed[f"{path}.tie_word_embeddings"] = "True -> False"

@@ -37,7 +37,7 @@ register(Fix("upcast-trainable-fp32", "Keep trainable parameters in float32",
 
 
 # ---- disable-use-cache -----------------------------------------------------------------------
-def _configs(model):
+def model_configs(model):
     cfg = getattr(model, "config", None)
     if cfg is None:
         return []
@@ -51,7 +51,7 @@ def _configs(model):
 
 def _disable_cache(target, **_):
     changed = {}
-    for path, cfg in _configs(target.model):
+    for path, cfg in model_configs(target.model):
         if getattr(cfg, "use_cache", False):
             cfg.use_cache = False
             changed[f"{path}.use_cache"] = "True -> False"

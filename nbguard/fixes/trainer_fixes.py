@@ -100,7 +100,7 @@ def _resolve_to(to, hardware=None) -> str:
     return to
 
 
-def _weight_target(p, to):
+def weight_target(p, to):
     """fp32: every half-precision weight to float32. bf16: fp16 weights to bf16, trainable ones to fp32."""
     if to == "fp32":
         return torch.float32 if p.dtype in HALF_DTYPES else None
@@ -186,7 +186,7 @@ def _switch(target, to=None, hardware=None, only=None, **_):
         for name, p in target.model.named_parameters():
             if type(p).__name__ in QUANTIZED_PARAM_CLASSES or not p.is_floating_point():
                 continue
-            dtype = _weight_target(p, to)
+            dtype = weight_target(p, to)
             if dtype is not None:
                 casts[name] = f"{dtype_name(p.dtype)} -> {dtype_name(dtype)}"
                 p.data = p.data.to(dtype)

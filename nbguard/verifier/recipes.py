@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from ..fixes import FIXES
-from ..fixes.config_fixes import _resolve_attn
+from ..fixes.config_fixes import resolve_attn
 from ..fixes.data_fixes import supervised_rows
-from ..fixes.model_fixes import _configs
-from ..fixes.trainer_fixes import _weight_target
+from ..fixes.model_fixes import model_configs
+from ..fixes.trainer_fixes import weight_target
 from ..introspect.dtypes import HALF_DTYPES, QUANTIZED_PARAM_CLASSES, dtype_name
 from ..introspect.embeddings import embedding_matrices, padding_row, token_deltas, zero_mask, zero_rows
 from ..step.batch import model_device
@@ -121,7 +121,7 @@ def _switch_precision(step: CapturedStep, to: str | None = None, only: Any = Non
     for name, p in step.eager.named_parameters():
         if _quantized(p):
             continue
-        dtype = _weight_target(p, to)
+        dtype = weight_target(p, to)
         if dtype is not None:
             plan.tensors[name] = p.detach().to(dtype)
             plan.changes[name] = f"{dtype_name(p.dtype)} -> {dtype_name(dtype)}"
@@ -172,7 +172,7 @@ def _loop_autocast(to: str, captured: list, plan: ShadowPlan) -> None:
 @recipe("disable-use-cache")
 def _disable_cache(step: CapturedStep, **_: Any) -> ShadowPlan:
     plan = ShadowPlan()
-    for path, cfg in _configs(step.eager):
+    for path, cfg in model_configs(step.eager):
         if getattr(cfg, "use_cache", False):
             plan.attributes.append((cfg, "use_cache", False))
             plan.changes[f"{path}.use_cache"] = "True -> False"
@@ -182,9 +182,9 @@ def _disable_cache(step: CapturedStep, **_: Any) -> ShadowPlan:
 @recipe("set-attn-implementation")
 def _set_attn(step: CapturedStep, to: str | None = None, **_: Any) -> ShadowPlan:
     """The attention implementation on every config the model reads it from, for the run only."""
-    chosen = _resolve_attn(step.eager, to)
+    chosen = resolve_attn(step.eager, to)
     plan = ShadowPlan()
-    for path, cfg in _configs(step.eager):
+    for path, cfg in model_configs(step.eager):
         old = getattr(cfg, "_attn_implementation", None)
         if old != chosen:
             plan.attributes.append((cfg, "_attn_implementation", chosen))
