@@ -12,6 +12,7 @@ from .document import (
     SCHEMA_VERSION,
     Event,
     Finding,
+    FixOffer,
     Origin,
     Severity,
     decode_float,
@@ -22,6 +23,6 @@ from .document import (
 from .document.display import Displayable
 
 __all__ = [
-    "CAUSES", "EVENT_KINDS", "MIME_TYPE", "SCHEMA_VERSION", "Displayable", "Event", "Finding", "Origin",
+    "CAUSES", "EVENT_KINDS", "MIME_TYPE", "SCHEMA_VERSION", "Displayable", "Event", "Finding", "FixOffer", "Origin",
     "Severity", "decode_float", "document", "encode_float", "jsonable",
 ]

@@ -263,3 +263,16 @@ def test_the_partial_fp32_variant_is_not_passed_off_as_the_full_switch():
                        options={"switch-precision": {"to": "fp32", "only": ["model.layers.1.mlp.up_proj"]}})
     [verdict] = v.verdicts
     assert verdict.verdict == "not checked" and "partial variant" in verdict.reason
+
+
+def test_every_verification_reaches_the_session_timeline():
+    from nbguard.session import SESSION, latest_verdict
+
+    _, _, watch = fp16_overflow_run()
+    # the automatic verification travels in the watch's own entry (its event's evidence), once
+    assert SESSION.verifications == []
+    assert latest_verdict("switch-precision").label == watch.verification.verdict("switch-precision").verdict
+    v = nbguard.verify(watch.events[0], fix_id="enable-grad-clipping")  # an explicit one is an entry of its own
+    [doc] = SESSION.verifications
+    assert doc["verification"]["subject"] == v.subject
+    assert doc["verification"]["verdicts"][0]["fix"] == "enable-grad-clipping"

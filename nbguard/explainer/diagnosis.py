@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import fixes as fix_registry
-from ..findings import Displayable, document, jsonable
+from ..findings import Displayable, FixOffer, document, jsonable
 
 
 def exception_text(exc: BaseException) -> str:
@@ -35,6 +35,10 @@ class Diagnosis(Displayable):
             "evidence": jsonable(self.evidence),
             **({"verification": self.verification} if self.verification is not None else {}),
         }
+
+    def offers(self) -> list[FixOffer]:
+        """The fixes this diagnosis offers, with their options."""
+        return [FixOffer(fix_id, dict(self.fix_options.get(fix_id, {}))) for fix_id in self.fixes]
 
     def fix_cells(self, names: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
         """Each fix as a notebook cell written with the user's variable names.

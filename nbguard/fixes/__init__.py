@@ -70,19 +70,14 @@ def _trainer_tokenizer(trainer) -> Any:
 
 def _target(fix: Fix, model, trainer, args, tokenizer=None) -> Target:
     model, args, _ = resolve_targets(trainer, model, args)
-    if fix.needs == "model" and model is None:
-        raise ValueError(f"fix {fix.id!r} needs model= (or trainer=)")
-    if fix.needs == "args" and args is None:
-        raise ValueError(f"fix {fix.id!r} needs trainer= (or args=, a TrainingArguments)")
-    if fix.needs == "model-or-args" and model is None and args is None:
-        raise ValueError(f"fix {fix.id!r} needs model=, trainer= or args=")
-    if fix.needs == "trainer" and trainer is None:
-        raise ValueError(f"fix {fix.id!r} needs trainer= (a transformers Trainer)")
     if tokenizer is None and trainer is not None:
         tokenizer = _trainer_tokenizer(trainer)
-    if fix.needs == "tokenizer" and not hasattr(tokenizer, "pad_token_id"):
-        raise ValueError(f"fix {fix.id!r} needs tokenizer= (a transformers tokenizer), or trainer= with a "
-                         f"processing_class; got {type(tokenizer).__name__}")
+    given = {key for key, value in (("model", model), ("args", args), ("trainer", trainer)) if value is not None}
+    if fix.needs == "tokenizer":  # a trainer reaches one only through its processing_class, resolved above
+        given = {"tokenizer"} if hasattr(tokenizer, "pad_token_id") else set()
+    if not fix.reached_by(given):
+        got = f"; got {type(tokenizer).__name__}" if fix.needs == "tokenizer" and tokenizer is not None else ""
+        raise ValueError(f"fix {fix.id!r} needs {fix.need.keywords}{got}")
     return Target(model=model, trainer=trainer, args=args, tokenizer=tokenizer)
 
 

@@ -92,9 +92,16 @@ register(Fix("lower-learning-rate", "Lower the learning rate",
 
 
 # ---- switch-precision ------------------------------------------------------------------------
+def switch_target(hardware: Any = None, fp16_in_use: bool = True) -> str:
+    """Where switch-precision moves a run, the one place it is chosen: an fp16 run to the hardware's best
+    half precision (bf16 where native, else fp32); any other run to fp32 (bf16 has fp32's range already:
+    only fp32's precision is left to try)."""
+    return resolve_hardware(hardware).best_half_precision if fp16_in_use else "fp32"
+
+
 def _resolve_to(to, hardware=None) -> str:
     if to is None:
-        return resolve_hardware(hardware).best_half_precision
+        return switch_target(hardware)
     if to not in ("bf16", "fp32"):
         raise ValueError(f"to must be 'bf16', 'fp32' or None (the best for the hardware); got {to!r}")
     return to
@@ -265,4 +272,5 @@ if getattr(_qconfig, "load_in_4bit", False):
 register(Fix("switch-precision", "Switch the training precision",
              "Move fp16 training to bf16 (where the hardware has it) or fp32: the argument flags, the accelerator "
              "a Trainer built from them, and weights stored in the old precision.",
-             _switch, _switch_code, needs="model-or-args"))
+             _switch, _switch_code, needs="model-or-args",
+             default_options=lambda hardware, fp16_in_use: {"to": switch_target(hardware, fp16_in_use)}))

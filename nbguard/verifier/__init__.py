@@ -11,7 +11,7 @@ from typing import Any
 from .. import fixes as fix_registry
 from ..findings import Event, Finding
 from ..introspect.inputs import check_batch
-from ..session import SESSION
+from ..session import SESSION, record_verification
 from ..step.batch import forward_kwargs, model_device, synthetic_batch
 from ..step.capture import MicroBatch, capture_rng
 from ..step.precision import PrecisionUnavailable, args_mixed_precision, trainer_autocast
@@ -95,7 +95,8 @@ def verify(subject: Any, fix_id: str | None = None, *, model: Any = None, batch:
         fix_ids = [fix_id] if fix_id else list(CAUSE_FIXES.get(subject.cause or "", []))
         candidates = with_options(fix_ids, step, options, hardware)
         names = {"trainer": "trainer"} if getattr(watch, "trainer", None) is not None else {"model": "model"}
-        return verify_step(step, candidates, _subject_of_event(subject), memory_budget=memory_budget, names=names)
+        return _recorded(verify_step(step, candidates, _subject_of_event(subject), memory_budget=memory_budget,
+                                     names=names))
     if isinstance(subject, Finding):
         model, args, _ = resolve_targets(trainer, model, args)
         if model is None:
@@ -104,9 +105,15 @@ def verify(subject: Any, fix_id: str | None = None, *, model: Any = None, batch:
         step = step_from_batch(model, batch, args)
         fix_ids = [fix_id] if fix_id else list(subject.fixes)
         names = {"trainer": "trainer"} if trainer is not None else {"model": "model"}
-        return verify_step(step, with_options(fix_ids, step, options, hardware), f"finding {subject.rule}",
-                           memory_budget=memory_budget, names=names)
+        return _recorded(verify_step(step, with_options(fix_ids, step, options, hardware), f"finding {subject.rule}",
+                                     memory_budget=memory_budget, names=names))
     raise TypeError(f"verify() takes a watch Event or an audit Finding, got {type(subject).__name__}")
+
+
+def _recorded(verification: Verification) -> Verification:
+    """The verification, on the session's timeline (the report tells it, %nbguard fix reads its verdicts)."""
+    record_verification(verification)
+    return verification
 
 
 def auto_verify(watch: Any, event: Any) -> None:
@@ -127,7 +134,7 @@ def auto_verify(watch: Any, event: Any) -> None:
         result = verify_step(step, candidates, _subject_of_event(event), max_step_runs=AUTO_MAX_STEP_RUNS,
                              baseline=False, names=names)
         watch.verification = result
-        event.evidence["verification"] = result.to_dict()
+        event.evidence["verification"] = result.to_dict()  # on the timeline inside the watch's document
     except Exception as exc:  # verification must never break the user's training
         event.evidence["verification_error"] = f"{type(exc).__name__}: {exc}"
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .. import fixes
-from .candidates import Candidate
+from ..findings import FixOffer
 from .memory import check_budget, default_budget, estimate_step_bytes, gb
 from .module_check import capture_inputs, reference_check, run_module
 from .recipes import RECIPES, NotCheckable
@@ -75,14 +75,14 @@ def _sick_reason(s: StepEvidence) -> str:
     return f"still non-finite under it: {s.first_nonfinite or ('loss ' + str(s.loss))}"
 
 
-def verify_step(step: CapturedStep, candidates: list[Candidate], subject: str, *,
+def verify_step(step: CapturedStep, candidates: list[FixOffer], subject: str, *,
                 memory_budget: float | None = None, max_step_runs: int | None = None, baseline: bool = True,
                 names: dict[str, str] | None = None) -> Verification:
     """Every candidate on ``step``; ``max_step_runs`` bounds the step-level runs (automatic verification)."""
     started = time.perf_counter()
     budget = check_budget(memory_budget)
     budget = budget if budget is not None else default_budget(step.eager)
-    plans = [(fix_id, options, _plan(fix_id, options, step)) for fix_id, options in candidates]
+    plans = [(offer.id, offer.options, _plan(offer.id, offer.options, step)) for offer in candidates]
     notes: list[str] = []
 
     # memory: the step without substitutions first; each plan's own new tensors on top
