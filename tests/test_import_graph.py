@@ -188,9 +188,9 @@ def test_no_module_reads_another_packages_private_names():
 
 
 def test_the_private_name_check_finds_planted_reads():
-    modules = {"nbguard.fixes", "nbguard.fixes.model_fixes", "nbguard.verifier", "nbguard.verifier.recipes"}
+    modules = {"nbguard.fixes", "nbguard.fixes.model_fixes", "nbguard.verifier", "nbguard.verifier.engine"}
     source = "from ..fixes.model_fixes import _configs, configs\nfrom ..fixes import model_fixes as mf\nmf._x\n"
-    assert private_reads(source, "nbguard.verifier.recipes", modules) == [
-        "nbguard.verifier.recipes: from nbguard.fixes.model_fixes import _configs",
-        "nbguard.verifier.recipes: mf._x (nbguard.fixes.model_fixes)"]
+    assert private_reads(source, "nbguard.verifier.engine", modules) == [
+        "nbguard.verifier.engine: from nbguard.fixes.model_fixes import _configs",
+        "nbguard.verifier.engine: mf._x (nbguard.fixes.model_fixes)"]
     assert private_reads("from .model_fixes import _configs\n", "nbguard.fixes", modules) == []

@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from ..introspect.embeddings import embedding_shape
+from ..step.plan import CapturedStep, ShadowPlan
 from .model_fixes import model_configs
 from .registry import Fix, register
 
@@ -66,9 +67,21 @@ else:  # older transformers: set it on the config before the next forward
 """
 
 
+def _set_attn_plan(step: CapturedStep, to: str | None = None, **_: Any) -> ShadowPlan:
+    """The attention implementation on every config the model reads it from, for the run only."""
+    chosen = resolve_attn(step.eager, to)
+    plan = ShadowPlan()
+    for path, cfg in model_configs(step.eager):
+        old = getattr(cfg, "_attn_implementation", None)
+        if old != chosen:
+            plan.attributes.append((cfg, "_attn_implementation", chosen))
+            plan.changes[f"{path}._attn_implementation"] = f"{old} -> {chosen}"
+    return plan
+
+
 register(Fix("set-attn-implementation", "Switch the attention implementation",
              "Use eager attention for softcapped models (Gemma 2), sdpa otherwise (or to='eager'/'sdpa').",
-             _set_attn, _set_attn_code))
+             _set_attn, _set_attn_code, plan=_set_attn_plan))
 
 
 # ---- resize-token-embeddings ------------------------------------------------------------------

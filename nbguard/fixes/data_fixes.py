@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ..step.capture import supervised_rows
+from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
 from .registry import Fix, Names, Target, register
 
 PAD_TOKEN = "<|pad|>"  # added only when the tokenizer has no distinct special token to pad with
@@ -31,9 +33,38 @@ def _pad_right_code(names: Names, **_: Any) -> str:
 """
 
 
+def _repad_right(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The batch a right-padding tokenizer gives: each row's leading padding moved to its end."""
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return args, kwargs
+    lead = (mask.cumsum(dim=1) == 0).sum(dim=1)  # leading zeros per row
+    rows, length = mask.shape
+    index = (torch.arange(length, device=mask.device)[None, :] + lead[:, None]) % length
+
+    def move(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.dim() == 2 and tuple(v.shape) == (rows, length):
+            return v.gather(1, index.to(v.device))
+        return v
+
+    return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+
+
+def _pad_right_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
+    """Verified on the corrected batch: the same rows, padded on the right."""
+    repadded = 0
+    for mb in step.micro_batches:
+        mask = mb.kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            repadded += int(((mask[:, 0] == 0) & (mask.sum(dim=1) > 0)).sum())
+    if not repadded:
+        return ShadowPlan()
+    return ShadowPlan(batch=_repad_right, changes={"rows re-padded on the right": repadded})
+
+
 register(Fix("pad-right-for-training", "Pad on the right for training",
              'Set tokenizer.padding_side = "right" (the collator pads the next batches on the right).',
-             _pad_right, _pad_right_code, needs="tokenizer"))
+             _pad_right, _pad_right_code, needs="tokenizer", plan=_pad_right_plan))
 
 
 # ---- distinct-pad-token ----------------------------------------------------------------------
@@ -179,18 +210,6 @@ register(Fix("scale-loss-for-accumulation", "Scale the loss for gradient accumul
 
 
 # ---- drop-unsupervised-rows ------------------------------------------------------------------
-def supervised_mask(labels: torch.Tensor) -> torch.Tensor:
-    """(rows, tokens): the labels the causal loss is computed over (the first one is shifted away)."""
-    labels = labels if labels.dim() >= 2 else labels[None]
-    shifted = labels[:, 1:] if labels.shape[-1] > 1 else labels
-    return (shifted != -100).reshape(shifted.shape[0], -1)
-
-
-def supervised_rows(labels: torch.Tensor) -> torch.Tensor:
-    """Per row: does it keep a label other than -100 after the causal shift?"""
-    return supervised_mask(labels).any(dim=1)
-
-
 def _row_is_supervised(row: Any) -> bool:
     return bool(supervised_rows(torch.as_tensor(row["labels"]))[0])
 
@@ -229,6 +248,37 @@ else:
 """
 
 
+def _drop_unsupervised(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    labels = kwargs.get("labels")
+    if not isinstance(labels, torch.Tensor):  # nothing to judge rows by: leave the micro-batch as it is
+        return args, kwargs
+    keep = supervised_rows(labels)
+    if bool(keep.all()):
+        return args, kwargs
+    if not bool(keep.any()):
+        return None  # the whole micro-batch goes
+    rows = labels.shape[0]
+
+    def take(v: Any) -> Any:
+        return v[keep] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == rows else v
+
+    return tuple(take(a) for a in args), {k: take(v) for k, v in kwargs.items()}
+
+
+def _drop_rows_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
+    if not any(isinstance(mb.kwargs.get("labels"), torch.Tensor) for mb in step.micro_batches):
+        raise NotCheckable("the step's labels did not reach the model (the trainer keeps them), so the corrected "
+                           "batch cannot be built from what was captured")
+    dropped = 0
+    for mb in step.micro_batches:
+        labels = mb.kwargs.get("labels")
+        if isinstance(labels, torch.Tensor):
+            dropped += int((~supervised_rows(labels)).sum())
+    if not dropped:
+        return ShadowPlan()
+    return ShadowPlan(batch=_drop_unsupervised, changes={"rows dropped": dropped})
+
+
 register(Fix("drop-unsupervised-rows", "Drop rows without a supervised token",
              "Filter trainer.train_dataset to the rows whose labels keep a token other than -100 (after the shift).",
-             _drop_rows, _drop_rows_code, needs="trainer"))
+             _drop_rows, _drop_rows_code, needs="trainer", plan=_drop_rows_plan))

@@ -63,6 +63,9 @@ class Fix:
     needs: str = "model"  # a key of NEEDS: what apply must be given
     # the options it is offered with where the offer does not say: options(hardware, fp16_in_use) -> dict
     default_options: Callable[..., dict[str, Any]] | None = None
+    # its verification recipe: plan(step: CapturedStep, **options) -> ShadowPlan, or NotCheckable(why);
+    # None: it cannot be run on a failing step (its verdict is "not checked", saying so)
+    plan: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if self.needs not in NEEDS:

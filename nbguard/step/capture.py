@@ -74,6 +74,18 @@ def backward_targets(output: Any) -> list[tuple[str, torch.Tensor]]:
     return [(p, t) for p, t in iter_tensors(output) if t.is_floating_point() and t.requires_grad]
 
 
+def supervised_mask(labels: torch.Tensor) -> torch.Tensor:
+    """(rows, tokens): the labels the causal loss is computed over (the first one is shifted away)."""
+    labels = labels if labels.dim() >= 2 else labels[None]
+    shifted = labels[:, 1:] if labels.shape[-1] > 1 else labels
+    return (shifted != -100).reshape(shifted.shape[0], -1)
+
+
+def supervised_rows(labels: torch.Tensor) -> torch.Tensor:
+    """Per row: does it keep a label other than -100 after the causal shift?"""
+    return supervised_mask(labels).any(dim=1)
+
+
 @dataclass
 class MicroBatch:
     index: int
@@ -101,7 +113,4 @@ class MicroBatch:
     def has_no_supervised_tokens(self) -> bool:
         """All labels -100 (after the causal shift): the mean loss is 0/0."""
         labels = self.labels()
-        if labels is None:
-            return False
-        shifted = labels[..., 1:] if labels.dim() >= 1 and labels.shape[-1] > 1 else labels
-        return not bool((shifted != -100).any())
+        return labels is not None and not bool(supervised_mask(labels).any())

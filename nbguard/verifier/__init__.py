@@ -14,13 +14,12 @@ from ..introspect.inputs import check_batch
 from ..session import SESSION, record_verification
 from ..step.batch import forward_kwargs, model_device, synthetic_batch
 from ..step.capture import MicroBatch, capture_rng
+from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
 from ..step.precision import PrecisionUnavailable, args_mixed_precision, trainer_autocast
 from ..step.targets import resolve_targets
 from .candidates import CAUSE_FIXES, for_event, with_options
 from .engine import verify_step
-from .recipes import RECIPES, NotCheckable, Recipe, recipe
 from .result import NOT_CHECKED, NOT_ENOUGH, VERDICTS, VERIFIED, FixVerdict, ModuleCheck, StepEvidence, Verification
-from .shadow import CapturedStep, ShadowPlan
 
 AUTO_MAX_STEP_RUNS = 2  # plus the module level: automatic verification stays within 3 step times
 # GradScaler overflows: "skipped-steps" (a streak), and "scaler-skip" (each skipped step; branch stacks adds it)
@@ -139,6 +138,6 @@ def auto_verify(watch: Any, event: Any) -> None:
         event.evidence["verification_error"] = f"{type(exc).__name__}: {exc}"
 
 
-__all__ = ["CAUSE_FIXES", "NOT_CHECKED", "NOT_ENOUGH", "RECIPES", "VERDICTS", "VERIFIED", "CapturedStep", "FixVerdict",
-           "ModuleCheck", "NotCheckable", "Recipe", "ShadowPlan", "StepEvidence", "Verification", "auto_verify",
-           "recipe", "step_from_batch", "step_from_event", "verify"]
+__all__ = ["CAUSE_FIXES", "NOT_CHECKED", "NOT_ENOUGH", "VERDICTS", "VERIFIED", "CapturedStep", "FixVerdict",
+           "ModuleCheck", "NotCheckable", "ShadowPlan", "StepEvidence", "Verification", "auto_verify",
+           "step_from_batch", "step_from_event", "verify"]

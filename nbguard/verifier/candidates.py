@@ -7,8 +7,8 @@ import torch
 
 from .. import fixes
 from ..findings import FixOffer
-from .recipes import four_bit_layers
-from .shadow import CapturedStep
+from ..introspect.quantization import four_bit_layers
+from ..step.plan import CapturedStep
 
 # Most likely first: automatic verification stops after a few step-level runs.
 _NUMERIC = ["init-new-embeddings", "upcast-trainable-fp32", "switch-precision", "enable-grad-clipping",

@@ -8,9 +8,9 @@ import torch
 
 from .. import fixes
 from ..findings import FixOffer
+from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
 from .memory import check_budget, default_budget, estimate_step_bytes, gb
 from .module_check import capture_inputs, reference_check, run_module
-from .recipes import RECIPES, NotCheckable
 from .result import (
     NOT_CHECKED,
     NOT_ENOUGH,
@@ -21,7 +21,7 @@ from .result import (
     StepEvidence,
     Verification,
 )
-from .shadow import CapturedStep, ShadowPlan, run_step
+from .shadow import run_step
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -44,11 +44,11 @@ def fix_code(fix_id: str, options: dict[str, Any], names: dict[str, str] | None 
 
 def _plan(fix_id: str, options: dict[str, Any], step: CapturedStep) -> ShadowPlan | str:
     """The fix's plan, or why it cannot be checked."""
-    r = RECIPES.get(fix_id)
-    if r is None:
-        return ("no shadow recipe for this fix yet (nbguard.verifier.recipes): it was not run on the failing step")
+    plan = fixes.get(fix_id).plan
+    if plan is None:
+        return "no shadow recipe for this fix yet (its Fix has no plan): it was not run on the failing step"
     try:
-        return r.plan(step, **options)
+        return plan(step, **options)
     except NotCheckable as exc:
         return str(exc)
 
