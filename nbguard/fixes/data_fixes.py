@@ -5,6 +5,7 @@ the Trainer (its collator, its loss scaling); each cell says the same in plain t
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +34,14 @@ def _pad_right_code(names: Names, **_: Any) -> str:
 """
 
 
+def corrected_batch_plan(step: CapturedStep, key: str, rows_changed: Callable[[torch.Tensor], int],
+                         correct: Callable[[tuple, dict], tuple[tuple, dict] | None], what: str) -> ShadowPlan:
+    """A data fix, verified on the corrected batch: ``rows_changed`` counts the rows it changes per micro-batch
+    (read off the ``key`` tensor), ``correct`` turns a micro-batch into the corrected one."""
+    count = sum(rows_changed(mb.kwargs[key]) for mb in step.micro_batches if isinstance(mb.kwargs.get(key), torch.Tensor))
+    return ShadowPlan(batch=correct, changes={what: count}) if count else ShadowPlan()
+
+
 def _repad_right(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """The batch a right-padding tokenizer gives: each row's leading padding moved to its end."""
     mask = kwargs.get("attention_mask")
@@ -52,14 +61,10 @@ def _repad_right(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
 
 def _pad_right_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
     """Verified on the corrected batch: the same rows, padded on the right."""
-    repadded = 0
-    for mb in step.micro_batches:
-        mask = mb.kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            repadded += int(((mask[:, 0] == 0) & (mask.sum(dim=1) > 0)).sum())
-    if not repadded:
-        return ShadowPlan()
-    return ShadowPlan(batch=_repad_right, changes={"rows re-padded on the right": repadded})
+    def left_padded(mask: torch.Tensor) -> int:
+        return int(((mask[:, 0] == 0) & (mask.sum(dim=1) > 0)).sum()) if mask.dim() == 2 else 0
+
+    return corrected_batch_plan(step, "attention_mask", left_padded, _repad_right, "rows re-padded on the right")
 
 
 register(Fix("pad-right-for-training", "Pad on the right for training",
@@ -269,14 +274,8 @@ def _drop_rows_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
     if not any(isinstance(mb.kwargs.get("labels"), torch.Tensor) for mb in step.micro_batches):
         raise NotCheckable("the step's labels did not reach the model (the trainer keeps them), so the corrected "
                            "batch cannot be built from what was captured")
-    dropped = 0
-    for mb in step.micro_batches:
-        labels = mb.kwargs.get("labels")
-        if isinstance(labels, torch.Tensor):
-            dropped += int((~supervised_rows(labels)).sum())
-    if not dropped:
-        return ShadowPlan()
-    return ShadowPlan(batch=_drop_unsupervised, changes={"rows dropped": dropped})
+    return corrected_batch_plan(step, "labels", lambda labels: int((~supervised_rows(labels)).sum()),
+                                _drop_unsupervised, "rows dropped")
 
 
 register(Fix("drop-unsupervised-rows", "Drop rows without a supervised token",
