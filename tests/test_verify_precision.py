@@ -78,3 +78,15 @@ def test_trainer_autocast_is_what_the_trainers_accelerator_enters(tmp_path):
             [("cpu", torch.float16)] if accelerator.native_amp else [])
         assert trainer_autocast(args_mixed_precision(trainer.args), "cpu") == entered == expected
     AcceleratorState._reset_state()
+
+
+def test_the_audits_card_offers_the_cell_its_verdict_ran(tmp_path):
+    model = _bf16_checkpoint_loaded_in_fp16()
+    batch = tiny_batch(2, 12, model.config.vocab_size, seed=3)
+    batch["input_ids"][0, 4] = HOT
+    result = nbguard.audit(model=model, args=make_args(tmp_path, fp16=True), batch=batch, hardware="cpu", verify=True)
+    switch = result.verification.verdict("switch-precision")
+    assert switch.options == {"to": "bf16"} and switch.verdict == "verified", switch.reason
+    assert switch.step.precision.startswith("autocast cpu bfloat16")
+    doc = result.to_document()
+    assert doc["fix_cells"]["switch-precision"]["code"] == switch.code  # the card's cell is the one verified
