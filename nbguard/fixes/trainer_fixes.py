@@ -13,7 +13,7 @@ from ..introspect.quantization import four_bit_layers, set_compute_dtype
 from ..introspect.unsloth import read_unsloth
 from ..step.batch import model_device
 from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
-from ..step.precision import PrecisionUnavailable, autocast_text, trainer_autocast
+from ..step.precision import PrecisionUnavailable, args_mixed_precision, autocast_text, trainer_autocast
 from .partial_fp32 import apply_partial_fp32, partial_fp32_code
 from .registry import Fix, register
 
@@ -149,10 +149,9 @@ def _switch_args(args, to, changed):
 def _rebuild_accelerator(trainer, changed):
     """The Trainer built an Accelerator (autocast, GradScaler) from the old flags: build it again."""
     accelerator = getattr(trainer, "accelerator", None)
-    wanted = "bf16" if trainer.args.bf16 else ("fp16" if trainer.args.fp16 else "no")
-    if accelerator is None or accelerator.mixed_precision == wanted:
+    if accelerator is None or accelerator.mixed_precision == args_mixed_precision(trainer.args):
         return
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState  # only a Trainer that exists has accelerate to import
 
     model = trainer.model
     if hasattr(model, "_original_forward"):  # prepare() wrapped forward in autocast + convert_to_fp32

@@ -6,6 +6,7 @@ from typing import Any
 from ..auditor.sampling import sample_trainer_batches
 from ..findings import Finding, Severity
 from ..step.targets import resolve_targets
+from . import step_from_batch
 from .candidates import with_options
 from .engine import verify_step
 
@@ -16,8 +17,6 @@ def verify_audit(result: Any, model: Any, trainer: Any, args: Any, batch: dict |
 
     When it cannot run, an info finding ``verify-error`` says why (the audit itself stands).
     """
-    from . import step_from_batch
-
     fix_ids = result.fix_ids
     if not fix_ids:
         return
