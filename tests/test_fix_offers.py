@@ -14,7 +14,7 @@ from watch_helpers import batches, scale_output_to, train
 import nbguard
 from nbguard import fixes
 from nbguard.errors import NonFiniteError
-from nbguard.findings import FixOffer
+from nbguard.findings import CAUSES, FixOffer
 from nbguard.hardware import detect
 from nbguard.testing import tiny_llama
 from nbguard.verifier import CAUSE_FIXES
@@ -60,7 +60,7 @@ def offered_literals() -> dict[str, set[str]]:
 
 def test_every_fix_id_written_in_a_producer_is_registered():
     literals = offered_literals()
-    assert {"switch-precision", "drop-unsupervised-rows", "enable-input-require-grads"} <= set(literals)
+    assert {"switch-precision", "init-new-embeddings", "enable-input-require-grads"} <= set(literals)
     unknown = {fix_id: sorted(where) for fix_id, where in literals.items() if fix_id not in fixes.FIXES}
     assert unknown == {}
 
@@ -68,6 +68,8 @@ def test_every_fix_id_written_in_a_producer_is_registered():
 def test_every_event_cause_offers_registered_fixes_with_a_recipe():
     assert set(CAUSE_FIXES) and all(fixes.get(fix_id).plan is not None
                                      for ids in CAUSE_FIXES.values() for fix_id in ids)
+    assert set(CAUSE_FIXES) <= set(CAUSES)  # a fix treats causes the watch can report
+    assert CAUSE_FIXES["invalid-op"][:2] == ["init-new-embeddings", "pad-right-for-training"]  # ranked
 
 
 def test_audit_offers_on_real_setups_are_registered(tmp_path):

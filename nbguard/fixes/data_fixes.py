@@ -69,7 +69,9 @@ def _pad_right_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
 
 register(Fix("pad-right-for-training", "Pad on the right for training",
              'Set tokenizer.padding_side = "right" (the collator pads the next batches on the right).',
-             _pad_right, _pad_right_code, needs="tokenizer", plan=_pad_right_plan))
+             _pad_right, _pad_right_code, needs="tokenizer", plan=_pad_right_plan,
+             # a left-padded row's first queries attend to nothing: NaN in fp16 SDPA (no change without left padding)
+             treats=("invalid-op",), rank=15))
 
 
 # ---- distinct-pad-token ----------------------------------------------------------------------
@@ -280,4 +282,5 @@ def _drop_rows_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
 
 register(Fix("drop-unsupervised-rows", "Drop rows without a supervised token",
              "Filter trainer.train_dataset to the rows whose labels keep a token other than -100 (after the shift).",
-             _drop_rows, _drop_rows_code, needs="trainer", plan=_drop_rows_plan))
+             _drop_rows, _drop_rows_code, needs="trainer", plan=_drop_rows_plan,
+             treats=("no-supervised-tokens",), rank=10))

@@ -45,7 +45,8 @@ def _upcast_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
 
 register(Fix("upcast-trainable-fp32", "Keep trainable parameters in float32",
              "Cast every parameter that requires grad to float32, leaving frozen and quantised weights alone.",
-             _upcast, _upcast_code, plan=_upcast_plan))
+             _upcast, _upcast_code, plan=_upcast_plan,
+             treats=("overflow", "invalid-op"), rank=20))
 
 
 # ---- disable-use-cache -----------------------------------------------------------------------
@@ -177,7 +178,8 @@ def _init_embeddings_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
 
 register(Fix("init-new-embeddings", "Initialise zero embedding rows from the mean",
              "Set all-zero rows of the input/output embeddings (and PEFT copies) to the mean of the trained rows.",
-             _init_embeddings, _init_embeddings_code, plan=_init_embeddings_plan))
+             _init_embeddings, _init_embeddings_code, plan=_init_embeddings_plan,
+             treats=("overflow", "invalid-op"), rank=10))
 
 
 # ---- enable-input-require-grads --------------------------------------------------------------

@@ -7,7 +7,7 @@ torch/transformers code so the user can keep it without nbguard.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +66,10 @@ class Fix:
     # its verification recipe: plan(step: CapturedStep, **options) -> ShadowPlan, or NotCheckable(why);
     # None: it cannot be run on a failing step (its verdict is "not checked", saying so)
     plan: Callable[..., Any] | None = None
+    # the watch event causes it is offered for, and where it comes among them (lower first: the
+    # automatic verification runs only the first few)
+    treats: tuple[str, ...] = ()
+    rank: int = 50
 
     def __post_init__(self) -> None:
         if self.needs not in NEEDS:
@@ -85,6 +89,25 @@ class Fix:
 
 
 FIXES: dict[str, Fix] = {}
+
+
+class CauseFixes(Mapping[str, list[str]]):
+    """Event cause -> the ids of the fixes that treat it, most likely first (read off FIXES each time)."""
+
+    def __getitem__(self, cause: str) -> list[str]:
+        found = sorted((f for f in FIXES.values() if cause in f.treats), key=lambda f: f.rank)
+        if not found:
+            raise KeyError(cause)
+        return [f.id for f in found]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(dict.fromkeys(c for f in FIXES.values() for c in f.treats))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+CAUSE_FIXES = CauseFixes()
 
 
 def register(fix: Fix) -> Fix:

@@ -40,7 +40,8 @@ def _clip_plan(step: CapturedStep, max_norm: float = 1.0, **_: Any) -> ShadowPla
 
 
 register(Fix("enable-grad-clipping", "Clip gradients to norm 1.0", "Set args.max_grad_norm = 1.0.",
-             _clip, _clip_code, needs="args", plan=_clip_plan))
+             _clip, _clip_code, needs="args", plan=_clip_plan,
+             treats=("overflow", "invalid-op", "nonfinite-parameter"), rank=40))
 
 
 # ---- lower-learning-rate ---------------------------------------------------------------------
@@ -101,7 +102,8 @@ def _lower_lr_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
 
 register(Fix("lower-learning-rate", "Lower the learning rate",
              "Multiply the learning rate by factor (default 0.1), in the args and any optimizer already built.",
-             _lower_lr, _lower_lr_code, needs="args", plan=_lower_lr_plan))
+             _lower_lr, _lower_lr_code, needs="args", plan=_lower_lr_plan,
+             treats=("overflow", "invalid-op", "nonfinite-parameter"), rank=50))
 
 
 # ---- switch-precision ------------------------------------------------------------------------
@@ -349,4 +351,5 @@ register(Fix("switch-precision", "Switch the training precision",
              "a Trainer built from them, and weights stored in the old precision.",
              _switch, _switch_code, needs="model-or-args",
              default_options=lambda hardware, fp16_in_use: {"to": switch_target(hardware, fp16_in_use)},
-             plan=_switch_plan))
+             plan=_switch_plan,
+             treats=("overflow", "invalid-op"), rank=30))

@@ -7,19 +7,9 @@ import torch
 
 from .. import fixes
 from ..findings import FixOffer
+from ..fixes.registry import CAUSE_FIXES  # cause -> fixes, read off each fix's own `treats`
 from ..introspect.quantization import four_bit_layers
 from ..step.plan import CapturedStep
-
-# Most likely first: automatic verification stops after a few step-level runs.
-_NUMERIC = ["init-new-embeddings", "upcast-trainable-fp32", "switch-precision", "enable-grad-clipping",
-            "lower-learning-rate"]
-CAUSE_FIXES: dict[str, list[str]] = {
-    "overflow": _NUMERIC,
-    # a left-padded row's first queries attend to nothing: NaN in fp16 SDPA (changes nothing without left padding)
-    "invalid-op": _NUMERIC[:1] + ["pad-right-for-training"] + _NUMERIC[1:],
-    "nonfinite-parameter": ["enable-grad-clipping", "lower-learning-rate"],
-    "no-supervised-tokens": ["drop-unsupervised-rows"],
-}
 
 
 def uses_fp16(step: CapturedStep) -> bool:
