@@ -103,3 +103,14 @@ def test_a_stop_diagnosis_offers_registered_fixes():
         train(model, opt, data, autocast=torch.float16)
     diagnosis = nbguard.explain(info.value)
     assert_offerable(diagnosis.offers())
+
+
+def test_an_unregistered_fix_cannot_be_offered():
+    from nbguard.auditor.registry import finding
+    from nbguard.explainer.diagnosis import Diagnosis
+
+    with pytest.raises(ValueError, match="audit rule 'fp16-unscale-error' offers 'make-it-work', which is not a regis"):
+        finding("fp16-unscale-error", "t", "d", fixes=["upcast-trainable-fp32", "make-it-work"])
+    with pytest.raises(ValueError, match="error signature 'my-signature' offers 'make-it-work'"):
+        Diagnosis("my-signature", "t", "d", "RuntimeError: x", ["make-it-work"])
+    assert finding("fp16-unscale-error", "t", "d", fixes=["upcast-trainable-fp32"]).fixes == ["upcast-trainable-fp32"]

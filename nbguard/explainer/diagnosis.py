@@ -25,6 +25,9 @@ class Diagnosis(Displayable):
     fix_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # e.g. switch-precision's "to"
     verification: dict[str, Any] | None = None  # Verification.to_dict() when a watch captured the failing step
 
+    def __post_init__(self) -> None:
+        fix_registry.check_offered(self.fixes, f"error signature {self.signature!r}")
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "signature": self.signature,

@@ -31,6 +31,15 @@ def get(fix_id: str) -> Fix:
     return FIXES[fix_id]
 
 
+def check_offered(fix_ids: list[str], offered_by: str) -> list[str]:
+    """``fix_ids`` when every one is a registered fix; else a ValueError naming ``offered_by`` (a rule, a signature)."""
+    unknown = [fix_id for fix_id in fix_ids if fix_id not in FIXES]
+    if unknown:
+        raise ValueError(f"{offered_by} offers {', '.join(map(repr, unknown))}, which is not a registered fix: "
+                         "register it in nbguard.fixes (register(Fix(...)) with apply and code) or stop offering it")
+    return list(fix_ids)
+
+
 def _check_name(key: str, value: Any) -> str:
     parts = value.split(".") if isinstance(value, str) else []
     if not parts or not all(p.isidentifier() for p in parts):
@@ -110,4 +119,4 @@ def apply(fix_id: str, *, model=None, trainer=None, names: dict[str, str] | None
     return FixResult(fix=fix_id, changed=changed, code=cell)
 
 
-__all__ = ["FIXES", "Fix", "FixResult", "apply", "available", "code", "get"]
+__all__ = ["FIXES", "Fix", "FixResult", "apply", "available", "check_offered", "code", "get"]
