@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 
+import pytest
 import torch
 from audit_helpers import make_args, make_trainer
 
@@ -90,3 +91,16 @@ def test_the_audits_card_offers_the_cell_its_verdict_ran(tmp_path):
     assert switch.step.precision.startswith("autocast cpu bfloat16")
     doc = result.to_document()
     assert doc["fix_cells"]["switch-precision"]["code"] == switch.code  # the card's cell is the one verified
+
+
+def test_a_precision_this_machine_cannot_run_is_named():
+    from nbguard.step.precision import PrecisionUnavailable
+
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False):
+        assert trainer_autocast("bf16", "cuda") == [("cuda", torch.bfloat16)]
+    else:
+        with pytest.raises(PrecisionUnavailable, match="no native bf16: a Trainer with bf16=True refuses"):
+            trainer_autocast("bf16", "cuda")
+    assert trainer_autocast("fp16", "cuda") == [("cuda", torch.float16)]
+    with pytest.raises(ValueError, match="mixed_precision must be 'bf16', 'fp16' or 'no'; got 'fp8'"):
+        trainer_autocast("fp8", "cpu")

@@ -70,9 +70,11 @@ def trainer_autocast(mixed_precision: str, device_type: str) -> AutocastRegions:
     where the Trainer would refuse the flag on this machine.
     """
     if mixed_precision == "bf16":
-        if device_type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-            raise PrecisionUnavailable(f"this GPU ({torch.cuda.get_device_name()}) has no native bf16: a Trainer "
-                                       "with bf16=True refuses to run here")
+        if device_type == "cuda" and not (torch.cuda.is_available() and
+                                          torch.cuda.is_bf16_supported(including_emulation=False)):
+            gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+            raise PrecisionUnavailable(f"this machine's GPU ({gpu}) has no native bf16: a Trainer with bf16=True "
+                                       "refuses to run here")
         return [(device_type, torch.bfloat16)]
     if mixed_precision == "fp16":
         return [] if device_type == "cpu" else [(device_type, torch.float16)]
