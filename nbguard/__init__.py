@@ -12,11 +12,26 @@ In a notebook, ``%load_ext nbguard`` adds ``%precision_check`` and ``%nanwatch``
 """
 from __future__ import annotations
 
-from . import render  # noqa: F401  (registers the formats every Displayable result shows itself in)
 from .api import audit, explain, report, verify, watch
 from .document import Event, Finding, Origin, Severity, __version__
+from .document.display import set_formatters
 from .errors import NbguardError, NonFiniteError
 from .hardware import Hardware, resolve_hardware
+
+
+def _mime_bundle(doc: dict) -> dict:
+    from .render import mime_bundle  # at the first display: the renderers load numpy, `import nbguard` does not
+
+    return mime_bundle(doc)
+
+
+def _text(doc: dict) -> str:
+    from .render import render_text  # at the first str(): as above
+
+    return render_text(doc)
+
+
+set_formatters(_mime_bundle, _text)  # every Displayable result shows itself through the render layer
 
 
 def load_ipython_extension(ipython):

@@ -1,7 +1,7 @@
 """The display mixin of result objects: they show themselves anywhere IPython can display.
 
-The formats are the render layer's: it registers them here (``set_formatters``) when it is
-imported, which ``import nbguard`` always does first, so this bottom layer imports no renderer.
+The formats are the render layer's: the package facade (``nbguard/__init__``, which every import of
+nbguard runs first) registers them here with ``set_formatters``, so this bottom layer imports no renderer.
 """
 from __future__ import annotations
 

@@ -10,7 +10,6 @@ from typing import Any
 
 from ..document import MIME_TYPE
 from ..document.codec import check_json, encode_document
-from ..document.display import set_formatters
 from ..document.redact import redact
 from ..document.view import view, without_view
 from .heatmap import activations_png, heatmap_png
@@ -39,5 +38,3 @@ def mime_bundle(doc: dict[str, Any]) -> dict[str, Any]:
     payload = {**data, "view": presented.to_dict()}
     return {"text/plain": format_view(presented), "text/html": render_html(data), MIME_TYPE: payload}
 
-
-set_formatters(mime_bundle, render_text)  # every Displayable result shows itself through these
