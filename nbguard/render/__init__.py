@@ -37,4 +37,3 @@ def mime_bundle(doc: dict[str, Any]) -> dict[str, Any]:
     # cannot disagree; the document itself stays beside it for the heatmaps and for reports.
     payload = {**data, "view": presented.to_dict()}
     return {"text/plain": format_view(presented), "text/html": render_html(data), MIME_TYPE: payload}
-
