@@ -14,8 +14,24 @@ from __future__ import annotations
 
 from .api import audit, explain, report, verify, watch
 from .document import Event, Finding, Origin, Severity, __version__
+from .document.display import set_formatters
 from .errors import NbguardError, NonFiniteError
 from .hardware import Hardware, resolve_hardware
+
+
+def _mime_bundle(doc: dict) -> dict:
+    from .render import mime_bundle  # at the first display: the renderers load numpy, `import nbguard` does not
+
+    return mime_bundle(doc)
+
+
+def _text(doc: dict) -> str:
+    from .render import render_text  # at the first str(): as above
+
+    return render_text(doc)
+
+
+set_formatters(_mime_bundle, _text)  # every Displayable result shows itself through the render layer
 
 
 def load_ipython_extension(ipython):

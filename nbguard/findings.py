@@ -1,7 +1,7 @@
 """The shared vocabulary producers use: the document model and the display mixin.
 
-The model itself lives in ``nbguard.document`` (the bottom layer); ``Displayable`` lives with the
-renderers. This module only gathers them for the auditor, the watch, the explainer and the fixes.
+The model and the ``Displayable`` mixin live in ``nbguard.document`` (the bottom layer; the render
+layer registers the formats Displayable shows). This module only gathers them for the auditor, the watch, the explainer and the fixes.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from .document import (
     SCHEMA_VERSION,
     Event,
     Finding,
+    FixOffer,
     Origin,
     Severity,
     decode_float,
@@ -19,9 +20,9 @@ from .document import (
     encode_float,
     jsonable,
 )
-from .render.displayable import Displayable
+from .document.display import Displayable
 
 __all__ = [
-    "CAUSES", "EVENT_KINDS", "MIME_TYPE", "SCHEMA_VERSION", "Displayable", "Event", "Finding", "Origin",
+    "CAUSES", "EVENT_KINDS", "MIME_TYPE", "SCHEMA_VERSION", "Displayable", "Event", "Finding", "FixOffer", "Origin",
     "Severity", "decode_float", "document", "encode_float", "jsonable",
 ]

@@ -282,3 +282,33 @@ def test_lower_learning_rate_on_a_built_trainer(tmp_path):
     assert [g["lr"] for g in other.optimizer.param_groups] == pytest.approx(
         [g["lr"] for g in trainer.optimizer.param_groups])
     assert other.lr_scheduler.base_lrs == pytest.approx(trainer.lr_scheduler.base_lrs)
+
+
+# ---- drop-unsupervised-rows -------------------------------------------------------------------
+def _trainer_with_unsupervised_rows(tmp_path, dropped=(1, 4)):
+    trainer = make_trainer(tiny_llama(), make_args(tmp_path), rows=6)
+    rows = trainer.train_dataset.rows
+    for i in dropped:
+        rows[i]["labels"][1:] = -100  # only the first label, which the causal shift drops, is left
+    return trainer
+
+
+def test_drop_unsupervised_rows_filters_the_trainers_data(tmp_path):
+    trainer = _trainer_with_unsupervised_rows(tmp_path)
+    kept = [r for i, r in enumerate(trainer.train_dataset.rows) if i not in (1, 4)]
+    result = fixes.apply("drop-unsupervised-rows", trainer=trainer, names={"trainer": "my_trainer"})
+    assert result.changed == {"trainer.train_dataset": "6 -> 4 rows"}
+    assert [r["input_ids"].tolist() for r in trainer.train_dataset] == [r["input_ids"].tolist() for r in kept]
+    assert not fixes.apply("drop-unsupervised-rows", trainer=trainer).changed  # idempotent
+    # the cell has the same effect on another trainer, under the caller's name
+    other = _trainer_with_unsupervised_rows(tmp_path)
+    run_cell(result.code, my_trainer=other)
+    assert [r["input_ids"].tolist() for r in other.train_dataset] == [r["input_ids"].tolist() for r in kept]
+    other.train()  # the filtered list still trains
+
+
+def test_drop_unsupervised_rows_refuses_to_leave_no_data(tmp_path):
+    trainer = _trainer_with_unsupervised_rows(tmp_path, dropped=range(6))
+    with pytest.raises(ValueError, match="nothing to train on"):
+        fixes.apply("drop-unsupervised-rows", trainer=trainer)
+    assert len(trainer.train_dataset) == 6

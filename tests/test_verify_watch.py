@@ -116,7 +116,24 @@ def test_data_fix_is_verified_on_the_corrected_batch():
     assert event.cause == "no-supervised-tokens"
     v = watch.verification.verdict("drop-unsupervised-rows")
     assert v.verdict == "verified" and v.step.micro_batches == 1  # the empty micro-batch is dropped
+    assert v.step.supervised_tokens == 2 * 11 and "over 22 supervised tokens" in v.reason
     assert v.changes == {"rows dropped": 2} and "filter" in v.code
+
+
+def test_data_fix_that_leaves_no_data_is_not_verified():
+    """An all -100 step (a truncation that cut every answer): dropping its rows leaves nothing to train on."""
+    model = tiny_llama()
+    data = batches(1)
+    data[0]["labels"][:] = -100
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nbguard.watch(model, optimizer=opt, policy="skip") as watch:
+        train(model, opt, data)
+    assert watch.events[0].cause == "no-supervised-tokens"
+    v = nbguard.verify(watch.events[0], fix_id="drop-unsupervised-rows")
+    verdict = v.verdict("drop-unsupervised-rows")
+    assert verdict.verdict == "not enough" and "no data is left" in verdict.reason
+    assert verdict.step.micro_batches == 0 and verdict.code is not None and "filter" in verdict.code
+    nbguard.fixes.get("drop-unsupervised-rows")  # the id the verdict names is a registered fix
 
 
 def test_data_fix_is_not_enough_when_the_rest_of_the_step_overflows():
@@ -246,3 +263,16 @@ def test_the_partial_fp32_variant_is_not_passed_off_as_the_full_switch():
                        options={"switch-precision": {"to": "fp32", "only": ["model.layers.1.mlp.up_proj"]}})
     [verdict] = v.verdicts
     assert verdict.verdict == "not checked" and "partial variant" in verdict.reason
+
+
+def test_every_verification_reaches_the_session_timeline():
+    from nbguard.session import SESSION, latest_verdict
+
+    _, _, watch = fp16_overflow_run()
+    # the automatic verification travels in the watch's own entry (its event's evidence), once
+    assert SESSION.verifications == []
+    assert latest_verdict("switch-precision").label == watch.verification.verdict("switch-precision").verdict
+    v = nbguard.verify(watch.events[0], fix_id="enable-grad-clipping")  # an explicit one is an entry of its own
+    [doc] = SESSION.verifications
+    assert doc["verification"]["subject"] == v.subject
+    assert doc["verification"]["verdicts"][0]["fix"] == "enable-grad-clipping"

@@ -1,10 +1,10 @@
 """The watch's small parts on their own: grouping, detectors, policies' argument checks."""
 import torch
 
+from nbguard.step.tensors import summarize
 from nbguard.watcher import WatchSettings, group_name
 from nbguard.watcher.detectors import EvalLossDetector, FrozenDetector, SkipStreak, SpikeDetector
 from nbguard.watcher.policies import drop_update
-from nbguard.watcher.tensors import summarize
 
 
 def test_group_names_are_blocks_children_or_owning_modules():

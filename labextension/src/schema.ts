@@ -323,6 +323,8 @@ export interface StepEvidence {
   precision?: string;
   seconds?: number;
   micro_batches?: number;
+  /** labels the loss is computed over, after the causal shift (null: no labels reached the model) */
+  supervised_tokens?: number | null;
   healthy?: boolean;
 }
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from ..findings import Finding, Severity
 from ..hardware import resolve_hardware
-from ..introspect.inputs import check_args, check_batch, check_model, check_trainer
+from ..introspect.inputs import check_batch
 from ..session import record_audit
+from ..step.targets import resolve_targets
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .context import AuditContext
 from .memory_offer import memory_facts, memory_note
@@ -79,15 +80,9 @@ def _unsloth_fixes(findings: list[Finding]) -> None:
 
 def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False) -> AuditResult:
     """Audit a fine-tuning setup; see ``nbguard.audit``."""
-    if trainer is not None:
-        check_trainer(trainer)
-        model = trainer.model if model is None else model
-        args = trainer.args if args is None else args
+    model, args, _ = resolve_targets(trainer, model, args)
     if model is None:
         raise ValueError("nbguard.audit needs model= (a torch.nn.Module) or trainer= (a transformers Trainer)")
-    check_model(model)
-    if args is not None:
-        check_args(args)
     if batch is not None:
         check_batch(batch)
         batch = dict(batch)  # a tokenizer's BatchEncoding is a mapping, not a dict

@@ -14,7 +14,6 @@ every parameter's ``.grad`` (the previous tensors themselves), no hooks, no para
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch
 
 from ..findings import encode_float
 from ..introspect.dtypes import dtype_name
-from ..introspect.embeddings import embedding_shape
+from ..step.batch import forward_kwargs, model_device, synthetic_batch
 
 FP16_MAX = 65504.0
 NEAR_FACTOR = 2.0  # "near the limit" = within 2x of 65504
@@ -110,37 +109,11 @@ def _floating_tensors(value):
             yield from _floating_tensors(v)
 
 
-def _model_device(model) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
-def synthetic_batch(model, batch_size: int = 1, seq_len: int = 16) -> dict[str, torch.Tensor]:
-    """Random token ids within the vocabulary, labels = inputs (a causal LM step)."""
-    shape = embedding_shape(model)
-    vocab = shape[0] if shape else int(getattr(getattr(model, "config", None), "vocab_size", 32))
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen).to(_model_device(model))
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-
-
-def _forward_kwargs(model, batch):
-    kwargs = dict(batch)
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        params = {}
-    if "use_cache" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        kwargs["use_cache"] = False  # a cache is not part of training and would only cost memory
-    return kwargs
-
-
 def run_probe(model: torch.nn.Module, batch: dict | None = None) -> ProbeResult:
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("probe=True needs real weights; this model is on the meta device")
     synthetic = batch is None
-    device = _model_device(model)
+    device = model_device(model)
     batch = {k: v.to(device) for k, v in (synthetic_batch(model) if batch is None else batch).items()}
 
     names = {m: n or type(model).__name__ for n, m in model.named_modules()}
@@ -175,7 +148,7 @@ def run_probe(model: torch.nn.Module, batch: dict | None = None) -> ProbeResult:
     try:
         model.eval()  # deterministic: no dropout, and what the model computes without noise
         with torch.set_grad_enabled(trainable):
-            out = model(**_forward_kwargs(model, batch))
+            out = model(**forward_kwargs(model, batch))
             loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
             did_backward = bool(trainable and loss is not None and loss.requires_grad)
             if did_backward and loss is not None:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..findings import Finding, Severity
+from ..fixes import check_offered
 
 _ID = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 
@@ -44,7 +45,8 @@ def rule(rule_id: str, severity: str):
 def finding(ctx_rule: str, title: str, detail: str, evidence: dict | None = None, fixes=(), severity=None) -> Finding:
     """A Finding for a registered rule; severity defaults to the rule's own."""
     sev = severity if severity is not None else RULES[ctx_rule].severity
-    return Finding(rule=ctx_rule, severity=sev, title=title, detail=detail, evidence=evidence or {}, fixes=list(fixes))
+    return Finding(rule=ctx_rule, severity=sev, title=title, detail=detail, evidence=evidence or {},
+                   fixes=check_offered(list(fixes), f"audit rule {ctx_rule!r}"))
 
 
 def capped(items, limit: int = 10) -> dict:

@@ -6,7 +6,7 @@ from typing import Any
 
 from .. import fixes
 from ..environment import environment_info
-from ..findings import Displayable, Finding, Severity, document, jsonable
+from ..findings import Displayable, Finding, FixOffer, Severity, document, jsonable
 from ..hardware import Hardware
 
 
@@ -50,16 +50,17 @@ class AuditResult(Displayable):
             seen += [x for x in f.fixes if x not in seen]
         return seen
 
+    def offers(self) -> list[FixOffer]:
+        """Every fix the findings offer, once, with the options chosen for it."""
+        return [FixOffer(fix_id, self.fix_options(fix_id)) for fix_id in self.fix_ids]
+
     def fix_options(self, fix_id: str) -> dict:
-        """Options the findings chose for a fix (e.g. switch-precision's target)."""
+        """Options the findings chose for a fix (e.g. switch-precision's target), else the fix's own for this hardware."""
         if fix_id == "switch-precision":
             offer = (self.stack.get("memory") or {}).get("offer")
             if offer is not None:  # fp32 does not fit this GPU: the partial variant (memory_offer.py)
                 return dict(offer)
-            return {"to": self.hardware.best_half_precision}
-        if fix_id == "unsloth-precision":
-            return {"bf16": self.hardware.native_bf16}
-        return {}
+        return fixes.get(fix_id).options_for(self.hardware)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -20,6 +20,7 @@ from .model import (
     SCHEMA_VERSION,
     Event,
     Finding,
+    FixOffer,
     Origin,
     Severity,
     __version__,
@@ -27,7 +28,7 @@ from .model import (
 )
 
 __all__ = [
-    "CAUSES", "EVENT_KINDS", "MIME_TYPE", "SCHEMA_VERSION", "Event", "Finding", "Origin", "Severity",
+    "CAUSES", "EVENT_KINDS", "MIME_TYPE", "SCHEMA_VERSION", "Event", "Finding", "FixOffer", "Origin", "Severity",
     "__version__", "as_float", "check_json", "decode_float", "document", "encode_document", "encode_float",
     "jsonable", "pretty_json",
 ]

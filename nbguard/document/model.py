@@ -31,6 +31,17 @@ class Severity(str, enum.Enum):
         return {"info": 0, "warning": 1, "error": 2}[self.value]
 
 
+@dataclass(frozen=True)
+class FixOffer:
+    """A fix a finding, an event or a diagnosis offers: a registered fix id and the options it comes with."""
+
+    id: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fix": self.id, "options": jsonable(self.options)}
+
+
 @dataclass
 class Finding:
     """One audit result: what rule fired, how bad it is, why, what was seen and how to fix it."""

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import fixes as fix_registry
-from ..findings import Displayable, document, jsonable
+from ..findings import Displayable, FixOffer, document, jsonable
 
 
 def exception_text(exc: BaseException) -> str:
@@ -25,6 +25,9 @@ class Diagnosis(Displayable):
     fix_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # e.g. switch-precision's "to"
     verification: dict[str, Any] | None = None  # Verification.to_dict() when a watch captured the failing step
 
+    def __post_init__(self) -> None:
+        fix_registry.check_offered(self.fixes, f"error signature {self.signature!r}")
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "signature": self.signature,
@@ -35,6 +38,10 @@ class Diagnosis(Displayable):
             "evidence": jsonable(self.evidence),
             **({"verification": self.verification} if self.verification is not None else {}),
         }
+
+    def offers(self) -> list[FixOffer]:
+        """The fixes this diagnosis offers, with their options."""
+        return [FixOffer(fix_id, dict(self.fix_options.get(fix_id, {}))) for fix_id in self.fixes]
 
     def fix_cells(self, names: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
         """Each fix as a notebook cell written with the user's variable names.

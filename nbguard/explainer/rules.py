@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from .. import fixes as fix_registry
 from .diagnosis import Diagnosis, exception_text
 from .frames import ModelFacts, model_facts
 from .match import normalised
@@ -31,19 +32,18 @@ def rule(signature: str) -> Callable[[Rule], Rule]:
 def _diagnosis(signature: str, exc: BaseException, title: str, detail: str, fixes=(), options=None, **evidence):
     fixes = list(fixes)
     options = dict(options or {})
-    if "switch-precision" in fixes and "switch-precision" not in options:
-        options["switch-precision"] = {"to": _best_precision_here()}
+    for fix_id in fixes:
+        if fix_id not in options:
+            options[fix_id] = _options_here(fix_id)
     return Diagnosis(signature, title, detail, exception_text(exc), fixes, evidence, options)
 
 
-def _best_precision_here() -> str:
-    """bf16 where this machine's device has it natively, else fp32."""
-    from ..hardware import detect
-
+def _options_here(fix_id: str) -> dict:
+    """The fix's own options for this machine (switch-precision: bf16 where native, else fp32)."""
     try:
-        return detect().best_half_precision
-    except Exception:  # detection must never turn an explanation into a second error
-        return "fp32"
+        return fix_registry.get(fix_id).options_for()
+    except Exception:  # hardware detection must never turn an explanation into a second error
+        return {}
 
 
 # pytorch#139298 / trl#7181: the cuDNN SDPA backward returns NaN on Hopper (sm90) with a padding mask on
@@ -458,10 +458,8 @@ def nbguard_stopped(exc):
         evidence["origin"] = origin.to_dict()
     # the watch ran the candidate fixes on this step: offer the verified ones, and carry every verdict
     verification = event.evidence.get("verification")
-    from ..fixes import FIXES
-
     verified = [v for v in (verification or {}).get("verdicts", [])
-                if v.get("verdict") == "verified" and v.get("fix") in FIXES]
+                if v.get("verdict") == "verified" and v.get("fix") in fix_registry.FIXES]
     diagnosis = _diagnosis("nbguard-stopped", exc, f"Stopped at step {event.step}: {event.kind}{where}", detail,
                            [v["fix"] for v in verified], {v["fix"]: v.get("options") or {} for v in verified},
                            **evidence)

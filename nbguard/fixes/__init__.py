@@ -11,16 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..introspect.inputs import check_args, check_model, check_trainer
 from ..session import record_fix
-from . import (  # noqa: F401  (registers the fixes)
-    config_fixes,
-    data_fixes,
-    model_fixes,
-    setup_fixes,
-    trainer_fixes,
-    unsloth_fixes,
-)
+from ..step.targets import resolve_targets
+from . import config_fixes, data_fixes, model_fixes, setup_fixes, trainer_fixes, unsloth_fixes  # noqa: F401  (registers the fixes)
 from .registry import FIXES, Fix, Names, Target
 from .result import FixResult
 
@@ -36,6 +29,15 @@ def get(fix_id: str) -> Fix:
     if not isinstance(fix_id, str) or fix_id not in FIXES:
         raise ValueError(f"unknown fix id {fix_id!r}; valid ids: {', '.join(available())}")
     return FIXES[fix_id]
+
+
+def check_offered(fix_ids: list[str], offered_by: str) -> list[str]:
+    """``fix_ids`` when every one is a registered fix; else a ValueError naming ``offered_by`` (a rule, a signature)."""
+    unknown = [fix_id for fix_id in fix_ids if fix_id not in FIXES]
+    if unknown:
+        raise ValueError(f"{offered_by} offers {', '.join(map(repr, unknown))}, which is not a registered fix: "
+                         "register it in nbguard.fixes (register(Fix(...)) with apply and code) or stop offering it")
+    return list(fix_ids)
 
 
 def _check_name(key: str, value: Any) -> str:
@@ -76,27 +78,15 @@ def _trainer_tokenizer(trainer) -> Any:
 
 
 def _target(fix: Fix, model, trainer, args, tokenizer=None) -> Target:
-    if trainer is not None:
-        check_trainer(trainer)
-        model = trainer.model if model is None else model
-        args = trainer.args if args is None else args
-    if model is not None:
-        check_model(model)
-    if args is not None:
-        check_args(args)
-    if fix.needs == "model" and model is None:
-        raise ValueError(f"fix {fix.id!r} needs model= (or trainer=)")
-    if fix.needs == "args" and args is None:
-        raise ValueError(f"fix {fix.id!r} needs trainer= (or args=, a TrainingArguments)")
-    if fix.needs == "model-or-args" and model is None and args is None:
-        raise ValueError(f"fix {fix.id!r} needs model=, trainer= or args=")
-    if fix.needs == "trainer" and trainer is None:
-        raise ValueError(f"fix {fix.id!r} needs trainer= (a transformers Trainer)")
+    model, args, _ = resolve_targets(trainer, model, args)
     if tokenizer is None and trainer is not None:
         tokenizer = _trainer_tokenizer(trainer)
-    if fix.needs == "tokenizer" and not hasattr(tokenizer, "pad_token_id"):
-        raise ValueError(f"fix {fix.id!r} needs tokenizer= (a transformers tokenizer), or trainer= with a "
-                         f"processing_class; got {type(tokenizer).__name__}")
+    given = {key for key, value in (("model", model), ("args", args), ("trainer", trainer)) if value is not None}
+    if fix.needs == "tokenizer":  # a trainer reaches one only through its processing_class, resolved above
+        given = {"tokenizer"} if hasattr(tokenizer, "pad_token_id") else set()
+    if not fix.reached_by(given):
+        got = f"; got {type(tokenizer).__name__}" if fix.needs == "tokenizer" and tokenizer is not None else ""
+        raise ValueError(f"fix {fix.id!r} needs {fix.need.keywords}{got}")
     return Target(model=model, trainer=trainer, args=args, tokenizer=tokenizer)
 
 
@@ -129,4 +119,4 @@ def apply(fix_id: str, *, model=None, trainer=None, names: dict[str, str] | None
     return FixResult(fix=fix_id, changed=changed, code=cell)
 
 
-__all__ = ["FIXES", "Fix", "FixResult", "apply", "available", "code", "get"]
+__all__ = ["FIXES", "Fix", "FixResult", "apply", "available", "check_offered", "code", "get"]

@@ -6,7 +6,8 @@ from typing import Any
 import torch
 
 from ..introspect.embeddings import embedding_shape
-from .model_fixes import _configs
+from ..step.plan import CapturedStep, ShadowPlan
+from .model_fixes import model_configs
 from .registry import Fix, register
 
 ATTN_CHOICES = ("eager", "sdpa")
@@ -20,7 +21,7 @@ def _softcapped(model) -> bool:
     return any(getattr(c, "attn_logit_softcapping", None) is not None for c in (cfg, text) if c is not None)
 
 
-def _resolve_attn(model, to: str | None) -> str:
+def resolve_attn(model, to: str | None) -> str:
     if to is None:  # softcapping needs eager; everything else runs on sdpa
         return "eager" if _softcapped(model) else "sdpa"
     if to not in ATTN_CHOICES:
@@ -34,7 +35,7 @@ def _set_attn(target, to: str | None = None, **_: Any) -> dict:
     cfg = getattr(model, "config", None)
     if cfg is None:
         raise ValueError(f"set-attn-implementation needs a transformers model; {type(model).__name__} has no config")
-    to = _resolve_attn(model, to)
+    to = resolve_attn(model, to)
     old = getattr(cfg, "_attn_implementation", None)
     if old == to:
         return {}
@@ -49,7 +50,7 @@ def _set_attn(target, to: str | None = None, **_: Any) -> dict:
 def _set_attn_code(names, to: str | None = None, **_: Any) -> str:
     m = names.model
     if to is not None:
-        _resolve_attn(None, to)  # the same check as apply
+        resolve_attn(None, to)  # the same check as apply
         choice = f'"{to}"'
         head = f"# Attention in {to}."
     else:
@@ -66,9 +67,21 @@ else:  # older transformers: set it on the config before the next forward
 """
 
 
+def _set_attn_plan(step: CapturedStep, to: str | None = None, **_: Any) -> ShadowPlan:
+    """The attention implementation on every config the model reads it from, for the run only."""
+    chosen = resolve_attn(step.eager, to)
+    plan = ShadowPlan()
+    for path, cfg in model_configs(step.eager):
+        old = getattr(cfg, "_attn_implementation", None)
+        if old != chosen:
+            plan.attributes.append((cfg, "_attn_implementation", chosen))
+            plan.changes[f"{path}._attn_implementation"] = f"{old} -> {chosen}"
+    return plan
+
+
 register(Fix("set-attn-implementation", "Switch the attention implementation",
              "Use eager attention for softcapped models (Gemma 2), sdpa otherwise (or to='eager'/'sdpa').",
-             _set_attn, _set_attn_code))
+             _set_attn, _set_attn_code, plan=_set_attn_plan))
 
 
 # ---- resize-token-embeddings ------------------------------------------------------------------
@@ -133,7 +146,7 @@ def _untie(target, **_: Any) -> dict:
         if isinstance(module, torch.nn.Linear) and module.weight is weight:
             module.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
             changed[f"{name}.weight"] = "own copy of the input embeddings"
-    for path, cfg in _configs(model):
+    for path, cfg in model_configs(model):
         if getattr(cfg, "tie_word_embeddings", False):
             cfg.tie_word_embeddings = False
             changed[f"{path}.tie_word_embeddings"] = "True -> False"

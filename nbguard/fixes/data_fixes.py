@@ -5,10 +5,13 @@ the Trainer (its collator, its loss scaling); each cell says the same in plain t
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..step.capture import supervised_rows
+from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
 from .registry import Fix, Names, Target, register
 
 PAD_TOKEN = "<|pad|>"  # added only when the tokenizer has no distinct special token to pad with
@@ -31,9 +34,44 @@ def _pad_right_code(names: Names, **_: Any) -> str:
 """
 
 
+def corrected_batch_plan(step: CapturedStep, key: str, rows_changed: Callable[[torch.Tensor], int],
+                         correct: Callable[[tuple, dict], tuple[tuple, dict] | None], what: str) -> ShadowPlan:
+    """A data fix, verified on the corrected batch: ``rows_changed`` counts the rows it changes per micro-batch
+    (read off the ``key`` tensor), ``correct`` turns a micro-batch into the corrected one."""
+    count = sum(rows_changed(mb.kwargs[key]) for mb in step.micro_batches if isinstance(mb.kwargs.get(key), torch.Tensor))
+    return ShadowPlan(batch=correct, changes={what: count}) if count else ShadowPlan()
+
+
+def _repad_right(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The batch a right-padding tokenizer gives: each row's leading padding moved to its end."""
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return args, kwargs
+    lead = (mask.cumsum(dim=1) == 0).sum(dim=1)  # leading zeros per row
+    rows, length = mask.shape
+    index = (torch.arange(length, device=mask.device)[None, :] + lead[:, None]) % length
+
+    def move(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.dim() == 2 and tuple(v.shape) == (rows, length):
+            return v.gather(1, index.to(v.device))
+        return v
+
+    return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+
+
+def _pad_right_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
+    """Verified on the corrected batch: the same rows, padded on the right."""
+    def left_padded(mask: torch.Tensor) -> int:
+        return int(((mask[:, 0] == 0) & (mask.sum(dim=1) > 0)).sum()) if mask.dim() == 2 else 0
+
+    return corrected_batch_plan(step, "attention_mask", left_padded, _repad_right, "rows re-padded on the right")
+
+
 register(Fix("pad-right-for-training", "Pad on the right for training",
              'Set tokenizer.padding_side = "right" (the collator pads the next batches on the right).',
-             _pad_right, _pad_right_code, needs="tokenizer"))
+             _pad_right, _pad_right_code, needs="tokenizer", plan=_pad_right_plan,
+             # a left-padded row's first queries attend to nothing: NaN in fp16 SDPA (no change without left padding)
+             treats=("invalid-op",), rank=15))
 
 
 # ---- distinct-pad-token ----------------------------------------------------------------------
@@ -176,3 +214,73 @@ else:  # transformers 4.46+: the Trainer divides when the model takes no loss kw
 register(Fix("scale-loss-for-accumulation", "Scale the loss for gradient accumulation",
              "Tell the Trainer its loss is a per-micro-batch mean so training_step divides it by the accumulation steps.",
              _scale_loss, _scale_loss_code, needs="trainer"))
+
+
+# ---- drop-unsupervised-rows ------------------------------------------------------------------
+def _row_is_supervised(row: Any) -> bool:
+    return bool(supervised_rows(torch.as_tensor(row["labels"]))[0])
+
+
+def _drop_rows(target: Target, **_: Any) -> dict:
+    trainer = target.trainer
+    data = trainer.train_dataset
+    if data is None:
+        raise ValueError("fix 'drop-unsupervised-rows' filters trainer.train_dataset, and this trainer has none")
+    rows = len(data)
+    if hasattr(data, "filter"):  # a datasets.Dataset
+        kept = data.filter(_row_is_supervised)
+    else:
+        kept = [row for row in data if _row_is_supervised(row)]
+    if len(kept) == rows:
+        return {}
+    if not len(kept):
+        raise ValueError(f"every one of the {rows} rows of trainer.train_dataset has no supervised token (labels all "
+                         "-100 after the shift): dropping them leaves nothing to train on; fix the label masking "
+                         "(truncation, the response template) instead")
+    trainer.train_dataset = kept
+    return {"trainer.train_dataset": f"{rows} -> {len(kept)} rows"}
+
+
+def _drop_rows_code(names: Names, **_: Any) -> str:
+    t = names.trainer
+    return f"""# Rows whose labels are all -100 (after the causal shift) give a 0/0 loss: drop them from the data.
+def _has_supervised_token(row):
+    return any(label != -100 for label in list(row["labels"])[1:])
+
+
+if hasattr({t}.train_dataset, "filter"):  # a datasets.Dataset
+    {t}.train_dataset = {t}.train_dataset.filter(_has_supervised_token)
+else:
+    {t}.train_dataset = [_row for _row in {t}.train_dataset if _has_supervised_token(_row)]
+"""
+
+
+def _drop_unsupervised(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    labels = kwargs.get("labels")
+    if not isinstance(labels, torch.Tensor):  # nothing to judge rows by: leave the micro-batch as it is
+        return args, kwargs
+    keep = supervised_rows(labels)
+    if bool(keep.all()):
+        return args, kwargs
+    if not bool(keep.any()):
+        return None  # the whole micro-batch goes
+    rows = labels.shape[0]
+
+    def take(v: Any) -> Any:
+        return v[keep] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == rows else v
+
+    return tuple(take(a) for a in args), {k: take(v) for k, v in kwargs.items()}
+
+
+def _drop_rows_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
+    if not any(isinstance(mb.kwargs.get("labels"), torch.Tensor) for mb in step.micro_batches):
+        raise NotCheckable("the step's labels did not reach the model (the trainer keeps them), so the corrected "
+                           "batch cannot be built from what was captured")
+    return corrected_batch_plan(step, "labels", lambda labels: int((~supervised_rows(labels)).sum()),
+                                _drop_unsupervised, "rows dropped")
+
+
+register(Fix("drop-unsupervised-rows", "Drop rows without a supervised token",
+             "Filter trainer.train_dataset to the rows whose labels keep a token other than -100 (after the shift).",
+             _drop_rows, _drop_rows_code, needs="trainer", plan=_drop_rows_plan,
+             treats=("no-supervised-tokens",), rank=10))

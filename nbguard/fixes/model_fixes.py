@@ -1,10 +1,13 @@
 """Fixes that change the model: parameter dtypes, config flags, embeddings, input-grad hooks."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ..introspect.dtypes import QUANTIZED_PARAM_CLASSES, dtype_name
+from ..introspect.dtypes import QUANTIZED_PARAM_CLASSES, dtype_name, quantized_or_integer
 from ..introspect.embeddings import embedding_matrices, padding_row, token_deltas, zero_mask, zero_rows
+from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
 from .registry import Fix, register
 
 
@@ -31,13 +34,23 @@ for _name, _param in {names.model}.named_parameters():
 """
 
 
+def _upcast_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
+    plan = ShadowPlan()
+    for name, p in step.eager.named_parameters():
+        if p.requires_grad and not quantized_or_integer(p) and p.dtype != torch.float32:
+            plan.tensors[name] = p.detach().float()
+            plan.changes[name] = f"{dtype_name(p.dtype)} -> float32"
+    return plan
+
+
 register(Fix("upcast-trainable-fp32", "Keep trainable parameters in float32",
              "Cast every parameter that requires grad to float32, leaving frozen and quantised weights alone.",
-             _upcast, _upcast_code))
+             _upcast, _upcast_code, plan=_upcast_plan,
+             treats=("overflow", "invalid-op"), rank=20))
 
 
 # ---- disable-use-cache -----------------------------------------------------------------------
-def _configs(model):
+def model_configs(model):
     cfg = getattr(model, "config", None)
     if cfg is None:
         return []
@@ -51,7 +64,7 @@ def _configs(model):
 
 def _disable_cache(target, **_):
     changed = {}
-    for path, cfg in _configs(target.model):
+    for path, cfg in model_configs(target.model):
         if getattr(cfg, "use_cache", False):
             cfg.use_cache = False
             changed[f"{path}.use_cache"] = "True -> False"
@@ -66,8 +79,18 @@ def _disable_cache_code(names, **_):
 """
 
 
+def _disable_cache_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
+    plan = ShadowPlan()
+    for path, cfg in model_configs(step.eager):
+        if getattr(cfg, "use_cache", False):
+            plan.attributes.append((cfg, "use_cache", False))
+            plan.changes[f"{path}.use_cache"] = "True -> False"
+    return plan
+
+
 register(Fix("disable-use-cache", "Turn off the KV cache for training",
-             "Set use_cache=False in the model config and its text config.", _disable_cache, _disable_cache_code))
+             "Set use_cache=False in the model config and its text config.", _disable_cache, _disable_cache_code,
+             plan=_disable_cache_plan))
 
 
 # ---- init-new-embeddings ---------------------------------------------------------------------
@@ -127,9 +150,36 @@ with torch.no_grad():
 """
 
 
+def _init_embeddings_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
+    """The rows init-new-embeddings would set, computed on copies (the same selection as its apply)."""
+    model, plan = step.eager, ShadowPlan()
+    pad = padding_row(model)
+    with torch.no_grad():
+        for name, w in embedding_matrices(model):
+            zero = zero_mask(w, keep=pad)
+            trained = ~(w == 0).all(dim=1)
+            if zero.any() and trained.any():
+                new = w.detach().clone()
+                new[zero] = w[trained].float().mean(dim=0).to(w.dtype)
+                plan.tensors[name] = new
+                plan.changes[name] = {"rows": int(zero.sum())}
+        for name, adapter, delta, indices in token_deltas(model):
+            rows = zero_rows(delta)
+            if len(rows):
+                base: torch.Tensor = model.get_submodule(name).base_layer.weight  # type: ignore[union-attr,assignment]
+                idx = torch.tensor(indices, device=base.device)[rows.to(base.device)]
+                new = delta.detach().clone()
+                new[rows] = base[idx].to(delta.dtype).to(delta.device)
+                key = f"{name}.trainable_tokens_delta.{adapter}"
+                plan.tensors[key] = new
+                plan.changes[key] = {"rows": len(rows)}
+    return plan
+
+
 register(Fix("init-new-embeddings", "Initialise zero embedding rows from the mean",
              "Set all-zero rows of the input/output embeddings (and PEFT copies) to the mean of the trained rows.",
-             _init_embeddings, _init_embeddings_code))
+             _init_embeddings, _init_embeddings_code, plan=_init_embeddings_plan,
+             treats=("overflow", "invalid-op"), rank=10))
 
 
 # ---- enable-input-require-grads --------------------------------------------------------------
@@ -156,6 +206,10 @@ if getattr({m}, "_require_grads_hook", None) is None:
 """
 
 
+def _input_grads_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
+    raise NotCheckable("it changes which tensors require grad (reentrant checkpointing), not any value of the step")
+
+
 register(Fix("enable-input-require-grads", "Make the embedding output require grad",
              "Hook the input embeddings so their output requires grad (needed by reentrant checkpointing).",
-             _enable_input_grads, _enable_input_grads_code))
+             _enable_input_grads, _enable_input_grads_code, plan=_input_grads_plan))

@@ -7,7 +7,7 @@ torch/transformers code so the user can keep it without nbguard.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,16 +33,81 @@ class Names:
 
 
 @dataclass(frozen=True)
+class Need:
+    """What a fix acts on, said two ways: to a notebook user, and as the keywords ``apply`` takes."""
+
+    wanted: str
+    keywords: str
+    reached_by: frozenset[str]  # any one of these objects given is enough (a Trainer holds the rest)
+
+
+NEEDS = {
+    "model": Need("a model (torch.nn.Module) or a Trainer", "model= (or trainer=)", frozenset({"model", "trainer"})),
+    "args": Need("TrainingArguments or a Trainer", "trainer= (or args=, a TrainingArguments)",
+                 frozenset({"args", "trainer"})),
+    "model-or-args": Need("a model, TrainingArguments or a Trainer", "model=, trainer= or args=",
+                          frozenset({"model", "args", "trainer"})),
+    "trainer": Need("a Trainer", "trainer= (a transformers Trainer)", frozenset({"trainer"})),
+    "tokenizer": Need("a tokenizer or a Trainer", "tokenizer= (a transformers tokenizer), or trainer= with a "
+                      "processing_class", frozenset({"tokenizer", "trainer"})),
+}
+
+
+@dataclass(frozen=True)
 class Fix:
     id: str
     title: str
     description: str
     apply: Callable[..., Any]  # apply(target: Target, **options) -> changes (falsy when none)
     code: Callable[..., str]  # code(names: Names, **options) -> notebook cell
-    needs: str = "model"  # "model", "args", "model-or-args", "trainer" or "tokenizer": what apply must be given
+    needs: str = "model"  # a key of NEEDS: what apply must be given
+    # the options it is offered with where the offer does not say: options(hardware, fp16_in_use) -> dict
+    default_options: Callable[..., dict[str, Any]] | None = None
+    # its verification recipe: plan(step: CapturedStep, **options) -> ShadowPlan, or NotCheckable(why);
+    # None: it cannot be run on a failing step (its verdict is "not checked", saying so)
+    plan: Callable[..., Any] | None = None
+    # the watch event causes it is offered for, and where it comes among them (lower first: the
+    # automatic verification runs only the first few)
+    treats: tuple[str, ...] = ()
+    rank: int = 50
+
+    def __post_init__(self) -> None:
+        if self.needs not in NEEDS:
+            raise ValueError(f"fix {self.id!r}: needs must be one of {', '.join(NEEDS)}; got {self.needs!r}")
+
+    @property
+    def need(self) -> Need:
+        return NEEDS[self.needs]
+
+    def reached_by(self, given: Iterable[str]) -> bool:
+        """Whether the objects given (keys such as "model", "trainer") include what the fix acts on."""
+        return bool(self.need.reached_by & set(given))
+
+    def options_for(self, hardware: Any = None, fp16_in_use: bool = True) -> dict[str, Any]:
+        """The options an offer of this fix carries by default, chosen for ``hardware`` (None: this machine)."""
+        return dict(self.default_options(hardware, fp16_in_use)) if self.default_options is not None else {}
 
 
 FIXES: dict[str, Fix] = {}
+
+
+class CauseFixes(Mapping[str, list[str]]):
+    """Event cause -> the ids of the fixes that treat it, most likely first (read off FIXES each time)."""
+
+    def __getitem__(self, cause: str) -> list[str]:
+        found = sorted((f for f in FIXES.values() if cause in f.treats), key=lambda f: f.rank)
+        if not found:
+            raise KeyError(cause)
+        return [f.id for f in found]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(dict.fromkeys(c for f in FIXES.values() for c in f.treats))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+CAUSE_FIXES = CauseFixes()
 
 
 def register(fix: Fix) -> Fix:

@@ -8,9 +8,12 @@ from typing import Any
 import torch
 
 from ..hardware import resolve_hardware
-from ..introspect.dtypes import HALF_DTYPES, QUANTIZED_PARAM_CLASSES, dtype_name
-from ..introspect.quantization import set_compute_dtype
+from ..introspect.dtypes import HALF_DTYPES, dtype_name, quantized_or_integer
+from ..introspect.quantization import four_bit_layers, set_compute_dtype
 from ..introspect.unsloth import read_unsloth
+from ..step.batch import model_device
+from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
+from ..step.precision import PrecisionUnavailable, args_mixed_precision, autocast_text, trainer_autocast
 from .partial_fp32 import apply_partial_fp32, partial_fp32_code
 from .registry import Fix, register
 
@@ -31,8 +34,14 @@ def _clip_code(names, max_norm: float = 1.0, **_):
 """
 
 
+def _clip_plan(step: CapturedStep, max_norm: float = 1.0, **_: Any) -> ShadowPlan:
+    return ShadowPlan(clip_grad_norm=float(max_norm), changes={"max_grad_norm": max_norm},
+                      note="clipping scales this step's gradients; it cannot make a non-finite one finite")
+
+
 register(Fix("enable-grad-clipping", "Clip gradients to norm 1.0", "Set args.max_grad_norm = 1.0.",
-             _clip, _clip_code, needs="args"))
+             _clip, _clip_code, needs="args", plan=_clip_plan,
+             treats=("overflow", "invalid-op", "nonfinite-parameter"), rank=40))
 
 
 # ---- lower-learning-rate ---------------------------------------------------------------------
@@ -86,21 +95,34 @@ if {t}.lr_scheduler is not None:
     return code
 
 
+def _lower_lr_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
+    raise NotCheckable("the learning rate does not enter the failing step's forward or backward; it changes only "
+                       "the updates after it")
+
+
 register(Fix("lower-learning-rate", "Lower the learning rate",
              "Multiply the learning rate by factor (default 0.1), in the args and any optimizer already built.",
-             _lower_lr, _lower_lr_code, needs="args"))
+             _lower_lr, _lower_lr_code, needs="args", plan=_lower_lr_plan,
+             treats=("overflow", "invalid-op", "nonfinite-parameter"), rank=50))
 
 
 # ---- switch-precision ------------------------------------------------------------------------
+def switch_target(hardware: Any = None, fp16_in_use: bool = True) -> str:
+    """Where switch-precision moves a run, the one place it is chosen: an fp16 run to the hardware's best
+    half precision (bf16 where native, else fp32); any other run to fp32 (bf16 has fp32's range already:
+    only fp32's precision is left to try)."""
+    return resolve_hardware(hardware).best_half_precision if fp16_in_use else "fp32"
+
+
 def _resolve_to(to, hardware=None) -> str:
     if to is None:
-        return resolve_hardware(hardware).best_half_precision
+        return switch_target(hardware)
     if to not in ("bf16", "fp32"):
         raise ValueError(f"to must be 'bf16', 'fp32' or None (the best for the hardware); got {to!r}")
     return to
 
 
-def _weight_target(p, to):
+def weight_target(p, to):
     """fp32: every half-precision weight to float32. bf16: fp16 weights to bf16, trainable ones to fp32."""
     if to == "fp32":
         return torch.float32 if p.dtype in HALF_DTYPES else None
@@ -129,10 +151,9 @@ def _switch_args(args, to, changed):
 def _rebuild_accelerator(trainer, changed):
     """The Trainer built an Accelerator (autocast, GradScaler) from the old flags: build it again."""
     accelerator = getattr(trainer, "accelerator", None)
-    wanted = "bf16" if trainer.args.bf16 else ("fp16" if trainer.args.fp16 else "no")
-    if accelerator is None or accelerator.mixed_precision == wanted:
+    if accelerator is None or accelerator.mixed_precision == args_mixed_precision(trainer.args):
         return
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState  # only a Trainer that exists has accelerate to import
 
     model = trainer.model
     if hasattr(model, "_original_forward"):  # prepare() wrapped forward in autocast + convert_to_fp32
@@ -184,9 +205,9 @@ def _switch(target, to=None, hardware=None, only=None, **_):
     if target.model is not None:
         casts = {}
         for name, p in target.model.named_parameters():
-            if type(p).__name__ in QUANTIZED_PARAM_CLASSES or not p.is_floating_point():
+            if quantized_or_integer(p):
                 continue
-            dtype = _weight_target(p, to)
+            dtype = weight_target(p, to)
             if dtype is not None:
                 casts[name] = f"{dtype_name(p.dtype)} -> {dtype_name(dtype)}"
                 p.data = p.data.to(dtype)
@@ -262,7 +283,73 @@ if getattr(_qconfig, "load_in_4bit", False):
     return code
 
 
+def _accelerate_wrapped(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model when accelerate's prepare() wrapped its forward (autocast + fp32 outputs), else None."""
+    return model if "forward" in vars(model) and callable(getattr(model, "_original_forward", None)) else None
+
+
+def _switch_plan(step: CapturedStep, to: str | None = None, only: Any = None, **_: Any) -> ShadowPlan:
+    if only is not None:  # the partial-fp32 variant: running all of it in fp32 would verify another cell
+        raise NotCheckable("the partial variant (only=[layers] in fp32) has no shadow recipe yet; the full switch "
+                           "can be checked with options={'switch-precision': {'to': 'fp32'}}")
+    if to not in ("bf16", "fp32"):
+        raise NotCheckable(f"switch-precision needs to='bf16' or 'fp32' to be verified; got {to!r}")
+    plan = ShadowPlan()
+    for name, p in step.eager.named_parameters():
+        if quantized_or_integer(p):
+            continue
+        dtype = weight_target(p, to)
+        if dtype is not None:
+            plan.tensors[name] = p.detach().to(dtype)
+            plan.changes[name] = f"{dtype_name(p.dtype)} -> {dtype_name(dtype)}"
+    # 4-bit storage stays; the layers' compute dtype moves (set for the run, restored afterwards)
+    compute = torch.float32 if to == "fp32" else torch.bfloat16
+    for name, layer in four_bit_layers(step.eager):
+        current: torch.dtype = getattr(layer, "compute_dtype")  # noqa: B009  (bitsandbytes' attribute)
+        if current != compute:
+            plan.attributes += [(layer, "compute_dtype", compute), (layer, "compute_type_is_set", True)]
+            plan.changes[f"{name}.compute_dtype"] = f"{dtype_name(current)} -> {dtype_name(compute)}"
+    captured = step.micro_batches[0].autocast if step.micro_batches else []
+    if step.args is not None:
+        _trainer_autocast(step, to, captured, plan)
+    else:
+        _loop_autocast(to, captured, plan)
+    return plan
+
+
+def _trainer_autocast(step: CapturedStep, to: str, captured: list, plan: ShadowPlan) -> None:
+    """A Trainer: the cell sets its flags and rebuilds its accelerator, which enters the autocast."""
+    device = model_device(step.eager).type
+    try:
+        regions = trainer_autocast("bf16" if to == "bf16" else "no", device)
+    except PrecisionUnavailable as exc:
+        raise NotCheckable(f"the cell's precision cannot run on this machine: {exc}") from None
+    plan.autocast = regions
+    wrapped = _accelerate_wrapped(step.eager)
+    if wrapped is not None:  # prepare() wrapped forward in the old autocast; the cell rebuilds the accelerator
+        plan.attributes.append((wrapped, "forward", wrapped._original_forward))
+        plan.changes["accelerator autocast"] = autocast_text(regions) if regions else "off"
+    elif regions != captured:
+        plan.changes["autocast"] = f"{autocast_text(captured)} -> {autocast_text(regions)}"
+
+
+def _loop_autocast(to: str, captured: list, plan: ShadowPlan) -> None:
+    """A plain loop: the cell changes the weights only; the loop's own autocast moves as the note says."""
+    half = [(d, t) for d, t in captured if t in HALF_DTYPES]
+    if to == "fp32" and half:
+        plan.autocast = []
+        plan.changes["autocast"] = "off"
+    elif to == "bf16" and any(t == torch.float16 for _, t in half):
+        plan.autocast = [(d, torch.bfloat16 if t == torch.float16 else t) for d, t in captured]
+        plan.changes["autocast"] = "float16 -> bfloat16"
+    if plan.autocast is not None:
+        plan.note = "in your own loop, change the dtype of your torch.autocast the same way"
+
+
 register(Fix("switch-precision", "Switch the training precision",
              "Move fp16 training to bf16 (where the hardware has it) or fp32: the argument flags, the accelerator "
              "a Trainer built from them, and weights stored in the old precision.",
-             _switch, _switch_code, needs="model-or-args"))
+             _switch, _switch_code, needs="model-or-args",
+             default_options=lambda hardware, fp16_in_use: {"to": switch_target(hardware, fp16_in_use)},
+             plan=_switch_plan,
+             treats=("overflow", "invalid-op"), rank=30))

@@ -69,4 +69,5 @@ from unsloth import FastLanguageModel, is_bfloat16_supported
 register(Fix("unsloth-precision", "Let Unsloth pick the precision (reload with dtype=)",
              "For models loaded with Unsloth: set fp16/bf16 as Unsloth does for this GPU (both off in its "
              "float32-forced mode) and reload with dtype=None instead of casting.",
-             _apply, _code, needs="model-or-args"))
+             _apply, _code, needs="model-or-args",
+             default_options=lambda hardware, fp16_in_use: {"bf16": resolve_hardware(hardware).native_bf16}))

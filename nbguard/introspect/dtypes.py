@@ -10,3 +10,8 @@ QUANTIZED_PARAM_CLASSES = ("Params4bit", "Int8Params", "QTensor", "AffineQuantiz
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+def quantized_or_integer(p: torch.Tensor) -> bool:
+    """Quantised storage or a non-float tensor: no precision fix casts it."""
+    return type(p).__name__ in QUANTIZED_PARAM_CLASSES or not p.is_floating_point()

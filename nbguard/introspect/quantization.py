@@ -161,3 +161,9 @@ def set_compute_dtype(model: torch.nn.Module, dtype: torch.dtype, only: set[str]
                 changed[f"{path}.quantization_config.bnb_4bit_compute_dtype"] = \
                     f"{dtype_name(old)} -> {dtype_name(dtype)}"
     return changed
+
+
+def four_bit_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """bitsandbytes 4-bit layers: they cast their input to their own ``compute_dtype``."""
+    return [(n, m) for n, m in model.named_modules()
+            if type(m).__module__.startswith("bitsandbytes") and isinstance(getattr(m, "compute_dtype", None), torch.dtype)]

@@ -419,18 +419,9 @@ class NbguardMagics(Magics):
         """Every object the fix acts on, looked up by the notebook's names; a missing one is named."""
         objects = {key: R.lookup(self.ns, name) for key, name in names.items()
                    if key in ("model", "trainer", "args", "tokenizer")}
-        has_trainer = "trainer" in objects
-        has_model = "model" in objects or has_trainer
-        has_args = "args" in objects or has_trainer
-        missing = {"model": not has_model, "args": not has_args, "model-or-args": not (has_model or has_args),
-                   "trainer": not has_trainer, "tokenizer": not ("tokenizer" in objects or has_trainer)
-                   }.get(fix.needs, False)
-        if missing:
-            wanted = {"model": "a model (torch.nn.Module) or a Trainer", "args": "TrainingArguments or a Trainer",
-                      "model-or-args": "a model, TrainingArguments or a Trainer", "trainer": "a Trainer",
-                      "tokenizer": "a tokenizer or a Trainer"}[fix.needs]
-            raise MagicError(f"fix {fix.id!r} acts on {wanted}, and the notebook has no single variable holding "
-                             "one; create it, or run %precision_check NAME first so nbguard knows its name")
+        if not fix.reached_by(objects):
+            raise MagicError(f"fix {fix.id!r} acts on {fix.need.wanted}, and the notebook has no single variable "
+                             "holding one; create it, or run %precision_check NAME first so nbguard knows its name")
         return objects
 
     def _explain_last(self) -> None:

@@ -8,19 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from .. import fixes as fix_registry
-from ..auditor.probe import _forward_kwargs, _model_device, synthetic_batch
 from ..findings import Event, Finding
 from ..introspect.inputs import check_batch
-from ..session import SESSION
-from ..watcher.capture import MicroBatch, capture_rng
+from ..session import SESSION, record_verification
+from ..step.batch import forward_kwargs, model_device, synthetic_batch
+from ..step.capture import MicroBatch, capture_rng
+from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
+from ..step.precision import PrecisionUnavailable, args_mixed_precision, trainer_autocast
+from ..step.targets import resolve_targets
 from .candidates import CAUSE_FIXES, for_event, with_options
 from .engine import verify_step
-from .recipes import RECIPES, NotCheckable, Recipe, recipe
 from .result import NOT_CHECKED, NOT_ENOUGH, VERDICTS, VERIFIED, FixVerdict, ModuleCheck, StepEvidence, Verification
-from .shadow import CapturedStep, ShadowPlan
 
 AUTO_MAX_STEP_RUNS = 2  # plus the module level: automatic verification stays within 3 step times
 # GradScaler overflows: "skipped-steps" (a streak), and "scaler-skip" (each skipped step; branch stacks adds it)
@@ -33,21 +32,13 @@ def _subject_of_event(event: Any) -> str:
     return f"step {event.step} {event.kind}: {event.cause or 'cause unknown'}{where}"
 
 
-def step_from_event(event: Any, model: Any, micro_batches: list) -> CapturedStep:
-    """The captured step of ``event`` (its origin named in eager terms: torch.compile's prefix dropped)."""
+def step_from_event(event: Any, model: Any, micro_batches: list, args: Any = None) -> CapturedStep:
+    """The captured step of ``event`` (its origin named in eager terms: torch.compile's prefix dropped);
+    ``args``: the Trainer's TrainingArguments when a Trainer ran it."""
     origin = event.origins[0] if event.origins else None
     name = origin.module.replace("_orig_mod.", "") if origin is not None else None
     return CapturedStep(model, list(micro_batches), name, origin.phase if origin else None,
-                        (origin.micro_batch or 0) if origin else 0, event.cause != "not-reproducible")
-
-
-def _autocast_from_args(args: Any, model: Any) -> list:
-    device = next((p.device.type for p in model.parameters()), "cpu")
-    if args is not None and getattr(args, "bf16", False):
-        return [(device, torch.bfloat16)]
-    if args is not None and getattr(args, "fp16", False):
-        return [(device, torch.float16)]
-    return []
+                        (origin.micro_batch or 0) if origin else 0, event.cause != "not-reproducible", args)
 
 
 def step_from_batch(model: Any, batch: dict | None = None, args: Any = None) -> CapturedStep:
@@ -55,9 +46,12 @@ def step_from_batch(model: Any, batch: dict | None = None, args: Any = None) -> 
     if batch is None:
         batch = synthetic_batch(model)
     check_batch(batch)
-    device = _model_device(model)
-    kwargs = _forward_kwargs(model, {k: v.to(device) for k, v in batch.items()})
-    step = CapturedStep(model, [MicroBatch(0, (), kwargs, capture_rng(), _autocast_from_args(args, model))])
+    kwargs = forward_kwargs(model, batch)
+    try:  # the autocast the Trainer's accelerator would enter for these args on this device
+        autocast = trainer_autocast(args_mixed_precision(args), model_device(model).type) if args is not None else []
+    except PrecisionUnavailable:
+        autocast = []  # the Trainer refuses these args here: nothing to reproduce but the weights' own precision
+    step = CapturedStep(model, [MicroBatch(0, (), kwargs, capture_rng(), autocast)], args=args)
     step.modes = [(m, True) for m, _ in step.modes]  # a training step, as model.train() / the Trainer runs it
     return step
 
@@ -80,8 +74,8 @@ def verify(subject: Any, fix_id: str | None = None, *, model: Any = None, batch:
     ``fix_id`` checks one fix only; ``options`` gives a fix's options ({"switch-precision": {"to": "fp32"}});
     ``memory_budget`` (bytes) caps the step-level check (default: half the free memory of the model's device).
     """
-    if fix_id is not None and fix_id not in fix_registry.FIXES and fix_id not in RECIPES:
-        raise ValueError(f"unknown fix id {fix_id!r}; valid ids: {', '.join(sorted(set(fix_registry.FIXES) | set(RECIPES)))}")
+    if fix_id is not None:
+        fix_registry.get(fix_id)  # an unknown id: the error lists the valid ones
     if options is not None and not isinstance(options, dict):
         raise TypeError(f"options must be a dict of fix id -> options, got {type(options).__name__}")
     if isinstance(subject, Event):
@@ -100,20 +94,25 @@ def verify(subject: Any, fix_id: str | None = None, *, model: Any = None, batch:
         fix_ids = [fix_id] if fix_id else list(CAUSE_FIXES.get(subject.cause or "", []))
         candidates = with_options(fix_ids, step, options, hardware)
         names = {"trainer": "trainer"} if getattr(watch, "trainer", None) is not None else {"model": "model"}
-        return verify_step(step, candidates, _subject_of_event(subject), memory_budget=memory_budget, names=names)
+        return _recorded(verify_step(step, candidates, _subject_of_event(subject), memory_budget=memory_budget,
+                                     names=names))
     if isinstance(subject, Finding):
-        if trainer is not None:
-            model = trainer.model if model is None else model
-            args = trainer.args if args is None else args
+        model, args, _ = resolve_targets(trainer, model, args)
         if model is None:
             raise ValueError("verifying a finding needs the model (model= or trainer=) and a batch to run the step on "
                              "(batch=; without it the probe's synthetic batch is used)")
         step = step_from_batch(model, batch, args)
         fix_ids = [fix_id] if fix_id else list(subject.fixes)
         names = {"trainer": "trainer"} if trainer is not None else {"model": "model"}
-        return verify_step(step, with_options(fix_ids, step, options, hardware), f"finding {subject.rule}",
-                           memory_budget=memory_budget, names=names)
+        return _recorded(verify_step(step, with_options(fix_ids, step, options, hardware), f"finding {subject.rule}",
+                                     memory_budget=memory_budget, names=names))
     raise TypeError(f"verify() takes a watch Event or an audit Finding, got {type(subject).__name__}")
+
+
+def _recorded(verification: Verification) -> Verification:
+    """The verification, on the session's timeline (the report tells it, %nbguard fix reads its verdicts)."""
+    record_verification(verification)
+    return verification
 
 
 def auto_verify(watch: Any, event: Any) -> None:
@@ -127,17 +126,18 @@ def auto_verify(watch: Any, event: Any) -> None:
         return
     try:
         step = step_from_event(event, watch.model, watch._micro_batches)
+        step.args = watch.trainer.args if watch.trainer is not None else None
         watch._kept_step = (event, step)
         candidates = for_event(event, step)
         names = {"trainer": "trainer"} if watch.trainer is not None else {"model": "model"}
         result = verify_step(step, candidates, _subject_of_event(event), max_step_runs=AUTO_MAX_STEP_RUNS,
                              baseline=False, names=names)
         watch.verification = result
-        event.evidence["verification"] = result.to_dict()
+        event.evidence["verification"] = result.to_dict()  # on the timeline inside the watch's document
     except Exception as exc:  # verification must never break the user's training
         event.evidence["verification_error"] = f"{type(exc).__name__}: {exc}"
 
 
-__all__ = ["CAUSE_FIXES", "NOT_CHECKED", "NOT_ENOUGH", "RECIPES", "VERDICTS", "VERIFIED", "CapturedStep", "FixVerdict",
-           "ModuleCheck", "NotCheckable", "Recipe", "ShadowPlan", "StepEvidence", "Verification", "auto_verify",
-           "recipe", "step_from_batch", "step_from_event", "verify"]
+__all__ = ["CAUSE_FIXES", "NOT_CHECKED", "NOT_ENOUGH", "VERDICTS", "VERIFIED", "CapturedStep", "FixVerdict",
+           "ModuleCheck", "NotCheckable", "ShadowPlan", "StepEvidence", "Verification", "auto_verify",
+           "step_from_batch", "step_from_event", "verify"]

@@ -5,6 +5,8 @@ from typing import Any
 
 from ..auditor.sampling import sample_trainer_batches
 from ..findings import Finding, Severity
+from ..step.targets import resolve_targets
+from . import step_from_batch
 from .candidates import with_options
 from .engine import verify_step
 
@@ -15,14 +17,10 @@ def verify_audit(result: Any, model: Any, trainer: Any, args: Any, batch: dict |
 
     When it cannot run, an info finding ``verify-error`` says why (the audit itself stands).
     """
-    from . import step_from_batch
-
     fix_ids = result.fix_ids
     if not fix_ids:
         return
-    if trainer is not None:
-        model = trainer.model if model is None else model
-        args = trainer.args if args is None else args
+    model, args, _ = resolve_targets(trainer, model, args)
     try:
         source = "the given batch" if batch is not None else "a synthetic batch"
         if batch is None and trainer is not None:  # a real batch from the trainer's dataloader (RNG put back)

@@ -7,10 +7,10 @@ from typing import Any
 import torch
 
 from .. import fixes
-from .candidates import Candidate
+from ..findings import FixOffer
+from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
 from .memory import check_budget, default_budget, estimate_step_bytes, gb
 from .module_check import capture_inputs, reference_check, run_module
-from .recipes import RECIPES, NotCheckable
 from .result import (
     NOT_CHECKED,
     NOT_ENOUGH,
@@ -21,7 +21,7 @@ from .result import (
     StepEvidence,
     Verification,
 )
-from .shadow import CapturedStep, ShadowPlan, run_step
+from .shadow import run_step
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -29,51 +29,60 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 def fix_code(fix_id: str, options: dict[str, Any], names: dict[str, str] | None = None) -> tuple[str, str | None]:
-    """(title, the cell that was verified) from the fix registry, or the recipe's own cell."""
+    """(title, the cell that was verified) from the fix registry."""
     names = dict(names or {"model": "model"})
-    if fix_id in fixes.FIXES:
-        fix = fixes.get(fix_id)
-        if fix.needs in ("args", "model-or-args") and not (names.get("args") or names.get("trainer")):
-            names["args"] = "args"
-        if fix.needs in ("tokenizer", "trainer"):
-            names.setdefault(fix.needs, fix.needs)  # the usual variable name; the cell says what it changes
-        try:
-            return fix.title, fixes.code(fix_id, **names, **options)
-        except Exception:  # e.g. a fix whose cell needs a name nbguard does not have here (a tokenizer)
-            return fix.title, None
-    r = RECIPES.get(fix_id)
-    return (r.title if r else fix_id), (r.code() if r and r.code else None)
+    fix = fixes.get(fix_id)
+    if fix.needs in ("args", "model-or-args") and not (names.get("args") or names.get("trainer")):
+        names["args"] = "args"
+    if fix.needs in ("tokenizer", "trainer"):
+        names.setdefault(fix.needs, fix.needs)  # the usual variable name; the cell says what it changes
+    try:
+        return fix.title, fixes.code(fix_id, **names, **options)
+    except Exception:  # e.g. a fix whose cell needs a name nbguard does not have here (a tokenizer)
+        return fix.title, None
 
 
 def _plan(fix_id: str, options: dict[str, Any], step: CapturedStep) -> ShadowPlan | str:
     """The fix's plan, or why it cannot be checked."""
-    r = RECIPES.get(fix_id)
-    if r is None:
-        return ("no shadow recipe for this fix yet (nbguard.verifier.recipes): it was not run on the failing step")
+    plan = fixes.get(fix_id).plan
+    if plan is None:
+        return "no shadow recipe for this fix yet (its Fix has no plan): it was not run on the failing step"
     try:
-        return r.plan(step, **options)
+        return plan(step, **options)
     except NotCheckable as exc:
         return str(exc)
 
 
 def _healthy_reason(s: StepEvidence) -> str:
-    loss = "no loss" if s.loss is None else f"loss {s.loss:.4g}"
     norm = "" if s.total_grad_norm is None else f", grad norm {s.total_grad_norm:.4g}"
-    return f"the failing step is healthy under it: {loss}{norm}, every gradient finite"
+    tokens = "" if s.supervised_tokens is None else f" over {s.supervised_tokens} supervised tokens"
+    return f"the failing step is healthy under it: loss {s.loss:.4g}{tokens}{norm}, every gradient finite"
+
+
+def _nothing_to_judge(s: StepEvidence) -> tuple[str, str] | None:
+    """(verdict, reason) when a healthy-looking step trained on nothing: no rows, no supervised token, no loss."""
+    if s.micro_batches == 0:
+        return NOT_ENOUGH, "no data is left under it: it drops every row of the step, so nothing would be trained"
+    if s.supervised_tokens == 0:
+        return NOT_ENOUGH, "no supervised token is left under it (every label -100 after the shift): the loss is 0/0"
+    if s.loss is None:
+        return NOT_CHECKED, ("the step computes no loss in the model (a loss computed outside it is not re-run), "
+                             "so a healthy training step cannot be shown")
+    return None
 
 
 def _sick_reason(s: StepEvidence) -> str:
     return f"still non-finite under it: {s.first_nonfinite or ('loss ' + str(s.loss))}"
 
 
-def verify_step(step: CapturedStep, candidates: list[Candidate], subject: str, *,
+def verify_step(step: CapturedStep, candidates: list[FixOffer], subject: str, *,
                 memory_budget: float | None = None, max_step_runs: int | None = None, baseline: bool = True,
                 names: dict[str, str] | None = None) -> Verification:
     """Every candidate on ``step``; ``max_step_runs`` bounds the step-level runs (automatic verification)."""
     started = time.perf_counter()
     budget = check_budget(memory_budget)
     budget = budget if budget is not None else default_budget(step.eager)
-    plans = [(fix_id, options, _plan(fix_id, options, step)) for fix_id, options in candidates]
+    plans = [(offer.id, offer.options, _plan(offer.id, offer.options, step)) for offer in candidates]
     notes: list[str] = []
 
     # memory: the step without substitutions first; each plan's own new tensors on top
@@ -168,7 +177,10 @@ def _judge(verdict: FixVerdict, outcome: StepEvidence | BaseException, plan: Sha
             verdict.reason = f"the step raises under it: {type(outcome).__name__}: {outcome}"
         return
     verdict.step = outcome
-    if outcome.healthy:
+    empty = _nothing_to_judge(outcome) if outcome.healthy else None
+    if empty is not None:
+        verdict.verdict, verdict.reason = empty
+    elif outcome.healthy:
         verdict.verdict, verdict.reason = VERIFIED, _healthy_reason(outcome)
     else:
         verdict.verdict, verdict.reason = NOT_ENOUGH, _sick_reason(outcome)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..watcher.tensors import iter_tensors
+from ..step.tensors import iter_tensors
 
 SAFETY = 2.0  # activations: outputs plus their gradients in backward
 DEFAULT_SHARE = 0.5  # of the free memory a shadow step may use when no budget is given

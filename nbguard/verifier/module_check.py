@@ -13,11 +13,13 @@ from typing import Any
 
 import torch
 
-from ..watcher.capture import autocast_as, restore_rng
-from ..watcher.replay import eager_everywhere
-from ..watcher.tensors import float_tensors
+from ..step.capture import restore_rng
+from ..step.eager import eager_everywhere
+from ..step.plan import CapturedStep, ShadowPlan
+from ..step.precision import autocast_as
+from ..step.tensors import float_tensors
 from .result import ModuleCheck, ModuleEvidence
-from .shadow import CapturedStep, ShadowPlan, attributes_set, preserved, quiet_watches
+from .shadow import attributes_set, preserved, quiet_watches
 
 RANGES = {"float16": torch.finfo(torch.float16).max, "bfloat16": torch.finfo(torch.bfloat16).max,
           "float32": torch.finfo(torch.float32).max}

@@ -31,6 +31,7 @@ class StepEvidence:
     precision: str = ""
     seconds: float = 0.0
     micro_batches: int = 0
+    supervised_tokens: int | None = None  # labels the loss is computed over (None: no labels reached the model)
 
     @property
     def healthy(self) -> bool:
@@ -42,7 +43,8 @@ class StepEvidence:
                 "grads_finite": self.grads_finite, "largest_activation": encode_float(self.largest_activation),
                 "largest_activation_at": self.largest_activation_at, "first_nonfinite": self.first_nonfinite,
                 "nonfinite_grads": list(self.nonfinite_grads), "precision": self.precision,
-                "seconds": self.seconds, "micro_batches": self.micro_batches, "healthy": self.healthy}
+                "seconds": self.seconds, "micro_batches": self.micro_batches,
+                "supervised_tokens": self.supervised_tokens, "healthy": self.healthy}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepEvidence:
@@ -52,7 +54,7 @@ class StepEvidence:
                    largest_activation_at=data.get("largest_activation_at"),
                    first_nonfinite=data.get("first_nonfinite"), nonfinite_grads=list(data.get("nonfinite_grads", [])),
                    precision=data.get("precision", ""), seconds=float(data.get("seconds", 0.0)),
-                   micro_batches=int(data.get("micro_batches", 0)))
+                   micro_batches=int(data.get("micro_batches", 0)), supervised_tokens=data.get("supervised_tokens"))
 
 
 @dataclass

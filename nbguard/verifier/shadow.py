@@ -12,85 +12,20 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from ..watcher.capture import MicroBatch, autocast_as, capture_rng, model_loss, restore_rng
-from ..watcher.replay import eager_everywhere, unwrap_compiled
-from ..watcher.tensors import float_tensors, iter_tensors
+from ..step.capture import MicroBatch, capture_rng, model_loss, restore_rng, supervised_mask
+from ..step.eager import eager_everywhere, unwrap_compiled
+from ..step.plan import CapturedStep, ShadowPlan
+from ..step.precision import autocast_as, autocast_text
+from ..step.tensors import float_tensors, iter_tensors
 from ..watcher.watch import _ATTACHED
 from .result import StepEvidence
 
 MAX_NAMED_GRADS = 5
-
-
-@dataclass
-class ShadowPlan:
-    """How a fix changes the step, without touching the model: what a recipe returns.
-
-    ``tensors``: parameter/buffer name -> the tensor the fix would leave there (new tensors only).
-    ``autocast``: the autocast regions to run under instead of the captured ones (None: as captured).
-    ``attributes``: (object, attribute, value) set for the run and restored afterwards.
-    ``batch``: turns a micro-batch's (args, kwargs) into the corrected ones (data fixes).
-    ``clip_grad_norm``: the gradients are clipped to this total norm before they are judged.
-    ``changes``: a short description of each change, for the evidence.
-    """
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    autocast: list[tuple[str, torch.dtype]] | None = None
-    attributes: list[tuple[Any, str, Any]] = field(default_factory=list)
-    batch: Callable[[tuple, dict], tuple[tuple, dict] | None] | None = None  # None: drop the micro-batch
-    clip_grad_norm: float | None = None
-    changes: dict[str, Any] = field(default_factory=dict)
-    note: str = ""
-
-    @property
-    def empty(self) -> bool:
-        """The fix would change nothing this step computes."""
-        return not (self.tensors or self.autocast is not None or self.attributes or self.batch is not None
-                    or self.clip_grad_norm is not None)
-
-    def key(self) -> tuple:
-        """Plans with the same key compute the same step (used to run such a step once)."""
-        return (tuple(sorted((n, id(t)) for n, t in self.tensors.items())), repr(self.autocast),
-                tuple((id(o), a, repr(v)) for o, a, v in self.attributes), id(self.batch), self.clip_grad_norm)
-
-
-@dataclass
-class CapturedStep:
-    """The failing step as the watch captured it (or a batch the audit was given)."""
-
-    model: torch.nn.Module
-    micro_batches: list[MicroBatch]
-    origin_module: str | None = None  # eager module name (no torch.compile prefix)
-    origin_phase: str | None = None
-    origin_micro_batch: int = 0
-    reproduced: bool = True  # the replay saw the failure (False: it stayed finite in eager)
-    weights: list[tuple[str, torch.Tensor, int, int, torch.dtype]] = field(default_factory=list)
-    modes: list[tuple[torch.nn.Module, bool]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        # in-place version counters, storage and dtype: a later optimizer step or fix shows as a change
-        self.weights = [(n, p, p._version, p.data_ptr(), p.dtype) for n, p in self.eager.named_parameters()]
-        # train/eval flags as the step ran (a module the user keeps in eval keeps its dropout off)
-        self.modes = [(m, m.training) for m in self.eager.modules()]
-
-    def set_modes(self) -> None:
-        """Every module's train/eval flag as when the step was captured (inside ``preserved``)."""
-        for module, training in self.modes:
-            module.training = training
-
-    @property
-    def eager(self) -> torch.nn.Module:
-        return unwrap_compiled(self.model)[0]
-
-    def weights_moved(self) -> list[str]:
-        """Parameters changed since the step was captured (the step would no longer be the failing one)."""
-        return [n for n, p, version, ptr, dtype in self.weights
-                if p._version != version or p.data_ptr() != ptr or p.dtype != dtype]
 
 
 # ---- leaving no trace -------------------------------------------------------------------------
@@ -181,18 +116,14 @@ class _Activations:
 
 
 def _dtype_summary(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> str:
-    counts: dict[str, int] = {}
+    """The weight dtypes the step ran with: "trainable 4 float32; frozen 12 bfloat16"."""
+    counts: dict[str, dict[str, int]] = {"trainable": {}, "frozen": {}}
     for name, p in model.named_parameters():
-        if p.requires_grad:
-            dt = str(tensors.get(name, p).dtype).replace("torch.", "")
-            counts[dt] = counts.get(dt, 0) + 1
-    return "trainable " + ", ".join(f"{n} {d}" for d, n in sorted(counts.items())) if counts else "no trainable weights"
-
-
-def _autocast_text(regions: list[tuple[str, torch.dtype]]) -> str:
-    if not regions:
-        return "no autocast"
-    return ", ".join(f"autocast {d} {str(t).replace('torch.', '')}" for d, t in regions)
+        group = counts["trainable" if p.requires_grad else "frozen"]
+        dt = str(tensors.get(name, p).dtype).replace("torch.", "")
+        group[dt] = group.get(dt, 0) + 1
+    parts = [f"{kind} " + ", ".join(f"{n} {d}" for d, n in sorted(dts.items())) for kind, dts in counts.items() if dts]
+    return "; ".join(parts) if counts["trainable"] else "; ".join(["no trainable weights", *parts])
 
 
 def run_step(step: CapturedStep, plan: ShadowPlan) -> StepEvidence:
@@ -216,6 +147,7 @@ def run_step(step: CapturedStep, plan: ShadowPlan) -> StepEvidence:
     activations = _Activations(model)
     first_bad: str | None = None
     ran = 0
+    supervised: int | None = None
     try:
         with quiet_watches(step.model), preserved(model), eager_everywhere(), \
                 attributes_set(checkpointing_off(model) + plan.attributes):
@@ -226,6 +158,9 @@ def run_step(step: CapturedStep, plan: ShadowPlan) -> StepEvidence:
                     continue
                 args, kwargs = corrected
                 ran += 1
+                labels = kwargs.get("labels")
+                if isinstance(labels, torch.Tensor):
+                    supervised = (supervised or 0) + int(supervised_mask(labels).sum())
                 restore_rng(mb.rng)
                 with torch.enable_grad(), autocast_as(autocast if autocast is not None else mb.autocast):
                     output = torch.func.functional_call(model, substitutes, args, kwargs, tie_weights=True,
@@ -264,13 +199,13 @@ def run_step(step: CapturedStep, plan: ShadowPlan) -> StepEvidence:
     if losses:
         loss_value = sum(losses) / len(losses) if all(math.isfinite(x) for x in losses) else \
             next(x for x in losses if not math.isfinite(x))
-    precision = _autocast_text(autocast if autocast is not None else
+    precision = autocast_text(autocast if autocast is not None else
                                (step.micro_batches[0].autocast if step.micro_batches else []))
     return StepEvidence(loss=loss_value, total_grad_norm=total, grads_finite=grads_finite,
                         largest_activation=largest, largest_activation_at=where, first_nonfinite=first_bad,
                         nonfinite_grads=bad_grads[:MAX_NAMED_GRADS],
                         precision=f"{precision}; {_dtype_summary(model, plan.tensors)}",
-                        seconds=time.perf_counter() - started, micro_batches=ran)
+                        seconds=time.perf_counter() - started, micro_batches=ran, supervised_tokens=supervised)
 
 
 def _backward_seeds(output: Any, mb: MicroBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

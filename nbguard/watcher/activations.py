@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..step.tensors import iter_tensors
 from .guard import guarded
-from .tensors import iter_tensors
 
 FP16_LIMIT = float(torch.finfo(torch.float16).max)  # 65504: the largest finite fp16 value
 NOT_SEEN = -1.0  # an abs-max is never negative: marks a group that ran no training forward this step

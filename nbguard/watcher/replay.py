@@ -23,8 +23,10 @@ import torch
 
 from ..findings import Origin
 from ..introspect.unsloth import read_unsloth
-from .capture import MicroBatch, autocast_as, capture_rng, restore_rng
-from .tensors import Summary, float_tensors, iter_tensors, nonfinite_params, summarize
+from ..step.capture import MicroBatch, capture_rng, restore_rng
+from ..step.eager import eager_everywhere, unwrap_compiled
+from ..step.precision import autocast_as
+from ..step.tensors import Summary, float_tensors, iter_tensors, nonfinite_params, summarize
 
 
 class _Tap(torch.autograd.Function):
@@ -46,15 +48,6 @@ class Localisation:
     cause: str | None
     origins: list[Origin] = field(default_factory=list)
     evidence: dict[str, Any] = field(default_factory=dict)
-
-
-def unwrap_compiled(module: torch.nn.Module) -> tuple[torch.nn.Module, str]:
-    """The eager module behind ``torch.compile`` and the name prefix it has in the wrapper."""
-    prefix = ""
-    while hasattr(module, "_orig_mod") and isinstance(module._orig_mod, torch.nn.Module):
-        module = module._orig_mod
-        prefix += "_orig_mod."
-    return module, prefix
 
 
 class _ForwardProbe:
@@ -200,18 +193,6 @@ class _BackwardProbe:
         in_absmax = max((x.absmax for _, x in ins if x.absmax is not None), default=None)
         return cause, Origin(self.names.get(module, "?"), "backward", s.dtype, in_absmax, s.absmax,
                              what.replace("grad of ", ""), micro_batch, evidence), evidence
-
-
-@contextlib.contextmanager
-def eager_everywhere():
-    """Functions compiled with ``torch.compile`` and called inside ``forward`` run eagerly too, not
-    only a compiled top-level module: every hook fires and no recompilation is triggered."""
-    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
-    if set_stance is None:
-        yield
-        return
-    with set_stance("force_eager"):
-        yield
 
 
 def next_steps(model: torch.nn.Module) -> list[str]:

@@ -17,9 +17,10 @@ import torch
 from ..document.model import fold_skip_streaks as fold_streaks
 from ..errors import NonFiniteError
 from ..findings import Displayable, Event, document
+from ..step.capture import MicroBatch, capture_rng, model_loss
+from ..step.precision import capture_autocast
 from . import distributed as ranks
 from .activations import FP16_LIMIT, ActivationProbe, host_values
-from .capture import MicroBatch, capture_autocast, capture_rng, model_loss
 from .detectors import EvalLossDetector, FrozenDetector, SkipStreak, SpikeDetector, WatchSettings
 from .guard import guarded_call, watch_hook
 from .history import ActivationHistory, GradHistory

@@ -5,17 +5,13 @@ Only references are kept (no copies); they are released at the end of every opti
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 import torch
 
+from .precision import AutocastRegions
 from .tensors import iter_tensors
-
-
-def _autocast_devices() -> tuple[str, ...]:
-    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -30,33 +26,6 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def capture_autocast() -> list[tuple[str, torch.dtype]]:
-    """The autocast regions active around this forward, to re-enter them in the replay."""
-    active = []
-    for device in _autocast_devices():
-        try:
-            if torch.is_autocast_enabled(device):
-                active.append((device, torch.get_autocast_dtype(device)))
-        except (RuntimeError, TypeError, AttributeError):  # torch < 2.4 has per-device functions
-            if device == "cpu" and torch.is_autocast_cpu_enabled():
-                active.append(("cpu", torch.get_autocast_cpu_dtype()))
-            elif device == "cuda" and torch.is_autocast_enabled():
-                active.append(("cuda", torch.get_autocast_gpu_dtype()))
-    return active
-
-
-@contextlib.contextmanager
-def autocast_as(active: list[tuple[str, torch.dtype]]):
-    with contextlib.ExitStack() as stack:
-        for device in _autocast_devices():  # leave autocast the caller may have on exactly as captured
-            dtype = dict(active).get(device)
-            if dtype is not None:
-                stack.enter_context(torch.autocast(device, dtype=dtype))
-            else:
-                stack.enter_context(torch.autocast(device, enabled=False))
-        yield
 
 
 def _is_loss(value: Any) -> TypeGuard[torch.Tensor]:
@@ -105,13 +74,25 @@ def backward_targets(output: Any) -> list[tuple[str, torch.Tensor]]:
     return [(p, t) for p, t in iter_tensors(output) if t.is_floating_point() and t.requires_grad]
 
 
+def supervised_mask(labels: torch.Tensor) -> torch.Tensor:
+    """(rows, tokens): the labels the causal loss is computed over (the first one is shifted away)."""
+    labels = labels if labels.dim() >= 2 else labels[None]
+    shifted = labels[:, 1:] if labels.shape[-1] > 1 else labels
+    return (shifted != -100).reshape(shifted.shape[0], -1)
+
+
+def supervised_rows(labels: torch.Tensor) -> torch.Tensor:
+    """Per row: does it keep a label other than -100 after the causal shift?"""
+    return supervised_mask(labels).any(dim=1)
+
+
 @dataclass
 class MicroBatch:
     index: int
     args: tuple
     kwargs: dict
     rng: dict[str, Any]
-    autocast: list[tuple[str, torch.dtype]]
+    autocast: AutocastRegions
     output_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     trainer_labels: torch.Tensor | None = None  # the Trainer's labels when it kept them from the model
 
@@ -132,7 +113,4 @@ class MicroBatch:
     def has_no_supervised_tokens(self) -> bool:
         """All labels -100 (after the causal shift): the mean loss is 0/0."""
         labels = self.labels()
-        if labels is None:
-            return False
-        shifted = labels[..., 1:] if labels.dim() >= 1 and labels.shape[-1] > 1 else labels
-        return not bool((shifted != -100).any())
+        return labels is not None and not bool(supervised_mask(labels).any())
