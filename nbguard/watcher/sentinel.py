@@ -62,6 +62,7 @@ class GradNormCollector:
         self._norms: list[torch.Tensor | None] = [None] * len(self.params)
         self._on_error = on_error
         self.enabled = True
+        self.accumulations = 0  # gradient accumulations seen, ever (the watch compares it across captures)
         self.handles: list = []
 
     def attach(self) -> None:
@@ -82,6 +83,7 @@ class GradNormCollector:
         def hook(param: torch.Tensor) -> None:
             live = collector()
             if live is not None and live.enabled and param.grad is not None:
+                live.accumulations += 1  # a backward ran: the step's captured micro-batches are in use
                 # FSDP2: the rank's shard; the shards' squares are summed across ranks later
                 grad = local_tensor(param.grad.detach())
                 live._norms[i] = torch.linalg.vector_norm(grad, dtype=torch.float32)

@@ -178,7 +178,7 @@ class NanWatch(Displayable):
         if self._probe is not None:
             self._probe.attach()
         if self.optimizer is not None:
-            self._opt_binding = OptimizerBinding(self.optimizer, self._pre_step, self._post_step)
+            self._opt_binding = OptimizerBinding(self.optimizer, self._pre_step, self._post_step, self._zero_grad)
         if self.scaler is not None:
             self._scaler_binding = ScalerBinding(self.scaler, self._before_scaler_update, self._after_scaler_update)
         if self.trainer is not None:
@@ -313,8 +313,11 @@ class NanWatch(Displayable):
         return self._stop_requested
 
     def begin_training(self, control: Any = None) -> None:
-        """A (new) ``Trainer.train()`` starts: forget an earlier stop, bind the optimizer and scaler."""
+        """A (new) ``Trainer.train()`` starts: forget an earlier stop and whatever an interrupted run
+        left (its step's batches, losses, read and bad streak), bind the optimizer and scaler."""
         self._stop_requested = False
+        self._bad_streak = 0
+        self.begin_step()
         self.bind_trainer_step(control)
 
     @watch_hook(safe=False)
@@ -334,7 +337,7 @@ class NanWatch(Displayable):
                 if self._opt_binding is not None:
                     self._opt_binding.remove()
                 self.optimizer = inner
-                self._opt_binding = OptimizerBinding(inner, self._pre_step, self._post_step)
+                self._opt_binding = OptimizerBinding(inner, self._pre_step, self._post_step, self._zero_grad)
         scaler = trainer_scaler(self.trainer)
         if scaler is not None and (self._scaler_binding is None or self._scaler_binding.scaler is not scaler):
             if self._scaler_binding is not None:
@@ -399,6 +402,18 @@ class NanWatch(Displayable):
         """This step's captured training micro-batches (read-only)."""
         return tuple(self._micro_batches)
 
+    def begin_step(self) -> None:
+        """A step starts (the Trainer's ``on_step_begin``): what an interrupted step left is dropped,
+        so the new step is judged on its own."""
+        if self._micro_batches or self._losses or self._stats is not None:
+            self._release_step()
+
+    @watch_hook(safe=False)
+    def _zero_grad(self) -> None:
+        """Gradients cleared after a backward of this step: the step was abandoned (interrupted)."""
+        if self._micro_batches and self._collector.accumulations != self._accumulations_at_capture:
+            self._release_step()
+
     def end_training(self) -> None:
         """The loop ended: drop every reference to the unfinished step's batches."""
         self._release_step()
@@ -457,6 +472,9 @@ class NanWatch(Displayable):
         if self._broken and self.attached:
             self._step_aside()  # a safe point: module hooks were copied before being called
             return None
+        if self._forward_open and self._training_forward(module):
+            self._release_step()  # the previous training forward never returned: it was interrupted
+        self._forward_open = self._training_forward(module)
         self._capture_micro_batch(module, args, kwargs)
         return None
 
@@ -464,6 +482,11 @@ class NanWatch(Displayable):
     def _capture_micro_batch(self, module, args, kwargs) -> None:
         if not self._training_forward(module):
             return
+        hooks_see_backward = self._deepspeed is None or self._collector.accumulations > 0  # DeepSpeed: own buffers
+        if self._micro_batches and hooks_see_backward \
+                and self._collector.accumulations == self._accumulations_at_capture:
+            self._release_step()  # no backward since the last forward: that step was abandoned
+        self._accumulations_at_capture = self._collector.accumulations
         trainer_labels = self._labels_tap.take() if self._labels_tap is not None else None
         self._micro_batches.append(
             MicroBatch(len(self._micro_batches), args, dict(kwargs), capture_rng(), capture_autocast(),
@@ -473,6 +496,7 @@ class NanWatch(Displayable):
 
     @watch_hook(safe=False)
     def _root_post(self, module, args, kwargs, output):
+        self._forward_open = False
         if not self._training_forward(module) or not self._micro_batches:
             return None
         loss = model_loss(output)
@@ -635,6 +659,8 @@ class NanWatch(Displayable):
         self._stats = None
         self._optimizer_stepped = False
         self._step_dropped = False
+        self._forward_open = False
+        self._accumulations_at_capture = -1
         self._collector.reset()
         board: DetectorBoard | None = getattr(self, "_board", None)
         if board is not None:

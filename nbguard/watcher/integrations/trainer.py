@@ -57,6 +57,7 @@ class WatchCallback(TrainerCallback):
         self.watch.begin_training(control)  # a new train() call starts clean
 
     def on_step_begin(self, args, state, control, **kwargs):
+        self.watch.begin_step()  # an interrupted step's leftovers never reach this one
         self.watch.bind_trainer_step(control)
 
     def on_step_end(self, args, state, control, **kwargs):
