@@ -117,6 +117,10 @@ class NanWatch(Displayable):
                             f"got {type(target).__name__}")
         if optimizer is not None and not isinstance(unwrap_optimizer(optimizer), torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if scaler is not None and not (callable(getattr(scaler, "update", None)) and callable(getattr(scaler, "step", None))
+                                       and callable(getattr(scaler, "scale", None))):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler (the one whose scaler.step(optimizer) and "
+                            f"scaler.update() your loop calls) or None, got {type(scaler).__name__}")
         self.target = target
         self.optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
         self.scaler = scaler
@@ -164,8 +168,17 @@ class NanWatch(Displayable):
 
     # ---- attach / detach -------------------------------------------------------------------
     def attach(self) -> NanWatch:
+        """Register every hook; all or nothing: on any error, everything registered so far is removed."""
         if self.attached:
             return self
+        try:
+            return self._attach()
+        except BaseException:
+            self._keep_farewell = False
+            self.detach()
+            raise
+
+    def _attach(self) -> NanWatch:
         previous = attached_watch(self.target)
         if previous is not None and previous is not self and previous.attached:
             previous.detach()  # never stack two watches' hooks on one model
@@ -460,7 +473,10 @@ class NanWatch(Displayable):
                          f"nbguard's watch hit an internal error and detached itself; training goes on: "
                          f"{type(exc).__name__}: {exc}",
                          evidence={"exception": repr(exc), "traceback": traceback.format_exc(limit=6)}))
-        warnings.warn(f"nbguard watch detached after an internal error: {exc!r}", RuntimeWarning, stacklevel=2)
+        try:
+            warnings.warn(f"nbguard watch detached after an internal error: {exc!r}", RuntimeWarning, stacklevel=2)
+        except Exception:  # warnings turned into errors (-W error, pytest): the event above is the record
+            pass
         if safe:
             self._step_aside()
 
