@@ -49,8 +49,20 @@ class StepStats:
 
 class GradNormCollector:
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], on_error: Callable[[BaseException], None]):
-        self.params = [p for _, p in named_params]
         self.groups: list[str] = []
+        self._on_error = on_error
+        self.enabled = True
+        self.accumulations = 0  # gradient accumulations seen, ever (the watch compares it across captures)
+        self.handles: list = []
+        self.cover(named_params)
+
+    def cover(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> list[str]:
+        """Watch exactly these parameters from now on (a module swapped in after attach); groups
+        only grow, so earlier history stays aligned. Returns the groups that are new."""
+        attached = bool(self.handles)
+        self.detach()
+        known = len(self.groups)
+        self.params = [p for _, p in named_params]
         index = []
         for name, _ in named_params:
             g = group_name(name)
@@ -60,10 +72,9 @@ class GradNormCollector:
         self._index = index
         self._index_tensors: dict[torch.device, torch.Tensor] = {}
         self._norms: list[torch.Tensor | None] = [None] * len(self.params)
-        self._on_error = on_error
-        self.enabled = True
-        self.accumulations = 0  # gradient accumulations seen, ever (the watch compares it across captures)
-        self.handles: list = []
+        if attached:
+            self.attach()
+        return self.groups[known:]
 
     def attach(self) -> None:
         for i, p in enumerate(self.params):

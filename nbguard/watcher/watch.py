@@ -150,6 +150,8 @@ class NanWatch(Displayable):
         self._skip_replays = 0  # replays of the first step of each GradScaler skip streak (own budget)
         self._streak_first: Event | None = None  # the scaler-skip event that opened the current streak
         self._handles: list = []
+        self._modules_seen: weakref.WeakSet = weakref.WeakSet()
+        self._coverage_stale = False
         self._opt_binding: OptimizerBinding | None = None
         self._scaler_binding: ScalerBinding | None = None
         self._callback: Any = None  # WatchCallback, Trainer only
@@ -188,6 +190,7 @@ class NanWatch(Displayable):
             self.model.register_forward_hook(self._root_post, with_kwargs=True),
         ]
         self._collector.attach()
+        self._handles += self._watch_registrations()
         if self._probe is not None:
             self._probe.attach()
         if self.optimizer is not None:
@@ -218,6 +221,35 @@ class NanWatch(Displayable):
 
             self._streamer = connect(self, self._ranks.rank, self._ranks.world_size)
         return self
+
+    def _watch_registrations(self) -> list:
+        """torch's global hooks on module/parameter assignment: a module swapped into this model after
+        attach (``model.lm_head = nn.Linear(...)``, LoRA added later) is covered from the next forward."""
+        self._modules_seen = weakref.WeakSet(self.model.modules())
+        watch = weakref.ref(self)  # torch's global hook dict must not keep the watch (and model) alive
+
+        def registered(parent, name, value):
+            live = watch()
+            if live is not None and parent in live._modules_seen:
+                live._coverage_stale = True
+
+        module_hooks = torch.nn.modules.module
+        return [module_hooks.register_module_module_registration_hook(registered),
+                module_hooks.register_module_parameter_registration_hook(registered)]
+
+    @watch_hook(safe=True)
+    def _cover_new_parameters(self) -> None:
+        """Hook the trainable parameters assigned since attach (before this forward runs)."""
+        self._coverage_stale = False
+        if self._ranks is not None:
+            return  # every rank's read has the same shape, agreed at attach: a swap under DDP is not followed
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if [id(p) for _, p in named] == [id(p) for p in self._collector.params]:
+            return
+        new_groups = self._collector.cover(named)
+        if new_groups:
+            self.history.add_groups(new_groups)
+        self._modules_seen = weakref.WeakSet(self.model.modules())
 
     def detach(self) -> NanWatch:
         for h in self._handles:
@@ -488,6 +520,8 @@ class NanWatch(Displayable):
         if self._broken and self.attached:
             self._step_aside()  # a safe point: module hooks were copied before being called
             return None
+        if self._coverage_stale:
+            self._cover_new_parameters()
         if self._forward_open and self._training_forward(module):
             self._release_step()  # the previous training forward never returned: it was interrupted
         self._forward_open = self._training_forward(module)
