@@ -120,7 +120,7 @@ def register_event_kind(kind: str, description: str, evidence: tuple[str, ...] |
 class _KindNames(Sequence[str]):
     """``EVENT_KINDS``: the registered kinds' names, live (kinds registered later appear)."""
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         return tuple(EVENT_KIND_REGISTRY)[index]
 
     def __len__(self) -> int:

@@ -96,7 +96,7 @@ class NanWatch(Displayable):
         # nbguard.verifier.auto_verify (which runs the fixes on a shadow of the step) unless verify=False
         self._verifier = verifier
         self.verification = None  # the Verification it left
-        self._kept_step = None  # (event, CapturedStep) that nbguard.verify(event) reuses
+        self._kept_step: tuple[Event, Any] | None = None  # (event, CapturedStep) that nbguard.verify(event) reuses
         self.policy = check_policy(policy)
         # Stable identity across displays: merged notebook outputs keep only the latest view.
         self.watch_id = uuid.uuid4().hex
@@ -151,6 +151,8 @@ class NanWatch(Displayable):
         self._streak_first: Event | None = None  # the scaler-skip event that opened the current streak
         self._handles: list = []
         self._modules_seen: weakref.WeakSet = weakref.WeakSet()
+        self._accumulations_at_capture = -1  # the collector's count at this step's last capture
+        self._forward_open = False  # a training forward started and has not returned
         self._coverage_stale = False
         self._opt_binding: OptimizerBinding | None = None
         self._scaler_binding: ScalerBinding | None = None

@@ -43,7 +43,7 @@ class OptimizerBinding:
             h.remove()
         self.handles.clear()
         if self._had_own:
-            self.optimizer.zero_grad = self._own  # type: ignore[method-assign]
+            self.optimizer.zero_grad = self._own  # type: ignore[method-assign,assignment]
         else:
             vars(self.optimizer).pop("zero_grad", None)
 
