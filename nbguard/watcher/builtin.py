@@ -12,12 +12,11 @@ import torch
 
 from ..findings import Event
 from .detectors import EvalLossDetector, FrozenDetector, SpikeDetector, WatchSettings
-from .pipeline import Detector, StepView
+from .pipeline import Detector, StepView, WatchedRun
 from .supervision import FewTokensDetector
 
 if TYPE_CHECKING:
     from .capture import MicroBatch
-    from .watch import NanWatch
 
 
 class GradSpike(Detector):
@@ -46,7 +45,7 @@ class FrozenParams(Detector):
     def __init__(self, settings: WatchSettings):
         self.frozen = FrozenDetector(settings)
 
-    def scalars(self, watch: NanWatch) -> dict[str, torch.Tensor]:
+    def scalars(self, watch: WatchedRun) -> dict[str, torch.Tensor]:
         return {"fingerprint": watch.weight_fingerprint()} if self.frozen.due(watch.step) else {}
 
     def update(self, view: StepView) -> list[Event]:
@@ -89,7 +88,7 @@ class FewSupervisedTokens(Detector):
     def on_micro_batch(self, micro_batch: MicroBatch) -> None:
         self.few.capture(micro_batch.index, micro_batch.labels())
 
-    def scalars(self, watch: NanWatch) -> dict[str, torch.Tensor]:
+    def scalars(self, watch: WatchedRun) -> dict[str, torch.Tensor]:
         pending = self.few.pending()
         return {"supervised_tokens": torch.stack(pending)} if pending else {}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -20,7 +20,15 @@ from ..findings import Event
 if TYPE_CHECKING:
     from .capture import MicroBatch
     from .history import GradHistory
-    from .watch import NanWatch
+
+
+class WatchedRun(Protocol):
+    """What a detector may read from the watch when it asks for scalars (a NanWatch is one)."""
+
+    step: int
+    model: torch.nn.Module
+
+    def weight_fingerprint(self) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,7 @@ class Detector:
 
     name = "detector"
 
-    def scalars(self, watch: NanWatch) -> dict[str, torch.Tensor]:
+    def scalars(self, watch: WatchedRun) -> dict[str, torch.Tensor]:
         """Device tensors to fold into this step's single host read, by name (any shape, flattened).
         Their values come back in ``StepView.scalars[name]`` as a list of floats."""
         return {}
@@ -95,7 +103,7 @@ class DetectorBoard:
     def add(self, detector: Detector) -> None:
         self.detectors.append(check_detector(detector))
 
-    def collect(self, watch: NanWatch) -> list[torch.Tensor]:
+    def collect(self, watch: WatchedRun) -> list[torch.Tensor]:
         """Every detector's scalars, flattened, in a stable order (the sentinel stacks them)."""
         self._asked, tensors = [], []
         for i, detector in enumerate(self.detectors):
