@@ -25,7 +25,7 @@ def guide_namespace() -> dict:
 
 
 class LogRecorder(Detector):
-    """Sees every logged metrics dict; reports the first with a reward."""
+    """Records every metrics dict the trainer (or a loop) logs; reports nothing."""
 
     def __init__(self):
         self.logs: list[dict] = []
@@ -75,3 +75,23 @@ def test_add_detector_later_and_bad_detectors_are_refused():
 def test_unregistered_event_kind_is_refused_with_the_way_to_register():
     with pytest.raises(ValueError, match="register_event_kind"):
         Event("never-registered", 0, "x")
+
+
+def test_trainer_logs_reach_on_log_after_each_step():
+    """The Trainer's metrics (TRL's rewards arrive the same way) reach every detector's on_log."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    from nbguard.testing import TinyDataset
+
+    model = tiny_llama()
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=2, use_cpu=True,
+                             report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(16))
+    recorder = LogRecorder()
+    watch = nbguard.watch(trainer, detectors=[recorder], verify=False)
+    trainer.train()
+    watch.detach()
+    step_logs = [logs for logs in recorder.logs if "loss" in logs]
+    assert len(step_logs) == 3 and all(isinstance(logs["grad_norm"], float) for logs in step_logs)
