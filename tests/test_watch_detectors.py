@@ -4,10 +4,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 
 import nbguard
+from nbguard.document import encode_document
+from nbguard.document.schema import schema
 from nbguard.findings import Event
 from nbguard.testing import tiny_llama
 from nbguard.watcher import Detector
@@ -53,7 +56,9 @@ def test_a_detector_from_the_guide_reports_in_events_document_and_report():
     expected_max = max(p.detach().abs().max().item() for p in model.parameters())
     assert event.evidence["weight_max"] == pytest.approx(expected_max)
     assert plateau in watch.detectors
-    assert [e["kind"] for e in watch.to_document()["events"]] == ["loss-plateau"]
+    doc = watch.to_document()
+    assert [e["kind"] for e in doc["events"]] == ["loss-plateau"]
+    jsonschema.Draft202012Validator(schema()).validate(encode_document(doc))  # the kind is in the schema now
     assert "loss flat" in nbguard.report(watch=watch).to_markdown()
     Event.from_dict(event.to_dict())
 
