@@ -103,7 +103,8 @@ def hook_counts(model, optimizer=None, scaler=None) -> dict:
     for name, p in model.named_parameters():
         counts[f"{name}:param"] = (len(p._post_accumulate_grad_hooks or {}), len(p._backward_hooks or {}))
     if optimizer is not None:
-        counts["optimizer"] = (len(optimizer._optimizer_step_pre_hooks), len(optimizer._optimizer_step_post_hooks))
+        counts["optimizer"] = (len(optimizer._optimizer_step_pre_hooks), len(optimizer._optimizer_step_post_hooks),
+                               "zero_grad" in vars(optimizer))
     if scaler is not None:
         counts["scaler.update"] = "update" in vars(scaler)
     return counts

@@ -16,6 +16,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from traitlets import Bool, Enum, Unicode
 
 from ..errors import NbguardError
 from ..session import latest_verdict as session_verdict
@@ -75,7 +76,21 @@ class _WeakObjects:
 
 @magics_class
 class NbguardMagics(Magics):
+    # The configuration surface: ``%config NbguardMagics.default_policy = "skip"`` (or in
+    # ipython_config.py: ``c.NbguardMagics.default_policy = "skip"``). A magic's own option wins.
+    default_policy = Enum(POLICIES, default_value="warn", config=True,
+                          help="%nanwatch's policy when --policy is not given: warn, skip or stop")
+    verify_fixes = Bool(True, config=True,
+                        help="%nanwatch verifies the first NaN/Inf's fixes on a shadow of its step (False: off)")
+    hardware_profile = Unicode("", config=True,
+                               help="%precision_check's --hardware when not given (t4, a100, h100, ...); '' = this machine")
+    dashboard_activations = Bool(False, config=True,
+                                 help="the %nanwatch dashboard also draws the activation abs-max heatmap "
+                                      "(as if --activations were given)")
+
     def __init__(self, shell, state):
+        if shell is not None:  # a reloaded extension: %config must reach this instance, not the old one
+            shell.configurables[:] = [c for c in shell.configurables if type(c).__name__ != type(self).__name__]
         super().__init__(shell)
         self.state = state  # the extension's state (watches started here, last names, ...)
 
@@ -123,6 +138,8 @@ class NbguardMagics(Magics):
             %precision_check                       # the one trainer (or model) in the notebook
             %precision_check trainer --hardware t4 # as it would run on a Colab T4
             %precision_check model args --probe --batch batch
+
+        Configuration: ``%config NbguardMagics.hardware_profile = "t4"`` audits for that GPU by default.
         """
         return self._guarded("precision_check", self._precision_check, line)
 
@@ -137,7 +154,7 @@ class NbguardMagics(Magics):
             if not R.is_batch(batch):
                 raise MagicError(f"--batch {opts.batch!r} is a {R.describe(batch)}, expected a dict of tensors")
             names["batch"] = opts.batch
-        hardware = self._hardware(opts.hardware)
+        hardware = self._hardware(opts.hardware or self.hardware_profile or None)
         result = api.audit(**targets, batch=batch, hardware=hardware, probe=opts.probe, verify=opts.verify)
         self.state.last_names = {k: v for k, v in names.items() if k != "batch"}
         self.state.last_audit = result
@@ -212,9 +229,10 @@ class NbguardMagics(Magics):
     @argument("target", nargs="?", metavar="OBJ",
               help="the Trainer or model to watch, by its notebook name (default: the one Trainer, else the "
                    "one top-level model); 'off' (line magic only) detaches the watch %%nanwatch started")
-    @argument("--policy", choices=POLICIES, default="warn",
+    @argument("--policy", choices=POLICIES, default=None,
               help="on a non-finite step: warn (record and go on), skip (drop that update), "
-                   "stop (stop training; a plain loop gets nbguard.NonFiniteError)")
+                   "stop (stop training; a plain loop gets nbguard.NonFiniteError); default: "
+                   "%%config NbguardMagics.default_policy (warn)")
     @argument("--optimizer", metavar="NAME", default=None,
               help="the optimizer of a plain PyTorch loop (default: the one optimizer over the model)")
     @argument("--scaler", metavar="NAME", default=None,
@@ -240,6 +258,9 @@ class NbguardMagics(Magics):
 
             %%nanwatch trainer --policy stop
             trainer.train()
+
+        Configuration (``%config NbguardMagics``): ``default_policy`` ("warn"), ``verify_fixes``
+        (True), ``dashboard_activations`` (False), e.g. ``%config NbguardMagics.default_policy = "skip"``.
 
         Around ``notebook_launcher(...)`` (``--ranks``, implied when the cell calls it and names no
         object) the forked ranks call ``nbguard.watch`` themselves and stream to one dashboard here,
@@ -310,8 +331,8 @@ class NbguardMagics(Magics):
         elif opts.optimizer:
             raise MagicError("--optimizer is for a model; a Trainer brings its own optimizer")
         self.state.stop_watches()  # one %nanwatch at a time: never two watches on the same run
-        watch = api.watch(target, optimizer=optimizer, scaler=scaler, policy=opts.policy,
-                          activations=opts.activations)
+        watch = api.watch(target, optimizer=optimizer, scaler=scaler, policy=opts.policy or self.default_policy,
+                          activations=opts.activations or self.dashboard_activations, verify=self.verify_fixes)
         live = LiveWatch(watch)
         self.state.watches.append(live)
         return live

@@ -24,7 +24,10 @@ def guarded_call(on_error: OnError, fn: Callable[..., T], *args: Any, **kwargs: 
     except NonFiniteError:
         raise
     except Exception as exc:  # never break the user's run
-        on_error(exc)
+        try:
+            on_error(exc)
+        except Exception:  # the error path itself failed (e.g. warnings as errors): still not the user's
+            pass
         return None
 
 

@@ -39,6 +39,12 @@ class GradHistory:
         self._scale: deque[float | None] = deque(maxlen=capacity)
         self._skipped: deque[bool] = deque(maxlen=capacity)
 
+    def add_groups(self, groups: list[str]) -> None:
+        """Groups that appeared after attach (a module swapped in): earlier steps have no value for them."""
+        self.groups.extend(groups)
+        for row in self._norms:
+            row.extend([None] * len(groups))
+
     def append(self, step: int, norms: list[float | None], loss: float | None, total: float | None,
                scale: float | None, skipped: bool) -> None:
         self._steps.append(step)

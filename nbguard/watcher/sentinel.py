@@ -31,7 +31,7 @@ class StepStats:
     fingerprint: list[float] | None
     found_inf: float | None = None  # the GradScaler's verdict, when one is used
     activations: list[float] | None = None  # per probed group output abs-max (NOT_SEEN: no forward)
-    extra: list[float] | None = None  # scalars other detectors asked to ride along (supervised-token counts)
+    extra: list[float] | None = None  # the detectors' scalars, flattened (pipeline.DetectorBoard splits them)
     exchanged: list[float] | None = None  # across ranks: what the step's one collective returned
 
     @property
@@ -49,8 +49,20 @@ class StepStats:
 
 class GradNormCollector:
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], on_error: Callable[[BaseException], None]):
-        self.params = [p for _, p in named_params]
         self.groups: list[str] = []
+        self._on_error = on_error
+        self.enabled = True
+        self.accumulations = 0  # gradient accumulations seen, ever (the watch compares it across captures)
+        self.handles: list = []
+        self.cover(named_params)
+
+    def cover(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> list[str]:
+        """Watch exactly these parameters from now on (a module swapped in after attach); groups
+        only grow, so earlier history stays aligned. Returns the groups that are new."""
+        attached = bool(self.handles)
+        self.detach()
+        known = len(self.groups)
+        self.params = [p for _, p in named_params]
         index = []
         for name, _ in named_params:
             g = group_name(name)
@@ -60,9 +72,9 @@ class GradNormCollector:
         self._index = index
         self._index_tensors: dict[torch.device, torch.Tensor] = {}
         self._norms: list[torch.Tensor | None] = [None] * len(self.params)
-        self._on_error = on_error
-        self.enabled = True
-        self.handles: list = []
+        if attached:
+            self.attach()
+        return self.groups[known:]
 
     def attach(self) -> None:
         for i, p in enumerate(self.params):
@@ -82,6 +94,7 @@ class GradNormCollector:
         def hook(param: torch.Tensor) -> None:
             live = collector()
             if live is not None and live.enabled and param.grad is not None:
+                live.accumulations += 1  # a backward ran: the step's captured micro-batches are in use
                 # FSDP2: the rank's shard; the shards' squares are summed across ranks later
                 grad = local_tensor(param.grad.detach())
                 live._norms[i] = torch.linalg.vector_norm(grad, dtype=torch.float32)
@@ -147,9 +160,11 @@ class GradNormCollector:
             parts.append(acts)
         if with_fingerprint:
             parts.append(self.fingerprint().to(device))
-        n_extra = len(extra) if extra else 0
+        n_extra = 0
         if extra:
-            parts.append(torch.stack([t.detach().float().reshape(()).to(device) for t in extra]))
+            flat = torch.cat([t.detach().float().reshape(-1).to(device) for t in extra])
+            n_extra = flat.numel()
+            parts.append(flat)
         if n_exchanged:
             parts.append(shared)
         values = torch.cat(parts).tolist()  # the one host sync of the step

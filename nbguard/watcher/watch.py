@@ -1,6 +1,8 @@
 """``NanWatch``: the per-step NaN/Inf watch, its events, history and policies."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import math
 import sys
@@ -9,7 +11,7 @@ import traceback
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,14 +23,15 @@ from ..step.capture import MicroBatch, capture_rng, model_loss
 from ..step.precision import capture_autocast
 from . import distributed as ranks
 from .activations import FP16_LIMIT, ActivationProbe, host_values
-from .detectors import EvalLossDetector, FrozenDetector, SkipStreak, SpikeDetector, WatchSettings
+from .builtin import builtin_detectors
+from .detectors import SkipStreak, WatchSettings
 from .guard import guarded_call, watch_hook
 from .history import ActivationHistory, GradHistory
 from .integrations.loop import OptimizerBinding, ScalerBinding, unwrap_optimizer
+from .pipeline import Detector, DetectorBoard, StepView
 from .policies import check_policy, drop_update
 from .replay import Replayer
 from .sentinel import GradNormCollector, StepStats
-from .supervision import FewTokensDetector
 
 Listener = Callable[["NanWatch", str, Any], None]
 
@@ -82,7 +85,10 @@ class NanWatch(Displayable):
 
     def __init__(self, target, *, optimizer=None, scaler=None, policy: str = "warn", localize: bool = True,
                  settings: WatchSettings | None = None, activations: bool = False,
-                 verifier: Callable[[NanWatch, Event], None] | None = None):
+                 verifier: Callable[[NanWatch, Event], None] | None = None,
+                 detectors: list[Detector] | tuple[Detector, ...] = ()):
+        if not isinstance(detectors, (list, tuple)):
+            raise TypeError(f"detectors must be a list of Detector instances, got {type(detectors).__name__}")
         if not isinstance(activations, bool):
             raise TypeError(f"activations must be True or False, got {type(activations).__name__}")
         if verifier is not None and not callable(verifier):
@@ -91,7 +97,7 @@ class NanWatch(Displayable):
         # nbguard.verifier.auto_verify (which runs the fixes on a shadow of the step) unless verify=False
         self._verifier = verifier
         self.verification = None  # the Verification it left
-        self._kept_step = None  # (event, CapturedStep) that nbguard.verify(event) reuses
+        self._kept_step: tuple[Event, Any] | None = None  # (event, CapturedStep) that nbguard.verify(event) reuses
         self.policy = check_policy(policy)
         # Stable identity across displays: merged notebook outputs keep only the latest view.
         self.watch_id = uuid.uuid4().hex
@@ -112,6 +118,10 @@ class NanWatch(Displayable):
                             f"got {type(target).__name__}")
         if optimizer is not None and not isinstance(unwrap_optimizer(optimizer), torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if scaler is not None and not (callable(getattr(scaler, "update", None)) and callable(getattr(scaler, "step", None))
+                                       and callable(getattr(scaler, "scale", None))):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler (the one whose scaler.step(optimizer) and "
+                            f"scaler.update() your loop calls) or None, got {type(scaler).__name__}")
         self.target = target
         self.optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
         self.scaler = scaler
@@ -141,6 +151,10 @@ class NanWatch(Displayable):
         self._skip_replays = 0  # replays of the first step of each GradScaler skip streak (own budget)
         self._streak_first: Event | None = None  # the scaler-skip event that opened the current streak
         self._handles: list = []
+        self._modules_seen: weakref.WeakSet = weakref.WeakSet()
+        self._accumulations_at_capture = -1  # the collector's count at this step's last capture
+        self._forward_open = False  # a training forward started and has not returned
+        self._coverage_stale = False
         self._opt_binding: OptimizerBinding | None = None
         self._scaler_binding: ScalerBinding | None = None
         self._callback: Any = None  # WatchCallback, Trainer only
@@ -151,11 +165,7 @@ class NanWatch(Displayable):
         self._replaying = False
         self._bad_streak = 0
         self._skips = SkipStreak(self.settings)
-        self._spike = SpikeDetector(self.settings)
-        self._frozen = FrozenDetector(self.settings)
-        self._eval = EvalLossDetector(self.settings)
-        self._few_tokens = FewTokensDetector()
-        self._few_tokens_event: Event | None = None
+        self._board = DetectorBoard(builtin_detectors(self.settings) + list(detectors))
         self._micro_batches: list[MicroBatch] = []
         self._losses: list[torch.Tensor] = []
         self._stats: StepStats | None = None
@@ -163,8 +173,17 @@ class NanWatch(Displayable):
 
     # ---- attach / detach -------------------------------------------------------------------
     def attach(self) -> NanWatch:
+        """Register every hook; all or nothing: on any error, everything registered so far is removed."""
         if self.attached:
             return self
+        try:
+            return self._attach()
+        except BaseException:
+            self._keep_farewell = False
+            self.detach()
+            raise
+
+    def _attach(self) -> NanWatch:
         previous = attached_watch(self.target)
         if previous is not None and previous is not self and previous.attached:
             previous.detach()  # never stack two watches' hooks on one model
@@ -174,10 +193,11 @@ class NanWatch(Displayable):
             self.model.register_forward_hook(self._root_post, with_kwargs=True),
         ]
         self._collector.attach()
+        self._handles += self._watch_registrations()
         if self._probe is not None:
             self._probe.attach()
         if self.optimizer is not None:
-            self._opt_binding = OptimizerBinding(self.optimizer, self._pre_step, self._post_step)
+            self._opt_binding = OptimizerBinding(self.optimizer, self._pre_step, self._post_step, self._zero_grad)
         if self.scaler is not None:
             self._scaler_binding = ScalerBinding(self.scaler, self._before_scaler_update, self._after_scaler_update)
         if self.trainer is not None:
@@ -204,6 +224,35 @@ class NanWatch(Displayable):
 
             self._streamer = connect(self, self._ranks.rank, self._ranks.world_size)
         return self
+
+    def _watch_registrations(self) -> list:
+        """torch's global hooks on module/parameter assignment: a module swapped into this model after
+        attach (``model.lm_head = nn.Linear(...)``, LoRA added later) is covered from the next forward."""
+        self._modules_seen = weakref.WeakSet(self.model.modules())
+        watch = weakref.ref(self)  # torch's global hook dict must not keep the watch (and model) alive
+
+        def registered(parent, name, value):
+            live = watch()
+            if live is not None and parent in live._modules_seen:
+                live._coverage_stale = True
+
+        module_hooks = torch.nn.modules.module
+        return [module_hooks.register_module_module_registration_hook(registered),
+                module_hooks.register_module_parameter_registration_hook(registered)]
+
+    @watch_hook(safe=True)
+    def _cover_new_parameters(self) -> None:
+        """Hook the trainable parameters assigned since attach (before this forward runs)."""
+        self._coverage_stale = False
+        if self._ranks is not None:
+            return  # every rank's read has the same shape, agreed at attach: a swap under DDP is not followed
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if [id(p) for _, p in named] == [id(p) for p in self._collector.params]:
+            return
+        new_groups = self._collector.cover(named)
+        if new_groups:
+            self.history.add_groups(new_groups)
+        self._modules_seen = weakref.WeakSet(self.model.modules())
 
     def detach(self) -> NanWatch:
         for h in self._handles:
@@ -312,8 +361,11 @@ class NanWatch(Displayable):
         return self._stop_requested
 
     def begin_training(self, control: Any = None) -> None:
-        """A (new) ``Trainer.train()`` starts: forget an earlier stop, bind the optimizer and scaler."""
+        """A (new) ``Trainer.train()`` starts: forget an earlier stop and whatever an interrupted run
+        left (its step's batches, losses, read and bad streak), bind the optimizer and scaler."""
         self._stop_requested = False
+        self._bad_streak = 0
+        self.begin_step()
         self.bind_trainer_step(control)
 
     @watch_hook(safe=False)
@@ -333,7 +385,7 @@ class NanWatch(Displayable):
                 if self._opt_binding is not None:
                     self._opt_binding.remove()
                 self.optimizer = inner
-                self._opt_binding = OptimizerBinding(inner, self._pre_step, self._post_step)
+                self._opt_binding = OptimizerBinding(inner, self._pre_step, self._post_step, self._zero_grad)
         scaler = trainer_scaler(self.trainer)
         if scaler is not None and (self._scaler_binding is None or self._scaler_binding.scaler is not scaler):
             if self._scaler_binding is not None:
@@ -341,15 +393,74 @@ class NanWatch(Displayable):
             self.scaler = scaler
             self._scaler_binding = ScalerBinding(scaler, self._before_scaler_update, self._after_scaler_update)
 
+    def record_eval_loss(self, eval_loss: float, global_step: int | None = None) -> None:
+        """An evaluation's loss (a plain loop's evaluation): as if the trainer had logged it."""
+        self.record_log({"eval_loss": float(eval_loss)})
+
     @watch_hook(safe=False)
-    def record_eval_loss(self, eval_loss: float, global_step: int) -> None:
-        """An evaluation's loss: bit-identical repeats mean the weights are not changing."""
-        found = self._eval.update(float(eval_loss))
-        if found is not None:
-            found["global_step"] = global_step
-            self._emit(Event("frozen-eval-loss", max(self.step - 1, 0),
-                             f"eval loss is bit-identical across {found['evaluations']} evaluations "
-                             f"({eval_loss!r}): the weights are not changing", evidence=found))
+    def record_log(self, logs: dict[str, Any]) -> None:
+        """The trainer logged metrics after a step (``Trainer.log``): every detector's ``on_log``."""
+        step = max(self.step - 1, 0)  # the optimizer step the metrics are about
+        for detector in self._board.detectors:
+            for event in detector.on_log(step, dict(logs)):
+                self._emit(event)
+
+    # ---- detectors and the public interface integrations use ------------------------------------
+    @property
+    def detectors(self) -> list[Detector]:
+        return list(self._board.detectors)
+
+    def add_detector(self, detector: Detector) -> Detector:
+        """Add a detector (see :class:`nbguard.watcher.Detector`); it judges from the next step on."""
+        self._board.add(detector)
+        return detector
+
+    def emit(self, event: Event) -> None:
+        """Record an event (an integration's own, e.g. DeepSpeed's skipped steps): listeners see it."""
+        if not isinstance(event, Event):
+            raise TypeError(f"emit(event) takes an nbguard Event, got {type(event).__name__}")
+        self._emit(event)
+
+    def weight_fingerprint(self) -> torch.Tensor:
+        """Per-group sum of the trainable weights' norms, on the device (bit-identical only if they are)."""
+        return self._collector.fingerprint()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forward/backward passes inside are not the user's training (a replay, a shadow step):
+        no micro-batch capture, no gradient norms. Nests, and restores on any exception."""
+        saved = self._replaying, self._collector.enabled
+        self._replaying, self._collector.enabled = True, False
+        try:
+            yield
+        finally:
+            self._replaying, self._collector.enabled = saved
+
+    def captured_step(self, event: Event | None) -> tuple[Event, Any] | None:
+        """The (event, CapturedStep) kept for ``nbguard.verify(event)`` (``event=None``: whichever is kept), else None."""
+        kept = self._kept_step
+        return kept if kept is not None and (event is None or kept[0] is event) else None
+
+    def keep_step(self, event: Event, step: Any) -> None:
+        """Keep ``step`` (a CapturedStep built from this step's micro-batches) for ``verify(event)``."""
+        self._kept_step = (event, step)
+
+    @property
+    def micro_batches(self) -> tuple[MicroBatch, ...]:
+        """This step's captured training micro-batches (read-only)."""
+        return tuple(self._micro_batches)
+
+    def begin_step(self) -> None:
+        """A step starts (the Trainer's ``on_step_begin``): what an interrupted step left is dropped,
+        so the new step is judged on its own."""
+        if self._micro_batches or self._losses or self._stats is not None:
+            self._release_step()
+
+    @watch_hook(safe=False)
+    def _zero_grad(self) -> None:
+        """Gradients cleared after a backward of this step: the step was abandoned (interrupted)."""
+        if self._micro_batches and self._collector.accumulations != self._accumulations_at_capture:
+            self._release_step()
 
     def end_training(self) -> None:
         """The loop ended: drop every reference to the unfinished step's batches."""
@@ -397,7 +508,10 @@ class NanWatch(Displayable):
                          f"nbguard's watch hit an internal error and detached itself; training goes on: "
                          f"{type(exc).__name__}: {exc}",
                          evidence={"exception": repr(exc), "traceback": traceback.format_exc(limit=6)}))
-        warnings.warn(f"nbguard watch detached after an internal error: {exc!r}", RuntimeWarning, stacklevel=2)
+        try:
+            warnings.warn(f"nbguard watch detached after an internal error: {exc!r}", RuntimeWarning, stacklevel=2)
+        except Exception:  # warnings turned into errors (-W error, pytest): the event above is the record
+            pass
         if safe:
             self._step_aside()
 
@@ -409,6 +523,11 @@ class NanWatch(Displayable):
         if self._broken and self.attached:
             self._step_aside()  # a safe point: module hooks were copied before being called
             return None
+        if self._coverage_stale:
+            self._cover_new_parameters()
+        if self._forward_open and self._training_forward(module):
+            self._release_step()  # the previous training forward never returned: it was interrupted
+        self._forward_open = self._training_forward(module)
         self._capture_micro_batch(module, args, kwargs)
         return None
 
@@ -416,14 +535,21 @@ class NanWatch(Displayable):
     def _capture_micro_batch(self, module, args, kwargs) -> None:
         if not self._training_forward(module):
             return
+        hooks_see_backward = self._deepspeed is None or self._collector.accumulations > 0  # DeepSpeed: own buffers
+        if self._micro_batches and hooks_see_backward \
+                and self._collector.accumulations == self._accumulations_at_capture:
+            self._release_step()  # no backward since the last forward: that step was abandoned
+        self._accumulations_at_capture = self._collector.accumulations
         trainer_labels = self._labels_tap.take() if self._labels_tap is not None else None
         self._micro_batches.append(
             MicroBatch(len(self._micro_batches), args, dict(kwargs), capture_rng(), capture_autocast(),
                        trainer_labels=trainer_labels))
-        self._few_tokens.capture(self._micro_batches[-1].index, self._micro_batches[-1].labels())
+        for detector in self._board.detectors:
+            detector.on_micro_batch(self._micro_batches[-1])
 
     @watch_hook(safe=False)
     def _root_post(self, module, args, kwargs, output):
+        self._forward_open = False
         if not self._training_forward(module) or not self._micro_batches:
             return None
         loss = model_loss(output)
@@ -447,10 +573,10 @@ class NanWatch(Displayable):
             found_inf = binding.found_inf() if binding is not None and binding.enabled else None
             # Trainer passes num_items_in_batch: each micro-batch loss is then a share of the step's loss
             shares = any("num_items_in_batch" in mb.kwargs for mb in self._micro_batches)
-            self._stats = self._collector.read(self._losses, scale, self._frozen.due(self.step), sum_losses=shares,
+            self._stats = self._collector.read(self._losses, scale, False, sum_losses=shares,
                                                found_inf=found_inf,
                                                activations=self._probe.values if self._probe is not None else None,
-                                               extra=self._few_tokens.pending(),
+                                               extra=self._board.collect(self),
                                                exchange=self._ranks.exchange if self._ranks is not None else None)
             if self._ranks is not None:
                 self._verdict = self._ranks.settle(self._stats)
@@ -553,7 +679,6 @@ class NanWatch(Displayable):
         if self.activation_history is not None and stats.activations is not None:
             activations = host_values(stats.activations)
             self.activation_history.append(step, activations)
-        self._check_few_tokens(step, stats)
         stop_event = None
         if self._scaler_binding is not None:
             if scaler_skipped:
@@ -564,19 +689,11 @@ class NanWatch(Displayable):
                 self._emit(event, agreed=self._ranks is not None)
                 if self.policy == "stop":
                     stop_event = event
-        if not skipped:
-            spike = self._spike.update(stats.total_grad_norm)
-            if spike is not None:
-                ratios = sorted(zip(self.history.groups, stats.grad_norm), key=lambda gv: -gv[1])
-                spike["largest_group"] = ratios[0][0] if ratios else None
-                self._emit(Event("grad-spike", step, f"gradient norm spiked: "
-                                 f"{spike['total_grad_norm']:.3g}, {spike['ratio']:.1f}x the recent median",
-                                 evidence=spike))
-        if stats.fingerprint is not None:
-            frozen = self._frozen.update(step, stats.fingerprint)
-            if frozen is not None:
-                self._emit(Event("frozen-params", step, f"trainable weights have not changed for "
-                                 f"{frozen['steps_unchanged']} optimizer steps", evidence=frozen))
+        view = StepView(step, tuple(self.history.groups), tuple(stats.grad_norm), stats.loss, stats.loss_scale,
+                        skipped, history=self.history)
+        for detector, scalars in zip(self._board.detectors, self._board.split(stats.extra)):
+            for event in detector.update(dataclasses.replace(view, scalars=scalars)):
+                self._emit(event)
         self.step += 1
         payload: dict[str, Any] = {"step": step, "loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
                    "loss_scale": stats.loss_scale, "skipped": skipped,
@@ -588,25 +705,6 @@ class NanWatch(Displayable):
         if stop_event is not None:
             self._stop(stop_event, step_ended=True)
 
-    def _check_few_tokens(self, step: int, stats: StepStats) -> None:
-        """One event for the first micro-batch built on few supervised tokens; later ones are counted on it."""
-        found = self._few_tokens.update(stats.extra)
-        if found is None or (found["supervised_tokens"] == 0 and not stats.loss_finite):
-            return  # a 0/0 loss is already a non-finite event with cause no-supervised-tokens
-        if self._few_tokens_event is not None:
-            evidence = self._few_tokens_event.evidence
-            evidence["occurrences"] += 1
-            if len(evidence["steps"]) < self._few_tokens.settings.max_steps_listed:
-                evidence["steps"].append(step)
-            return
-        median = found["recent_median"]
-        found.update(occurrences=1, steps=[step])
-        self._few_tokens_event = Event(
-            "few-supervised-tokens", step,
-            f"micro-batch {found['micro_batch']}'s loss is built on {found['supervised_tokens']} supervised token(s)"
-            + (f" (recent median {median:g})" if median is not None else ""), evidence=found)
-        self._emit(self._few_tokens_event)
-
     def _release_step(self) -> None:
         """Drop every reference to this step's batches and output gradients."""
         self._micro_batches = []
@@ -614,8 +712,12 @@ class NanWatch(Displayable):
         self._stats = None
         self._optimizer_stepped = False
         self._step_dropped = False
+        self._forward_open = False
+        self._accumulations_at_capture = -1
         self._collector.reset()
-        self._few_tokens.reset()
+        board: DetectorBoard | None = getattr(self, "_board", None)
+        if board is not None:
+            board.reset_step()
         if self._probe is not None:
             self._probe.reset()
         sync: ranks.RankSync | None = getattr(self, "_ranks", None)
@@ -700,11 +802,8 @@ class NanWatch(Displayable):
     def _replay(self):
         if self._replayer is None:
             self._replayer = Replayer(self.model)
-        self._replaying, self._collector.enabled = True, False
-        try:
+        with self.paused():
             return self._replayer.run(self._micro_batches)
-        finally:
-            self._replaying, self._collector.enabled = False, True
 
     def _message(self, kind: str, cause, origins, evidence) -> str:
         what = {

@@ -18,16 +18,34 @@ def unwrap_optimizer(optimizer):
 
 
 class OptimizerBinding:
-    def __init__(self, optimizer: torch.optim.Optimizer, pre, post):
+    """The optimizer's step pre/post hooks and its ``zero_grad`` (an instance attribute, removed on
+    detach): clearing gradients mid-step tells the watch that an interrupted step was abandoned."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, pre, post, zero_grad=None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.optimizer = optimizer
         self.handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+        self._had_own = "zero_grad" in vars(optimizer)
+        self._own = vars(optimizer).get("zero_grad")
+        if zero_grad is not None:
+            original = optimizer.zero_grad
+
+            def cleared(*args, **kwargs):
+                zero_grad()
+                return original(*args, **kwargs)
+
+            cleared.__nbguard__ = True  # type: ignore[attr-defined]
+            optimizer.zero_grad = cleared  # type: ignore[method-assign]
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        if self._had_own:
+            self.optimizer.zero_grad = self._own  # type: ignore[method-assign,assignment]
+        else:
+            vars(self.optimizer).pop("zero_grad", None)
 
 
 class ScalerBinding:

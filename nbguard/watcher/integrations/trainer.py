@@ -48,7 +48,7 @@ class LabelsTap:
 
 class WatchCallback(TrainerCallback):
     """Drives the watch through its public interface (``begin_training``, ``bind_trainer_step``,
-    ``stop_requested``, ``record_eval_loss``, ``end_training``); each of those is guarded."""
+    ``stop_requested``, ``record_log``, ``end_training``); each of those is guarded."""
 
     def __init__(self, watch):
         self.watch = watch
@@ -57,6 +57,7 @@ class WatchCallback(TrainerCallback):
         self.watch.begin_training(control)  # a new train() call starts clean
 
     def on_step_begin(self, args, state, control, **kwargs):
+        self.watch.begin_step()  # an interrupted step's leftovers never reach this one
         self.watch.bind_trainer_step(control)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -64,9 +65,10 @@ class WatchCallback(TrainerCallback):
             control.should_training_stop = True
         return control
 
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        if metrics and "eval_loss" in metrics:
-            self.watch.record_eval_loss(float(metrics["eval_loss"]), state.global_step)
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # TRL's GRPO/DPO metrics and evaluate()'s eval_loss all arrive here, after the step
+        if logs:
+            self.watch.record_log(logs)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.watch.end_training()

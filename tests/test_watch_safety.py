@@ -1,0 +1,82 @@
+"""A failed attach leaves nothing behind; the guard's own error path never raises into user code."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import nbguard
+from nbguard.testing import tiny_llama
+from nbguard.watcher import Detector
+from tests.watch_helpers import batches, hook_counts
+
+
+def test_bad_scaler_is_refused_before_any_hook():
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = hook_counts(model, opt)
+    with pytest.raises(TypeError, match=r"scaler must be a torch\.amp\.GradScaler .* got str"):
+        nbguard.watch(model, optimizer=opt, scaler="not a scaler")
+    assert hook_counts(model, opt) == before
+
+
+def test_attach_failing_midway_rolls_back_every_hook():
+    """An error after some hooks are registered (here: the optimizer binding) removes them all."""
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = hook_counts(model, opt)
+
+    class RefusesHooks(Exception):
+        pass
+
+    def refuse(*args, **kwargs):
+        raise RefusesHooks("this optimizer takes no step hooks")
+
+    opt.register_step_pre_hook = refuse  # a wrapper optimizer that cannot be hooked
+    with pytest.raises(RefusesHooks):
+        nbguard.watch(model, optimizer=opt, activations=True)
+    del opt.register_step_pre_hook
+    assert hook_counts(model, opt) == before
+    watch = nbguard.watch(model, optimizer=opt)  # and a later attach works as usual
+    assert watch.active
+    watch.detach()
+    assert hook_counts(model, opt) == before
+
+
+class BrokenDetector(Detector):
+    def update(self, view):
+        raise RuntimeError("a detector bug")
+
+
+def test_internal_failure_under_warnings_as_errors_never_raises_into_the_step():
+    torch.manual_seed(0)
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = nbguard.watch(model, optimizer=opt, detectors=[BrokenDetector()], verify=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for batch in batches(3):
+            opt.zero_grad()
+            model(**batch).loss.backward()
+            opt.step()  # the detector fails inside the step-end hook: the guard steps aside quietly
+    assert [e.kind for e in watch.events] == ["watch-error"]
+    assert "a detector bug" in watch.events[0].message and not watch.active
+
+
+def test_backward_hook_failure_under_warnings_as_errors(monkeypatch):
+    from nbguard.watcher import sentinel
+
+    def broken(tensor):
+        raise RuntimeError("norm read failed")
+
+    torch.manual_seed(0)
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = nbguard.watch(model, optimizer=opt, verify=False)
+    monkeypatch.setattr(sentinel, "local_tensor", broken)  # the gradient hook's own work fails
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(**batches(1)[0]).loss.backward()
+        opt.step()
+    assert [e.kind for e in watch.events] == ["watch-error"] and not watch.active
