@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..findings import Finding, Severity
 from ..hardware import resolve_hardware
-from ..introspect.inputs import check_args, check_batch, check_model, check_trainer
+from ..introspect.inputs import check_args, check_batch, check_model, check_trainer, is_trainer
 from ..session import record_audit
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .context import AuditContext
@@ -79,6 +79,8 @@ def _unsloth_fixes(findings: list[Finding]) -> None:
 
 def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False) -> AuditResult:
     """Audit a fine-tuning setup; see ``nbguard.audit``."""
+    if trainer is None and is_trainer(model):  # nbguard.audit(trainer), as nbguard.watch(trainer) takes it
+        model, trainer = None, model
     if trainer is not None:
         check_trainer(trainer)
         model = trainer.model if model is None else model

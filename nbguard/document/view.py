@@ -53,6 +53,22 @@ def format_time(value: Any) -> str:
         return str(value or "")
 
 
+def fmt_bytes(value: Any) -> str:
+    """A size for people: 1.3 GB, 912 MB, 48 KB (binary units, as the GPU's memory is quoted)."""
+    number = as_float(value)
+    if number is None:
+        return MISSING
+    for unit, size in (("GB", 2 ** 30), ("MB", 2 ** 20), ("KB", 2 ** 10)):
+        if abs(number) >= size:
+            return f"{fmt_num(number / size, 3)} {unit}"
+    return f"{int(number)} bytes"
+
+
+def _training_bytes(estimate: dict) -> float:
+    """Weights + gradients + optimizer state: what the memory line says it counts (no reserve)."""
+    return sum(as_float(estimate.get(k)) or 0.0 for k in ("weights_bytes", "grads_bytes", "optimizer_bytes"))
+
+
 def plural(count: int, word: str, suffix: str = "s") -> str:
     return f"{count} {word}{'' if count == 1 else suffix}"
 
@@ -321,14 +337,17 @@ def _stack(doc: dict, path: list[Any]) -> list[Section]:
     m = stack.get("memory")
     if isinstance(m, dict) and isinstance(m.get("as_is"), dict):
         target = m.get("target_precision")
-        line = f"training memory on {m.get('hardware')} ({fmt_num(m.get('memory_gb'))} GB): as stored {fmt_num(m['as_is'].get('total_gb'))} GB"
+        line = (f"training memory on {m.get('hardware')} ({fmt_num(m.get('memory_gb'))} GB), weights, gradients and "
+                f"optimizer state: as stored {fmt_bytes(_training_bytes(m['as_is']))}")
         if target and isinstance(m.get(target), dict):
-            line += (f", in {target} {fmt_num(m[target].get('total_gb'))} GB "
+            line += (f", in {target} {fmt_bytes(_training_bytes(m[target]))} "
                      f"({'fits' if m.get('target_fits') else 'does not fit'})")
         if isinstance(m.get("partial"), dict):
-            line += f"; fp32 for the overflowing layers only: {fmt_num(m['partial'].get('total_gb'))} GB"
+            line += f"; fp32 for the overflowing layers only: {fmt_bytes(_training_bytes(m['partial']))}"
+        if as_float(m["as_is"].get("reserve_bytes")):
+            line += f"; plus {fmt_bytes(m['as_is']['reserve_bytes'])} kept for the CUDA context and allocator"
         if not m.get("activations_counted", True):
-            line += " (weights, gradients and optimizer state; activations not counted)"
+            line += "; activations not counted"
         facts.append(Fact(line, "" if m.get("target_fits", True) else "bad"))
     return [Section(kind="stack", title="Stack", facts=facts)] if facts else []
 
@@ -453,9 +472,14 @@ def _probe(doc: dict, path: list[Any]) -> list[Section]:
                   note=f"{more} more modules with more headroom not shown." if more > 0 else "")
     facts = [Fact(f"Limit {fmt_num(probe.get('limit', 65504.0))}: {plural(len(modules), 'module')}, {over} at or over "
                   "the limit (least headroom first)", "bad" if over else "")]
-    grad_over = sum(1 for m in modules if _over(m.get("grad_headroom")))
     if backward:
-        facts.append(Fact(f"backward: {grad_over} module(s) whose gradients reach the limit", "bad" if grad_over else ""))
+        grads = [as_float(m.get("grad_absmax")) for m in modules]
+        nonfinite = sum(1 for g in grads if g is not None and not math.isfinite(g))
+        grad_over = sum(1 for m in modules if _over(m.get("grad_headroom")))
+        text = f"backward: {plural(grad_over, 'module')} with gradients at or over the limit"
+        if nonfinite:
+            text += f", {nonfinite} with inf/NaN gradients"
+        facts.append(Fact(text, "bad" if grad_over or nonfinite else ""))
     return [Section(kind="probe", title="Activation probe", facts=facts, table=table)]
 
 
