@@ -546,7 +546,7 @@ def where_bad(group: str, count: int, total: int) -> str:
 
 
 def overview_facts(overview: dict) -> list[Fact]:
-    facts = [Fact(f"{overview['n_groups']} module groups × {overview['n_steps']} steps"
+    facts = [Fact(f"{plural(overview['n_groups'], 'module group')} × {plural(overview['n_steps'], 'step')}"
                   + (f" (steps {overview['first_step']}–{overview['last_step']})" if overview["n_steps"] else ""))]
     if overview["first_nonfinite"]:
         step, group, value, count = overview["first_nonfinite"]
@@ -630,8 +630,8 @@ def _watch(doc: dict, path: list[Any]) -> list[Section]:
         overview = history_overview(history)
         facts = overview_facts(overview) if overview else []
         if isinstance(acts, dict):
-            facts.append(Fact(f"activation abs-max recorded for {len(acts.get('groups') or [])} groups × "
-                              f"{len(acts.get('steps') or [])} steps (limit {fmt_num(acts.get('limit', 65504.0))})"))
+            facts.append(Fact(f"activation abs-max recorded for {plural(len(acts.get('groups') or []), 'group')} × "
+                              f"{plural(len(acts.get('steps') or []), 'step')} (limit {fmt_num(acts.get('limit', 65504.0))})"))
         at = [*path, *watch["path"]]
         charts = []
         if overview.get("n_steps") and overview.get("n_groups"):
