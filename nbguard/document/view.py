@@ -100,16 +100,6 @@ class Fact:
 
 
 @dataclass
-class Fold:
-    """Details a reader opens on demand: JSON evidence, an exception text, what a fix changed."""
-
-    label: str
-    text: str
-    short: str = ""  # one line, for the text renderer
-    kind: str = "json"  # "json", "text" or "code"
-
-
-@dataclass
 class Table:
     columns: list[str]
     rows: list[list[str]]
@@ -117,6 +107,17 @@ class Table:
     code: list[bool] = field(default_factory=list)  # per column: names shown as code
     bad_rows: list[int] = field(default_factory=list)
     note: str = ""  # "12 more modules ..."
+
+
+@dataclass
+class Fold:
+    """Details a reader opens on demand: JSON evidence, an exception text, what a fix changed."""
+
+    label: str
+    text: str
+    short: str = ""  # one line, for the text renderer
+    kind: str = "json"  # "json", "text" or "code"
+    table: Table | None = None  # evidence as rows of name and value; ``text`` holds the same, aligned
 
 
 @dataclass
@@ -197,12 +198,55 @@ def view(doc: dict) -> View:
         raise TypeError(f"doc must be an nbguard document (dict), got {type(doc).__name__}")
     meta = f"nbguard {doc.get('nbguard_version', '?')} · schema v{doc.get('schema_version', '?')}"
     top = _sections(doc, [])
-    sections = [s for s in top if s.kind != "environment"]
+    sections = [*_story(doc), *(s for s in top if s.kind != "environment")]
     for number, entry in enumerate(_entries(doc), start=1):
         sections.append(Section(kind="entry", title=_entry_title(number, entry)))
         sections.extend(_sections(entry, ["entries", number - 1]))
     sections += [s for s in top if s.kind == "environment"]  # the reference details close the story
     return View(title=heading(doc), meta=meta, summary=_summary(doc), sections=sections)
+
+
+def _story(doc: dict) -> list[Section]:
+    """The first screen: what went wrong, where, and the fix to make (verified first), one line each.
+
+    The first non-finite watch event wins (it is what broke the run), else the latest audit's worst finding."""
+    docs = [doc, *_entries(doc)]
+    events = [(d, e) for d in docs for w in watch_sections(d) for e in w["events"] if isinstance(e, dict)]
+    events.sort(key=lambda de: (not str(de[1].get("kind", "")).startswith("nonfinite"),))
+    audits = [d for d in docs if isinstance(d.get("findings"), list)]
+    findings = sorted((f for f in (audits[-1]["findings"] if audits else []) if isinstance(f, dict)),
+                      key=lambda f: _severity_rank(f.get("severity")))
+    findings = [f for f in findings if f.get("severity") in ("error", "warning")]
+    if events:
+        owner, event = events[0]
+        card = event_card(event, fix_cells(owner), fix_verdicts(owner))
+        kind = str(event.get("kind", "")).replace("-", " ").replace("nonfinite", "non-finite")
+        what = f"step {event.get('step')}: {kind}" + (f" ({event['cause']})" if event.get("cause") else "")
+        origins = [o for o in event.get("origins") or [] if isinstance(o, dict)]
+        where = (f"{origins[0].get('module')} ({origins[0].get('phase')}"
+                 + (f", {origins[0].get('dtype')}" if origins[0].get("dtype") else "") + ")") if origins else (
+            f"no module: {event['cause']}" if event.get("cause") else "not localised to a module")
+    elif findings:
+        owner, f = audits[-1], findings[0]
+        card = Card(tone="", title="", fixes=_fix_views(f.get("fixes"), fix_cells(owner), fix_verdicts(owner)))
+        what = f"{str(f.get('severity')).upper()}: {f.get('title', '')}"
+        where = f"the audit's {f.get('rule')} rule" + (f" ({plural(len(findings) - 1, 'more finding')} below)"
+                                                      if len(findings) > 1 else "")
+    else:
+        return []
+    fix = card.fixes[0] if card.fixes else None
+    if fix is None:
+        how = "none offered; the details below say what was seen"
+    elif fix.verdict is None or fix.verdict.status == "verified":
+        how = f"{fix.id}" + (f" ({fix.title})" if fix.title else "") + (": verified on the failing step" if fix.verdict else "")
+    else:
+        how = (f"none verified on the failing step ({plural(len(card.fixes), 'fix', 'es')} tried: "
+               + ", ".join(f"{f.id} {f.verdict.label}" for f in card.fixes if f.verdict) + ")")
+    tone = "bad" if (events and str(events[0][1].get("kind", "")).startswith("nonfinite")) or (
+        not events and findings[0].get("severity") == "error") else ""
+    return [Section(kind="story", title="What happened", facts=[
+        Fact(f"What went wrong: {what}", tone), Fact(f"Where: {where}"),
+        Fact(f"Fix: {how}", "good" if fix and fix.verdict and fix.verdict.status == "verified" else "")])]
 
 
 def _entries(doc: dict) -> list[dict]:
@@ -273,8 +317,55 @@ def _tone(severity: Any) -> str:
     return severity if severity in SEVERITY_ORDER else "info"
 
 
+MAX_EVIDENCE_ROWS = 14
+
+
+def _cell(key: str, value: Any) -> str:
+    """One evidence value in words: sizes in GB/MB, NaN for "nan", — for nothing, short lists inline."""
+    if value is None:
+        return MISSING
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, float)) and key.endswith("_bytes"):
+        return fmt_bytes(value)
+    if isinstance(value, (int, float)) or value in ("nan", "inf", "-inf"):
+        return fmt_num(value)
+    if isinstance(value, dict) and set(value) == {"first", "count"} and isinstance(value["first"], list):
+        shown = [_cell(key, v) for v in value["first"]]
+        more = int(value["count"]) - len(shown)
+        return "; ".join(shown) + (f" (+{more} more)" if more > 0 else "")
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_cell(str(k), v)}" for k, v in value.items())
+    if isinstance(value, list):
+        return "; ".join(_cell(key, v) for v in value) if value else MISSING
+    return str(value)
+
+
+def _evidence_rows(value: dict, prefix: str = "") -> list[list[str]]:
+    rows = []
+    for key, item in value.items():
+        name = f"{prefix}{key}"
+        nested = isinstance(item, dict) and item and not (set(item) == {"first", "count"}) and not prefix
+        rows += _evidence_rows(item, f"{name} › ") if nested else [[name.replace("_", " "), _cell(str(key), item)]]
+    return rows
+
+
 def _evidence_fold(label: str, value: Any) -> Fold:
-    return Fold(label=label, text=pretty_json(value), short=short_json(value))
+    """Evidence as a small table of name and value (the JSON stays in the document and to_dict())."""
+    if not isinstance(value, dict):
+        return Fold(label=label, text=pretty_json(value), short=short_json(value))
+    rows = _evidence_rows(value)
+    more = len(rows) - MAX_EVIDENCE_ROWS
+    rows = [[k, _clip(v)] for k, v in rows[:MAX_EVIDENCE_ROWS]]
+    note = f"{more} more in the JSON report." if more > 0 else ""
+    width = max((len(k) for k, _ in rows), default=0)
+    text = "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows) + (f"\n{note}" if note else "")
+    return Fold(label=label, text=text, short=_clip("; ".join(f"{k} {v}" for k, v in rows)), kind="text",
+                table=Table(columns=[], rows=rows, note=note))
+
+
+def _clip(text: str, width: int = 160) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def _notes(doc: dict, path: list[Any]) -> list[Section]:
@@ -475,7 +566,8 @@ def _probe(doc: dict, path: list[Any]) -> list[Section]:
     if backward:
         grads = [as_float(m.get("grad_absmax")) for m in modules]
         nonfinite = sum(1 for g in grads if g is not None and not math.isfinite(g))
-        grad_over = sum(1 for m in modules if _over(m.get("grad_headroom")))
+        grad_over = sum(1 for m, g in zip(modules, grads) if g is not None and math.isfinite(g)
+                        and _over(m.get("grad_headroom")))
         text = f"backward: {plural(grad_over, 'module')} with gradients at or over the limit"
         if nonfinite:
             text += f", {nonfinite} with inf/NaN gradients"
