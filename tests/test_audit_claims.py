@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from audit_helpers import make_args
 from data_helpers import BOS, EOS, ListDataset, word_tokenizer
@@ -150,3 +151,29 @@ def test_memory_line_counts_weights_gradients_and_optimizer_without_the_hidden_r
 def test_audit_takes_a_trainer_positionally(tmp_path):
     trainer, _ = _lm_trainer(tmp_path, _wikitext_rows(4, 100))
     assert nbguard.audit(trainer).target == "trainer"
+
+
+# ---- token-ids-out-of-range: an error when a batch really holds such an id ----------------------------
+def _token_trainer(tmp_path, vocab: int, top: int):
+    """Rows of ids below ``top`` for a model with ``vocab`` embedding rows (the tokenizer has 128 tokens)."""
+    rows = [{"input_ids": [BOS, *range(top - 6, top), EOS]} for _ in range(4)]
+    collator = DataCollatorForLanguageModeling(word_tokenizer(), mlm=False)
+    trainer = Trainer(model=tiny_llama(vocab_size=vocab), args=make_args(tmp_path, per_device_train_batch_size=2),
+                      train_dataset=ListDataset(rows), data_collator=collator, processing_class=word_tokenizer())
+    return trainer
+
+
+def test_token_ids_beyond_the_embedding_are_an_error_and_the_step_raises(tmp_path):
+    trainer = _token_trainer(tmp_path, vocab=100, top=120)
+    f = nbguard.audit(trainer).finding("token-ids-out-of-range")
+    assert f.severity == Severity.ERROR and min(f.evidence["input_ids_out_of_range"]["first"]) >= 100
+    with pytest.raises(IndexError, match="index out of range"):
+        trainer.train()
+
+
+def test_a_bigger_tokenizer_whose_ids_never_come_is_a_warning_and_trains(tmp_path):
+    trainer = _token_trainer(tmp_path, vocab=100, top=90)
+    f = nbguard.audit(trainer).finding("token-ids-out-of-range")
+    assert f.severity == Severity.WARNING and "none of the" in f.detail and "holds such an id yet" in f.detail
+    trainer.train()  # the claim holds: no id reaches the missing rows, the run trains
+    assert "token-ids-out-of-range" not in nbguard.audit(_token_trainer(tmp_path, vocab=128, top=120))
