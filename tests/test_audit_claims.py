@@ -177,3 +177,15 @@ def test_a_bigger_tokenizer_whose_ids_never_come_is_a_warning_and_trains(tmp_pat
     assert f.severity == Severity.WARNING and "none of the" in f.detail and "holds such an id yet" in f.detail
     trainer.train()  # the claim holds: no id reaches the missing rows, the run trains
     assert "token-ids-out-of-range" not in nbguard.audit(_token_trainer(tmp_path, vocab=128, top=120))
+
+
+def test_fp16_weights_under_fp16_on_the_cpu_are_no_unscale_error_and_train(tmp_path):
+    """fp16-unscale-error's failing setup needs a GradScaler; on the CPU the Trainer makes none."""
+    model = tiny_llama(dtype=torch.float16)
+    trainer = Trainer(model=model, args=make_args(tmp_path, fp16=True, max_steps=1),
+                      train_dataset=ListDataset(_wikitext_rows(4, 100)),
+                      data_collator=DataCollatorForLanguageModeling(word_tokenizer(), mlm=False))
+    result = nbguard.audit(trainer, hardware="cpu")
+    assert "fp16-unscale-error" not in result and "precision-flag-ignored" in result
+    trainer.train()  # no "Attempting to unscale FP16 gradients": there is no scaler
+    assert nbguard.audit(trainer, hardware="t4").finding("fp16-unscale-error").severity == Severity.ERROR
