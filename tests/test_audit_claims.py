@@ -189,3 +189,18 @@ def test_fp16_weights_under_fp16_on_the_cpu_are_no_unscale_error_and_train(tmp_p
     assert "fp16-unscale-error" not in result and "precision-flag-ignored" in result
     trainer.train()  # no "Attempting to unscale FP16 gradients": there is no scaler
     assert nbguard.audit(trainer, hardware="t4").finding("fp16-unscale-error").severity == Severity.ERROR
+
+
+def test_a_users_own_compute_loss_is_read_as_a_per_batch_mean(tmp_path):
+    class MeanLossTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            outputs = model(**inputs)  # the model's own mean: num_items_in_batch is not passed on
+            return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+    trainer, losses = _lm_trainer(tmp_path, _wikitext_rows(32, 4), gradient_accumulation_steps=16)
+    mean = MeanLossTrainer(model=trainer.model, args=trainer.args, train_dataset=trainer.train_dataset,
+                           data_collator=trainer.data_collator, callbacks=[losses])
+    f = nbguard.audit(mean).finding("no-supervised-tokens")
+    assert f.severity == Severity.ERROR and f.evidence["normalised_by_num_items"] is False
+    mean.train()
+    assert any(math.isnan(x) for x in losses.losses)  # an empty micro-batch's mean is NaN and poisons its step

@@ -68,9 +68,17 @@ def loss_normalisation(ctx) -> tuple[bool, int]:
     if trainer is None:
         return False, 1
     by_items = bool(getattr(trainer, "model_accepts_loss_kwargs", False)
-                    or getattr(trainer, "compute_loss_func", None) is not None)
+                    or getattr(trainer, "compute_loss_func", None) is not None) and not _own_compute_loss(trainer)
     steps = int(getattr(ctx.args, "gradient_accumulation_steps", 1) or 1)
     return by_items, steps
+
+
+def _own_compute_loss(trainer) -> bool:
+    """A compute_loss written outside transformers/TRL (a user's subclass): how it normalises is unknown,
+    so the rule assumes the common per-batch mean (``sum(loss * mask) / mask.sum()``)."""
+    owner = next((c for c in type(trainer).__mro__ if "compute_loss" in vars(c)), None)
+    module = getattr(owner, "__module__", "") or ""
+    return not module.startswith(("transformers.", "trl."))
 
 
 @rule("no-supervised-tokens", "error")
