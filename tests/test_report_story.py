@@ -10,7 +10,6 @@ from report_helpers import watched_run_with_planted_fault
 import nbguard
 from nbguard.document.view import view
 
-pytestmark = pytest.mark.browser
 VIEWPORT = {"width": 1280, "height": 800}
 
 
@@ -34,6 +33,7 @@ def test_the_story_is_the_first_section_of_the_view(planted_report):
     assert fix.startswith("Fix: none verified on the failing step") and "enable-grad-clipping not enough" in fix
 
 
+@pytest.mark.browser
 def test_first_screen_tells_the_story_and_details_are_closed(planted_report, tmp_path):
     from browser.lab_helpers import CHROMIUM, CHROMIUM_ARGS
     from playwright.sync_api import sync_playwright
