@@ -37,5 +37,7 @@ def test_view_strings_cover_every_part_of_a_report():
     assert {s["title"] for s in sections if s["title"]} <= strings
     watch = next(s for s in sections if s["kind"] == "watch")
     assert {f["text"] for f in watch["facts"]} <= strings and watch["cards"][0]["folds"]
-    assert {fold["text"] for fold in watch["cards"][0]["folds"]} <= strings
+    assert {fold["label"] for fold in watch["cards"][0]["folds"]} <= strings
+    assert {cell for fold in watch["cards"][0]["folds"] if fold["table"] for row in fold["table"]["rows"]
+            for cell in row} <= strings
     assert {c["alt"] for c in watch["charts"]} <= strings

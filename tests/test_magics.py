@@ -336,7 +336,7 @@ def test_cell_nanwatch_error_shows_traceback_diagnosis_and_detaches(shell):
     cell = run(shell, "%%nanwatch net\n" + LOOP.format(steps=1) + "torch.randn(2).sum().backward()")
     assert "element 0 of tensors does not require grad" in cell.stdout  # the traceback of the inner cell
     assert [d["kind"] for d in cell.docs] == ["watch", "diagnosis"]
-    assert "1 optimizer steps" in cell.stdout and _hook_counts(net) == before
+    assert "1 optimizer step, 0 skipped" in cell.stdout and _hook_counts(net) == before
 
 
 def test_nanwatch_without_ipywidgets_is_static_with_hint(shell, monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 from html.parser import HTMLParser
 
 import numpy as np
@@ -288,10 +289,11 @@ def test_history_summary_names_the_group_or_counts_them():
     assert "all 21 of 21 groups" in render_text(planted_watch_document())  # the real run: NaN spreads
 
 
-def test_standalone_page_opens_every_fold_for_print():
+def test_saved_page_folds_everything_but_the_recommended_fix():
     page = render_html(full_document(), standalone=True)
-    assert "<details>" not in page and "<details open>" in page
-    assert "<details open>" not in render_html(full_document())  # in a notebook they stay folded
+    opened = re.findall(r"<details open><summary>([^<]*)<", page)
+    assert "<details>" in page and opened and all(s.startswith("fix ") for s in opened)
+    assert page.count("<details open>") == render_html(full_document()).count("<details open>")
 
 
 def test_series_png_marks_non_finite_steps():

@@ -237,3 +237,19 @@ def test_drawing_cost_spaces_out_the_next_drawing(monkeypatch, budgets, expected
         assert dash.renders == {"light": expected, "heavy": expected}  # 0.5 s cost -> next one 25-50 s later
     else:
         assert dash.renders["light"] >= 9 and dash.renders["heavy"] >= 3  # only the intervals hold it back
+
+
+def test_finding_card_evidence_is_a_table_in_a_closed_accordion():
+    import ipywidgets as W
+    from audit_helpers import seed_peft_model
+
+    import nbguard
+    from nbguard.document.view import view as build_view
+    from nbguard.notebook.widgets.cards import card_widget
+
+    doc = nbguard.audit(seed_peft_model(), hardware="a100").to_document()
+    card = next(c for c in build_view(doc).section("findings").cards if c.folds)
+    accordion = next(w for w in card_widget(card, []).children if isinstance(w, W.Accordion))
+    assert accordion.selected_index is None  # evidence waits until asked
+    evidence = accordion.children[0].value
+    assert evidence.startswith("<table>") and "{" not in evidence  # rows of name and value, not JSON

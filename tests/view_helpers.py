@@ -42,8 +42,9 @@ def view_strings(view: dict) -> list[str]:
         for card in section["cards"]:
             out.extend([card["title"], card["badge"], card["tag"], card["quote"], card["code"], *card["lines"]])
             table(card["table"])
-            for fold in card["folds"]:
-                out.extend([fold["label"], fold["text"]])
+            for fold in card["folds"]:  # a fold with a table shows its rows; its text is the same, aligned
+                out.append(fold["label"])
+                table(fold["table"]) if fold.get("table") else out.append(fold["text"])
             for fix in card["fixes"]:
                 out.extend([fix["id"], fix["title"], fix["code"]])
                 if fix["verdict"]:

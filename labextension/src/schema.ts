@@ -398,7 +398,7 @@ export interface View {
 
 /** One section of the view. */
 export interface Section {
-  kind: "notes" | "entry" | "hardware" | "stack" | "findings" | "probe" | "watch" | "verifications" | "diagnoses" | "fixes_applied" | "fix_cells" | "environment";
+  kind: "story" | "notes" | "entry" | "hardware" | "stack" | "findings" | "probe" | "watch" | "verifications" | "diagnoses" | "fixes_applied" | "fix_cells" | "environment";
   title: string;
   facts: Fact[];
   cards: Card[];
@@ -426,6 +426,8 @@ export interface Fold {
   /** One line, for the text renderer. */
   short: string;
   kind: "json" | "text" | "code";
+  /** The evidence as rows of name and value (text holds the same, aligned). */
+  table: Table | null;
 }
 
 /** A table of pre-spelled cells. */

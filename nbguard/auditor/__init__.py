@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..findings import Finding, Severity
 from ..hardware import resolve_hardware
-from ..introspect.inputs import check_batch
+from ..introspect.inputs import check_batch, is_trainer
 from ..session import record_audit
 from ..step.targets import resolve_targets
 from . import rules as _rules  # noqa: F401  (registers every rule)
@@ -80,6 +80,8 @@ def _unsloth_fixes(findings: list[Finding]) -> None:
 
 def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False) -> AuditResult:
     """Audit a fine-tuning setup; see ``nbguard.audit``."""
+    if trainer is None and is_trainer(model):  # nbguard.audit(trainer), as nbguard.watch(trainer) takes it
+        model, trainer = None, model
     model, args, _ = resolve_targets(trainer, model, args)
     if model is None:
         raise ValueError("nbguard.audit needs model= (a torch.nn.Module) or trainer= (a transformers Trainer)")

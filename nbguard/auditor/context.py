@@ -182,7 +182,7 @@ class AuditContext:
 
     # ---- training arguments -------------------------------------------------------------------
     @cached_property
-    def mixed_precision(self) -> str | None:
+    def requested_precision(self) -> str | None:
         """"fp16" / "bf16" when the arguments ask for mixed precision, else None."""
         if self.args is None:
             return None
@@ -191,6 +191,26 @@ class AuditContext:
         if getattr(self.args, "bf16", False):
             return "bf16"
         return None
+
+    @cached_property
+    def runs_on_cpu(self) -> bool:
+        """The Trainer will run on the CPU: the hardware is a CPU, or use_cpu=True on this machine (a GPU the
+        user names with hardware= is where they mean to run, so use_cpu there is read as left over)."""
+        if self.hardware is not None and self.hardware.device_type == "cpu":
+            return True
+        return bool(getattr(self.args, "use_cpu", False)) and (self.hardware is None or self.hardware.detected)
+
+    @cached_property
+    def ignored_precision(self) -> str | None:
+        """The mixed-precision flag the backend drops: accelerate turns on fp16 autocast and a GradScaler only
+        off the CPU (Accelerator.__init__: native_amp stays False for fp16 on "cpu"), so fp16 on CPU trains fp32.
+        bf16 on CPU is real (CPU autocast to bfloat16)."""
+        return "fp16" if self.requested_precision == "fp16" and self.runs_on_cpu else None
+
+    @cached_property
+    def mixed_precision(self) -> str | None:
+        """The mixed precision the run really uses: the flag, unless the backend ignores it here."""
+        return None if self.ignored_precision else self.requested_precision
 
     @cached_property
     def uses_fp16(self) -> bool:

@@ -82,7 +82,9 @@ def memory_note(facts: dict[str, Any]) -> dict[str, Any]:
     """The short form added to each finding that offers switch-precision."""
     target = facts["target_precision"]
     note = {"hardware": facts["hardware"], "memory_gb": facts["memory_gb"],
-            f"{target}_gb": facts[target]["total_gb"], "fits": facts["target_fits"]}
+            f"{target}_gb": facts[target]["total_gb"], "fits": facts["target_fits"],
+            "counted": "weights, gradients, optimizer state and a reserve for the CUDA context",
+            "reserve_gb": round(facts[target]["reserve_bytes"] / 2 ** 30, 2)}
     if "offer" in facts:
         note.update(partial_fp32_gb=facts["partial"]["total_gb"], fp32_layers=facts["fp32_layers"],
                     bf16_gpus=facts["bf16_gpus"],

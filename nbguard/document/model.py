@@ -42,6 +42,16 @@ class FixOffer:
         return {"fix": self.id, "options": jsonable(self.options)}
 
 
+def _clip(text: Any, width: int = 100) -> str:
+    """One line of at most ``width`` characters (reprs stay a few lines; to_dict() has everything)."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= width else line[:width - 1] + "…"
+
+
+def _keys(evidence: dict[str, Any]) -> str:
+    return f"  evidence: {', '.join(map(str, evidence))} (in .to_dict())" if evidence else ""
+
+
 @dataclass
 class Finding:
     """One audit result: what rule fired, how bad it is, why, what was seen and how to fix it."""
@@ -65,6 +75,12 @@ class Finding:
             "evidence": jsonable(self.evidence),
             "fixes": list(self.fixes),
         }
+
+    def __repr__(self) -> str:
+        lines = [f"Finding({self.severity.value} {self.rule}: {_clip(self.title)})", f"  {_clip(self.detail)}"]
+        if self.fixes:
+            lines.append(f"  fixes: {', '.join(self.fixes)}")
+        return "\n".join(filter(None, [*lines, _keys(self.evidence)]))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Finding:
@@ -90,6 +106,12 @@ class Origin:
         data["output_absmax"] = encode_float(self.output_absmax)
         data["evidence"] = jsonable(self.evidence)
         return data
+
+    def __repr__(self) -> str:
+        where = f"{self.module}" + (f".{self.tensor}" if self.tensor else "")
+        sizes = ", ".join(f"{k} {v:.4g}" for k, v in (("input abs-max", self.input_absmax),
+                                                      ("output abs-max", self.output_absmax)) if v is not None)
+        return f"Origin({self.phase} {where}" + (f" [{self.dtype}]" if self.dtype else "") + (f", {sizes})" if sizes else ")")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Origin:
@@ -208,6 +230,15 @@ class Event:
             "evidence": jsonable(self.evidence),
             "rank": self.rank,
         }
+
+    def __repr__(self) -> str:
+        head = f"Event({self.kind} at step {self.step}" + (f" on rank {self.rank}" if self.rank is not None else "")
+        head += f", cause {self.cause})" if self.cause else ")"
+        lines = [head, f"  {_clip(self.message)}"]
+        if self.origins:
+            more = f" (+{len(self.origins) - 1} more)" if len(self.origins) > 1 else ""
+            lines.append(f"  origin: {self.origins[0]!r}{more}")
+        return "\n".join(filter(None, [*lines, _keys(self.evidence)]))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Event:

@@ -53,6 +53,22 @@ def format_time(value: Any) -> str:
         return str(value or "")
 
 
+def fmt_bytes(value: Any) -> str:
+    """A size for people: 1.3 GB, 912 MB, 48 KB (binary units, as the GPU's memory is quoted)."""
+    number = as_float(value)
+    if number is None:
+        return MISSING
+    for unit, size in (("GB", 2 ** 30), ("MB", 2 ** 20), ("KB", 2 ** 10)):
+        if abs(number) >= size:
+            return f"{fmt_num(number / size, 3)} {unit}"
+    return f"{int(number)} bytes"
+
+
+def _training_bytes(estimate: dict) -> float:
+    """Weights + gradients + optimizer state: what the memory line says it counts (no reserve)."""
+    return sum(as_float(estimate.get(k)) or 0.0 for k in ("weights_bytes", "grads_bytes", "optimizer_bytes"))
+
+
 def plural(count: int, word: str, suffix: str = "s") -> str:
     return f"{count} {word}{'' if count == 1 else suffix}"
 
@@ -84,16 +100,6 @@ class Fact:
 
 
 @dataclass
-class Fold:
-    """Details a reader opens on demand: JSON evidence, an exception text, what a fix changed."""
-
-    label: str
-    text: str
-    short: str = ""  # one line, for the text renderer
-    kind: str = "json"  # "json", "text" or "code"
-
-
-@dataclass
 class Table:
     columns: list[str]
     rows: list[list[str]]
@@ -101,6 +107,17 @@ class Table:
     code: list[bool] = field(default_factory=list)  # per column: names shown as code
     bad_rows: list[int] = field(default_factory=list)
     note: str = ""  # "12 more modules ..."
+
+
+@dataclass
+class Fold:
+    """Details a reader opens on demand: JSON evidence, an exception text, what a fix changed."""
+
+    label: str
+    text: str
+    short: str = ""  # one line, for the text renderer
+    kind: str = "json"  # "json", "text" or "code"
+    table: Table | None = None  # evidence as rows of name and value; ``text`` holds the same, aligned
 
 
 @dataclass
@@ -181,12 +198,55 @@ def view(doc: dict) -> View:
         raise TypeError(f"doc must be an nbguard document (dict), got {type(doc).__name__}")
     meta = f"nbguard {doc.get('nbguard_version', '?')} · schema v{doc.get('schema_version', '?')}"
     top = _sections(doc, [])
-    sections = [s for s in top if s.kind != "environment"]
+    sections = [*_story(doc), *(s for s in top if s.kind != "environment")]
     for number, entry in enumerate(_entries(doc), start=1):
         sections.append(Section(kind="entry", title=_entry_title(number, entry)))
         sections.extend(_sections(entry, ["entries", number - 1]))
     sections += [s for s in top if s.kind == "environment"]  # the reference details close the story
     return View(title=heading(doc), meta=meta, summary=_summary(doc), sections=sections)
+
+
+def _story(doc: dict) -> list[Section]:
+    """The first screen: what went wrong, where, and the fix to make (verified first), one line each.
+
+    The first non-finite watch event wins (it is what broke the run), else the latest audit's worst finding."""
+    docs = [doc, *_entries(doc)]
+    events = [(d, e) for d in docs for w in watch_sections(d) for e in w["events"] if isinstance(e, dict)]
+    events.sort(key=lambda de: (not str(de[1].get("kind", "")).startswith("nonfinite"),))
+    audits = [d for d in docs if isinstance(d.get("findings"), list)]
+    findings = sorted((f for f in (audits[-1]["findings"] if audits else []) if isinstance(f, dict)),
+                      key=lambda f: _severity_rank(f.get("severity")))
+    findings = [f for f in findings if f.get("severity") in ("error", "warning")]
+    if events:
+        owner, event = events[0]
+        card = event_card(event, fix_cells(owner), fix_verdicts(owner))
+        kind = str(event.get("kind", "")).replace("-", " ").replace("nonfinite", "non-finite")
+        what = f"step {event.get('step')}: {kind}" + (f" ({event['cause']})" if event.get("cause") else "")
+        origins = [o for o in event.get("origins") or [] if isinstance(o, dict)]
+        where = (f"{origins[0].get('module')} ({origins[0].get('phase')}"
+                 + (f", {origins[0].get('dtype')}" if origins[0].get("dtype") else "") + ")") if origins else (
+            f"no module: {event['cause']}" if event.get("cause") else "not localised to a module")
+    elif findings:
+        owner, f = audits[-1], findings[0]
+        card = Card(tone="", title="", fixes=_fix_views(f.get("fixes"), fix_cells(owner), fix_verdicts(owner)))
+        what = f"{str(f.get('severity')).upper()}: {f.get('title', '')}"
+        where = f"the audit's {f.get('rule')} rule" + (f" ({plural(len(findings) - 1, 'more finding')} below)"
+                                                      if len(findings) > 1 else "")
+    else:
+        return []
+    fix = card.fixes[0] if card.fixes else None
+    if fix is None:
+        how = "none offered; the details below say what was seen"
+    elif fix.verdict is None or fix.verdict.status == "verified":
+        how = f"{fix.id}" + (f" ({fix.title})" if fix.title else "") + (": verified on the failing step" if fix.verdict else "")
+    else:
+        how = (f"none verified on the failing step ({plural(len(card.fixes), 'fix', 'es')} tried: "
+               + ", ".join(f"{f.id} {f.verdict.label}" for f in card.fixes if f.verdict) + ")")
+    tone = "bad" if (events and str(events[0][1].get("kind", "")).startswith("nonfinite")) or (
+        not events and findings[0].get("severity") == "error") else ""
+    return [Section(kind="story", title="What happened", facts=[
+        Fact(f"What went wrong: {what}", tone), Fact(f"Where: {where}"),
+        Fact(f"Fix: {how}", "good" if fix and fix.verdict and fix.verdict.status == "verified" else "")])]
 
 
 def _entries(doc: dict) -> list[dict]:
@@ -257,8 +317,55 @@ def _tone(severity: Any) -> str:
     return severity if severity in SEVERITY_ORDER else "info"
 
 
+MAX_EVIDENCE_ROWS = 14
+
+
+def _cell(key: str, value: Any) -> str:
+    """One evidence value in words: sizes in GB/MB, NaN for "nan", — for nothing, short lists inline."""
+    if value is None:
+        return MISSING
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, float)) and key.endswith("_bytes"):
+        return fmt_bytes(value)
+    if isinstance(value, (int, float)) or value in ("nan", "inf", "-inf"):
+        return fmt_num(value)
+    if isinstance(value, dict) and set(value) == {"first", "count"} and isinstance(value["first"], list):
+        shown = [_cell(key, v) for v in value["first"]]
+        more = int(value["count"]) - len(shown)
+        return "; ".join(shown) + (f" (+{more} more)" if more > 0 else "")
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_cell(str(k), v)}" for k, v in value.items())
+    if isinstance(value, list):
+        return "; ".join(_cell(key, v) for v in value) if value else MISSING
+    return str(value)
+
+
+def _evidence_rows(value: dict, prefix: str = "") -> list[list[str]]:
+    rows = []
+    for key, item in value.items():
+        name = f"{prefix}{key}"
+        nested = isinstance(item, dict) and item and not (set(item) == {"first", "count"}) and not prefix
+        rows += _evidence_rows(item, f"{name} › ") if nested else [[name.replace("_", " "), _cell(str(key), item)]]
+    return rows
+
+
 def _evidence_fold(label: str, value: Any) -> Fold:
-    return Fold(label=label, text=pretty_json(value), short=short_json(value))
+    """Evidence as a small table of name and value (the JSON stays in the document and to_dict())."""
+    if not isinstance(value, dict):
+        return Fold(label=label, text=pretty_json(value), short=short_json(value))
+    rows = _evidence_rows(value)
+    more = len(rows) - MAX_EVIDENCE_ROWS
+    rows = [[k, _clip(v)] for k, v in rows[:MAX_EVIDENCE_ROWS]]
+    note = f"{more} more in the JSON report." if more > 0 else ""
+    width = max((len(k) for k, _ in rows), default=0)
+    text = "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows) + (f"\n{note}" if note else "")
+    return Fold(label=label, text=text, short=_clip("; ".join(f"{k} {v}" for k, v in rows)), kind="text",
+                table=Table(columns=[], rows=rows, note=note))
+
+
+def _clip(text: str, width: int = 160) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def _notes(doc: dict, path: list[Any]) -> list[Section]:
@@ -321,14 +428,17 @@ def _stack(doc: dict, path: list[Any]) -> list[Section]:
     m = stack.get("memory")
     if isinstance(m, dict) and isinstance(m.get("as_is"), dict):
         target = m.get("target_precision")
-        line = f"training memory on {m.get('hardware')} ({fmt_num(m.get('memory_gb'))} GB): as stored {fmt_num(m['as_is'].get('total_gb'))} GB"
+        line = (f"training memory on {m.get('hardware')} ({fmt_num(m.get('memory_gb'))} GB), weights, gradients and "
+                f"optimizer state: as stored {fmt_bytes(_training_bytes(m['as_is']))}")
         if target and isinstance(m.get(target), dict):
-            line += (f", in {target} {fmt_num(m[target].get('total_gb'))} GB "
+            line += (f", in {target} {fmt_bytes(_training_bytes(m[target]))} "
                      f"({'fits' if m.get('target_fits') else 'does not fit'})")
         if isinstance(m.get("partial"), dict):
-            line += f"; fp32 for the overflowing layers only: {fmt_num(m['partial'].get('total_gb'))} GB"
+            line += f"; fp32 for the overflowing layers only: {fmt_bytes(_training_bytes(m['partial']))}"
+        if as_float(m["as_is"].get("reserve_bytes")):
+            line += f"; plus {fmt_bytes(m['as_is']['reserve_bytes'])} kept for the CUDA context and allocator"
         if not m.get("activations_counted", True):
-            line += " (weights, gradients and optimizer state; activations not counted)"
+            line += "; activations not counted"
         facts.append(Fact(line, "" if m.get("target_fits", True) else "bad"))
     return [Section(kind="stack", title="Stack", facts=facts)] if facts else []
 
@@ -453,9 +563,15 @@ def _probe(doc: dict, path: list[Any]) -> list[Section]:
                   note=f"{more} more modules with more headroom not shown." if more > 0 else "")
     facts = [Fact(f"Limit {fmt_num(probe.get('limit', 65504.0))}: {plural(len(modules), 'module')}, {over} at or over "
                   "the limit (least headroom first)", "bad" if over else "")]
-    grad_over = sum(1 for m in modules if _over(m.get("grad_headroom")))
     if backward:
-        facts.append(Fact(f"backward: {grad_over} module(s) whose gradients reach the limit", "bad" if grad_over else ""))
+        grads = [as_float(m.get("grad_absmax")) for m in modules]
+        nonfinite = sum(1 for g in grads if g is not None and not math.isfinite(g))
+        grad_over = sum(1 for m, g in zip(modules, grads) if g is not None and math.isfinite(g)
+                        and _over(m.get("grad_headroom")))
+        text = f"backward: {plural(grad_over, 'module')} with gradients at or over the limit"
+        if nonfinite:
+            text += f", {nonfinite} with inf/NaN gradients"
+        facts.append(Fact(text, "bad" if grad_over or nonfinite else ""))
     return [Section(kind="probe", title="Activation probe", facts=facts, table=table)]
 
 
@@ -522,7 +638,7 @@ def where_bad(group: str, count: int, total: int) -> str:
 
 
 def overview_facts(overview: dict) -> list[Fact]:
-    facts = [Fact(f"{overview['n_groups']} module groups × {overview['n_steps']} steps"
+    facts = [Fact(f"{plural(overview['n_groups'], 'module group')} × {plural(overview['n_steps'], 'step')}"
                   + (f" (steps {overview['first_step']}–{overview['last_step']})" if overview["n_steps"] else ""))]
     if overview["first_nonfinite"]:
         step, group, value, count = overview["first_nonfinite"]
@@ -606,8 +722,8 @@ def _watch(doc: dict, path: list[Any]) -> list[Section]:
         overview = history_overview(history)
         facts = overview_facts(overview) if overview else []
         if isinstance(acts, dict):
-            facts.append(Fact(f"activation abs-max recorded for {len(acts.get('groups') or [])} groups × "
-                              f"{len(acts.get('steps') or [])} steps (limit {fmt_num(acts.get('limit', 65504.0))})"))
+            facts.append(Fact(f"activation abs-max recorded for {plural(len(acts.get('groups') or []), 'group')} × "
+                              f"{plural(len(acts.get('steps') or []), 'step')} (limit {fmt_num(acts.get('limit', 65504.0))})"))
         at = [*path, *watch["path"]]
         charts = []
         if overview.get("n_steps") and overview.get("n_groups"):

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..document.view import plural
 from ..findings import Displayable, Event, decode_float, document
 from ..watcher.history import GradHistory
 from ..watcher.stream import RankChannel
@@ -36,8 +37,8 @@ class RankWatch(Displayable):
         self.last_step = payload
 
     def summary(self) -> str:
-        lines = [f"rank {self.rank}: {len(self.history)} optimizer steps, "
-                 f"{len(self.history.skipped_steps)} skipped, {len(self.events)} events"]
+        lines = [f"rank {self.rank}: {plural(len(self.history), 'optimizer step')}, "
+                 f"{len(self.history.skipped_steps)} skipped, {plural(len(self.events), 'event')}"]
         lines += [f"  step {e.step} [{e.kind}] {e.message}" for e in self.events]
         return "\n".join(lines)
 

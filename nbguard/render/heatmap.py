@@ -16,6 +16,7 @@ import numpy as np
 
 from ..document.grid import decode_grid
 from ..document.palette import INF_COLOR, MISSING_COLOR, NAN_COLOR, OVER_COLOR, SCALE, SKIP_COLOR
+from ..document.view import plural
 from .grid import Bins, aggregate, column_bins, column_flags, row_bins
 
 DEFAULT_MAX_ROWS = 48
@@ -171,7 +172,7 @@ def _render(section: dict, *, key: str, limit: float | None, max_rows: int, max_
     if limit is not None:
         cbar.ax.axhline(limit, color=OVER_COLOR, linewidth=2)
 
-    shape_note = f"{len(groups)} groups × {len(steps)} steps"
+    shape_note = f"{plural(len(groups), 'group')} × {plural(len(steps), 'step')}"
     if rows.merged or cols.merged:
         shape_note += f", shown as {rows.count} × {cols.count} bins (max per bin)"
     fig.text(left, 1 - 0.12 / height_in, title, fontsize=10, weight="bold", va="top")

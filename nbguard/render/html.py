@@ -82,9 +82,7 @@ def render_html(doc: dict, *, standalone: bool = False, images: bool = True) -> 
     fragment = "\n".join(p for p in parts if p)
     if not standalone:
         return fragment
-    # A saved report opens every fold: printing shows closed <details> empty, and no script may
-    # open them. (Dynamic text is escaped, so only our own tags match.)
-    fragment = fragment.replace("<details>", "<details open>")
+    # A saved report opens like the notebook: the story and each recommended fix open, the rest folded.
     return (
         "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
@@ -136,7 +134,30 @@ def table_html(table: Table) -> str:
 
 
 def _fold(fold: Fold) -> str:
-    return _details(esc(fold.label), _pre(fold.text))
+    return _details(esc(fold.label), table_html(fold.table) if fold.table is not None else _pre(fold.text))
+
+
+def _fix_html(fix, open_: bool) -> str:
+    verdict = (f' <span class="nbg-verdict nbg-verdict-{esc(fix.verdict.status)}">{esc(fix.verdict.label)}</span>'
+               + (f' <span class="nbg-meta">{esc(fix.verdict.detail)}</span>' if fix.verdict.detail else "")
+               if fix.verdict else "")
+    label = f"fix <code>{esc(fix.id)}</code>" + (f": {esc(fix.title)}" if fix.title else "") + verdict
+    if not fix.code:
+        return f"<p>{label}</p>"
+    return f"<details{' open' if open_ else ''}><summary>{label}</summary>{_pre(fix.code)}</details>"
+
+
+def _fixes_html(fixes: list) -> str:
+    """The fixes come ranked (verified first): the first, when verified (or when nothing was verified at
+    all), is the recommended one and shows its cell; the others wait under one fold."""
+    if not fixes:
+        return ""
+    recommended = fixes[0].verdict is None or fixes[0].verdict.status == "verified"  # else none is
+    first = _fix_html(fixes[0], open_=recommended)
+    if len(fixes) == 1:
+        return first
+    others = "".join(_fix_html(fix, open_=False) for fix in fixes[1:])
+    return first + _details(f"{len(fixes) - 1} other fix{'es' if len(fixes) > 2 else ''}", others)
 
 
 def card_html(card: Card) -> str:
@@ -149,12 +170,7 @@ def card_html(card: Card) -> str:
     if card.table:
         body.append(table_html(card.table))
     body.extend(_fold(fold) for fold in card.folds)
-    for fix in card.fixes:
-        verdict = (f' <span class="nbg-verdict nbg-verdict-{esc(fix.verdict.status)}">{esc(fix.verdict.label)}</span>'
-                   + (f' <span class="nbg-meta">{esc(fix.verdict.detail)}</span>' if fix.verdict.detail else "")
-                   if fix.verdict else "")
-        label = f"fix <code>{esc(fix.id)}</code>" + (f": {esc(fix.title)}" if fix.title else "") + verdict
-        body.append(_details(label, _pre(fix.code)) if fix.code else f"<p>{label}</p>")
+    body.append(_fixes_html(card.fixes))
     if card.code:
         body.append(_pre(card.code))
     return f'<div class="nbg-card nbg-{esc(card.tone)}">{"".join(body)}</div>'

@@ -103,9 +103,11 @@ def _card(card: Card, compact: bool, limit: int) -> list[str]:
     if card.table:
         out.append(_table(card.table, 10 if compact else None))
     for fold in card.folds:
-        if compact and fold.kind == "json":
+        if compact and (fold.kind == "json" or fold.table is not None):
             continue
-        if fold.kind == "text":
+        if fold.table is not None:
+            out.append(details(fold.label, _table(fold.table)))
+        elif fold.kind == "text":
             text = fold.text if len(fold.text) <= limit else "…\n" + fold.text[-limit:]
             out.append(details(fold.short or fold.label, md_fence(text, "text")))
         else:

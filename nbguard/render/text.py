@@ -66,7 +66,7 @@ def card_lines(card: Card, indent: str) -> list[str]:
         lines.append(f"{inner}> {card.quote}")
     if card.table:
         lines.extend(table_lines(card.table, inner))
-    lines.extend(f"{inner}{fold.label}: {fold.short}" for fold in card.folds if fold.kind != "text")
+    lines.extend(f"{inner}{fold.label}: {fold.short}" for fold in card.folds if fold.kind != "text" or fold.table)
     for fix in card.fixes:
         verdict = f" [{fix.verdict.label}{': ' + fix.verdict.detail if fix.verdict.detail else ''}]" if fix.verdict else ""
         lines.append(f"{inner}fix {fix.id}{': ' + fix.title if fix.title else ''}{verdict}")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..document.model import fold_skip_streaks as fold_streaks
+from ..document.view import plural
 from ..errors import NonFiniteError
 from ..findings import Displayable, Event, document
 from ..step.capture import MicroBatch, capture_rng, model_loss
@@ -835,7 +836,7 @@ class NanWatch(Displayable):
     def summary(self) -> str:
         skipped = len(self.history.skipped_steps)
         lines = [f"nbguard watch ({'attached' if self.attached else 'detached'}, policy={self.policy}): "
-                 f"{self.step} optimizer steps, {skipped} skipped, {len(self.events)} events"]
+                 f"{plural(self.step, 'optimizer step')}, {skipped} skipped, {plural(len(self.events), 'event')}"]
         for e, last, count in fold_skip_streaks(self.events):
             if count > 1:
                 lines.append(f"  steps {e.step}-{last} [{e.kind}] x{count}: {e.message}")

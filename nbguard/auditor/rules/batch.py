@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ...document.view import plural
 from ..registry import capped, finding, rule
 
 IGNORE_INDEX = -100
@@ -56,9 +57,33 @@ def batch_sampling_error(ctx):
     )
 
 
+def loss_normalisation(ctx) -> tuple[bool, int]:
+    """(normalised by num_items_in_batch, micro-batches per optimizer step) for the run the audit sees.
+
+    The Trainer sums the loss and divides by the supervised tokens of the whole accumulated step when the
+    model accepts loss kwargs (or a compute_loss_func is set): Trainer._get_num_items_in_batch. Otherwise
+    each micro-batch takes its own mean. Without a trainer the user's loop is unknown: a per-batch mean.
+    """
+    trainer = ctx.trainer
+    if trainer is None:
+        return False, 1
+    by_items = bool(getattr(trainer, "model_accepts_loss_kwargs", False)
+                    or getattr(trainer, "compute_loss_func", None) is not None) and not _own_compute_loss(trainer)
+    steps = int(getattr(ctx.args, "gradient_accumulation_steps", 1) or 1)
+    return by_items, steps
+
+
+def _own_compute_loss(trainer) -> bool:
+    """A compute_loss written outside transformers/TRL (a user's subclass): how it normalises is unknown,
+    so the rule assumes the common per-batch mean (``sum(loss * mask) / mask.sum()``)."""
+    owner = next((c for c in type(trainer).__mro__ if "compute_loss" in vars(c)), None)
+    module = getattr(owner, "__module__", "") or ""
+    return not module.startswith(("transformers.", "trl."))
+
+
 @rule("no-supervised-tokens", "error")
 def no_supervised_tokens(ctx):
-    """Rows (or whole batches) whose labels are all -100: a 0/0 mean loss, or a step built on few examples."""
+    """Rows or batches whose labels are all -100: an error when a step's loss can be 0/0, else examples that teach nothing."""
     all_labels = batch_labels(ctx)
     if not all_labels:
         return None
@@ -69,27 +94,42 @@ def no_supervised_tokens(ctx):
     rows_seen = sum(int(e.numel()) for e in empty)
     whole = [i for i, e in enumerate(empty) if bool(e.all())]
     share = n_empty / rows_seen
+    by_items, accumulation = loss_normalisation(ctx)
+    # 0/0 needs every micro-batch the divisor counts to be empty: one micro-batch under a per-batch mean,
+    # all of a step's micro-batches under num_items_in_batch.
+    nan_step = bool(whole) and (not by_items or accumulation == 1 or len(whole) == len(empty))
+    how = (f"The Trainer divides each step's summed loss by the supervised tokens of all {accumulation} "
+           "accumulated micro-batches (num_items_in_batch)" if by_items and accumulation > 1 else
+           "The Trainer divides each step's summed loss by its supervised tokens (num_items_in_batch)" if by_items
+           else "Each micro-batch's loss is the mean over its own supervised tokens")
     if whole:
         title = ("the batch has no supervised tokens" if len(empty) == 1
-                 else f"{len(whole)} of {len(empty)} sampled batches have no supervised tokens")
-        detail = ("Every label in the batch is -100 (after the causal shift), so the mean cross-entropy is 0/0 = NaN "
-                  "with no bad module at all. ")
+                 else f"{len(whole)} of {plural(len(empty), 'sampled batch', 'es')} have no supervised tokens")
+        if nan_step:
+            detail = (f"Every label in {'the batch' if len(empty) == 1 else 'such a batch'} is -100 (after the causal "
+                      f"shift). {how}, so that step's loss is 0/0 = NaN with no bad module at all. ")
+        else:
+            detail = (f"Every label in such a batch is -100 (after the causal shift). {how}, so an empty micro-batch "
+                      "adds 0 to the sum and nothing to the divisor: it contributes nothing and the loss stays "
+                      f"finite (0/0 only if all {accumulation} micro-batches of a step were empty). It is compute spent "
+                      "on examples the model never learns from. ")
     else:
-        title = (f"{n_empty} row(s) have no supervised tokens" if len(empty) == 1
-                 else f"{n_empty} of {rows_seen} sampled rows ({share:.0%}) have no supervised tokens")
-        detail = ("These rows are all -100 (after the causal shift). In this batch the other rows keep the loss finite, "
-                  "but a micro-batch made only of such rows gives a 0/0 = NaN mean loss (under the Trainer's "
-                  "num_items_in_batch: a step made only of them), and every such row is an example the model never "
-                  "learns from (a completion-only collator that did not find its response template, or truncation "
-                  "that cut the answer away, leaves exactly this). ")
+        title = (f"{plural(n_empty, 'row')} {'has' if n_empty == 1 else 'have'} no supervised tokens"
+                 if len(empty) == 1 else
+                 f"{n_empty} of {plural(rows_seen, 'sampled row')} ({share:.0%}) have no supervised tokens")
+        detail = (f"These rows are all -100 (after the causal shift). {how}; the other rows keep it finite, so such a "
+                  "row contributes nothing: an example the model never learns from (a completion-only collator that "
+                  "did not find its response template, or truncation that cut the answer away, leaves exactly "
+                  "this). ")
     evidence = {"rows": capped(_row_ids(empty)), "batch_size": int(all_labels[0].shape[0]),
                 "shifted": _is_causal_lm(ctx), "rows_seen": rows_seen, "empty_share": share,
-                "empty_batches": whole, **ctx.sample.to_evidence()}
+                "empty_batches": whole, "normalised_by_num_items": by_items,
+                "gradient_accumulation_steps": accumulation, "loss_can_be_nan": nan_step, **ctx.sample.to_evidence()}
     return finding(
         "no-supervised-tokens", title,
         detail + "Drop examples whose prompt fills the whole sequence, truncate prompts so some answer tokens remain, "
                  "or check that the response template is found in every example.",
-        evidence, severity="error" if whole else "warning",
+        evidence, severity="error" if nan_step else "warning",
     )
 
 

@@ -1,8 +1,11 @@
 """Rules about which floating-point formats the run uses, and whether the hardware and model can take them."""
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ...document.view import plural
 from ...introspect.dtypes import HALF_DTYPES, dtype_name
 from ..checkpoint import checkpoint_dtype
 from ..context import AuditContext
@@ -61,6 +64,53 @@ def _checkpoint_bf16(ctx: AuditContext) -> str | None:
     return None
 
 
+def _grouped(items: list[dict], key: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """Probe entries split by what they saw: non-finite, at or over 65504, within 2x of it."""
+    nonfinite = [m for m in items if not math.isfinite(m[key])]
+    over = [m for m in items if math.isfinite(m[key]) and m[key] >= FP16_MAX]
+    near = [m for m in items if math.isfinite(m[key]) and m[key] < FP16_MAX]
+    return nonfinite, over, near
+
+
+def _forward_probe_text(near: list[dict]) -> list[str]:
+    peaks = [{**m, "peak": max(m["absmax"], m["input_absmax"]) if math.isfinite(m["absmax"] + m["input_absmax"])
+              else float("nan")} for m in near]
+    nonfinite, over, close = _grouped(peaks, "peak")
+    parts = []
+    if nonfinite:
+        parts.append(f"In forward the probe saw {plural(len(nonfinite), 'module')} whose outputs or inputs are "
+                     "already inf/NaN on this batch.")
+    if over:
+        worst = max(m["peak"] for m in over)
+        parts.append(f"{plural(len(over), 'module')} {'reaches' if len(over) == 1 else 'reach'} values past 65504 "
+                     f"(up to {worst:.3g}, {worst / FP16_MAX:.2g}x the limit): in fp16 they are inf on this batch.")
+    if close:
+        parts.append(f"{plural(len(close), 'module')} {'reaches' if len(close) == 1 else 'reach'} at least half of "
+                     "65504 without passing it (headroom <= 2x; an input that large was computed in the parent "
+                     "module, between two children): a slightly different batch or a few training steps can push "
+                     "them past the fp16 range.")
+    return parts
+
+
+def _backward_probe_text(near_back: list[dict]) -> list[str]:
+    nonfinite, over, close = _grouped(near_back, "grad_absmax")
+    parts = []
+    if nonfinite:
+        parts.append(f"In backward {plural(len(nonfinite), 'module')} received inf/NaN gradients (the forward "
+                     "values they came from were already non-finite, or overflowed on the way back).")
+    finite = over + close
+    if finite:
+        worst = min(m["grad_headroom"] for m in finite if m["grad_headroom"] is not None)
+        parts.append(
+            f"In backward {plural(len(finite), 'module')} received a gradient "
+            + (f"past 65504 ({len(over)} of them) " if over else "")
+            + "of at least half of 65504 before any loss scaling. fp16 mixed precision multiplies gradients by "
+            "the GradScaler's scale (65536 at the start), so every step overflows until the scale falls "
+            + ("below 1" if worst < 1 else f"to {worst:.3g} or less")
+            + ", and at such a scale the small gradients (LoRA adapters, late layers) round to zero in fp16.")
+    return parts
+
+
 @rule("fp16-overflow-risk", "error")
 def fp16_overflow_risk(ctx):
     """fp16 for a model pretrained in bf16 (known family, or a checkpoint saved in bf16), or probed values near 65504."""
@@ -94,38 +144,51 @@ def fp16_overflow_risk(ctx):
         parts.append(
             "The checkpoint was saved in bfloat16, which usually means it was trained in bf16: nothing kept its "
             "activations inside fp16's range (65504), and bf16 has the range of fp32. Many such models overflow "
-            "in fp16; run nbguard.audit(..., probe=True) on a real batch to measure this one."
+            "in fp16"
+            + ("." if ctx.probe is not None else "; run nbguard.audit(..., probe=True) on a real batch to measure this one.")
         )
     if near:
         evidence["modules_near_limit"] = capped(
             [{"module": m["module"], "absmax": m["absmax"], "input_absmax": m["input_absmax"],
               "headroom": m["headroom"]} for m in near])
-        parts.append(
-            f"The probe saw {len(near)} module(s) whose outputs or inputs reach at least half of 65504 "
-            "(headroom <= 2x; an input that large was computed in the parent module, between two children); "
-            "a slightly different batch or a few training steps push them past the fp16 range."
-        )
+        parts += _forward_probe_text(near)
     if near_back:
-        worst = near_back[0]["grad_headroom"]
         evidence["backward_near_limit"] = capped(
             [{"module": m["module"], "grad_absmax": m["grad_absmax"], "grad_headroom": m["grad_headroom"]}
              for m in near_back])
-        evidence["max_loss_scale"] = worst
-        parts.append(
-            f"In backward the probe saw {len(near_back)} module(s) whose incoming gradient reaches at least half "
-            "of 65504 before any loss scaling. fp16 mixed precision multiplies gradients by the GradScaler's "
-            "scale (65536 at the start), so every step overflows until the scale falls "
-            + ("below 1" if worst is None or worst < 1 else f"to {worst:.3g} or less")
-            + ", and at such a scale the small gradients (LoRA adapters, late layers) round to zero in fp16."
-        )
-    parts.append(f"Train in {target} on {ctx.hardware.display_name} instead.")
+        finite = [m["grad_headroom"] for m in near_back if m["grad_headroom"] is not None]
+        evidence["max_loss_scale"] = min(finite) if finite else None
+        parts += _backward_probe_text(near_back)
+    if ctx.uses_fp16:
+        parts.append(f"Train in {target} on {ctx.hardware.display_name} instead.")
+    else:
+        parts.append("Nothing in this run is fp16, so this only matters if you switch to fp16.")
     certain = family_risk or bool(near) or bool(near_back)
-    severity = "error" if ctx.uses_fp16 and certain else "warning"
+    severity = ("error" if certain else "warning") if ctx.uses_fp16 else "info"
     return finding(
         "fp16-overflow-risk",
         "fp16 will overflow for this model" if severity == "error" else (
             "fp16 for a checkpoint saved in bf16" if ctx.uses_fp16 else "values are too large for fp16"),
-        " ".join(parts), evidence, fixes=["switch-precision"], severity=severity,
+        " ".join(parts), evidence, fixes=["switch-precision"] if ctx.uses_fp16 else [], severity=severity,
+    )
+
+
+@rule("precision-flag-ignored", "warning")
+def precision_flag_ignored(ctx):
+    """fp16=True where the backend ignores it (the CPU): accelerate trains fp32, with no autocast and no GradScaler."""
+    if ctx.ignored_precision is None:
+        return None
+    why = ("use_cpu=True" if getattr(ctx.args, "use_cpu", False) else f"the hardware is {ctx.hardware.display_name}")
+    return finding(
+        "precision-flag-ignored",
+        "fp16=True has no effect on the CPU: this run trains in fp32",
+        f"The run is on the CPU ({why}). accelerate only turns fp16 mixed precision on off the CPU "
+        "(Accelerator.native_amp stays False for fp16 on \"cpu\"), so there is no fp16 autocast and no GradScaler: "
+        "every step computes in float32, and nothing here tells you whether fp16 would overflow. To check the run "
+        "you mean to make on a GPU, audit it for that GPU (nbguard.audit(trainer, hardware=\"t4\"), or "
+        "%precision_check trainer --hardware t4); bf16=True does run on the CPU (CPU autocast to bfloat16).",
+        {"requested": ctx.requested_precision, "effective": "fp32", "device": "cpu", "because": why,
+         "native_amp": False},
     )
 
 
@@ -150,7 +213,7 @@ def trainable_low_precision(ctx):
 @rule("fp16-unscale-error", "error")
 def fp16_unscale_error(ctx):
     """fp16 mixed precision with half-precision trainable parameters: GradScaler raises on the first step."""
-    if ctx.mixed_precision != "fp16":
+    if ctx.mixed_precision != "fp16":  # the effective precision: fp16 on the CPU has no GradScaler
         return None
     fp16 = [(n, p) for n, p in ctx.trainable if p.dtype == torch.float16]
     # The CUDA unscale kernel has no bfloat16 version (aten/src/ATen/native/cuda/AmpKernels.cu dispatches

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ...document.view import plural
 from ...findings import Finding
 from ...introspect.embeddings import embedding_shape
 from ..context import AuditContext
@@ -43,8 +44,13 @@ def token_ids_out_of_range(ctx: AuditContext) -> Finding | None:
     seen = []
     if "tokenizer_size" in evidence:
         seen.append(f"the tokenizer has {evidence['tokenizer_size']} tokens")
-    if any(k.endswith("_out_of_range") for k in evidence):
+    in_batch = any(k.endswith("_out_of_range") for k in evidence)
+    if in_batch:
         seen.append("a batch holds ids at or above that")
+    # The lookup only fails on an id it is given: batches that were read and hold none make it a risk, not a crash.
+    unseen = not in_batch and bool(ctx.batches)
+    if unseen:
+        seen.append(f"none of the {plural(len(ctx.batches), 'batch', 'es')} read holds such an id yet")
     return finding(
         "token-ids-out-of-range",
         f"token ids beyond the {rows}-row embedding matrix",
@@ -54,5 +60,5 @@ def token_ids_out_of_range(ctx: AuditContext) -> Finding | None:
         "(srcIndex < srcSelectDimSize), after which the CUDA context is unusable until the kernel restarts. "
         "Resize the embeddings (new rows start at the mean of the trained ones).",
         evidence,
-        fixes=["resize-token-embeddings"],
+        fixes=["resize-token-embeddings"], severity="warning" if unseen else "error",
     )

@@ -27,7 +27,9 @@ def card_widget(card: Card, rows: list[FixRow]) -> W.VBox:
         body += table_html(card.table)
     children: list[W.Widget] = [head, W.HTML(value=body)]
     if card.folds:
-        accordion = W.Accordion(children=[W.HTML(value=code_block(fold.text)) for fold in card.folds])
+        accordion = W.Accordion(children=[  # evidence as its small table, exception texts as code
+            W.HTML(value=table_html(fold.table) if fold.table is not None else code_block(fold.text))
+            for fold in card.folds])
         for index, fold in enumerate(card.folds):
             accordion.set_title(index, fold.label.capitalize())
         accordion.selected_index = None  # collapsed until asked
