@@ -140,3 +140,9 @@ def test_redact_also_removes_what_the_user_names():
     assert redact("run for project-x-codename on cust-123456", env={}) == "run for [REDACTED] on [REDACTED]"
     with pytest.raises(ValueError, match="at least"):
         redact_also("ab")
+
+
+@pytest.mark.parametrize("fix_id", sorted(FIXES))
+def test_every_registered_fix_cell_is_byte_identical_after_redaction(fix_id, secret_env):
+    cell = FIXES[fix_id].code(Names(args="args", trainer="trainer"))
+    assert redact(cell) == cell
