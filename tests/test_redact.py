@@ -12,6 +12,7 @@ from report_helpers import HF_TOKEN, audit_document, planted_watch_document
 
 import nbguard.fixes  # noqa: F401  (registers the fixes)
 from nbguard.document import MIME_TYPE
+from nbguard.document import redact as redact_module
 from nbguard.document.codec import encode_document
 from nbguard.document.redact import redact, redact_also
 from nbguard.explainer import diagnose
@@ -135,7 +136,9 @@ def test_token_shapes_quoted_keys_and_home_dirs_are_removed(text, kept):
     assert secret not in out and kept in out
 
 
-def test_redact_also_removes_what_the_user_names():
+def test_redact_also_removes_what_the_user_names(monkeypatch):
+    monkeypatch.setattr(redact_module, "_USER_VALUES", set())  # this session's additions end with the test
+    monkeypatch.setattr(redact_module, "_USER_PATTERNS", [])
     redact_also("project-x-codename", re.compile(r"cust-\d{6}"))
     assert redact("run for project-x-codename on cust-123456", env={}) == "run for [REDACTED] on [REDACTED]"
     with pytest.raises(ValueError, match="at least"):
