@@ -91,7 +91,7 @@ def test_redact_keeps_ordinary_text_and_numbers():
     data = {"supervised_tokens": 0, "loss": [1.0, "nan"], "msg": "tokenizers are fine; key: value", "hf_token": ""}
     assert redact(data, env={"TOKENIZERS_PARALLELISM": "false", "MY_KEY": "1"}, home=False) == data
     assert redact("/home/alice/run.py", env={}, home="/home/alice") == "~/run.py"
-    assert redact("/home/alice2/run.py", env={}, home="/home/alice") == "/home/alice2/run.py"
+    assert redact("/work/alice2/run.py", env={}, home="/work/alice") == "/work/alice2/run.py"
 
 
 def test_html_is_self_contained_escaped_and_printable(tmp_path):

@@ -8,6 +8,7 @@
  * the view spells every number already, so decoding is needed for the heatmap cells only.
  */
 import type { EncodedNumberOrNull, NbguardDocument, View } from './schema';
+import { safePalette } from './safety';
 
 export const MIME_TYPE = 'application/vnd.nbguard.v1+json';
 export const SCHEMA_VERSION = 1;
@@ -36,7 +37,8 @@ export function readPayload(raw: unknown): Payload {
     );
   }
   const doc = raw as unknown as NbguardDocument;
-  const view = isView(raw.view) ? raw.view : null;
+  // the palette reaches element styles: only checked colours leave this function (safety.ts)
+  const view = isView(raw.view) ? { ...raw.view, palette: safePalette(raw.view.palette) } : null;
   return { doc, view };
 }
 

@@ -8,6 +8,7 @@
  */
 import { Num, formatNumber } from './document';
 import type { Palette } from './schema';
+import { safeColor } from './safety';
 
 /** The colours a heatmap needs, from the view's palette (nbguard/document/palette.py): the canvas
  * keeps no colour of its own, so it matches the static HTML's matplotlib picture. */
@@ -398,7 +399,7 @@ function legend(model: HeatmapModel, valueName: string, palette: HeatPalette): H
   scale.className = 'nbg-legend-item';
   const bar = document.createElement('span');
   bar.className = 'nbg-legend-gradient';
-  bar.style.background = `linear-gradient(to right, ${palette.scale.join(', ')})`;
+  bar.style.background = `linear-gradient(to right, ${palette.scale.map(safeColor).join(', ')})`;
   scale.append(
     `${valueName} (log) ${formatNumber(model.min)} `,
     bar,
@@ -426,7 +427,7 @@ function swatch(color: string, label: string, cls: string): HTMLElement {
   item.className = `nbg-legend-item ${cls}`;
   const box = document.createElement('span');
   box.className = 'nbg-legend-swatch';
-  box.style.background = color;
+  box.style.backgroundColor = safeColor(color); // a colour, never a url() from the saved data
   item.append(box, ` ${label}`);
   return item;
 }

@@ -25,7 +25,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
         if (!panel) {
           throw new Error('this output is not inside a notebook');
         }
-        await insertBelowOwner(panel, { output: model, outputId, node: renderer.node }, code, run);
+        // an untrusted output never runs a cell, whatever the button asked (render.ts offers no such button)
+        await insertBelowOwner(panel, { output: model, outputId, node: renderer.node }, code, run && model.trusted);
       };
     };
     // Outside notebooks (consoles, output views): below ipywidgets' renderer, as before.

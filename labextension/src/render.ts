@@ -10,7 +10,9 @@
  * cannot inject markup; the renderer is therefore safe for untrusted outputs.
  */
 import { Payload, decodeNumber, documentHeading, isObject, lookup } from './document';
+import { confirmSavedFix, SavedFix, wrapCode } from './confirm';
 import { createHeatmap } from './heatmap';
+import { safeColor, severityColor } from './safety';
 import type { Card, Chart, Fact, FixView, Fold, NbguardDocument, Palette, Section, Table, View } from './schema';
 import { createSeries } from './series';
 
@@ -20,6 +22,14 @@ export type FixInserter = (code: string, run: boolean) => Promise<string | void>
 export interface RenderContext {
   /** null where the output is not inside a notebook: the buttons are then disabled. */
   insertFix: FixInserter | null;
+  /**
+   * The notebook's trust in this output (the MIME model's `trusted`). An untrusted output is data,
+   * never an action: no "Insert and run", "Insert cell" only after `confirmInsert`, and "verified"
+   * read as "verified when saved" (the saved file says so; this kernel has not checked it).
+   */
+  trusted: boolean;
+  /** Asks before an untrusted fix cell is inserted; default: the dialog of confirm.ts. */
+  confirmInsert?: (fix: SavedFix) => Promise<boolean>;
 }
 
 /** What to draw for a payload: its view, or a note for outputs saved before views existed. */
@@ -112,8 +122,8 @@ function renderFacts(facts: Fact[], palette: Palette): HTMLElement {
   const list = el('ul', 'nbg-facts');
   for (const fact of facts) {
     const item = el('li', fact.tone ? `nbg-fact nbg-fact-${fact.tone}` : 'nbg-fact', fact.text);
-    if (TONE_COLOR[fact.tone]) {
-      item.style.color = TONE_COLOR[fact.tone](palette);
+    if (Object.prototype.hasOwnProperty.call(TONE_COLOR, fact.tone)) {
+      item.style.color = safeColor(TONE_COLOR[fact.tone](palette));
     }
     list.appendChild(item);
   }
@@ -125,14 +135,14 @@ const TAG_ATTRIBUTE: Record<string, string> = { findings: 'rule', diagnoses: 'si
 
 export function renderCard(card: Card, sectionKind: string, palette: Palette, context: RenderContext): HTMLElement {
   const box = el('div', `nbg-card nbg-tone-${card.tone}`);
-  box.style.borderLeftColor = palette.severity[card.tone] ?? palette.severity.info;
+  box.style.borderLeftColor = severityColor(palette, card.tone);
   if (card.tag && TAG_ATTRIBUTE[sectionKind]) {
     box.dataset[TAG_ATTRIBUTE[sectionKind]] = card.tag;
   }
   const head = el('div', 'nbg-card-head');
   if (card.badge) {
     const badge = el('span', `nbg-badge nbg-badge-${card.tone}`, card.badge);
-    badge.style.backgroundColor = palette.severity[card.tone] ?? palette.severity.info;
+    badge.style.backgroundColor = severityColor(palette, card.tone);
     head.appendChild(badge);
   }
   head.appendChild(el('span', 'nbg-card-title', card.title));
@@ -156,14 +166,14 @@ export function renderCard(card: Card, sectionKind: string, palette: Palette, co
     box.appendChild(renderFix(fix, palette, context));
   }
   if (card.code) {
-    box.appendChild(el('pre', 'nbg-code', card.code));
+    box.appendChild(codeBox(card.code));
   }
   return box;
 }
 
 function renderFold(fold: Fold): HTMLElement {
   const details = el('details', `nbg-fold nbg-fold-${fold.kind}`);
-  details.append(el('summary', '', fold.label), el('pre', 'nbg-code', fold.text));
+  details.append(el('summary', '', fold.label), codeBox(fold.text));
   return details;
 }
 
@@ -173,13 +183,19 @@ export function renderFix(fix: FixView, palette: Palette, context: RenderContext
   box.dataset.fix = fix.id;
   const head = el('div', 'nbg-fix-head');
   head.append(el('code', 'nbg-fix-id', fix.id));
+  if (!context.trusted) {
+    head.appendChild(el('span', 'nbg-saved-mark', 'from a saved file'));
+  }
   if (fix.title) {
     head.appendChild(el('span', 'nbg-fix-title', fix.title));
   }
   if (fix.verdict) {
-    const verdict = el('span', `nbg-verdict nbg-verdict-${fix.verdict.status}`, fix.verdict.label);
-    if (fix.verdict.status === 'verified') {
-      verdict.style.color = palette.good;
+    const verified = fix.verdict.status === 'verified';
+    // "verified" in an untrusted output is only what the saved file claims
+    const label = verified && !context.trusted ? 'verified when saved' : fix.verdict.label;
+    const verdict = el('span', `nbg-verdict nbg-verdict-${fix.verdict.status}`, label);
+    if (verified) {
+      verdict.style.color = safeColor(palette.good);
     }
     head.appendChild(verdict);
     if (fix.verdict.detail) {
@@ -190,36 +206,44 @@ export function renderFix(fix: FixView, palette: Palette, context: RenderContext
   if (!fix.code) {
     return box; // no cell was recorded for this fix: nothing to insert
   }
-  box.appendChild(el('pre', 'nbg-code', fix.code));
+  box.appendChild(codeBox(fix.code));
   const actions = el('div', 'nbg-fix-actions');
   const status = el('span', 'nbg-fix-status');
   const insert = button('Insert fix cell', 'nbg-insert');
-  const insertRun = button('Insert and run', 'nbg-insert-run');
+  // Running a cell from a saved output of an untrusted notebook would run its sender's code.
+  const buttons = context.trusted ? [insert, button('Insert and run', 'nbg-insert-run')] : [insert];
   if (!context.insertFix) {
-    for (const b of [insert, insertRun]) {
+    for (const b of buttons) {
       b.disabled = true;
       b.title = 'Open this output in a notebook to insert the fix as a cell.';
     }
   } else {
     const inserter = context.insertFix;
+    const confirm = context.trusted ? null : context.confirmInsert ?? confirmSavedFix;
     const onClick = (run: boolean) => async () => {
-      insert.disabled = insertRun.disabled = true;
+      if (confirm && !(await confirm({ id: fix.id, code: fix.code }))) {
+        return;
+      }
+      for (const b of buttons) {
+        b.disabled = true;
+      }
       status.classList.remove('nbg-error-text');
       status.textContent = run ? 'Inserting and running…' : 'Inserting…';
       try {
-        const note = await inserter(fix.code, run);
+        const note = await inserter(fix.code, run && context.trusted);
         status.textContent = note || (run ? 'Inserted below and ran.' : 'Inserted below.');
       } catch (error) {
         status.classList.add('nbg-error-text');
         status.textContent = `Could not insert: ${error instanceof Error ? error.message : String(error)}`;
       } finally {
-        insert.disabled = insertRun.disabled = false;
+        for (const b of buttons) {
+          b.disabled = false;
+        }
       }
     };
-    insert.addEventListener('click', onClick(false));
-    insertRun.addEventListener('click', onClick(true));
+    buttons.forEach((b, i) => b.addEventListener('click', onClick(i === 1)));
   }
-  actions.append(insert, insertRun, status);
+  actions.append(...buttons, status);
   box.appendChild(actions);
   return box;
 }
@@ -303,6 +327,13 @@ function button(label: string, cls: string): HTMLButtonElement {
   const b = el('button', `jp-Button nbg-button ${cls}`, label);
   b.type = 'button';
   return b;
+}
+
+/** A code box that wraps (confirm.ts): what it shows is the whole cell. */
+function codeBox(text: string): HTMLElement {
+  const pre = el('pre', 'nbg-code', text);
+  wrapCode(pre);
+  return pre;
 }
 
 function el<K extends keyof HTMLElementTagNameMap>(tag: K, cls: string, text?: string): HTMLElementTagNameMap[K] {

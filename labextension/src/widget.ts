@@ -51,7 +51,7 @@ export class NbguardRenderer extends Panel implements IRenderMime.IRenderer {
     try {
       const payload = readPayload(model.data[MIME_TYPE]);
       const outputId = typeof payload.doc.output_id === 'string' ? payload.doc.output_id : null;
-      return renderPayload(payload, { insertFix: this.inserterFor(this, model, outputId) });
+      return renderPayload(payload, { insertFix: this.inserterFor(this, model, outputId), trusted: model.trusted });
     } catch (error) {
       const content = document.createElement('div');
       content.className = 'nbg-render-error';

@@ -20,7 +20,7 @@ describe('the Lab view shows everything the view says', () => {
   for (const name of fixtureNames()) {
     it(`${name}: every view string is in the DOM, and every section is drawn in order`, () => {
       const raw = loadFixture(name);
-      const root = renderPayload(readPayload(raw), { insertFix: null });
+      const root = renderPayload(readPayload(raw), { insertFix: null, trusted: true });
       const text = root.textContent ?? '';
       const strings = viewStrings(raw.view);
       expect(strings.length).toBeGreaterThan(3);
@@ -34,7 +34,7 @@ describe('the Lab view shows everything the view says', () => {
 
   it('would notice a view string the renderer leaves out', () => {
     const raw = loadFixture('watch');
-    const root = renderPayload(readPayload(raw), { insertFix: null });
+    const root = renderPayload(readPayload(raw), { insertFix: null, trusted: true });
     raw.view.sections[0].facts.push({ text: 'a fact no renderer was given', tone: '' });
     const missing = viewStrings(raw.view).filter(s => !(root.textContent ?? '').includes(s));
     expect(missing).toEqual(['a fact no renderer was given']);

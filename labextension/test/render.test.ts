@@ -14,7 +14,7 @@ function flush(): Promise<void> {
 
 function render(name: string, insertFix: any = null) {
   const raw = loadFixture(name);
-  return { raw, root: renderPayload(readPayload(raw), { insertFix }) };
+  return { raw, root: renderPayload(readPayload(raw), { insertFix, trusted: true }) };
 }
 
 /** The first finding card of the real audit that has a fix with cell code. */
@@ -44,7 +44,7 @@ describe('finding cards of a real audit', () => {
   it('disable the buttons outside a notebook', () => {
     const { raw } = render('audit');
     const { card, palette } = fixedCard(raw);
-    const node = renderCard(card, 'findings', palette, { insertFix: null });
+    const node = renderCard(card, 'findings', palette, { insertFix: null, trusted: true });
     const buttons = [...node.querySelectorAll('.nbg-fix')][0].querySelectorAll('button') as NodeListOf<HTMLButtonElement>;
     expect([...buttons].map(b => b.textContent)).toEqual(['Insert fix cell', 'Insert and run']);
     expect([...buttons].every(b => b.disabled)).toBe(true);
@@ -54,7 +54,7 @@ describe('finding cards of a real audit', () => {
     const { raw } = render('audit');
     const { card, fix, palette } = fixedCard(raw);
     const insertFix = vi.fn().mockResolvedValue(undefined);
-    const node = renderCard(card, 'findings', palette, { insertFix });
+    const node = renderCard(card, 'findings', palette, { insertFix, trusted: true });
     const box = node.querySelector(`.nbg-fix[data-fix="${fix.id}"]`)!;
     const [insert, insertRun] = [...box.querySelectorAll('button')] as HTMLButtonElement[];
     insert.click();
@@ -71,7 +71,7 @@ describe('finding cards of a real audit', () => {
   it('report a failed insertion on the card', async () => {
     const { raw } = render('audit');
     const { card, fix, palette } = fixedCard(raw);
-    const node = renderCard(card, 'findings', palette, { insertFix: vi.fn().mockRejectedValue(new Error('the notebook is read-only')) });
+    const node = renderCard(card, 'findings', palette, { insertFix: vi.fn().mockRejectedValue(new Error('the notebook is read-only')), trusted: true });
     const box = node.querySelector(`.nbg-fix[data-fix="${fix.id}"]`)!;
     (box.querySelector('button') as HTMLButtonElement).click();
     await flush();
@@ -84,7 +84,7 @@ describe('finding cards of a real audit', () => {
     const { raw } = render('audit');
     const { card, fix, palette } = fixedCard(raw);
     const verified = { ...card, fixes: [{ ...fix, verdict: { status: 'verified' as const, label: 'verified', detail: 'step 3 finite' } }, { id: 'no-cell', title: '', code: '', verdict: null }] };
-    const node = renderCard(verified, 'findings', palette, { insertFix: vi.fn() });
+    const node = renderCard(verified, 'findings', palette, { insertFix: vi.fn(), trusted: true });
     const [withCode, without] = [...node.querySelectorAll('.nbg-fix')];
     expect(withCode.querySelector('.nbg-verdict-verified')!.textContent).toBe('verified');
     expect(withCode.querySelector('.nbg-verdict-detail')!.textContent).toBe('step 3 finite');
@@ -136,7 +136,7 @@ describe('renderPayload', () => {
     const raw = loadFixture('watch');
     const chart = raw.view.sections[0].charts.find(c => c.kind === 'heatmap')!;
     chart.empty = 'every gradient norm recorded is non-finite (NaN/Inf): nothing to draw on a scale';
-    const root = renderPayload(readPayload(raw), { insertFix: null });
+    const root = renderPayload(readPayload(raw), { insertFix: null, trusted: true });
     expect(root.querySelector('.nbg-history canvas')).toBeNull();
     expect(root.querySelector('.nbg-history .nbg-chart-empty')!.textContent).toBe(`${chart.alt}: ${chart.empty}`);
   });
@@ -157,7 +157,7 @@ describe('renderPayload', () => {
   it('shows an output saved before views existed as its title and a note to re-run', () => {
     const { view, ...old } = loadFixture('audit');
     expect(view).toBeDefined();
-    const root = renderPayload(readPayload(old), { insertFix: null });
+    const root = renderPayload(readPayload(old), { insertFix: null, trusted: true });
     expect(root.querySelector('.nbg-title')!.textContent).toBe(old.title);
     expect(root.querySelector('.nbg-note')!.textContent).toContain('re-run the cell');
     expect(root.querySelector('.nbg-card')).toBeNull();
@@ -167,7 +167,7 @@ describe('renderPayload', () => {
     const raw = loadFixture('audit');
     raw.view.title = '<img src=x onerror="window.pwned=1">';
     raw.view.sections.find(s => s.kind === 'findings')!.cards[0].lines = ['<script>window.pwned=1</script>'];
-    const root = renderPayload(readPayload(raw), { insertFix: null });
+    const root = renderPayload(readPayload(raw), { insertFix: null, trusted: true });
     expect(root.querySelector('img')).toBeNull();
     expect(root.querySelector('script')).toBeNull();
     expect(root.querySelector('.nbg-title')!.textContent).toBe('<img src=x onerror="window.pwned=1">');

@@ -150,9 +150,8 @@ class NbguardMagics(Magics):
         targets, names = self._audit_targets(opts.objects)
         batch = None
         if opts.batch:
-            batch = R.lookup(self.ns, opts.batch)
-            if not R.is_batch(batch):
-                raise MagicError(f"--batch {opts.batch!r} is a {R.describe(batch)}, expected a dict of tensors")
+            model = targets.get("model") or getattr(targets.get("trainer"), "model", None)
+            batch = R.checked_batch(R.lookup(self.ns, opts.batch), opts.batch, model)
             names["batch"] = opts.batch
         hardware = self._hardware(opts.hardware or self.hardware_profile or None)
         result = api.audit(**targets, batch=batch, hardware=hardware, probe=opts.probe, verify=opts.verify)
@@ -328,8 +327,9 @@ class NbguardMagics(Magics):
             optimizer = self._optimizer_for(target, opts.optimizer)
             scaler = self._named(opts.scaler, R.is_scaler, "a torch.amp.GradScaler") if opts.scaler else \
                 self._unique_optional(R.is_scaler, "GradScalers", "name it: --scaler NAME")
-        elif opts.optimizer:
-            raise MagicError("--optimizer is for a model; a Trainer brings its own optimizer")
+        elif opts.optimizer or opts.scaler:
+            option = "--optimizer" if opts.optimizer else "--scaler"
+            raise MagicError(f"{option} is for a model; a Trainer brings its own optimizer and scaler")
         self.state.stop_watches()  # one %nanwatch at a time: never two watches on the same run
         watch = api.watch(target, optimizer=optimizer, scaler=scaler, policy=opts.policy or self.default_policy,
                           activations=opts.activations or self.dashboard_activations, verify=self.verify_fixes)
@@ -339,10 +339,12 @@ class NbguardMagics(Magics):
 
     def _optimizer_for(self, model, name: str | None):
         if name:
-            return self._named(name, R.is_optimizer, "a torch.optim.Optimizer")
-        params = {id(p) for p in model.parameters()}
-        owning = R.candidates(self.ns, lambda o: R.is_optimizer(o) and any(
-            id(p) in params for g in o.param_groups for p in g["params"]))
+            optimizer = self._named(name, R.is_optimizer, "a torch.optim.Optimizer")
+            if not R.optimizes(optimizer, model):
+                raise MagicError(f"--optimizer {name!r} updates none of this model's parameters; name the optimizer "
+                                 "created over this model's parameters")
+            return optimizer
+        owning = R.candidates(self.ns, lambda o: R.is_optimizer(o) and R.optimizes(o, model))
         found = R.unique(owning, "optimizers over this model", "name one: --optimizer NAME")
         if found is None:
             raise MagicError("a model needs its optimizer: create it first, or name it with --optimizer NAME")

@@ -120,3 +120,67 @@ def unique(found: dict[str, Any], what: str, hint: str) -> tuple[str, Any] | Non
         listing = ", ".join(f"{n} ({describe(o)})" for n, o in found.items())
         raise MagicError(f"several {what} in the notebook: {listing}; {hint}")
     return next(iter(found.items()))
+
+
+def _shape(tensor: Any) -> str:
+    return "(" + ", ".join(str(d) for d in tensor.shape) + ("," if tensor.dim() == 1 else "") + ")"
+
+
+def checked_batch(batch: Any, name: str, model: Any = None) -> Any:
+    """``batch`` (named ``name`` in the notebook) when the audit and the probe can run on it;
+    MagicError naming what is wrong with it and what to do otherwise."""
+    from collections.abc import Mapping
+
+    import torch
+
+    where = f"--batch {name!r}"
+    if not isinstance(batch, Mapping):
+        raise MagicError(f"{where} is a {describe(batch)}, expected a dict of tensors (input_ids, attention_mask, "
+                         "labels), e.g. one batch from your collator or tokenizer(..., return_tensors='pt')")
+    if not batch:
+        raise MagicError(f"{where} is empty; it needs at least 'input_ids'")
+    keys = ", ".join(map(repr, batch))
+    not_tensors = {key: describe(value) for key, value in batch.items() if not isinstance(value, torch.Tensor)}
+    if not_tensors:
+        listing = ", ".join(f"{key!r} is a {kind}" for key, kind in not_tensors.items())
+        raise MagicError(f"{where} must hold tensors, but {listing}; convert with torch.tensor(...) or have the "
+                         "tokenizer/collator return tensors (return_tensors='pt')")
+    if "input_ids" not in batch and "inputs_embeds" not in batch:
+        raise MagicError(f"{where} has no 'input_ids' (its keys: {keys}); the probe feeds the model input_ids "
+                         "(or inputs_embeds)")
+    ids = batch.get("input_ids")
+    if ids is None:
+        return batch
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise MagicError(f"{where}: input_ids is {str(ids.dtype).replace('torch.', '')}; token ids must be an "
+                         "integer tensor (.long())")
+    if ids.dim() != 2:
+        raise MagicError(f"{where}: input_ids has shape {_shape(ids)}; expected (batch, sequence)"
+                         + (": add the batch dimension with .unsqueeze(0)" if ids.dim() == 1 else ""))
+    for key in ("attention_mask", "labels"):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor) and value.shape != ids.shape:
+            raise MagicError(f"{where}: {key} has shape {_shape(value)} but input_ids has {_shape(ids)}; they must "
+                             "match")
+    if ids.numel() and int(ids.min()) < 0:
+        raise MagicError(f"{where}: input_ids holds the negative id {int(ids.min())}; -100 belongs in labels only")
+    rows = _embedding_rows(model)
+    if rows is not None and ids.numel() and int(ids.max()) >= rows:
+        raise MagicError(f"{where}: input_ids holds id {int(ids.max())} but the model's input embedding has {rows} "
+                         "rows; was the batch made with another tokenizer, or did you add tokens without "
+                         "model.resize_token_embeddings(len(tokenizer))?")
+    return batch
+
+
+def _embedding_rows(model: Any) -> int | None:
+    """Rows of the model's input embedding, None when the model does not say."""
+    try:
+        return int(model.get_input_embeddings().num_embeddings)
+    except Exception:  # not a transformers model, or no embedding: nothing to compare against
+        return None
+
+
+def optimizes(optimizer: Any, model: Any) -> bool:
+    """Whether ``optimizer`` updates at least one parameter of ``model``."""
+    params = {id(p) for p in model.parameters()}
+    return any(id(p) in params for group in optimizer.param_groups for p in group["params"])

@@ -30,7 +30,7 @@ def mime_bundle(doc: dict[str, Any]) -> dict[str, Any]:
     """
     if not isinstance(doc, dict):
         raise TypeError(f"doc must be an nbguard document (dict from nbguard.findings.document), got {type(doc).__name__}")
-    data = redact(encode_document(without_view(doc)), home=False)
+    data = redact(encode_document(without_view(doc)))
     check_json(data)
     presented = view(data)
     # The Lab extension lays out the same view the text and HTML below are made of, so the three

@@ -22,6 +22,7 @@ from typing import Any
 
 import ipywidgets as W
 
+from ...document.redact import redact
 from ...document.view import event_card
 from ...render import activations_png, heatmap_png
 from ...render.html import card_html, styled
@@ -51,7 +52,8 @@ def slice_history(history: dict, lo: int | None, hi: int | None, key: str = "gra
 
 
 def _event_dict(event: Any) -> dict:
-    return event.to_dict() if hasattr(event, "to_dict") else dict(event)
+    # redacted here: the card shown live is as shareable (screenshots, saved widget state) as a report
+    return redact(event.to_dict() if hasattr(event, "to_dict") else dict(event))
 
 
 class WatchDashboard:
