@@ -9,6 +9,7 @@ from . import (  # noqa: F401  (registers them)
     padding,
     precision,
     quantization,
+    rl,
     tied,
     tokens,
     training,
