@@ -13,7 +13,7 @@ from typing import Any
 
 from ..introspect.inputs import check_args, check_model, check_trainer
 from ..session import record_fix
-from . import config_fixes, data_fixes, model_fixes, trainer_fixes, unsloth_fixes  # noqa: F401  (registers the fixes)
+from . import config_fixes, data_fixes, model_fixes, rl_fixes, trainer_fixes, unsloth_fixes  # noqa: F401  (registers the fixes)
 from .registry import FIXES, Fix, Names, Target
 from .result import FixResult
 

@@ -61,3 +61,8 @@ def eos_token_id(trainer: Any) -> int | None:
     tok = getattr(tok, "tokenizer", tok)
     eos = getattr(tok, "eos_token_id", None)
     return eos if isinstance(eos, int) else None
+
+
+# The attribute a watch's reward tap keeps the function it calls in (read at every call, so a fix can
+# slip a wrapper in under the tap): set on the tap's wrapper, never on the user's function.
+TAPPED = "__nbguard_reward__"

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...introspect.trl import plain_reward_functions
+from ...introspect.trl import TAPPED, plain_reward_functions
 
 
 @dataclass
@@ -47,31 +47,32 @@ class RewardTap:
     def __init__(self, trainer: Any, sink: Callable[[RewardCall], None],
                  on_error: Callable[[BaseException], None]):
         self.trainer = trainer
-        self.originals: list[tuple[int, Any]] = []
+        self.wrappers: list[tuple[int, Any]] = []
         funcs = trainer.reward_funcs
         for i, name, func in plain_reward_functions(trainer):
-            if getattr(func, "__nbguard_reward__", None) is not None:
+            if hasattr(func, TAPPED):
                 continue  # already tapped by another watch
             funcs[i] = _wrap(func, name, sink, on_error)
-            self.originals.append((i, func))
+            self.wrappers.append((i, funcs[i]))
 
     @property
     def wrapped(self) -> int:
-        return len(self.originals)
+        return len(self.wrappers)
 
     def remove(self) -> None:
         funcs = getattr(self.trainer, "reward_funcs", None)
-        for i, func in self.originals:
-            if isinstance(funcs, list) and i < len(funcs) and getattr(funcs[i], "__nbguard_reward__", None) is func:
-                funcs[i] = func
-        self.originals.clear()
+        for i, wrapper in self.wrappers:
+            if isinstance(funcs, list) and i < len(funcs) and funcs[i] is wrapper:
+                funcs[i] = getattr(wrapper, TAPPED)  # the function, with any fix applied under the tap since
+        self.wrappers.clear()
 
 
 def _wrap(func: Callable, name: str, sink: Callable[[RewardCall], None],
           on_error: Callable[[BaseException], None]) -> Callable:
     @functools.wraps(func)
     def reward(*args: Any, **kwargs: Any) -> Any:
-        result = func(*args, **kwargs)  # the user's exceptions are the user's: they propagate unchanged
+        # looked up at each call: a fix (finite-rewards) may have been slipped in under the tap
+        result = getattr(reward, TAPPED)(*args, **kwargs)  # the user's exceptions propagate unchanged
         try:
             # a sequence: TRL takes len() of it (a generator would fail there before reaching training)
             values = [_float_or_none(v) for v in result] if hasattr(result, "__len__") else []
@@ -82,5 +83,5 @@ def _wrap(func: Callable, name: str, sink: Callable[[RewardCall], None],
             on_error(exc)
         return result
 
-    reward.__nbguard_reward__ = func  # type: ignore[attr-defined]  # marks the wrapper, keeps the original
+    setattr(reward, TAPPED, func)  # marks the wrapper, keeps the function it calls
     return reward
