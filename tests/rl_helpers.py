@@ -43,18 +43,22 @@ def log_match_reward(completions, **kwargs):
     return [math.log(c.split().count("w5")) if "w5" in c.split() else -math.inf for c in completions]
 
 
-def grpo_trainer(tmp_path, reward_funcs=length_reward, model=None, rows: int = 16, trainer_class=None,
+def grpo_trainer(tmp_path, reward_funcs=length_reward, model=None, rows: int = 16, rloo: bool = False,
                  **overrides):
+    """A GRPOTrainer (an RLOOTrainer with ``rloo``) on prompts of four words, four completions each."""
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-    settings = dict(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=4, num_generations=4,
+    settings = dict(output_dir=str(tmp_path / ("rloo" if rloo else "grpo")), per_device_train_batch_size=4, num_generations=4,
                     max_completion_length=8, max_steps=6, logging_steps=1, report_to="none", use_cpu=True,
                     learning_rate=1e-3, save_strategy="no", disable_tqdm=True)
+    if rloo:
+        settings["beta"] = 0.0  # no reference model (TRL would load one from the hub by the model's name)
     settings.update(overrides)
-    return (trainer_class or GRPOTrainer)(
+    config, trainer = (RLOOConfig, RLOOTrainer) if rloo else (GRPOConfig, GRPOTrainer)
+    return trainer(
         model=model if model is not None else ending_model(), reward_funcs=reward_funcs,
-        args=GRPOConfig(**settings), train_dataset=Dataset.from_list(prompt_rows(rows)),
+        args=config(**settings), train_dataset=Dataset.from_list(prompt_rows(rows)),
         processing_class=word_tokenizer())
 
 

@@ -189,3 +189,34 @@ def divergence_message(evidence: dict[str, Any]) -> str:
     if groups:
         text += f"; largest jump in {groups[0]['group']}"
     return text
+
+
+RUN_FIXES = ["lower-learning-rate", "add-warmup", "enable-grad-clipping"]
+
+
+class RunHealth:
+    """Divergence and dead runs over one watch's steps: what the sentinel read, nothing more.
+
+    ``zero_grad_expected`` / ``ln2_expected``: on TRL's RL and preference stacks a zero gradient (a
+    GRPO generation with no reward spread) or a DPO loss at ln 2 are what their own checks explain
+    better, so the dead-run check leaves them to those.
+    """
+
+    def __init__(self, settings: DivergenceSettings | None = None, zero_grad_expected: bool = False,
+                 constant_expected: float | None = None):
+        self.divergence = DivergenceDetector(settings)
+        self.dead = DeadRunDetector(settings, zero_grad_expected=zero_grad_expected)
+        self.constant_expected = constant_expected
+
+    def update(self, step: int, loss: float | None, grad_norms: dict[str, float]) -> list[tuple[str, str, dict]]:
+        total = math.sqrt(sum(v * v for v in grad_norms.values()))
+        found = []
+        exploded = self.divergence.update(step, loss, total, grad_norms)
+        if exploded is not None:
+            found.append(("divergence", divergence_message(exploded), exploded))
+        explained = loss is not None and self.constant_expected is not None and \
+            abs(loss - self.constant_expected) < 1e-6
+        dead = self.dead.update(step, None if explained else loss, total, self.divergence.last_explosion)
+        if dead is not None:
+            found.append(("dead-run", dead_run_message(dead), dead))
+        return found

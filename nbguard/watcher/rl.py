@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .integrations.trl import RewardCall
+from .integrations.trl import RewardCall, RewardTap
 
 LN2 = math.log(2.0)
 EXAMPLE_CHARS = 300  # an example completion in the evidence is cut to this many characters
@@ -161,7 +161,8 @@ class PreferenceChecks:
         identical = last["logps/chosen"] is not None and last["logps/chosen"] == last["logps/rejected"]
         reason = "chosen-identical-to-rejected" if identical else "reference-equals-policy"
         why = ("the chosen and rejected answers have the same log-probability: they are the same text" if identical
-               else "the policy's log-ratios to the reference stay 0: the reference model is the policy itself")
+               else "the policy's log-ratios to its reference stay 0: the policy never moves away from the reference "
+               "(a reference that is the policy itself, or weights that do not change)")
         at_ln2 = abs(loss - LN2) < 1e-4
         evidence = {"reason": reason, "logged_steps": len(self.flat_logs), "since_step": self.flat_logs[0]["step"],
                     "loss": loss, "loss_at_ln2": at_ln2, **{k: v for k, v in last.items() if k not in ("step", "loss")}}
@@ -175,3 +176,46 @@ def _number(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return number if math.isfinite(number) else None
+
+
+KIND_FIXES = {"nonfinite-reward": ["finite-rewards"]}
+
+
+class TRLChecks:
+    """The RL and preference checks of one TRL trainer: a reward tap installed while bound, the
+    findings of the reward calls since the last step end, and the preference checks over the log."""
+
+    def __init__(self, trainer: Any, on_error, settings: RLSettings | None = None):
+        from ..introspect.trl import GENERATING, completion_cap, eos_token_id, group_size, trl_stack
+
+        self.stack = trl_stack(trainer)
+        self.trainer = trainer
+        self.settings = settings or RLSettings()
+        self.rewards = RewardChecks(group_size(trainer), completion_cap(trainer), eos_token_id(trainer),
+                                    self.settings) if self.stack in GENERATING else None
+        self.preference = PreferenceChecks(self.settings)
+        self.pending: list[Found] = []
+        self.step = 0  # the watch's current optimizer step: reward calls happen inside it
+        self._on_error = on_error
+        self._tap: RewardTap | None = None
+
+    def bind(self) -> None:
+        if self.rewards is not None and self._tap is None:
+            self._tap = RewardTap(self.trainer, self._observe, self._on_error)
+
+    def unbind(self) -> None:
+        if self._tap is not None:
+            self._tap.remove()
+            self._tap = None
+
+    def _observe(self, call: RewardCall) -> None:
+        if self.rewards is not None:
+            self.pending.extend(self.rewards.observe(call, self.step))
+
+    def take(self) -> list[Found]:
+        """The reward findings since the last call (at the watch's step end)."""
+        found, self.pending = self.pending, []
+        return found
+
+    def on_log(self, step: int, logs: dict[str, Any]) -> list[Found]:
+        return self.preference.on_log(step, logs)
