@@ -9,9 +9,8 @@ import copy
 import math
 
 import torch
-from data_helpers import EOS, word_tokenizer
 
-from nbguard.testing import TINY_VOCAB, tiny_qwen2
+from nbguard.testing import EOS, TINY_VOCAB, tiny_qwen2, word_tokenizer
 
 
 def prompt_rows(rows: int = 16, words: int = 4, **columns) -> list[dict]:

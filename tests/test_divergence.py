@@ -10,11 +10,10 @@ import math
 
 import pytest
 import torch
-from data_helpers import word_tokenizer
 from peft import LoraConfig, get_peft_model
 
 import nbguard
-from nbguard.testing import TINY_VOCAB, tiny_batch, tiny_llama, tiny_qwen2
+from nbguard.testing import TINY_VOCAB, tiny_batch, tiny_llama, tiny_qwen2, word_tokenizer
 
 torch.set_num_threads(1)
 
