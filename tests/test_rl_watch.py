@@ -139,3 +139,26 @@ def test_a_nan_in_the_policys_forward_is_localised(tmp_path):
     (event,) = watch.events
     assert event.kind == "nonfinite-loss" and event.step == 2 and watch.step == 4
     assert event.origin("forward").module == "model.layers.1.mlp.act_fn"
+
+
+def dropout_policy():
+    model = ending_model()
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5  # a checkpoint trained with attention dropout
+    return model
+
+
+def test_dropout_moves_the_ratio_on_the_first_inner_step(tmp_path):
+    # num_iterations=2: TRL computes the old log-probabilities in a forward of their own
+    trainer = grpo_trainer(tmp_path, model=dropout_policy(), num_iterations=2, max_steps=2)
+    watch = watched(trainer)
+    assert kinds(watch) == ["ratio-mismatch"]
+    (event,) = watch.events
+    assert event.evidence["clip_ratio/region_mean"] > 0 and event.evidence["dropout"] == {
+        f"model.layers.{i}.self_attn": 0.5 for i in range(2)}
+    assert nbguard.fixes.apply("disable-dropout", model=trainer.model).changed
+    assert watched(grpo_trainer(tmp_path, model=trainer.model, num_iterations=2, max_steps=2)).events == []
+
+
+def test_dropout_without_a_separate_old_forward_is_not_a_mismatch(tmp_path):
+    assert watched(grpo_trainer(tmp_path, model=dropout_policy(), max_steps=2)).events == []

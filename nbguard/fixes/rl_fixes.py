@@ -103,3 +103,48 @@ def _finite_rewards(func, floor={floor!r}):
 register(Fix("finite-rewards", "Replace non-finite rewards",
              "Wrap each GRPO/RLOO reward function so inf/-inf/NaN rewards become floor (default None: left out).",
              _finite, _finite_code, needs="trainer"))
+
+
+# ---- disable-dropout -------------------------------------------------------------------------
+def _no_dropout(target, **_):
+    import torch
+
+    changed = {}
+    for name, module in target.model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            changed[f"{name}.p"] = f"{module.p} -> 0"
+            module.p = 0.0
+        # attention layers keep their dropout as a float attribute, which TRL's disable_dropout misses
+        p = getattr(module, "attention_dropout", None)
+        if isinstance(p, float) and p > 0:
+            changed[f"{name}.attention_dropout"] = f"{p} -> 0"
+            module.attention_dropout = 0.0
+    config = getattr(target.model, "config", None)
+    for key in ("attention_dropout", "hidden_dropout", "dropout"):
+        value = getattr(config, key, None)
+        if isinstance(value, float) and value > 0:
+            setattr(config, key, 0.0)
+            changed[f"config.{key}"] = f"{value} -> 0"
+    return changed
+
+
+def _no_dropout_code(names, **_):
+    m = names.model
+    return f"""# RL fine-tuning compares the policy with itself (old/new log-probabilities, or generation vs training):
+# dropout makes two forwards of the same weights differ. Turn it off everywhere, attention included.
+import torch
+
+for _module in {m}.modules():
+    if isinstance(_module, torch.nn.Dropout):
+        _module.p = 0.0
+    if isinstance(getattr(_module, "attention_dropout", None), float):
+        _module.attention_dropout = 0.0
+for _key in ("attention_dropout", "hidden_dropout", "dropout"):
+    if isinstance(getattr({m}.config, _key, None), float):
+        setattr({m}.config, _key, 0.0)
+"""
+
+
+register(Fix("disable-dropout", "Turn dropout off",
+             "Set every nn.Dropout's p and every attention layer's attention_dropout (and the config's) to 0.",
+             _no_dropout, _no_dropout_code, needs="model"))

@@ -170,6 +170,49 @@ class PreferenceChecks:
                  + (" (loss ln 2 = 0.6931)" if at_ln2 else "") + f": {why}", evidence)]
 
 
+class RatioChecks:
+    """GRPO's policy/old-policy ratio on the first inner step of the run.
+
+    On the first optimizer step after a generation the policy IS the old policy: every ratio is 1 and
+    nothing can be clipped. When TRL computes the old log-probabilities in a separate forward
+    (``num_iterations > 1``, or generation steps not aligned with gradient accumulation) anything that
+    makes two forwards differ (dropout left on: TRL's ``disable_dropout`` defaults to False and does not
+    reach attention dropout) moves the ratio away from 1 and shows as clipped tokens at once.
+    """
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.done = False
+
+    def on_log(self, step: int, logs: dict[str, Any]) -> list[Found]:
+        clipped = _number(logs.get("clip_ratio/region_mean"))
+        if self.done or clipped is None:
+            return []
+        self.done = True  # only the first log of the run; later ones mix later inner steps
+        if step != 1 or clipped <= 0.0:
+            return []
+        dropout = dropout_settings(self.model)
+        evidence = {"clip_ratio/region_mean": clipped, "clip_ratio/high_max": _number(logs.get("clip_ratio/high_max")),
+                    "clip_ratio/low_min": _number(logs.get("clip_ratio/low_min")), "dropout": dropout}
+        cause = (f"; dropout is on in the policy ({', '.join(f'{k}={v:g}' for k, v in list(dropout.items())[:3])}), "
+                 "so the two forwards differ" if dropout else "")
+        return [("ratio-mismatch", f"{clipped:.1%} of the tokens were clipped on the first inner step, where the "
+                 f"policy/old-policy ratio must be exactly 1: the old log-probabilities come from a forward that "
+                 f"differs from the training one{cause}", evidence)]
+
+
+def dropout_settings(model: Any) -> dict[str, float]:
+    """Where ``model`` drops out in training: nn.Dropout modules and attention's own ``attention_dropout``."""
+    import torch
+
+    found: dict[str, float] = {}
+    for name, module in model.named_modules() if isinstance(model, torch.nn.Module) else []:
+        p = module.p if isinstance(module, torch.nn.Dropout) else getattr(module, "attention_dropout", None)
+        if isinstance(p, (int, float)) and p > 0:
+            found[name or "<model>"] = float(p)
+    return found
+
+
 def _number(value: Any) -> float | None:
     try:
         number = float(value)
@@ -178,7 +221,7 @@ def _number(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
-KIND_FIXES = {"nonfinite-reward": ["finite-rewards"]}
+KIND_FIXES = {"nonfinite-reward": ["finite-rewards"], "ratio-mismatch": ["disable-dropout"]}
 
 
 class TRLChecks:
@@ -194,6 +237,7 @@ class TRLChecks:
         self.rewards = RewardChecks(group_size(trainer), completion_cap(trainer), eos_token_id(trainer),
                                     self.settings) if self.stack in GENERATING else None
         self.preference = PreferenceChecks(self.settings)
+        self.ratio = RatioChecks(trainer.model) if self.stack in GENERATING else None
         self.pending: list[Found] = []
         self.step = 0  # the watch's current optimizer step: reward calls happen inside it
         self._on_error = on_error
@@ -218,4 +262,7 @@ class TRLChecks:
         return found
 
     def on_log(self, step: int, logs: dict[str, Any]) -> list[Found]:
-        return self.preference.on_log(step, logs)
+        found = self.preference.on_log(step, logs)
+        if self.ratio is not None:
+            found += self.ratio.on_log(step, logs)
+        return found
