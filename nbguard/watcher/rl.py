@@ -83,7 +83,8 @@ class RewardChecks:
             known["calls_with_nonfinite"] += 1
             known["last_step"] = step
             return None
-        first = bad[0]
+        # the example: a bad completion with some text, when there is one (an empty answer explains little)
+        first = next((i for i in bad if i < len(call.completions) and call.completions[i]), bad[0])
         evidence = {"reward_function": call.name, "nonfinite_rewards": len(bad), "rewards_returned": len(call.values),
                     "value": call.values[first], "example_index": first,
                     "example_completion": _example(call.completions[first]) if first < len(call.completions) else None,
