@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from watch_helpers import train
 
 import nbguard
 from nbguard.testing import TINY_VOCAB, tiny_batch, tiny_llama, tiny_qwen2, word_tokenizer
@@ -67,16 +68,8 @@ def test_healthy_sft_run_stays_quiet(tmp_path):
 def memorise(model, lr: float, steps: int):
     """One repeated batch: the loss falls over decades, and the gradient norm with it."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    batch = tiny_batch(4, 16)
     watch = nbguard.watch(model, optimizer=opt, verify=False)
-    losses = []
-    for _ in range(steps):
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return watch, losses
+    return watch, [loss.item() for loss in train(model, opt, [tiny_batch(4, 16)] * steps)]
 
 
 def test_a_memorising_run_stays_quiet():
