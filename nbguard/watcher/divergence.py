@@ -54,7 +54,8 @@ class DivergenceDetector:
         self.settings = settings or DivergenceSettings()
         self.recent: deque[float] = deque(maxlen=self.settings.window)
         self.recent_loss: deque[float] = deque(maxlen=self.settings.window)
-        self.group_recent: dict[str, deque[float]] = {}
+        # the last healthy steps' per-group norms, raw: logs are taken only when an explosion is named
+        self.group_recent: deque[dict[str, float]] = deque(maxlen=self.settings.level_steps)
         self.exploding = False
         self.last_explosion: int | None = None  # the step of the last explosion reported
 
@@ -100,19 +101,17 @@ class DivergenceDetector:
         self.recent.append(value)
         if loss is not None and math.isfinite(loss):
             self.recent_loss.append(loss)
-        for name, norm in groups.items():
-            logged = log_norm(norm)
-            if logged is not None:
-                self.group_recent.setdefault(name, deque(maxlen=self.settings.window)).append(logged)
+        self.group_recent.append(groups)
 
     def _exploded_groups(self, groups: dict[str, float], limit: float, most: int = 8) -> list[dict[str, Any]]:
         """The groups whose own norm jumped past the limit, largest jump first."""
         jumps = []
         for name, norm in groups.items():
-            logged, seen = log_norm(norm), self.group_recent.get(name)
+            logged = log_norm(norm)
+            seen = [v for v in (log_norm(step.get(name)) for step in self.group_recent) if v is not None]
             if logged is None or not seen:
                 continue
-            rise = logged - statistics.median(list(seen)[-self.settings.level_steps:])
+            rise = logged - statistics.median(seen)
             if rise > limit:
                 jumps.append((rise, name, norm))
         jumps.sort(reverse=True)
