@@ -99,6 +99,14 @@ EVENT_KINDS = (
     "grad-spike",
     "few-supervised-tokens",
     "watch-error",
+    # runs that stop learning without a NaN (nbguard.watcher.run_checks.EVENT_KINDS says what each means)
+    "divergence",
+    "dead-run",
+    "nonfinite-reward",
+    "no-learning-signal",
+    "completions-truncated",
+    "no-preference-signal",
+    "ratio-mismatch",
 )
 CAUSES = (
     "overflow",

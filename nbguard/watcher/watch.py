@@ -26,6 +26,7 @@ from .history import ActivationHistory, GradHistory
 from .integrations.loop import OptimizerBinding, ScalerBinding, unwrap_optimizer
 from .policies import check_policy, drop_update
 from .replay import Replayer
+from .run_checks import RunChecks
 from .sentinel import GradNormCollector, StepStats
 from .supervision import FewTokensDetector
 
@@ -81,7 +82,7 @@ class NanWatch(Displayable):
 
     def __init__(self, target, *, optimizer=None, scaler=None, policy: str = "warn", localize: bool = True,
                  settings: WatchSettings | None = None, activations: bool = False,
-                 verifier: Callable[[NanWatch, Event], None] | None = None):
+                 verifier: Callable[[NanWatch, Event], None] | None = None, run_checks: bool = True):
         if not isinstance(activations, bool):
             raise TypeError(f"activations must be True or False, got {type(activations).__name__}")
         if verifier is not None and not callable(verifier):
@@ -154,6 +155,7 @@ class NanWatch(Displayable):
         self._frozen = FrozenDetector(self.settings)
         self._eval = EvalLossDetector(self.settings)
         self._few_tokens = FewTokensDetector()
+        self._run_checks = RunChecks(self.trainer, lambda exc: self._fail(exc, safe=False)) if run_checks else None
         self._few_tokens_event: Event | None = None
         self._micro_batches: list[MicroBatch] = []
         self._losses: list[torch.Tensor] = []
@@ -185,6 +187,8 @@ class NanWatch(Displayable):
             self._callback = WatchCallback(self)
             self.trainer.add_callback(self._callback)
             self._labels_tap = LabelsTap(self.trainer)
+            if self._run_checks is not None:
+                self._run_checks.bind()
             self.attached = True
             self.bind_trainer_step()
         self.attached = True
@@ -221,6 +225,8 @@ class NanWatch(Displayable):
         if self._labels_tap is not None:
             self._labels_tap.remove()
             self._labels_tap = None
+        if self._run_checks is not None:
+            self._run_checks.unbind()
         if self._deepspeed is not None:
             self._deepspeed.detach()
             self._deepspeed = None
@@ -349,6 +355,13 @@ class NanWatch(Displayable):
             self._emit(Event("frozen-eval-loss", max(self.step - 1, 0),
                              f"eval loss is bit-identical across {found['evaluations']} evaluations "
                              f"({eval_loss!r}): the weights are not changing", evidence=found))
+
+    @watch_hook(safe=False)
+    def record_logs(self, logs: dict[str, Any]) -> None:
+        """The trainer's logged metrics (TRL's rewards, margins, clipped ratios) for the run checks."""
+        if self._run_checks is not None:
+            for event in self._run_checks.on_log(max(self.step - 1, 0), logs):
+                self._emit(event)
 
     def end_training(self) -> None:
         """The loop ended: drop every reference to the unfinished step's batches."""
@@ -576,6 +589,9 @@ class NanWatch(Displayable):
             if frozen is not None:
                 self._emit(Event("frozen-params", step, f"trainable weights have not changed for "
                                  f"{frozen['steps_unchanged']} optimizer steps", evidence=frozen))
+        if self._run_checks is not None:
+            for event in self._run_checks.update(step, stats.loss, dict(zip(self.history.groups, stats.grad_norm))):
+                self._emit(event)
         self.step += 1
         payload: dict[str, Any] = {"step": step, "loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
                    "loss_scale": stats.loss_scale, "skipped": skipped,

@@ -68,5 +68,9 @@ class WatchCallback(TrainerCallback):
         if metrics and "eval_loss" in metrics:
             self.watch.record_eval_loss(float(metrics["eval_loss"]), state.global_step)
 
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs:
+            self.watch.record_logs(logs)
+
     def on_train_end(self, args, state, control, **kwargs):
         self.watch.end_training()
