@@ -211,7 +211,9 @@ class WatchDashboard:
         keep_set = set(keep)
         pick = (lambda seq: [item for i, item in enumerate(seq) if i in keep_set])
         skipped = pick(self.skipped)
-        rows = [("loss", pick(self.loss), False, skipped), ("grad norm", pick(self.grad_norm), True, skipped)]
+        # (name, values, log scale, skipped-step marks: None for the trainer's logged series)
+        rows: list[tuple[str, list[Any], bool, list[bool] | None]] = [
+            ("loss", pick(self.loss), False, skipped), ("grad norm", pick(self.grad_norm), True, skipped)]
         if any(v is not None for v in self.loss_scale):
             rows.append(("loss scale", pick(self.loss_scale), True, skipped))
         watch = self.watch
