@@ -73,7 +73,7 @@ def preference_rows(rows: int = 16, identical: bool = False) -> list[dict]:
     return out
 
 
-def dpo_trainer(tmp_path, rows: list[dict] | None = None, model=None, **overrides):
+def dpo_trainer(tmp_path, rows: list[dict] | None = None, model=None, ref_model=None, **overrides):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -82,7 +82,8 @@ def dpo_trainer(tmp_path, rows: list[dict] | None = None, model=None, **override
                     report_to="none", use_cpu=True, learning_rate=1e-3, save_strategy="no", disable_tqdm=True)
     settings.update(overrides)
     # the reference: a copy of the policy (TRL would load one from the hub by the model's name)
-    return DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=DPOConfig(**settings),
+    return DPOTrainer(model=model, ref_model=ref_model if ref_model is not None else copy.deepcopy(model),
+                      args=DPOConfig(**settings),
                       train_dataset=Dataset.from_list(rows if rows is not None else preference_rows()),
                       processing_class=word_tokenizer())
 

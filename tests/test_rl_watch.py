@@ -162,3 +162,19 @@ def test_dropout_moves_the_ratio_on_the_first_inner_step(tmp_path):
 
 def test_dropout_without_a_separate_old_forward_is_not_a_mismatch(tmp_path):
     assert watched(grpo_trainer(tmp_path, model=dropout_policy(), max_steps=2)).events == []
+
+
+def test_a_loss_near_zero_from_the_first_step(tmp_path):
+    from nbguard.testing import TINY_VOCAB, tiny_qwen2
+
+    rows = preference_rows()
+    chosen = {int(w[1:]) for r in rows for w in r["chosen"].split()}
+    rejected = {int(w[1:]) for r in rows for w in r["rejected"].split()}
+    reference = tiny_qwen2()  # a reference that finds the chosen answers' words very unlikely
+    bias = torch.zeros(TINY_VOCAB)
+    bias[sorted(chosen - rejected)] = -100.0
+    reference.lm_head.bias = torch.nn.Parameter(bias)
+    watch = watched(dpo_trainer(tmp_path, rows=rows, ref_model=reference))
+    assert kinds(watch) == ["no-preference-signal"]
+    (event,) = watch.events
+    assert event.evidence["reason"] == "loss-near-zero-at-start" and event.evidence["loss"] < 1e-3
