@@ -178,3 +178,30 @@ def test_a_loss_near_zero_from_the_first_step(tmp_path):
     assert kinds(watch) == ["no-preference-signal"]
     (event,) = watch.events
     assert event.evidence["reason"] == "loss-near-zero-at-start" and event.evidence["loss"] < 1e-3
+
+
+def test_a_failure_inside_the_reward_checks_never_reaches_the_run(tmp_path, monkeypatch):
+    from nbguard.watcher.rl import RewardChecks
+
+    def broken(self, call, step):
+        raise RuntimeError("nbguard bug")
+
+    monkeypatch.setattr(RewardChecks, "observe", broken)
+    trainer = grpo_trainer(tmp_path, max_steps=3)
+    watch = watched(trainer)
+    assert trainer.state.global_step == 3 and watch.events[0].kind == "watch-error"
+    assert "nbguard bug" in watch.events[0].message and not watch.attached  # stepped aside at a safe point
+    assert trainer.reward_funcs[0] is length_reward  # and took its tap with it
+
+
+def test_the_users_reward_error_reaches_the_user_unchanged(tmp_path):
+    error = KeyError("answer")
+
+    def needs_answer(completions, **kwargs):
+        raise error
+
+    trainer = grpo_trainer(tmp_path, reward_funcs=[needs_answer], max_steps=1)
+    watch = nbguard.watch(trainer, verify=False)
+    with pytest.raises(KeyError) as raised:
+        trainer.train()
+    assert raised.value is error and watch.events == []
