@@ -4,12 +4,13 @@
   NaN or flat, the loss 0, the gradient 0, and nothing in the model is non-finite;
 - no learning signal: every group of completions of one prompt got the same reward (zero advantage,
   so loss 0 and gradient 0), or every completion was cut at ``max_completion_length``;
-- no preference signal: DPO's margins stay exactly 0 (chosen identical to rejected, or a reference
-  model that is the policy itself: the loss sits at ln 2 for ever), or the loss is already ~0 at the
-  first step (a saturated sigmoid gives no gradient).
+- no preference signal: DPO's margins stay exactly 0 (chosen identical to rejected, or a policy that
+  never leaves its reference: the loss sits at ln 2 for ever), or the loss is already ~0 at the first
+  step (a saturated sigmoid gives no gradient);
+- the policy/old-policy ratio away from 1 on the first inner step (two forwards that differ).
 
 The reward checks read what :class:`~nbguard.watcher.integrations.trl.RewardTap` saw; the preference
-checks read the trainer's own logged metrics. No device work.
+and ratio checks read the trainer's own logged metrics. No device work.
 """
 from __future__ import annotations
 
