@@ -7,6 +7,7 @@ import torch
 from rl_helpers import dpo_trainer, grpo_trainer, length_reward, log_match_reward
 
 import nbguard
+import nbguard.fixes
 from nbguard.document.view import event_card
 from nbguard.notebook.widgets.dashboard import WatchDashboard
 
@@ -67,3 +68,18 @@ def test_rl_event_cards_read_well(tmp_path):
     card = event_card(watch.events[0].to_dict())
     assert card.title.startswith("step 0: reward function 'log_match_reward' returned -inf")
     assert card.tag == "nonfinite-reward"
+
+
+def test_every_run_check_kind_is_known_to_the_document_and_its_schema():
+    import json
+    from pathlib import Path
+
+    from nbguard.document import EVENT_KINDS
+    from nbguard.watcher.run_checks import EVENT_KINDS as RUN_KINDS
+    from nbguard.watcher.run_checks import FIXES
+
+    schema = json.loads((Path(nbguard.__file__).parent / "document" / "schema.json").read_text())
+    enum = schema["$defs"]["event"]["properties"]["kind"]["enum"]
+    assert set(RUN_KINDS) <= set(EVENT_KINDS) and set(RUN_KINDS) <= set(enum)
+    assert all(len(text) > 20 for text in RUN_KINDS.values())
+    assert {f for fixes in FIXES.values() for f in fixes} <= set(nbguard.fixes.available())
