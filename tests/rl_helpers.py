@@ -43,7 +43,7 @@ def log_match_reward(completions, **kwargs):
 
 
 def grpo_trainer(tmp_path, reward_funcs=length_reward, model=None, rows: int = 16, rloo: bool = False,
-                 **overrides):
+                 reward_processing_classes=None, **overrides):
     """A GRPOTrainer (an RLOOTrainer with ``rloo``) on prompts of four words, four completions each."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -58,6 +58,7 @@ def grpo_trainer(tmp_path, reward_funcs=length_reward, model=None, rows: int = 1
     return trainer(
         model=model if model is not None else ending_model(), reward_funcs=reward_funcs,
         args=config(**settings), train_dataset=Dataset.from_list(prompt_rows(rows)),
+        reward_processing_classes=reward_processing_classes,
         processing_class=word_tokenizer())
 
 

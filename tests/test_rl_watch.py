@@ -99,7 +99,7 @@ def test_chosen_identical_to_rejected_is_no_preference_signal(tmp_path):
     assert kinds(watch) == ["no-preference-signal"]
     (event,) = watch.events
     assert event.evidence["reason"] == "chosen-identical-to-rejected" and event.evidence["loss_at_ln2"]
-    assert event.evidence["since_step"] == 1 and event.evidence["logged_steps"] == 3
+    assert event.evidence["since_step"] == 0 and event.evidence["logged_steps"] == 3 and event.step == 2
 
 
 def test_a_policy_that_never_leaves_its_reference(tmp_path):
@@ -205,3 +205,21 @@ def test_the_users_reward_error_reaches_the_user_unchanged(tmp_path):
     with pytest.raises(KeyError) as raised:
         trainer.train()
     assert raised.value is error and watch.events == []
+
+
+def test_a_reward_model_that_scores_everything_alike(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from nbguard.testing import TINY_VOCAB, word_tokenizer
+
+    torch.manual_seed(0)
+    scorer = Qwen2ForSequenceClassification(Qwen2Config(
+        vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_labels=1, pad_token_id=2))
+    torch.nn.init.zeros_(scorer.score.weight)  # an untrained score head: 0 for every completion
+    trainer = grpo_trainer(tmp_path, reward_funcs=[scorer], reward_processing_classes=[word_tokenizer()], max_steps=4)
+    watch = watched(trainer)
+    assert trainer.reward_funcs[0] is scorer  # a model is not tapped: TRL dispatches on its type
+    assert kinds(watch) == ["no-learning-signal"]
+    (event,) = watch.events
+    assert event.evidence["reason"] == "frac-reward-zero-std" and event.evidence["since_step"] == 0

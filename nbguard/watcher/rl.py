@@ -131,6 +131,31 @@ class RewardChecks:
                 f"cut at max_completion_length={cap} before its end: rewards score unfinished answers", evidence)
 
 
+class LoggedFlatness:
+    """Equal rewards in every group, read from the log (``frac_reward_zero_std``): the way to see it
+    when a reward is a model (``nn.Module``), whose outputs the tap does not see."""
+
+    def __init__(self, settings: RLSettings | None = None):
+        self.settings = settings or RLSettings()
+        self.flat: list[int] = []  # the logged steps of the current flat stretch
+        self.reported = False
+
+    def on_log(self, step: int, logs: dict[str, Any]) -> list[Found]:
+        share = _number(logs.get("frac_reward_zero_std"))
+        if share is None or self.reported:
+            return []
+        self.flat = self.flat + [step] if share == 1.0 else []
+        if len(self.flat) < self.settings.flat_after:
+            return []
+        self.reported = True
+        evidence = {"reason": "frac-reward-zero-std", "logged_steps": len(self.flat), "since_step": self.flat[0],
+                    "frac_reward_zero_std": share, "reward": _number(logs.get("reward")),
+                    "grad_norm": _number(logs.get("grad_norm"))}
+        return [("no-learning-signal", f"frac_reward_zero_std is 1.0 for {len(self.flat)} logged steps: every "
+                 "group's completions got the same reward, so the advantages, the loss and the gradient are 0",
+                 evidence)]
+
+
 class PreferenceChecks:
     """DPO/KTO: margins that stay exactly 0, or a loss already ~0 at the first logged step."""
 
@@ -191,7 +216,7 @@ class RatioChecks:
         if self.done or clipped is None:
             return []
         self.done = True  # only the first log of the run; later ones mix later inner steps
-        if step != 1 or clipped <= 0.0:
+        if step != 0 or clipped <= 0.0:  # the first log must cover the first optimizer step alone
             return []
         dropout = dropout_settings(self.model)
         evidence = {"clip_ratio/region_mean": clipped, "clip_ratio/high_max": _number(logs.get("clip_ratio/high_max")),
@@ -240,6 +265,7 @@ class TRLChecks:
                                     self.settings) if self.stack in GENERATING else None
         self.preference = PreferenceChecks(self.settings)
         self.ratio = RatioChecks(trainer.model) if self.stack in GENERATING else None
+        self.logged_flat: LoggedFlatness | None = None  # set on bind when a reward is a model the tap cannot see
         self.pending: list[Found] = []
         self.step = 0  # the watch's current optimizer step: reward calls happen inside it
         self._on_error = on_error
@@ -248,6 +274,8 @@ class TRLChecks:
     def bind(self) -> None:
         if self.rewards is not None and self._tap is None:
             self._tap = RewardTap(self.trainer, self._observe, self._on_error)
+            if self._tap.wrapped < len(getattr(self.trainer, "reward_funcs", None) or []) and self.logged_flat is None:
+                self.logged_flat = LoggedFlatness(self.settings)
 
     def unbind(self) -> None:
         if self._tap is not None:
@@ -265,6 +293,7 @@ class TRLChecks:
 
     def on_log(self, step: int, logs: dict[str, Any]) -> list[Found]:
         found = self.preference.on_log(step, logs)
-        if self.ratio is not None:
-            found += self.ratio.on_log(step, logs)
+        for check in (self.ratio, self.logged_flat):
+            if check is not None:
+                found += check.on_log(step, logs)
         return found

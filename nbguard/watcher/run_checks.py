@@ -62,7 +62,7 @@ class RunChecks:
         """The trainer's logged metrics; ``step`` is the watch's last finished optimizer step."""
         if self.trl is None:
             return []
-        return self._events(step, self.trl.on_log(step + 1, logs))
+        return self._events(step, self.trl.on_log(step, logs))
 
     def _events(self, step: int, found: list[Found]) -> list[Event]:
         events = []
