@@ -128,10 +128,11 @@ class ArmAt(TrainerCallback):
         self.module.armed = state.global_step == self.step
 
 
-def test_a_nan_in_the_policys_forward_is_localised(tmp_path):
+@pytest.mark.parametrize("make", [grpo_trainer, dpo_trainer], ids=["grpo", "dpo"])
+def test_a_nan_in_the_policys_forward_is_localised(tmp_path, make):
     model = ending_model()
     act = model.model.layers[1].mlp.act_fn = NanInTraining()
-    trainer = grpo_trainer(tmp_path, model=model, max_steps=4)
+    trainer = make(tmp_path, model=model, max_steps=4)  # DPO: the reference is a copy whose act_fn never arms
     trainer.add_callback(ArmAt(act, 2))
     # skip: the NaN update is dropped, so the next generation samples from finite weights again
     watch = nbguard.watch(trainer, verify=False, policy="skip")
