@@ -100,3 +100,12 @@ def test_plain_loop_divergence_names_the_group():
     (event,) = [e for e in watch.events if e.kind == "divergence"]
     assert event.step == 5 and event.evidence["exploded_groups"][0]["group"] == "model.layers.1.mlp"
     assert len(event.evidence["exploded_groups"]) == 1
+
+
+def test_run_checks_can_be_turned_off(tmp_path):
+    trainer = sft_trainer(tmp_path, learning_rate=1000.0, steps=8)
+    watch = nbguard.watch(trainer, verify=False, run_checks=False)
+    trainer.train()
+    assert watch.events == []  # what the watch saw before: nothing
+    with pytest.raises(TypeError, match="run_checks must be True or False"):
+        nbguard.watch(tiny_llama(), optimizer=torch.optim.SGD(tiny_llama().parameters(), lr=0.1), run_checks="yes")

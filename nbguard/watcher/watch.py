@@ -85,6 +85,8 @@ class NanWatch(Displayable):
                  verifier: Callable[[NanWatch, Event], None] | None = None, run_checks: bool = True):
         if not isinstance(activations, bool):
             raise TypeError(f"activations must be True or False, got {type(activations).__name__}")
+        if not isinstance(run_checks, bool):
+            raise TypeError(f"run_checks must be True or False, got {type(run_checks).__name__}")
         if verifier is not None and not callable(verifier):
             raise TypeError(f"verifier must be callable as verifier(watch, event), got {type(verifier).__name__}")
         # verifier(watch, event) for the first localised non-finite event: nbguard.watch passes
