@@ -65,6 +65,7 @@ def test_reward_functions_run_once_on_real_completions(tmp_path):
         and "'answer'" in found["needs_a_column"].evidence["exception"]
     nonfinite = found["log_match_reward"]
     assert nonfinite.severity.value == "warning" and float("-inf") in nonfinite.evidence["values"]
+    assert nonfinite.fixes == ["finite-rewards"]
 
 
 def test_the_reward_check_leaves_the_run_as_it_was(tmp_path):

@@ -196,5 +196,5 @@ def reward_function_broken(ctx):
                                  f"On {len(bad)} of {len(completions)} real completions {name!r} returned "
                                  f"{float(values[bad[0]])!r}. A non-finite reward makes the group's advantages NaN "
                                  "or flat: loss 0, gradient 0, no error. Return a finite penalty (or None, which "
-                                 "TRL leaves out) instead.", evidence, severity="warning"))
+                                 "TRL leaves out) instead.", evidence, fixes=["finite-rewards"], severity="warning"))
     return found or None
