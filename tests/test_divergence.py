@@ -109,3 +109,40 @@ def test_run_checks_can_be_turned_off(tmp_path):
     assert watch.events == []  # what the watch saw before: nothing
     with pytest.raises(TypeError, match="run_checks must be True or False"):
         nbguard.watch(tiny_llama(), optimizer=torch.optim.SGD(tiny_llama().parameters(), lr=0.1), run_checks="yes")
+
+
+def outlier_run(policy: str, steps: int = 8):
+    """SGD on a tiny Llama; at step 5 an outlier term in the loss puts a huge gradient on one MLP."""
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    watch = nbguard.watch(model, optimizer=opt, verify=False, policy=policy)
+    weights = []
+    for step in range(steps):
+        loss = model(**tiny_batch(2, 12, seed=step)).loss
+        if step == 5:
+            loss = loss + 1e4 * model.model.layers[1].mlp.down_proj.weight.square().sum()
+        loss.backward()
+        weights.append(model.model.layers[1].mlp.down_proj.weight.detach().clone())
+        opt.step()
+        opt.zero_grad()
+        if step == 5:
+            weights.append(model.model.layers[1].mlp.down_proj.weight.detach().clone())
+    return watch, weights
+
+
+def test_skip_drops_the_exploded_update_so_the_weights_stay_the_last_good_ones():
+    watch, weights = outlier_run("skip")
+    (event,) = [e for e in watch.events if e.kind == "divergence"]
+    assert event.step == 5 and event.evidence["update_dropped"] is True
+    assert torch.equal(weights[5], weights[6])  # the step-5 update never reached the weights
+    assert watch.history.to_dict()["skipped_steps"] == [5]
+    warned, warned_weights = outlier_run("warn")
+    assert "update_dropped" not in warned.events[0].evidence
+    assert not torch.allclose(warned_weights[5], warned_weights[6])
+
+
+def test_stop_ends_the_loop_at_the_explosion():
+    from nbguard.errors import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match="nbguard stopped training at step 5: gradient norm exploded"):
+        outlier_run("stop")

@@ -158,6 +158,7 @@ class NanWatch(Displayable):
         self._eval = EvalLossDetector(self.settings)
         self._few_tokens = FewTokensDetector()
         self._run_checks = RunChecks(self.trainer, lambda exc: self._fail(exc, safe=False)) if run_checks else None
+        self._run_checked = -1  # the step the run checks last judged
         self._few_tokens_event: Event | None = None
         self._micro_batches: list[MicroBatch] = []
         self._losses: list[torch.Tensor] = []
@@ -529,6 +530,7 @@ class NanWatch(Displayable):
         finite = not verdict.bad_ranks if verdict is not None else stats.loss_finite and stats.grads_finite
         if finite:
             self._bad_streak = 0
+            self._check_divergence(stats)
             return
         self._bad_streak += 1
         event: Event | None
@@ -545,6 +547,28 @@ class NanWatch(Displayable):
             self._step_dropped = True
         if self.policy == "stop":
             self._stop(event)
+
+    def _run_checks_once(self, stats: StepStats) -> list[Event]:
+        """The run checks of this step (before its update where the watch checks updates, else at its end)."""
+        if self._run_checks is None or self._run_checked == self.step:
+            return []
+        self._run_checked = self.step
+        events = self._run_checks.update(self.step, stats.loss, dict(zip(self.history.groups, stats.grad_norm)))
+        for event in events:
+            self._emit(event)
+        return events
+
+    def _check_divergence(self, stats: StepStats) -> None:
+        """An exploded (finite) update under skip/stop is dropped like a non-finite one: the weights stay
+        the last good ones. One process only: across ranks the verdicts could differ."""
+        exploded = next((e for e in self._run_checks_once(stats) if e.kind == "divergence"), None)
+        if exploded is None or self.policy == "warn" or self._ranks is not None:
+            return
+        drop_update(self.optimizer, self.model)
+        self._step_dropped = True
+        exploded.evidence["update_dropped"] = True
+        if self.policy == "stop":
+            self._stop(exploded)
 
     def _stop(self, event: Event | None, step_ended: bool = False) -> None:
         self._stop_requested = True
@@ -591,9 +615,7 @@ class NanWatch(Displayable):
             if frozen is not None:
                 self._emit(Event("frozen-params", step, f"trainable weights have not changed for "
                                  f"{frozen['steps_unchanged']} optimizer steps", evidence=frozen))
-        if self._run_checks is not None:
-            for event in self._run_checks.update(step, stats.loss, dict(zip(self.history.groups, stats.grad_norm))):
-                self._emit(event)
+        self._run_checks_once(stats)
         self.step += 1
         payload: dict[str, Any] = {"step": step, "loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
                    "loss_scale": stats.loss_scale, "skipped": skipped,
