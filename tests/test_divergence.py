@@ -50,12 +50,8 @@ def test_sft_learning_rate_1000_explodes_then_dies(tmp_path):
     assert dead.step == 5 and dead.evidence["dead_since_step"] == 2 and dead.evidence["after_explosion_at_step"] == 1
     assert dead.evidence["zero_gradient"] and dead.evidence["constant_loss"] == pytest.approx(math.log(TINY_VOCAB))
     for event in watch.events:
-        assert event_fixes(event) == ["lower-learning-rate", "add-warmup", "enable-grad-clipping"]
+        assert event.evidence["fixes"] == ["lower-learning-rate", "add-warmup", "enable-grad-clipping"]
     assert "step 2" in dead.message and "exploded at step 1" in dead.message
-
-
-def event_fixes(event) -> list[str]:
-    return list(event.evidence.get("fixes") or getattr(event, "fixes", None) or [])
 
 
 def test_healthy_sft_run_stays_quiet(tmp_path):
