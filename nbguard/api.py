@@ -27,13 +27,15 @@ def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, pro
 
 
 def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, activations=False, verify=True,
-          detectors=()):
+          detectors=(), run_checks=True):
     """Attach a NaN/Inf watch to a model (with its optimizer) or a Trainer; returns a ``NanWatch``.
 
     ``activations=True`` also records each module group's output abs-max per step (fp16 headroom).
     ``verify=True`` runs the fixes of the first localised NaN/Inf on a shadow of its step (at most
     about 3 step times); ``verify=False`` turns that off. ``detectors=[...]`` adds your own
-    :class:`nbguard.watcher.Detector` instances (docs/guides/detectors.md).
+    :class:`nbguard.watcher.Detector` instances (docs/guides/detectors.md). ``run_checks=True`` adds the
+    checks for runs that stop learning without a NaN: divergence, dead runs, and TRL's rewards and
+    preference signals.
     """
     from .verifier import auto_verify
     from .watcher import NanWatch
@@ -42,7 +44,7 @@ def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, 
         raise TypeError(f"verify must be True or False, got {type(verify).__name__}")
     return NanWatch(target, optimizer=optimizer, scaler=scaler, policy=policy, localize=localize,
                     activations=activations, verifier=auto_verify if verify else None,
-                    detectors=detectors).attach()
+                    detectors=detectors, run_checks=run_checks).attach()
 
 
 def verify(subject, fix_id=None, **kwargs):

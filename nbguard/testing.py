@@ -51,6 +51,30 @@ def tiny_gemma3(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: 
     return Gemma3ForCausalLM(Gemma3TextConfig(**params)).to(dtype)  # type: ignore[arg-type]  # nn.Module.to(dtype)
 
 
+UNK, BOS, EOS = 0, 1, 2  # ids of <unk>, <s>, </s> in word_tokenizer's vocabulary
+
+
+def word_tokenizer(pad: str | None = "eos", padding_side: str = "right", unk: bool = True):
+    """A real PreTrainedTokenizerFast over words w3..w127; ``pad`` is "eos", "unk" or None (no pad token)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": UNK, "<s>": BOS, "</s>": EOS, **{f"w{i}": i for i in range(3, TINY_VOCAB)}}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    specials = {"bos_token": "<s>", "eos_token": "</s>"}
+    if unk:
+        specials["unk_token"] = "<unk>"
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, padding_side=padding_side, **specials)
+    if pad == "eos":
+        tok.pad_token = tok.eos_token
+    elif pad == "unk":
+        tok.pad_token = tok.unk_token
+    return tok
+
+
 def tiny_batch(
     batch_size: int = 2,
     seq_len: int = 16,

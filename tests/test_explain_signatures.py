@@ -61,6 +61,18 @@ def forced_fp32_model():
     model.model.layers[0].mlp(torch.randn(1, 4, 64, dtype=torch.bfloat16))
 
 
+def grpo_reward_count():
+    import tempfile
+    from pathlib import Path
+
+    from rl_helpers import grpo_trainer
+
+    def one_score(completions, **kwargs):
+        return [1.0]
+
+    grpo_trainer(Path(tempfile.mkdtemp()), reward_funcs=one_score, max_steps=1).train()  # TRL's own ValueError
+
+
 # ---- exact messages (CUDA-only kernels, libraries not installed here) ------------------------------
 def message(exc_type, text):
     def make():
@@ -89,6 +101,7 @@ CASES = {
     "flash-attention-unsupported": message(RuntimeError, FLASH_AMPERE),
     "softcap-unsupported-attention": softcap_with_sdpa,
     "token-ids-out-of-range": embedding_out_of_range,
+    "trl-reward-count-mismatch": grpo_reward_count,
 }
 # Signatures widened in this issue, with the new message they must recognise.
 WIDENED = {

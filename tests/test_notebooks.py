@@ -246,6 +246,24 @@ def test_ddp_two_ranks(execute):
     assert (out / "07_ddp_two_ranks.html").is_file()
 
 
+def test_grpo_broken_reward(execute):
+    """Issue 20: a GRPO reward of -inf, caught by the audit and at the run's first step, fixed, trained again."""
+    _not_in_tf450_lane()
+    nb, out = execute("08_grpo_broken_reward.ipynb")
+    _no_errors(nb)
+    broken = [f for d in _docs(nb, "before-fix", "audit") for f in d["findings"]
+              if f["rule"] == "rl-reward-function-broken"]
+    assert [f["evidence"]["reward_function"] for f in broken] == ["match_reward"]
+    (event,) = _events(_docs(nb, "before-fix", "watch"))
+    assert event["kind"] == "nonfinite-reward" and event["step"] == 0
+    assert event["evidence"]["reward_function"] == "match_reward"
+    assert "-inf" in _text(nb, "before-fix", "watch").split("logged (reward, loss, grad_norm):")[1].split("\n")[0]
+    assert _events(_docs(nb, "after-fix", "watch")) == []
+    after = _text(nb, "after-fix", "watch").split("logged (reward, loss, grad_norm):")[1].split("\n")[0]
+    assert "inf" not in after and "nan" not in after
+    assert (out / "08_grpo_broken_reward.html").is_file()
+
+
 def test_committed_notebooks_have_no_outputs():
     import nbformat
 

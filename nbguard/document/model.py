@@ -183,6 +183,14 @@ for _kind, _description, _evidence in (
      ("total_grad_norm", "recent_median", "ratio", "largest_group")),
     ("few-supervised-tokens", "a micro-batch's loss rests on few (or no) supervised tokens",
      ("micro_batch", "supervised_tokens", "recent_median", "occurrences", "steps")),
+    ("divergence", "the gradient norm jumped far outside the run's own noise (log scale, robust statistics)",
+     ("level", "noise", "largest_groups")),
+    ("dead-run", "the gradient norm is exactly 0, or the loss bit-identical, for several steps in a row", ()),
+    ("nonfinite-reward", "a GRPO/RLOO reward function returned inf, -inf or NaN", ()),
+    ("no-learning-signal", "every group of completions got equal rewards: zero advantage, zero gradient", ()),
+    ("completions-truncated", "every completion was cut at max_completion_length", ()),
+    ("no-preference-signal", "DPO/KTO margins stay exactly 0, or the loss is ~0 from the first step", ()),
+    ("ratio-mismatch", "tokens clipped on GRPO's first inner step, where the policy/old-policy ratio must be 1", ()),
     ("watch-error", "nbguard's own watch failed and stepped aside; training went on", ("exception",)),
 ):
     register_event_kind(_kind, _description, _evidence)

@@ -32,6 +32,7 @@ from .integrations.loop import OptimizerBinding, ScalerBinding, unwrap_optimizer
 from .pipeline import Detector, DetectorBoard, StepView
 from .policies import check_policy, drop_update
 from .replay import Replayer
+from .run_checks import RunChecks
 from .sentinel import GradNormCollector, StepStats
 
 Listener = Callable[["NanWatch", str, Any], None]
@@ -87,11 +88,13 @@ class NanWatch(Displayable):
     def __init__(self, target, *, optimizer=None, scaler=None, policy: str = "warn", localize: bool = True,
                  settings: WatchSettings | None = None, activations: bool = False,
                  verifier: Callable[[NanWatch, Event], None] | None = None,
-                 detectors: list[Detector] | tuple[Detector, ...] = ()):
+                 detectors: list[Detector] | tuple[Detector, ...] = (), run_checks: bool = True):
         if not isinstance(detectors, (list, tuple)):
             raise TypeError(f"detectors must be a list of Detector instances, got {type(detectors).__name__}")
         if not isinstance(activations, bool):
             raise TypeError(f"activations must be True or False, got {type(activations).__name__}")
+        if not isinstance(run_checks, bool):
+            raise TypeError(f"run_checks must be True or False, got {type(run_checks).__name__}")
         if verifier is not None and not callable(verifier):
             raise TypeError(f"verifier must be callable as verifier(watch, event), got {type(verifier).__name__}")
         # verifier(watch, event) for the first localised non-finite event: nbguard.watch passes
@@ -167,6 +170,8 @@ class NanWatch(Displayable):
         self._bad_streak = 0
         self._skips = SkipStreak(self.settings)
         self._board = DetectorBoard(builtin_detectors(self.settings) + list(detectors))
+        self._run_checks = RunChecks(self.trainer, lambda exc: self._fail(exc, safe=False)) if run_checks else None
+        self._run_checked = -1  # the step the run checks last judged
         self._micro_batches: list[MicroBatch] = []
         self._losses: list[torch.Tensor] = []
         self._stats: StepStats | None = None
@@ -207,6 +212,8 @@ class NanWatch(Displayable):
             self._callback = WatchCallback(self)
             self.trainer.add_callback(self._callback)
             self._labels_tap = LabelsTap(self.trainer)
+            if self._run_checks is not None:
+                self._run_checks.bind()
             self.attached = True
             self.bind_trainer_step()
         self.attached = True
@@ -272,6 +279,8 @@ class NanWatch(Displayable):
         if self._labels_tap is not None:
             self._labels_tap.remove()
             self._labels_tap = None
+        if self._run_checks is not None:
+            self._run_checks.unbind()
         if self._deepspeed is not None:
             self._deepspeed.detach()
             self._deepspeed = None
@@ -404,6 +413,9 @@ class NanWatch(Displayable):
         step = max(self.step - 1, 0)  # the optimizer step the metrics are about
         for detector in self._board.detectors:
             for event in detector.on_log(step, dict(logs)):
+                self._emit(event)
+        if self._run_checks is not None:  # TRL's rewards, margins, clipped ratios
+            for event in self._run_checks.on_log(step, dict(logs)):
                 self._emit(event)
 
     # ---- detectors and the public interface integrations use ------------------------------------
@@ -642,6 +654,7 @@ class NanWatch(Displayable):
         finite = not verdict.bad_ranks if verdict is not None else stats.loss_finite and stats.grads_finite
         if finite:
             self._bad_streak = 0
+            self._check_divergence(stats)
             return
         self._bad_streak += 1
         event: Event | None
@@ -658,6 +671,28 @@ class NanWatch(Displayable):
             self._step_dropped = True
         if self.policy == "stop":
             self._stop(event)
+
+    def _run_checks_once(self, stats: StepStats) -> list[Event]:
+        """The run checks of this step (before its update where the watch checks updates, else at its end)."""
+        if self._run_checks is None or self._run_checked == self.step:
+            return []
+        self._run_checked = self.step
+        events = self._run_checks.update(self.step, stats.loss, dict(zip(self.history.groups, stats.grad_norm)))
+        for event in events:
+            self._emit(event)
+        return events
+
+    def _check_divergence(self, stats: StepStats) -> None:
+        """An exploded (finite) update under skip/stop is dropped like a non-finite one: the weights stay
+        the last good ones. One process only: across ranks the verdicts could differ."""
+        exploded = next((e for e in self._run_checks_once(stats) if e.kind == "divergence"), None)
+        if exploded is None or self.policy == "warn" or self._ranks is not None:
+            return
+        drop_update(self.optimizer, self.model)
+        self._step_dropped = True
+        exploded.evidence["update_dropped"] = True
+        if self.policy == "stop":
+            self._stop(exploded)
 
     def _stop(self, event: Event | None, step_ended: bool = False) -> None:
         self._stop_requested = True
@@ -695,6 +730,7 @@ class NanWatch(Displayable):
         for detector, scalars in zip(self._board.detectors, self._board.split(stats.extra)):
             for event in detector.update(dataclasses.replace(view, scalars=scalars)):
                 self._emit(event)
+        self._run_checks_once(stats)
         self.step += 1
         payload: dict[str, Any] = {"step": step, "loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
                    "loss_scale": stats.loss_scale, "skipped": skipped,

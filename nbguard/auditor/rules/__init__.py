@@ -18,6 +18,7 @@ from . import (  # noqa: F401  (registers them)
     pooling,
     precision,
     quantization,
+    rl,
     tied,
     tokens,
     train_mode,

@@ -51,6 +51,22 @@ def slice_history(history: dict, lo: int | None, hi: int | None, key: str = "gra
     return out
 
 
+# TRL's own metrics, drawn beside loss and grad norm when the watched trainer logs them (GRPO/RLOO: the
+# reward; DPO/KTO: the reward margin). Read from the trainer's log history at drawing time: nothing per step.
+LOGGED_SERIES = ("reward", "rewards/margins")
+
+
+def logged_series(trainer: Any, lo: int, hi: int) -> list[tuple[str, list[Any]]]:
+    """(metric, values) for each of ``LOGGED_SERIES`` the trainer logged for optimizer steps in ``[lo, hi]``.
+
+    A log at ``state.global_step`` g covers the watch's optimizer step g - 1 (the watch counts from 0).
+    """
+    history = getattr(getattr(trainer, "state", None), "log_history", None) or []
+    rows = [h for h in history if isinstance(h, dict) and isinstance(h.get("step"), int) and lo <= h["step"] - 1 <= hi]
+    return [(name, [h[name] for h in rows if name in h]) for name in LOGGED_SERIES
+            if any(name in h for h in rows)]
+
+
 def _event_dict(event: Any) -> dict:
     # redacted here: the card shown live is as shareable (screenshots, saved widget state) as a report
     return redact(event.to_dict() if hasattr(event, "to_dict") else dict(event))
@@ -196,13 +212,19 @@ class WatchDashboard:
         keep = [i for i, s in enumerate(self.steps) if lo <= s <= hi]
         keep_set = set(keep)
         pick = (lambda seq: [item for i, item in enumerate(seq) if i in keep_set])
-        rows = [("loss", self.loss, False), ("grad norm", self.grad_norm, True)]
+        skipped = pick(self.skipped)
+        # (name, values, log scale, skipped-step marks: None for the trainer's logged series)
+        rows: list[tuple[str, list[Any], bool, list[bool] | None]] = [
+            ("loss", pick(self.loss), False, skipped), ("grad norm", pick(self.grad_norm), True, skipped)]
         if any(v is not None for v in self.loss_scale):
-            rows.append(("loss scale", self.loss_scale, True))
+            rows.append(("loss scale", pick(self.loss_scale), True, skipped))
+        watch = self.watch
+        if watch is not None and getattr(watch, "trainer", None) is not None:
+            rows += [(name, vals, False, None) for name, vals in logged_series(watch.trainer, lo, hi)]
         self.sparks.value = "".join(
             f'<div style="display:inline-block;margin-right:14px"><small>{esc(name)} (last {esc(last_value(vals))})</small><br>'
-            f"{sparkline_svg(pick(vals), log=log, skipped=pick(self.skipped), label=name)}</div>"
-            for name, vals, log in rows
+            f"{sparkline_svg(vals, log=log, skipped=marks, label=name)}</div>"
+            for name, vals, log, marks in rows
         )
         if len(self.event_list.options) != len(self.events):
             self.event_list.options = [(self._event_label(e), i) for i, e in enumerate(self.events)]

@@ -1,0 +1,150 @@
+"""Fixes for runs that stop learning without a NaN: a learning-rate warmup, and finite rewards for
+TRL's GRPO/RLOO reward functions."""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+from ..introspect.trl import TAPPED, plain_reward_functions
+from .registry import Fix, register
+
+
+# ---- add-warmup ------------------------------------------------------------------------------
+def _check_ratio(ratio: Any) -> float:
+    if not (isinstance(ratio, (int, float)) and 0 < ratio < 1):
+        raise ValueError(f"ratio must be a fraction of the training steps between 0 and 1; got {ratio!r}")
+    return float(ratio)
+
+
+def _warmup(target, ratio: float = 0.1, **_):
+    ratio = _check_ratio(ratio)
+    old = getattr(target.args, "warmup_steps", 0) or 0
+    if old:  # a warmup is already there: keep the user's
+        return {}
+    target.args.warmup_steps = ratio  # below 1: a fraction of the training steps (the scheduler is rebuilt by train())
+    return {"args.warmup_steps": f"{old} -> {ratio}"}
+
+
+def _warmup_code(names, ratio: float = 0.1, **_):
+    ratio = _check_ratio(ratio)
+    return f"""# Warm the learning rate up over the first {ratio:.0%} of the steps: the first updates, taken while
+# AdamW's second moments are still tiny, no longer move the weights by a full learning rate each.
+# train() builds its scheduler from the args again, so this takes effect at the next train().
+{names.args}.warmup_steps = {ratio!r}
+"""
+
+
+register(Fix("add-warmup", "Warm the learning rate up",
+             "Set args.warmup_steps to a fraction (default 0.1) of the training steps when there is no warmup.",
+             _warmup, _warmup_code, needs="args"))
+
+
+# ---- finite-rewards --------------------------------------------------------------------------
+def finite_rewards(func, floor: float | None = None):
+    """``func`` with every inf/-inf/NaN reward replaced by ``floor`` (None: TRL leaves that completion
+    out of the function's mean)."""
+    @functools.wraps(func)
+    def reward(*args: Any, **kwargs: Any) -> list:
+        return [v if v is None or math.isfinite(v) else floor for v in func(*args, **kwargs)]
+
+    reward.__nbguard_finite__ = True  # type: ignore[attr-defined]  # applied once
+    return reward
+
+
+def _check_floor(floor: Any) -> float | None:
+    if floor is not None and not (isinstance(floor, (int, float)) and math.isfinite(floor)):
+        raise ValueError(f"floor must be a finite number or None; got {floor!r}")
+    return floor
+
+
+def _finite(target, floor: float | None = None, **_):
+    floor = _check_floor(floor)
+    funcs = getattr(target.trainer, "reward_funcs", None)
+    if not isinstance(funcs, list):
+        raise ValueError("fix 'finite-rewards' needs a TRL trainer with reward functions (GRPOTrainer, RLOOTrainer)")
+    changed = {}
+    for i, name, func in plain_reward_functions(target.trainer):
+        # a watch's tap (which sees what the function returns) stays outermost: the fix goes inside it
+        holder, inner = (func, getattr(func, TAPPED)) if hasattr(func, TAPPED) else (None, func)
+        if getattr(inner, "__nbguard_finite__", False):
+            continue
+        if holder is not None:
+            setattr(holder, TAPPED, finite_rewards(inner, floor))
+        else:
+            funcs[i] = finite_rewards(inner, floor)
+        changed[f"reward_funcs[{i}]"] = f"{name}: non-finite rewards -> {floor!r}"
+    return changed
+
+
+def _finite_code(names, floor: float | None = None, **_):
+    floor = _check_floor(floor)
+    t = names.trainer
+    return f"""# A reward function that returns inf/-inf/NaN (a log-score of no match) makes the group's advantages
+# NaN or flat: loss 0, gradient 0, no error. Replace non-finite rewards by {floor!r}
+# (None: TRL leaves that completion out of the function's mean).
+import functools
+import math
+
+import torch
+
+
+def _finite_rewards(func, floor={floor!r}):
+    @functools.wraps(func)
+    def reward(*args, **kwargs):
+        return [v if v is None or math.isfinite(v) else floor for v in func(*args, **kwargs)]
+    return reward
+
+
+{t}.reward_funcs = [f if isinstance(f, torch.nn.Module) else _finite_rewards(f) for f in {t}.reward_funcs]
+"""
+
+
+register(Fix("finite-rewards", "Replace non-finite rewards",
+             "Wrap each GRPO/RLOO reward function so inf/-inf/NaN rewards become floor (default None: left out).",
+             _finite, _finite_code, needs="trainer"))
+
+
+# ---- disable-dropout -------------------------------------------------------------------------
+def _no_dropout(target, **_):
+    import torch
+
+    changed = {}
+    for name, module in target.model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            changed[f"{name}.p"] = f"{module.p} -> 0"
+            module.p = 0.0
+        # attention layers keep their dropout as a float attribute, which TRL's disable_dropout misses
+        p = getattr(module, "attention_dropout", None)
+        if isinstance(p, float) and p > 0:
+            changed[f"{name}.attention_dropout"] = f"{p} -> 0"
+            module.attention_dropout = 0.0
+    config = getattr(target.model, "config", None)
+    for key in ("attention_dropout", "hidden_dropout", "dropout"):
+        value = getattr(config, key, None)
+        if isinstance(value, float) and value > 0:
+            setattr(config, key, 0.0)
+            changed[f"config.{key}"] = f"{value} -> 0"
+    return changed
+
+
+def _no_dropout_code(names, **_):
+    m = names.model
+    return f"""# RL fine-tuning compares the policy with itself (old/new log-probabilities, or generation vs training):
+# dropout makes two forwards of the same weights differ. Turn it off everywhere, attention included.
+import torch
+
+for _module in {m}.modules():
+    if isinstance(_module, torch.nn.Dropout):
+        _module.p = 0.0
+    if isinstance(getattr(_module, "attention_dropout", None), float):
+        _module.attention_dropout = 0.0
+for _key in ("attention_dropout", "hidden_dropout", "dropout"):
+    if isinstance(getattr({m}.config, _key, None), float):
+        setattr({m}.config, _key, 0.0)
+"""
+
+
+register(Fix("disable-dropout", "Turn dropout off",
+             "Set every nn.Dropout's p and every attention layer's attention_dropout (and the config's) to 0.",
+             _no_dropout, _no_dropout_code, needs="model"))

@@ -1,0 +1,221 @@
+"""Runs that blow up or stop learning without a NaN: a gradient-norm explosion judged against the
+run's own noise, and a dead run (gradient norm exactly 0, or a loss constant to the last digit).
+
+Both read only what the sentinel already read for the step (the per-group gradient norms and the
+loss): no device work, no extra host sync.
+
+Why robust statistics on log scale: gradient norms are multiplicative (a healthy run drifts over
+decades as it memorises), so a ratio to the median alone fires on healthy runs (2.02 at 10.6x the
+median on a 24-layer LoRA run memorising one batch). The run's level is the median of its last few
+log10 norms; its noise is the median absolute change from one step to the next (a run that falls
+steadily over three decades has small steps, not a wide spread). An explosion is far outside that
+noise AND at least ``min_decades`` above the level, so neither a quiet run's small noise nor a noisy
+run's wide swings fire it. A learning rate of 1000 jumps 8-13 decades in one step.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+# One MAD of a normal sample is 0.6745 standard deviations; scaled, it estimates the std robustly.
+MAD_TO_STD = 1.4826
+
+
+@dataclass
+class DivergenceSettings:
+    window: int = 16  # healthy steps the step-to-step noise is taken over
+    level_steps: int = 5  # the run's level: the median of its last this many healthy log norms
+    warmup: int = 1  # healthy steps seen before a step can be judged
+    early_steps: int = 5  # until this many healthy steps, only a jump of early_decades counts
+    early_decades: float = 3.0  # 1000x the level: no healthy run jumps that far, even at its start
+    min_decades: float = 2.0  # with a full baseline, never less than a 100x jump
+    robust_z: float = 6.0  # ... and this many robust standard deviations of the run's own steps
+    dead_after: int = 4  # consecutive dead steps (zero gradient or bit-identical loss) that make an event
+
+
+def log_norm(value: float | None) -> float | None:
+    """log10 of a positive finite norm; None for 0, non-finite or missing (others judge those)."""
+    if value is None or not math.isfinite(value) or value <= 0:
+        return None
+    return math.log10(value)
+
+
+class DivergenceDetector:
+    """Judges each step's total gradient norm against the recent healthy steps (log scale).
+
+    Exploded steps never enter the baseline, so the run is judged against its last good state. One
+    event per explosion: it re-arms once a step is back within bounds.
+    """
+
+    def __init__(self, settings: DivergenceSettings | None = None):
+        self.settings = settings or DivergenceSettings()
+        self.recent: deque[float] = deque(maxlen=self.settings.window)
+        self.recent_loss: deque[float] = deque(maxlen=self.settings.window)
+        # the last healthy steps' per-group norms, raw: logs are taken only when an explosion is named
+        self.group_recent: deque[dict[str, float]] = deque(maxlen=self.settings.level_steps)
+        self.exploding = False
+        self.last_explosion: int | None = None  # the step of the last explosion reported
+
+    def level(self) -> float | None:
+        """The run's recent log10 gradient norm (None before any healthy step)."""
+        if not self.recent:
+            return None
+        return statistics.median(list(self.recent)[-self.settings.level_steps:])
+
+    def threshold(self) -> float | None:
+        """Decades above the level that count as an explosion (None: not enough history)."""
+        s = self.settings
+        if len(self.recent) < s.warmup:
+            return None
+        if len(self.recent) < s.early_steps:
+            return s.early_decades
+        values = list(self.recent)
+        noise = statistics.median(abs(b - a) for a, b in zip(values, values[1:]))
+        return max(s.min_decades, s.robust_z * MAD_TO_STD * noise)
+
+    def update(self, step: int, loss: float | None, total: float, groups: dict[str, float]) -> dict[str, Any] | None:
+        """Evidence for an explosion at ``step``, or None. ``groups``: group name -> gradient norm."""
+        value = log_norm(total)
+        if value is None:
+            return None  # 0 is the dead-run detector's, a non-finite norm the NaN watch's
+        limit, median = self.threshold(), self.level()
+        exploded = limit is not None and median is not None and value - median > limit
+        if not exploded:
+            self._remember(value, loss, groups)
+            self.exploding = False
+            return None
+        if self.exploding:
+            return None  # the same explosion, still going: one event
+        self.exploding, self.last_explosion = True, step
+        assert median is not None and limit is not None
+        loss_median = statistics.median(self.recent_loss) if self.recent_loss else None
+        return {"total_grad_norm": total, "recent_level": 10 ** median, "ratio": 10 ** (value - median),
+                "decades_above_level": value - median, "threshold_decades": limit,
+                "healthy_steps_seen": len(self.recent), "loss": loss, "recent_loss_median": loss_median,
+                "exploded_groups": self._exploded_groups(groups, limit)}
+
+    def _remember(self, value: float, loss: float | None, groups: dict[str, float]) -> None:
+        self.recent.append(value)
+        if loss is not None and math.isfinite(loss):
+            self.recent_loss.append(loss)
+        self.group_recent.append(groups)
+
+    def _exploded_groups(self, groups: dict[str, float], limit: float, most: int = 8) -> list[dict[str, Any]]:
+        """The groups whose own norm jumped past the limit, largest jump first."""
+        jumps = []
+        for name, norm in groups.items():
+            logged = log_norm(norm)
+            seen = [v for v in (log_norm(step.get(name)) for step in self.group_recent) if v is not None]
+            if logged is None or not seen:
+                continue
+            rise = logged - statistics.median(seen)
+            if rise > limit:
+                jumps.append((rise, name, norm))
+        jumps.sort(reverse=True)
+        return [{"group": name, "grad_norm": norm, "ratio": 10 ** rise} for rise, name, norm in jumps[:most]]
+
+
+class DeadRunDetector:
+    """Steps that cannot learn: every gradient exactly 0, or the loss bit-identical to the last step's.
+
+    A learning rate far too high saturates the model in one step (the logits go flat: a loss of
+    ln(vocab) for ever, gradient 0) while AdamW's momentum keeps moving the weights, so the frozen-
+    weights check never fires. A zero loss is left out of the bit-identical test (GRPO logs 0 on
+    every healthy first inner step); ``zero_grad_expected`` leaves zero gradients to a more specific
+    detector (a GRPO step whose groups all have equal rewards has no advantage, so no gradient).
+    """
+
+    def __init__(self, settings: DivergenceSettings | None = None, zero_grad_expected: bool = False):
+        self.settings = settings or DivergenceSettings()
+        self.zero_grad_expected = zero_grad_expected
+        self.streak = 0
+        self.start: int | None = None
+        self.last_loss: float | None = None
+        self.reasons: set[str] = set()
+        self.reported = False
+
+    def update(self, step: int, loss: float | None, total: float | None,
+               explosion_step: int | None = None) -> dict[str, Any] | None:
+        reasons = set()
+        if total == 0.0 and not self.zero_grad_expected:
+            reasons.add("zero-gradient")
+        if loss is not None and math.isfinite(loss) and loss != 0.0 and loss == self.last_loss:
+            reasons.add("constant-loss")
+        self.last_loss = loss
+        if not reasons:
+            self.streak, self.start, self.reasons, self.reported = 0, None, set(), False
+            return None
+        if self.streak == 0:
+            # a bit-identical loss shows on the second step of the stretch: it began on the one before
+            self.start = step - 1 if reasons == {"constant-loss"} else step
+        self.streak += 1
+        self.reasons |= reasons
+        if self.reported or self.streak < self.settings.dead_after:
+            return None
+        self.reported = True
+        evidence: dict[str, Any] = {"dead_since_step": self.start, "steps_dead": step - (self.start or 0) + 1,
+                                    "zero_gradient": "zero-gradient" in self.reasons,
+                                    "constant_loss": loss if "constant-loss" in self.reasons else None,
+                                    "total_grad_norm": total, "loss": loss}
+        if explosion_step is not None:
+            evidence["after_explosion_at_step"] = explosion_step
+        return evidence
+
+
+def dead_run_message(evidence: dict[str, Any]) -> str:
+    what = []
+    if evidence.get("zero_gradient"):
+        what.append("the gradient norm is exactly 0")
+    if evidence.get("constant_loss") is not None:
+        what.append(f"the loss is constant at {evidence['constant_loss']!r}")
+    text = f"the run stopped learning at step {evidence['dead_since_step']}: " + " and ".join(what)
+    text += f" for {evidence['steps_dead']} steps"
+    if evidence.get("after_explosion_at_step") is not None:
+        text += f", after the gradient exploded at step {evidence['after_explosion_at_step']}"
+    return text
+
+
+def divergence_message(evidence: dict[str, Any]) -> str:
+    text = (f"gradient norm exploded to {evidence['total_grad_norm']:.3g}, {evidence['ratio']:.3g}x the run's "
+            f"recent level ({evidence['decades_above_level']:.1f} decades; the run's own noise allows "
+            f"{evidence['threshold_decades']:.1f})")
+    if evidence.get("loss") is not None and evidence.get("recent_loss_median") is not None:
+        text += f"; loss {evidence['loss']:.4g} (recent median {evidence['recent_loss_median']:.4g})"
+    groups = evidence.get("exploded_groups") or []
+    if groups:
+        text += f"; largest jump in {groups[0]['group']}"
+    return text
+
+
+RUN_FIXES = ["lower-learning-rate", "add-warmup", "enable-grad-clipping"]
+
+
+class RunHealth:
+    """Divergence and dead runs over one watch's steps: what the sentinel read, nothing more.
+
+    ``zero_grad_expected`` / ``ln2_expected``: on TRL's RL and preference stacks a zero gradient (a
+    GRPO generation with no reward spread) or a DPO loss at ln 2 are what their own checks explain
+    better, so the dead-run check leaves them to those.
+    """
+
+    def __init__(self, settings: DivergenceSettings | None = None, zero_grad_expected: bool = False,
+                 constant_expected: float | None = None):
+        self.divergence = DivergenceDetector(settings)
+        self.dead = DeadRunDetector(settings, zero_grad_expected=zero_grad_expected)
+        self.constant_expected = constant_expected
+
+    def update(self, step: int, loss: float | None, grad_norms: dict[str, float]) -> list[tuple[str, str, dict]]:
+        total = math.sqrt(sum(v * v for v in grad_norms.values()))
+        found = []
+        exploded = self.divergence.update(step, loss, total, grad_norms)
+        if exploded is not None:
+            found.append(("divergence", divergence_message(exploded), exploded))
+        explained = loss is not None and self.constant_expected is not None and \
+            abs(loss - self.constant_expected) < 1e-6
+        dead = self.dead.update(step, None if explained else loss, total, self.divergence.last_explosion)
+        if dead is not None:
+            found.append(("dead-run", dead_run_message(dead), dead))
+        return found

@@ -1,0 +1,71 @@
+"""The checks for runs that stop learning without a NaN, as one unit the watch drives.
+
+Every run gets the divergence and dead-run checks (:mod:`.divergence`); a TRL RL or preference
+trainer also gets its reward, preference and ratio checks (:mod:`.rl`). The watch calls
+``update`` at each optimizer step's end with what the sentinel read, ``on_log`` with the trainer's
+logged metrics, ``bind``/``unbind`` on attach and detach. Nothing here touches the device.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from ..findings import EVENT_KIND_REGISTRY, Event
+from ..introspect.trl import GENERATING, PREFERENCE, trl_stack
+from .divergence import RUN_FIXES, RunHealth
+from .rl import KIND_FIXES, Found, TRLChecks
+
+# kind -> one line for the reference table of event kinds
+EVENT_KINDS = {kind: EVENT_KIND_REGISTRY[kind].description for kind in (
+    "divergence", "dead-run", "nonfinite-reward", "no-learning-signal", "completions-truncated",
+    "no-preference-signal", "ratio-mismatch")}
+FIXES = {"divergence": RUN_FIXES, "dead-run": RUN_FIXES, **KIND_FIXES}
+# an RL event that explains why the run has no gradient: no generic dead-run event on top of it
+EXPLAINS_DEAD = ("nonfinite-reward", "no-learning-signal", "no-preference-signal")
+
+
+class RunChecks:
+    def __init__(self, trainer: Any, on_error: Callable[[BaseException], None]):
+        stack = trl_stack(trainer) if trainer is not None else None
+        # a GRPO generation with equal rewards, or a DPO pair with equal answers, has a zero gradient
+        # by construction, and a DPO loss at ln 2 is the preference check's: theirs to explain
+        self.health = RunHealth(zero_grad_expected=stack in GENERATING + PREFERENCE,
+                                constant_expected=math.log(2) if stack == "dpo" else None)
+        self.trl = TRLChecks(trainer, on_error) if stack is not None else None
+        self.dead_explained = False
+
+    def bind(self) -> None:
+        if self.trl is not None:
+            self.trl.bind()
+
+    def unbind(self) -> None:
+        if self.trl is not None:
+            self.trl.unbind()
+
+    def update(self, step: int, loss: float | None, grad_norms: dict[str, float]) -> list[Event]:
+        """At the end of optimizer step ``step``: the reward calls made during it, then the step's norms."""
+        found: list[Found] = []
+        if self.trl is not None:
+            found += self.trl.take()
+            self.trl.step = step + 1  # reward calls from now on belong to the next step
+        found += self.health.update(step, loss, grad_norms)
+        return self._events(step, found)
+
+    def on_log(self, step: int, logs: dict[str, Any]) -> list[Event]:
+        """The trainer's logged metrics; ``step`` is the watch's last finished optimizer step."""
+        if self.trl is None:
+            return []
+        return self._events(step, self.trl.on_log(step, logs))
+
+    def _events(self, step: int, found: list[Found]) -> list[Event]:
+        events = []
+        for kind, message, evidence in found:
+            if kind in EXPLAINS_DEAD:
+                self.dead_explained = True
+            if kind == "dead-run" and self.dead_explained:
+                continue
+            at = evidence.get("first_step", step) if kind == "nonfinite-reward" else step
+            evidence["fixes"] = list(FIXES.get(kind, []))  # the same dict: later calls are counted on it
+            events.append(Event(kind, at, message, evidence=evidence))
+        return events

@@ -1,0 +1,144 @@
+"""Issue 20 item 1: divergence and dead runs, judged against the run's own noise, on real runs.
+
+The reproduction: TRL's ``sft.py --learning_rate 1000`` logs loss 1.6e7 / grad norm 7.5e13 at step 2,
+then grad norm 0 and a constant loss for ever. On a tiny Qwen2 the same mechanism gives 2.3e7 / 2.5e8
+at step 2 (watch step 1), then the logits go flat: loss ln(128) = 4.852, gradient exactly 0.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from watch_helpers import train
+
+import nbguard
+from nbguard.testing import TINY_VOCAB, tiny_batch, tiny_llama, tiny_qwen2, word_tokenizer
+
+torch.set_num_threads(1)
+
+
+def sft_trainer(tmp_path, learning_rate: float, steps: int):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    gen = torch.Generator().manual_seed(0)
+    rows = [{"text": " ".join(f"w{i}" for i in torch.randint(3, TINY_VOCAB, (12,), generator=gen).tolist())}
+            for _ in range(64)]
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=steps, logging_steps=1,
+                     report_to="none", use_cpu=True, learning_rate=learning_rate, save_strategy="no", max_length=32,
+                     disable_tqdm=True)
+    return SFTTrainer(model=tiny_qwen2(), args=args, train_dataset=Dataset.from_list(rows),
+                      processing_class=word_tokenizer())
+
+
+def kinds(watch) -> list[str]:
+    return [e.kind for e in watch.events]
+
+
+def test_sft_learning_rate_1000_explodes_then_dies(tmp_path):
+    trainer = sft_trainer(tmp_path, learning_rate=1000.0, steps=10)
+    watch = nbguard.watch(trainer, verify=False)
+    trainer.train()
+    assert kinds(watch) == ["divergence", "dead-run"]
+    diverged, dead = watch.events
+    assert diverged.step == 1 and diverged.evidence["decades_above_level"] > 6
+    assert diverged.evidence["loss"] > 1e6 and diverged.evidence["recent_loss_median"] < 10
+    assert diverged.evidence["exploded_groups"][0]["group"] == "model.embed_tokens"
+    # dead from step 2 on: flat logits, a loss of ln(vocab), gradient exactly 0, named within 4 steps
+    assert dead.step == 5 and dead.evidence["dead_since_step"] == 2 and dead.evidence["after_explosion_at_step"] == 1
+    assert dead.evidence["zero_gradient"] and dead.evidence["constant_loss"] == pytest.approx(math.log(TINY_VOCAB))
+    for event in watch.events:
+        assert event.evidence["fixes"] == ["lower-learning-rate", "add-warmup", "enable-grad-clipping"]
+    assert "step 2" in dead.message and "exploded at step 1" in dead.message
+
+
+def test_healthy_sft_run_stays_quiet(tmp_path):
+    trainer = sft_trainer(tmp_path, learning_rate=1e-3, steps=40)
+    watch = nbguard.watch(trainer, verify=False)
+    trainer.train()
+    assert watch.events == [] and watch.step == 40
+
+
+def memorise(model, lr: float, steps: int):
+    """One repeated batch: the loss falls over decades, and the gradient norm with it."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    watch = nbguard.watch(model, optimizer=opt, verify=False)
+    return watch, [loss.item() for loss in train(model, opt, [tiny_batch(4, 16)] * steps)]
+
+
+def test_a_memorising_run_stays_quiet():
+    watch, losses = memorise(tiny_llama(), lr=1e-2, steps=80)
+    norms = watch.history.to_dict()["total_grad_norm"]
+    assert losses[-1] < 1e-3 < 1 < losses[0] and max(norms) / min(norms) > 1000  # three decades down
+    assert watch.events == []
+
+
+def test_a_memorising_24_layer_lora_run_stays_quiet():
+    base = tiny_llama(num_hidden_layers=24, hidden_size=32, intermediate_size=64)
+    watch, _ = memorise(get_peft_model(base, LoraConfig(r=8, target_modules=["q_proj", "v_proj"])), 0.1, 60)
+    assert watch.events == []
+
+
+def test_plain_loop_divergence_names_the_group():
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    watch = nbguard.watch(model, optimizer=opt, verify=False)
+    for step in range(8):
+        batch = tiny_batch(2, 12, seed=step)
+        loss = model(**batch).loss
+        if step == 5:  # an outlier term in the loss: a huge gradient on one block's MLP alone
+            loss = loss + 1e4 * model.model.layers[1].mlp.down_proj.weight.square().sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    (event,) = [e for e in watch.events if e.kind == "divergence"]
+    assert event.step == 5 and event.evidence["exploded_groups"][0]["group"] == "model.layers.1.mlp"
+    assert len(event.evidence["exploded_groups"]) == 1
+
+
+def test_run_checks_can_be_turned_off(tmp_path):
+    trainer = sft_trainer(tmp_path, learning_rate=1000.0, steps=8)
+    watch = nbguard.watch(trainer, verify=False, run_checks=False)
+    trainer.train()
+    assert watch.events == []  # what the watch saw before: nothing
+    with pytest.raises(TypeError, match="run_checks must be True or False"):
+        nbguard.watch(tiny_llama(), optimizer=torch.optim.SGD(tiny_llama().parameters(), lr=0.1), run_checks="yes")
+
+
+def outlier_run(policy: str, steps: int = 8):
+    """SGD on a tiny Llama; at step 5 an outlier term in the loss puts a huge gradient on one MLP."""
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    watch = nbguard.watch(model, optimizer=opt, verify=False, policy=policy)
+    weights = []
+    for step in range(steps):
+        loss = model(**tiny_batch(2, 12, seed=step)).loss
+        if step == 5:
+            loss = loss + 1e4 * model.model.layers[1].mlp.down_proj.weight.square().sum()
+        loss.backward()
+        weights.append(model.model.layers[1].mlp.down_proj.weight.detach().clone())
+        opt.step()
+        opt.zero_grad()
+        if step == 5:
+            weights.append(model.model.layers[1].mlp.down_proj.weight.detach().clone())
+    return watch, weights
+
+
+def test_skip_drops_the_exploded_update_so_the_weights_stay_the_last_good_ones():
+    watch, weights = outlier_run("skip")
+    (event,) = [e for e in watch.events if e.kind == "divergence"]
+    assert event.step == 5 and event.evidence["update_dropped"] is True
+    assert torch.equal(weights[5], weights[6])  # the step-5 update never reached the weights
+    assert watch.history.to_dict()["skipped_steps"] == [5]
+    warned, warned_weights = outlier_run("warn")
+    assert "update_dropped" not in warned.events[0].evidence
+    assert not torch.allclose(warned_weights[5], warned_weights[6])
+
+
+def test_stop_ends_the_loop_at_the_explosion():
+    from nbguard.errors import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match="nbguard stopped training at step 5: gradient norm exploded"):
+        outlier_run("stop")
