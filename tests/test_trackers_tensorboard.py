@@ -1,0 +1,90 @@
+"""nbguard's scalars and events in TensorBoard event files, read back with TensorBoard's own reader:
+a plain loop (SummaryWriter), accelerate's tensorboard tracker, and a Trainer with report_to."""
+import pytest
+
+pytest.importorskip("tensorboard")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from tensorboard.util import tensor_util  # noqa: E402
+from torch.utils.tensorboard import SummaryWriter  # noqa: E402
+from trackers_helpers import BAD_STEP, assert_matches_history, plain_run, trainer_run  # noqa: E402
+
+
+def _read(logdir):
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def _scalars(acc, prefix: str = "") -> dict[int, dict[str, float]]:
+    """step -> {tag without ``prefix``: value} for every scalar tag under ``prefix + "nbguard/"``."""
+    out: dict[int, dict[str, float]] = {}
+    for tag in acc.Tags()["scalars"]:
+        if tag.startswith(prefix + "nbguard/"):
+            for point in acc.Scalars(tag):
+                out.setdefault(point.step, {})[tag[len(prefix):]] = point.value
+    return out
+
+
+def _texts(acc, tag: str) -> list[tuple[int, str]]:
+    return [(t.step, tensor_util.make_ndarray(t.tensor_proto).item().decode()) for t in acc.Tensors(tag)]
+
+
+def test_plain_loop_healthy_scalars_match_the_watch_history(tmp_path):
+    writer = SummaryWriter(str(tmp_path))
+    watch = plain_run(writer, steps=4)
+    writer.close()
+    acc = _read(tmp_path)
+    assert_matches_history(_scalars(acc), watch)
+    assert all(row["nbguard/skipped_steps"] == 0 and row["nbguard/events"] == 0 for row in _scalars(acc).values())
+    assert "nbguard/events/text_summary" not in acc.Tags()["tensors"]
+
+
+def test_plain_loop_planted_nan_is_a_text_event_and_a_skipped_step(tmp_path):
+    writer = SummaryWriter(str(tmp_path))
+    watch = plain_run(writer, steps=4, bad_step=BAD_STEP, every=10)
+    writer.close()
+    acc = _read(tmp_path)
+    [(step, text)] = _texts(acc, "nbguard/events/text_summary")
+    assert step == BAD_STEP and text.startswith("**nonfinite-grad** at step 2") and "model.layers.1.mlp.act_fn" in text
+    scalars = _scalars(acc)
+    # every=10 logs step 0, and the event's step at once, with its NaN norms and the count
+    assert sorted(scalars) == [0, BAD_STEP]
+    assert scalars[BAD_STEP]["nbguard/events/nonfinite-grad"] == 1 and scalars[BAD_STEP]["nbguard/skipped_steps"] == 1
+    assert scalars[BAD_STEP]["nbguard/total_grad_norm"] != scalars[BAD_STEP]["nbguard/total_grad_norm"]  # NaN
+    assert watch.history.skipped_steps == [BAD_STEP]
+
+
+def test_accelerator_log_carries_the_same_names_and_the_event_text(tmp_path):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
+    accelerator.init_trackers("run")
+    watch = plain_run(accelerator, steps=4, bad_step=BAD_STEP)
+    accelerator.end_training()
+    acc = _read(tmp_path / "run")
+    scalars = _scalars(acc)
+    assert sorted(scalars) == [0, 1, 2, 3]
+    assert scalars[1]["nbguard/loss"] == pytest.approx(watch.history.loss[1], rel=1e-6)
+    assert scalars[BAD_STEP]["nbguard/events"] == 1
+    [(step, text)] = _texts(acc, "nbguard/events/text_summary")
+    assert step == BAD_STEP and "nonfinite-grad" in text
+
+
+def test_trainer_report_to_tensorboard_gets_scalars_event_text_and_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    trainer, watch = trainer_run(["tensorboard"], steps=4, bad_step=BAD_STEP, output_dir=str(tmp_path))
+    acc = _read(tmp_path / "tb")
+    scalars = _scalars(acc, "train/")
+    # the Trainer logs global_step g after watch step g - 1; the healthy steps match the history
+    healthy = [s for s in watch.history.steps if s != BAD_STEP]
+    for step in healthy:
+        row = scalars[step + 1]
+        assert row["nbguard/loss"] == pytest.approx(watch.history.loss[step], rel=1e-6)
+        assert row["nbguard/grad_norm/lm_head"] == pytest.approx(
+            watch.history.grad_norm("lm_head")[step], rel=1e-6)
+    assert scalars[BAD_STEP + 1]["nbguard/events/nonfinite-grad"] == 1
+    [(step, text)] = _texts(acc, "train/nbguard/event/text_summary")
+    assert step == BAD_STEP + 1 and text.startswith("**nonfinite-grad** at step 2")
+    [(_, report)] = _texts(acc, "nbguard/report/text_summary")
+    assert "model.layers.1.mlp.act_fn" in report  # the origin the replay found, in the report
+    assert (tmp_path / "nbguard-report.html").is_file()
