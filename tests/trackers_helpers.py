@@ -79,3 +79,30 @@ def assert_matches_history(logged: dict[int, dict[str, float]], watch, step_offs
         got = logged[step + step_offset]
         for name, value in row.items():
             assert math.isclose(got[name], value, rel_tol=1e-6), (step, name, got[name], value)
+
+
+def wandb_records(path) -> list:
+    """The records of an offline W&B run file (``run-*.wandb``): a 7-byte header, then the LevelDB log
+    format (32 KiB blocks of checksum(4) length(2) type(1) chunks; FULL=1 FIRST=2 MIDDLE=3 LAST=4),
+    each record a ``wandb_internal.Record`` protobuf."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
+    block, records, pending, pos = 32768, [], b"", 7
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        length = int.from_bytes(data[pos + 4:pos + 6], "little")
+        kind = data[pos + 6]
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 0:
+            continue
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
