@@ -6,6 +6,7 @@ pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from tensorboard.util import tensor_util  # noqa: E402
 from torch.utils.tensorboard import SummaryWriter  # noqa: E402
+from notebook_helpers import run, shell  # noqa: E402,F401
 from trackers_helpers import BAD_STEP, assert_matches_history, plain_run, trainer_run  # noqa: E402
 
 
@@ -88,3 +89,17 @@ def test_trainer_report_to_tensorboard_gets_scalars_event_text_and_report(tmp_pa
     [(_, report)] = _texts(acc, "nbguard/report/text_summary")
     assert "model.layers.1.mlp.act_fn" in report  # the origin the replay found, in the report
     assert (tmp_path / "nbguard-report.html").is_file()
+
+
+
+def test_cell_nanwatch_log_to_names_the_writer(shell, tmp_path):
+    shell.user_ns["logdir"] = str(tmp_path)
+    run(shell, "import torch\nfrom torch.utils.tensorboard import SummaryWriter\n"
+               "from nbguard.testing import tiny_llama, tiny_batch\nnet = tiny_llama()\n"
+               "opt = torch.optim.AdamW(net.parameters(), lr=1e-3)\nbatch = tiny_batch()\nwriter = SummaryWriter(logdir)")
+    cell = run(shell, "%%nanwatch net --log-to writer\nfor i in range(2):\n    net(**batch).loss.backward()\n"
+                      "    opt.step()\n    opt.zero_grad()\nwriter.flush()")
+    assert cell.result.success
+    assert sorted(_scalars(_read(tmp_path))) == [0]  # the default rate: every 10th step from step 0
+    bad = run(shell, "%nanwatch net --log-to no_such_writer")
+    assert "no variable named 'no_such_writer'" in bad.stdout + bad.stderr
