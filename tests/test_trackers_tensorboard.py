@@ -3,10 +3,10 @@ a plain loop (SummaryWriter), accelerate's tensorboard tracker, and a Trainer wi
 import pytest
 
 pytest.importorskip("tensorboard")
+from notebook_helpers import run, shell  # noqa: E402,F401
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from tensorboard.util import tensor_util  # noqa: E402
 from torch.utils.tensorboard import SummaryWriter  # noqa: E402
-from notebook_helpers import run, shell  # noqa: E402,F401
 from trackers_helpers import BAD_STEP, assert_matches_history, plain_run, trainer_run  # noqa: E402
 
 

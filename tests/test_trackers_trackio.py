@@ -9,8 +9,8 @@ import pytest
 if "trackio" not in sys.modules:  # trackio reads TRACKIO_DIR once, at import: keep the test's data out of ~/.cache
     os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="nbguard-trackio-"))
 trackio = pytest.importorskip("trackio")
-from trackio.sqlite_storage import SQLiteStorage  # noqa: E402
 from trackers_helpers import BAD_STEP, assert_matches_history, plain_run, trainer_run  # noqa: E402
+from trackio.sqlite_storage import SQLiteStorage  # noqa: E402
 
 
 @pytest.fixture
