@@ -55,6 +55,20 @@ def test_plain_loop_planted_nan_is_a_text_event_and_a_skipped_step(tmp_path):
     assert watch.history.skipped_steps == [BAD_STEP]
 
 
+def test_grad_scaler_loop_logs_loss_scale_and_activation_headroom(tmp_path):
+    import torch
+
+    writer = SummaryWriter(str(tmp_path))
+    watch = plain_run(writer, steps=3, scaler=torch.amp.GradScaler("cpu"), activations=True)
+    writer.close()
+    scalars = _scalars(_read(tmp_path))
+    assert [scalars[s]["nbguard/loss_scale"] for s in (0, 1, 2)] == watch.history.loss_scale
+    history = watch.activation_history
+    for i, step in enumerate(history.steps):  # fp16's limit over the largest activation of the step
+        largest = max(history.absmax(g)[i] for g in history.groups)
+        assert scalars[step]["nbguard/activation_headroom"] == pytest.approx(65504.0 / largest, rel=1e-6)
+
+
 def test_accelerator_log_carries_the_same_names_and_the_event_text(tmp_path):
     from accelerate import Accelerator
 

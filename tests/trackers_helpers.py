@@ -23,15 +23,23 @@ def poisoned_llama():
     return model, act
 
 
-def plain_run(log_to, steps: int = 4, bad_step: int | None = None, every: int = 1):
-    """A plain loop watched with ``log_to``; returns the (detached) watch."""
+def plain_run(log_to, steps: int = 4, bad_step: int | None = None, every: int = 1, scaler=None,
+              activations: bool = False):
+    """A plain loop (with ``scaler``: a GradScaler loop) watched with ``log_to``; returns the (detached) watch."""
     model, act = poisoned_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with nbguard.watch(model, optimizer=opt, policy="skip", verify=False, log_to=log_to, log_every=every) as watch:
+    with nbguard.watch(model, optimizer=opt, scaler=scaler, policy="skip", verify=False, activations=activations,
+                       log_to=log_to, log_every=every) as watch:
         for step, batch in enumerate(batches(steps)):
             act.armed = step == bad_step
-            model(**batch).loss.backward()
-            opt.step()
+            loss = model(**batch).loss
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
             opt.zero_grad(set_to_none=True)
     return watch
 
