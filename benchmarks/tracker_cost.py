@@ -84,7 +84,7 @@ def main(argv=None) -> None:
     per_round = [b / a for a, b in zip(base_times, logged_times)]
     print(f"tracker={args.tracker} clock={args.clock} rounds={args.rounds} (log every 10 steps: "
           f"{len(range(0, args.warmup + args.rounds, 10))} logged steps)")
-    for name, (_m, _o, watch, times) in variants.items():
+    for name, (_m, _o, _watch, times) in variants.items():
         print(f"{name:16s} median {statistics.median(times) * 1e3:8.2f} ms  mean {statistics.fmean(times) * 1e3:8.2f} ms")
     print(f"ratio of medians {statistics.median(logged_times) / statistics.median(base_times):.3f}x; "
           f"median per-round ratio {statistics.median(per_round):.3f}x; "
