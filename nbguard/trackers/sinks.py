@@ -104,6 +104,7 @@ class AccelerateSink:
 
     def __init__(self, accelerator: Any):
         self.accelerator = accelerator
+        self._text_sinks: dict[int, Any] = {}  # id(inner tracker) -> its sink, made once (one alert per run)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         self.accelerator.log(values, step=step)
@@ -111,8 +112,10 @@ class AccelerateSink:
     def event(self, event: Event) -> None:
         for tracker in self.accelerator.trackers:
             inner = getattr(tracker, "tracker", None)  # the tracker library's own writer or run
-            if _kind(inner) in ("tensorboard", "wandb", "mlflow"):
-                sink_for(inner).event(event)
+            if _kind(inner) in ("tensorboard", "wandb", "trackio", "mlflow"):
+                if id(inner) not in self._text_sinks:
+                    self._text_sinks[id(inner)] = sink_for(inner)
+                self._text_sinks[id(inner)].event(event)
 
 
 _SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink, "trackio": TrackioSink, "mlflow": MlflowSink,
