@@ -117,3 +117,25 @@ def test_cell_nanwatch_log_to_names_the_writer(shell, tmp_path):
     assert sorted(_scalars(_read(tmp_path))) == [0]  # the default rate: every 10th step from step 0
     bad = run(shell, "%nanwatch net --log-to no_such_writer")
     assert "no variable named 'no_such_writer'" in bad.stdout + bad.stderr
+
+
+def test_trl_sft_trainer_report_to_tensorboard_matches_the_history(tmp_path, monkeypatch):
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from data_helpers import word_tokenizer
+
+    import nbguard
+    from nbguard.testing import tiny_llama
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    texts = [" ".join(f"w{3 + (i * 7 + j) % 100}" for j in range(10)) for i in range(8)]
+    config = trl.SFTConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, use_cpu=True,
+                           report_to=["tensorboard"], save_strategy="no", logging_steps=1, disable_tqdm=True,
+                           max_length=16)
+    trainer = trl.SFTTrainer(model=tiny_llama(), args=config, processing_class=word_tokenizer(),
+                             train_dataset=datasets.Dataset.from_dict({"text": texts}))
+    watch = nbguard.watch(trainer, verify=False, log_to="report_to")
+    trainer.train()
+    watch.detach()
+    # the Trainer logs global_step g after the watch's step g - 1
+    assert_matches_history(_scalars(_read(tmp_path / "tb"), "train/"), watch, step_offset=1)
