@@ -18,6 +18,7 @@ def offline(tmp_path, monkeypatch):
 
 
 def _records(root):
+    wandb.teardown()  # stops W&B's service process: only then is the run file written out whole
     [path] = root.glob("wandb/offline-run-*/run-*.wandb")
     records = wandb_records(path)
     kinds: dict[str, list] = {}
