@@ -27,12 +27,13 @@ def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, pro
 
 
 def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, activations=False, verify=True,
-          log_to=None, log_every=10):
+          detectors=(), log_to=None, log_every=10):
     """Attach a NaN/Inf watch to a model (with its optimizer) or a Trainer; returns a ``NanWatch``.
 
     ``activations=True`` also records each module group's output abs-max per step (fp16 headroom).
     ``verify=True`` runs the fixes of the first localised NaN/Inf on a shadow of its step (at most
-    about 3 step times); ``verify=False`` turns that off.
+    about 3 step times); ``verify=False`` turns that off. ``detectors=[...]`` adds your own
+    :class:`nbguard.watcher.Detector` instances (docs/guides/detectors.md).
     ``log_to`` sends the per-group gradient norms, loss scale, skipped steps and events to a tracker
     (a SummaryWriter, a wandb/trackio/MLflow run, an accelerate.Accelerator) every ``log_every``
     steps, events at once; ``log_to="report_to"`` adds them to a Trainer's own logs.
@@ -43,7 +44,7 @@ def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, 
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be True or False, got {type(verify).__name__}")
     watch = NanWatch(target, optimizer=optimizer, scaler=scaler, policy=policy, localize=localize,
-                     activations=activations, verifier=auto_verify if verify else None)
+                     activations=activations, verifier=auto_verify if verify else None, detectors=detectors)
     if log_to is not None:  # checked before attaching: a bad log_to leaves no hooks behind
         from .trackers import connect
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from .document import (
     CAUSES,
+    EVENT_KIND_REGISTRY,
     EVENT_KINDS,
     MIME_TYPE,
     SCHEMA_VERSION,
     Event,
+    EventKind,
     Finding,
     Origin,
     Severity,
@@ -18,10 +20,11 @@ from .document import (
     document,
     encode_float,
     jsonable,
+    register_event_kind,
 )
 from .render.displayable import Displayable
 
 __all__ = [
-    "CAUSES", "EVENT_KINDS", "MIME_TYPE", "SCHEMA_VERSION", "Displayable", "Event", "Finding", "Origin",
-    "Severity", "decode_float", "document", "encode_float", "jsonable",
+    "CAUSES", "EVENT_KIND_REGISTRY", "EVENT_KINDS", "MIME_TYPE", "SCHEMA_VERSION", "Displayable", "Event", "EventKind", "Finding", "Origin",
+    "Severity", "decode_float", "document", "register_event_kind", "encode_float", "jsonable",
 ]

@@ -15,19 +15,22 @@ from __future__ import annotations
 from .codec import as_float, check_json, decode_float, encode_document, encode_float, jsonable, pretty_json
 from .model import (
     CAUSES,
+    EVENT_KIND_REGISTRY,
     EVENT_KINDS,
     MIME_TYPE,
     SCHEMA_VERSION,
     Event,
+    EventKind,
     Finding,
     Origin,
     Severity,
     __version__,
     document,
+    register_event_kind,
 )
 
 __all__ = [
-    "CAUSES", "EVENT_KINDS", "MIME_TYPE", "SCHEMA_VERSION", "Event", "Finding", "Origin", "Severity",
-    "__version__", "as_float", "check_json", "decode_float", "document", "encode_document", "encode_float",
+    "CAUSES", "EVENT_KIND_REGISTRY", "EVENT_KINDS", "MIME_TYPE", "SCHEMA_VERSION", "Event", "EventKind", "Finding", "Origin", "Severity",
+    "__version__", "as_float", "check_json", "decode_float", "document", "register_event_kind", "encode_document", "encode_float",
     "jsonable", "pretty_json",
 ]

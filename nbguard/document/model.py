@@ -6,7 +6,7 @@ This package is the bottom layer of nbguard: it imports nothing else from nbguar
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -89,17 +89,71 @@ class Origin:
         return cls(**kwargs)
 
 
-EVENT_KINDS = (
-    "nonfinite-loss",
-    "nonfinite-grad",
-    "skipped-steps",
-    "scaler-skip",  # one per step the GradScaler skipped; evidence.streak_start folds a streak for display
-    "frozen-params",
-    "frozen-eval-loss",
-    "grad-spike",
-    "few-supervised-tokens",
-    "watch-error",
-)
+@dataclass(frozen=True)
+class EventKind:
+    """One registered event kind: what it means (one line) and the evidence keys it carries."""
+
+    kind: str
+    description: str
+    evidence: tuple[str, ...] = ()
+
+
+# The one registry of event kinds: Event validation, the schema, the docs and the views read it.
+EVENT_KIND_REGISTRY: dict[str, EventKind] = {}
+
+
+def register_event_kind(kind: str, description: str, evidence: tuple[str, ...] | list[str] = ()) -> EventKind:
+    """Register an event kind once (a detector's module does it at import). Registering the same
+    kind again with the same description is a no-op; a different one is an error."""
+    if not isinstance(kind, str) or not kind or kind != kind.strip().lower() or " " in kind:
+        raise ValueError(f"event kind must be a short lower-case name like 'grad-spike', got {kind!r}")
+    if not isinstance(description, str) or not description.strip():
+        raise ValueError(f"register_event_kind({kind!r}): description must be a one-line sentence")
+    entry = EventKind(kind, description.strip(), tuple(evidence))
+    known = EVENT_KIND_REGISTRY.get(kind)
+    if known is not None and known.description != entry.description:
+        raise ValueError(f"event kind {kind!r} is already registered as {known.description!r}")
+    EVENT_KIND_REGISTRY[kind] = entry
+    return entry
+
+
+class _KindNames(Sequence[str]):
+    """``EVENT_KINDS``: the registered kinds' names, live (kinds registered later appear)."""
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return tuple(EVENT_KIND_REGISTRY)[index]
+
+    def __len__(self) -> int:
+        return len(EVENT_KIND_REGISTRY)
+
+    def __contains__(self, kind: object) -> bool:
+        return kind in EVENT_KIND_REGISTRY
+
+    def __repr__(self) -> str:
+        return repr(tuple(EVENT_KIND_REGISTRY))
+
+
+EVENT_KINDS: Sequence[str] = _KindNames()
+
+for _kind, _description, _evidence in (
+    ("nonfinite-loss", "the step's loss is NaN/Inf", ("loss", "total_grad_norm", "nonfinite_groups")),
+    ("nonfinite-grad", "a gradient is NaN/Inf while the loss is finite", ("loss", "total_grad_norm",
+                                                                          "nonfinite_groups")),
+    ("skipped-steps", "the GradScaler skipped many optimizer steps in a row or its scale collapsed",
+     ("consecutive_skipped", "skipped_total", "streak_start", "scale_trend", "scale_collapsed")),
+    ("scaler-skip", "the GradScaler skipped this step (evidence.streak_start folds a streak for display)",
+     ("streak_start", "loss_scale")),
+    ("frozen-params", "trainable weights stayed bit-identical over many optimizer steps",
+     ("unchanged_since_step", "checked_at_step", "steps_unchanged")),
+    ("frozen-eval-loss", "the eval loss is bit-identical across evaluations", ("eval_loss", "evaluations")),
+    ("grad-spike", "the total gradient norm spiked far above its recent median",
+     ("total_grad_norm", "recent_median", "ratio", "largest_group")),
+    ("few-supervised-tokens", "a micro-batch's loss rests on few (or no) supervised tokens",
+     ("micro_batch", "supervised_tokens", "recent_median", "occurrences", "steps")),
+    ("watch-error", "nbguard's own watch failed and stepped aside; training went on", ("exception",)),
+):
+    register_event_kind(_kind, _description, _evidence)
+
 CAUSES = (
     "overflow",
     "invalid-op",
@@ -124,7 +178,8 @@ class Event:
 
     def __post_init__(self) -> None:
         if self.kind not in EVENT_KINDS:
-            raise ValueError(f"unknown event kind {self.kind!r}; expected one of {EVENT_KINDS}")
+            raise ValueError(f"unknown event kind {self.kind!r}; expected one of {EVENT_KINDS} "
+                             f"(a new kind is registered with register_event_kind)")
         if self.cause is not None and self.cause not in CAUSES:
             raise ValueError(f"unknown cause {self.cause!r}; expected one of {CAUSES} or None")
 

@@ -66,8 +66,8 @@ def _kept_step(event: Any, watch: Any = None) -> tuple[Any, CapturedStep | None]
     """(the watch, the step it kept for ``event``), searching this session's watches when none is given."""
     watches = [watch] if watch is not None else list(SESSION.watches)
     for w in watches:
-        kept = getattr(w, "_kept_step", None)
-        if kept is not None and kept[0] is event:
+        kept = w.captured_step(event)
+        if kept is not None:
             return w, kept[1]
     return watch, None
 
@@ -121,13 +121,13 @@ def auto_verify(watch: Any, event: Any) -> None:
 
     Never raises: a failure is recorded on the event as ``verification_error``.
     """
-    if getattr(watch, "_kept_step", None) is not None:
+    if watch.captured_step(None) is not None:
         return
-    if event.kind not in VERIFIABLE_KINDS or event.cause not in CAUSE_FIXES or not watch._micro_batches:
+    if event.kind not in VERIFIABLE_KINDS or event.cause not in CAUSE_FIXES or not watch.micro_batches:
         return
     try:
-        step = step_from_event(event, watch.model, watch._micro_batches)
-        watch._kept_step = (event, step)
+        step = step_from_event(event, watch.model, list(watch.micro_batches))
+        watch.keep_step(event, step)
         candidates = for_event(event, step)
         names = {"trainer": "trainer"} if watch.trainer is not None else {"model": "model"}
         result = verify_step(step, candidates, _subject_of_event(event), max_step_runs=AUTO_MAX_STEP_RUNS,

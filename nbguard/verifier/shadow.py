@@ -100,14 +100,10 @@ def quiet_watches(model: torch.nn.Module) -> Iterator[None]:
     eager = unwrap_compiled(model)[0]
     alive = [ref() for ref in list(_ATTACHED.values())]  # the map holds weak references to the watches
     watches = [w for w in alive if w is not None and unwrap_compiled(w.model)[0] is eager]
-    saved = [(w, w._replaying, w._collector.enabled) for w in watches]
-    for w in watches:
-        w._replaying, w._collector.enabled = True, False
-    try:
+    with contextlib.ExitStack() as stack:
+        for w in watches:
+            stack.enter_context(w.paused())
         yield
-    finally:
-        for w, replaying, enabled in saved:
-            w._replaying, w._collector.enabled = replaying, enabled
 
 
 @contextlib.contextmanager

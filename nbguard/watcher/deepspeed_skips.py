@@ -81,7 +81,7 @@ class DeepSpeedSkips(logging.Handler):
             evidence = self.streak.update(True, scale)
             if evidence is not None:
                 evidence.update({"source": "deepspeed", "loss_scale": scale, "message": record.getMessage()})
-                self.watch._emit(Event("skipped-steps", self.watch.step,
+                self.watch.emit(Event("skipped-steps", self.watch.step,
                                        f"DeepSpeed skipped {evidence['consecutive_skipped']} optimizer steps in a row "
                                        f"(loss scale down to {scale})", evidence=evidence))
         except Exception:  # a logging handler must never break the user's run

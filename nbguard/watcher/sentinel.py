@@ -31,7 +31,7 @@ class StepStats:
     fingerprint: list[float] | None
     found_inf: float | None = None  # the GradScaler's verdict, when one is used
     activations: list[float] | None = None  # per probed group output abs-max (NOT_SEEN: no forward)
-    extra: list[float] | None = None  # scalars other detectors asked to ride along (supervised-token counts)
+    extra: list[float] | None = None  # the detectors' scalars, flattened (pipeline.DetectorBoard splits them)
     exchanged: list[float] | None = None  # across ranks: what the step's one collective returned
 
     @property
@@ -147,9 +147,11 @@ class GradNormCollector:
             parts.append(acts)
         if with_fingerprint:
             parts.append(self.fingerprint().to(device))
-        n_extra = len(extra) if extra else 0
+        n_extra = 0
         if extra:
-            parts.append(torch.stack([t.detach().float().reshape(()).to(device) for t in extra]))
+            flat = torch.cat([t.detach().float().reshape(-1).to(device) for t in extra])
+            n_extra = flat.numel()
+            parts.append(flat)
         if n_exchanged:
             parts.append(shared)
         values = torch.cat(parts).tolist()  # the one host sync of the step

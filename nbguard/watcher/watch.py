@@ -1,6 +1,8 @@
 """``NanWatch``: the per-step NaN/Inf watch, its events, history and policies."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import math
 import sys
@@ -9,7 +11,7 @@ import traceback
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -19,15 +21,16 @@ from ..errors import NonFiniteError
 from ..findings import Displayable, Event, document
 from . import distributed as ranks
 from .activations import FP16_LIMIT, ActivationProbe, host_values
+from .builtin import builtin_detectors
 from .capture import MicroBatch, capture_autocast, capture_rng, model_loss
-from .detectors import EvalLossDetector, FrozenDetector, SkipStreak, SpikeDetector, WatchSettings
+from .detectors import SkipStreak, WatchSettings
 from .guard import guarded_call, watch_hook
 from .history import ActivationHistory, GradHistory
 from .integrations.loop import OptimizerBinding, ScalerBinding, unwrap_optimizer
+from .pipeline import Detector, DetectorBoard, StepView
 from .policies import check_policy, drop_update
 from .replay import Replayer
 from .sentinel import GradNormCollector, StepStats
-from .supervision import FewTokensDetector
 
 Listener = Callable[["NanWatch", str, Any], None]
 
@@ -81,7 +84,10 @@ class NanWatch(Displayable):
 
     def __init__(self, target, *, optimizer=None, scaler=None, policy: str = "warn", localize: bool = True,
                  settings: WatchSettings | None = None, activations: bool = False,
-                 verifier: Callable[[NanWatch, Event], None] | None = None):
+                 verifier: Callable[[NanWatch, Event], None] | None = None,
+                 detectors: list[Detector] | tuple[Detector, ...] = ()):
+        if not isinstance(detectors, (list, tuple)):
+            raise TypeError(f"detectors must be a list of Detector instances, got {type(detectors).__name__}")
         if not isinstance(activations, bool):
             raise TypeError(f"activations must be True or False, got {type(activations).__name__}")
         if verifier is not None and not callable(verifier):
@@ -150,11 +156,7 @@ class NanWatch(Displayable):
         self._replaying = False
         self._bad_streak = 0
         self._skips = SkipStreak(self.settings)
-        self._spike = SpikeDetector(self.settings)
-        self._frozen = FrozenDetector(self.settings)
-        self._eval = EvalLossDetector(self.settings)
-        self._few_tokens = FewTokensDetector()
-        self._few_tokens_event: Event | None = None
+        self._board = DetectorBoard(builtin_detectors(self.settings) + list(detectors))
         self._micro_batches: list[MicroBatch] = []
         self._losses: list[torch.Tensor] = []
         self._stats: StepStats | None = None
@@ -340,15 +342,62 @@ class NanWatch(Displayable):
             self.scaler = scaler
             self._scaler_binding = ScalerBinding(scaler, self._before_scaler_update, self._after_scaler_update)
 
+    def record_eval_loss(self, eval_loss: float, global_step: int | None = None) -> None:
+        """An evaluation's loss (a plain loop's evaluation): as if the trainer had logged it."""
+        self.record_log({"eval_loss": float(eval_loss)})
+
     @watch_hook(safe=False)
-    def record_eval_loss(self, eval_loss: float, global_step: int) -> None:
-        """An evaluation's loss: bit-identical repeats mean the weights are not changing."""
-        found = self._eval.update(float(eval_loss))
-        if found is not None:
-            found["global_step"] = global_step
-            self._emit(Event("frozen-eval-loss", max(self.step - 1, 0),
-                             f"eval loss is bit-identical across {found['evaluations']} evaluations "
-                             f"({eval_loss!r}): the weights are not changing", evidence=found))
+    def record_log(self, logs: dict[str, Any]) -> None:
+        """The trainer logged metrics after a step (``Trainer.log``): every detector's ``on_log``."""
+        step = max(self.step - 1, 0)  # the optimizer step the metrics are about
+        for detector in self._board.detectors:
+            for event in detector.on_log(step, dict(logs)):
+                self._emit(event)
+
+    # ---- detectors and the public interface integrations use ------------------------------------
+    @property
+    def detectors(self) -> list[Detector]:
+        return list(self._board.detectors)
+
+    def add_detector(self, detector: Detector) -> Detector:
+        """Add a detector (see :class:`nbguard.watcher.Detector`); it judges from the next step on."""
+        self._board.add(detector)
+        return detector
+
+    def emit(self, event: Event) -> None:
+        """Record an event (an integration's own, e.g. DeepSpeed's skipped steps): listeners see it."""
+        if not isinstance(event, Event):
+            raise TypeError(f"emit(event) takes an nbguard Event, got {type(event).__name__}")
+        self._emit(event)
+
+    def weight_fingerprint(self) -> torch.Tensor:
+        """Per-group sum of the trainable weights' norms, on the device (bit-identical only if they are)."""
+        return self._collector.fingerprint()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forward/backward passes inside are not the user's training (a replay, a shadow step):
+        no micro-batch capture, no gradient norms. Nests, and restores on any exception."""
+        saved = self._replaying, self._collector.enabled
+        self._replaying, self._collector.enabled = True, False
+        try:
+            yield
+        finally:
+            self._replaying, self._collector.enabled = saved
+
+    def captured_step(self, event: Event | None) -> tuple[Event, Any] | None:
+        """The (event, CapturedStep) kept for ``nbguard.verify(event)`` (``event=None``: whichever is kept), else None."""
+        kept = self._kept_step
+        return kept if kept is not None and (event is None or kept[0] is event) else None
+
+    def keep_step(self, event: Event, step: Any) -> None:
+        """Keep ``step`` (a CapturedStep built from this step's micro-batches) for ``verify(event)``."""
+        self._kept_step = (event, step)
+
+    @property
+    def micro_batches(self) -> tuple[MicroBatch, ...]:
+        """This step's captured training micro-batches (read-only)."""
+        return tuple(self._micro_batches)
 
     def end_training(self) -> None:
         """The loop ended: drop every reference to the unfinished step's batches."""
@@ -419,7 +468,8 @@ class NanWatch(Displayable):
         self._micro_batches.append(
             MicroBatch(len(self._micro_batches), args, dict(kwargs), capture_rng(), capture_autocast(),
                        trainer_labels=trainer_labels))
-        self._few_tokens.capture(self._micro_batches[-1].index, self._micro_batches[-1].labels())
+        for detector in self._board.detectors:
+            detector.on_micro_batch(self._micro_batches[-1])
 
     @watch_hook(safe=False)
     def _root_post(self, module, args, kwargs, output):
@@ -446,10 +496,10 @@ class NanWatch(Displayable):
             found_inf = binding.found_inf() if binding is not None and binding.enabled else None
             # Trainer passes num_items_in_batch: each micro-batch loss is then a share of the step's loss
             shares = any("num_items_in_batch" in mb.kwargs for mb in self._micro_batches)
-            self._stats = self._collector.read(self._losses, scale, self._frozen.due(self.step), sum_losses=shares,
+            self._stats = self._collector.read(self._losses, scale, False, sum_losses=shares,
                                                found_inf=found_inf,
                                                activations=self._probe.values if self._probe is not None else None,
-                                               extra=self._few_tokens.pending(),
+                                               extra=self._board.collect(self),
                                                exchange=self._ranks.exchange if self._ranks is not None else None)
             if self._ranks is not None:
                 self._verdict = self._ranks.settle(self._stats)
@@ -552,7 +602,6 @@ class NanWatch(Displayable):
         if self.activation_history is not None and stats.activations is not None:
             activations = host_values(stats.activations)
             self.activation_history.append(step, activations)
-        self._check_few_tokens(step, stats)
         stop_event = None
         if self._scaler_binding is not None:
             if scaler_skipped:
@@ -563,19 +612,11 @@ class NanWatch(Displayable):
                 self._emit(event, agreed=self._ranks is not None)
                 if self.policy == "stop":
                     stop_event = event
-        if not skipped:
-            spike = self._spike.update(stats.total_grad_norm)
-            if spike is not None:
-                ratios = sorted(zip(self.history.groups, stats.grad_norm), key=lambda gv: -gv[1])
-                spike["largest_group"] = ratios[0][0] if ratios else None
-                self._emit(Event("grad-spike", step, f"gradient norm spiked: "
-                                 f"{spike['total_grad_norm']:.3g}, {spike['ratio']:.1f}x the recent median",
-                                 evidence=spike))
-        if stats.fingerprint is not None:
-            frozen = self._frozen.update(step, stats.fingerprint)
-            if frozen is not None:
-                self._emit(Event("frozen-params", step, f"trainable weights have not changed for "
-                                 f"{frozen['steps_unchanged']} optimizer steps", evidence=frozen))
+        view = StepView(step, tuple(self.history.groups), tuple(stats.grad_norm), stats.loss, stats.loss_scale,
+                        skipped, history=self.history)
+        for detector, scalars in zip(self._board.detectors, self._board.split(stats.extra)):
+            for event in detector.update(dataclasses.replace(view, scalars=scalars)):
+                self._emit(event)
         self.step += 1
         payload: dict[str, Any] = {"step": step, "loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
                    "loss_scale": stats.loss_scale, "skipped": skipped,
@@ -587,25 +628,6 @@ class NanWatch(Displayable):
         if stop_event is not None:
             self._stop(stop_event, step_ended=True)
 
-    def _check_few_tokens(self, step: int, stats: StepStats) -> None:
-        """One event for the first micro-batch built on few supervised tokens; later ones are counted on it."""
-        found = self._few_tokens.update(stats.extra)
-        if found is None or (found["supervised_tokens"] == 0 and not stats.loss_finite):
-            return  # a 0/0 loss is already a non-finite event with cause no-supervised-tokens
-        if self._few_tokens_event is not None:
-            evidence = self._few_tokens_event.evidence
-            evidence["occurrences"] += 1
-            if len(evidence["steps"]) < self._few_tokens.settings.max_steps_listed:
-                evidence["steps"].append(step)
-            return
-        median = found["recent_median"]
-        found.update(occurrences=1, steps=[step])
-        self._few_tokens_event = Event(
-            "few-supervised-tokens", step,
-            f"micro-batch {found['micro_batch']}'s loss is built on {found['supervised_tokens']} supervised token(s)"
-            + (f" (recent median {median:g})" if median is not None else ""), evidence=found)
-        self._emit(self._few_tokens_event)
-
     def _release_step(self) -> None:
         """Drop every reference to this step's batches and output gradients."""
         self._micro_batches = []
@@ -614,7 +636,9 @@ class NanWatch(Displayable):
         self._optimizer_stepped = False
         self._step_dropped = False
         self._collector.reset()
-        self._few_tokens.reset()
+        board: DetectorBoard | None = getattr(self, "_board", None)
+        if board is not None:
+            board.reset_step()
         if self._probe is not None:
             self._probe.reset()
         sync: ranks.RankSync | None = getattr(self, "_ranks", None)
@@ -699,11 +723,8 @@ class NanWatch(Displayable):
     def _replay(self):
         if self._replayer is None:
             self._replayer = Replayer(self.model)
-        self._replaying, self._collector.enabled = True, False
-        try:
+        with self.paused():
             return self._replayer.run(self._micro_batches)
-        finally:
-            self._replaying, self._collector.enabled = False, True
 
     def _message(self, kind: str, cause, origins, evidence) -> str:
         what = {

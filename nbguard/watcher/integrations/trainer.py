@@ -48,7 +48,7 @@ class LabelsTap:
 
 class WatchCallback(TrainerCallback):
     """Drives the watch through its public interface (``begin_training``, ``bind_trainer_step``,
-    ``stop_requested``, ``record_eval_loss``, ``end_training``); each of those is guarded."""
+    ``stop_requested``, ``record_log``, ``end_training``); each of those is guarded."""
 
     def __init__(self, watch):
         self.watch = watch
@@ -64,9 +64,10 @@ class WatchCallback(TrainerCallback):
             control.should_training_stop = True
         return control
 
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        if metrics and "eval_loss" in metrics:
-            self.watch.record_eval_loss(float(metrics["eval_loss"]), state.global_step)
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # TRL's GRPO/DPO metrics and evaluate()'s eval_loss all arrive here, after the step
+        if logs:
+            self.watch.record_log(logs)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.watch.end_training()
