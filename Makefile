@@ -25,7 +25,7 @@ $(VENV)/.stamp: pyproject.toml
 	$(VENV)/bin/pip install $(PIP_QUIET) --upgrade pip
 	$(VENV)/bin/pip install $(PIP_QUIET) $(TORCH)
 	# pip builds the lab extension through hatch-jupyter-builder: needs node and npm on PATH.
-	$(VENV)/bin/pip install $(PIP_QUIET) -e ".[hf,test,browser]"
+	$(VENV)/bin/pip install $(PIP_QUIET) -e ".[hf,test,browser,trackers]"
 	touch $@
 
 # The Colab lane: the versions a Colab GPU runtime ships, held by a constraints file.

@@ -27,7 +27,7 @@ def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, pro
 
 
 def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, activations=False, verify=True,
-          detectors=(), run_checks=True):
+          detectors=(), run_checks=True, log_to=None, log_every=10):
     """Attach a NaN/Inf watch to a model (with its optimizer) or a Trainer; returns a ``NanWatch``.
 
     ``activations=True`` also records each module group's output abs-max per step (fp16 headroom).
@@ -36,15 +36,23 @@ def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, 
     :class:`nbguard.watcher.Detector` instances (docs/guides/detectors.md). ``run_checks=True`` adds the
     checks for runs that stop learning without a NaN: divergence, dead runs, and TRL's rewards and
     preference signals.
+    ``log_to`` sends the per-group gradient norms, loss scale, skipped steps and events to a tracker
+    (a SummaryWriter, a wandb/trackio/MLflow run, an accelerate.Accelerator) every ``log_every``
+    steps, events at once; ``log_to="report_to"`` adds them to a Trainer's own logs.
     """
     from .verifier import auto_verify
     from .watcher import NanWatch
 
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be True or False, got {type(verify).__name__}")
-    return NanWatch(target, optimizer=optimizer, scaler=scaler, policy=policy, localize=localize,
-                    activations=activations, verifier=auto_verify if verify else None,
-                    detectors=detectors, run_checks=run_checks).attach()
+    watch = NanWatch(target, optimizer=optimizer, scaler=scaler, policy=policy, localize=localize,
+                     activations=activations, verifier=auto_verify if verify else None, detectors=detectors,
+                     run_checks=run_checks)
+    if log_to is not None:  # checked before attaching: a bad log_to leaves no hooks behind
+        from .trackers import connect
+
+        connect(watch, log_to, every=log_every)
+    return watch.attach()
 
 
 def verify(subject, fix_id=None, **kwargs):
