@@ -116,7 +116,7 @@ def rules_page() -> str:
              "`nbguard.audit(...)` and `%precision_check` run every rule below; each finding names its rule, "
              "its severity and the fixes to try. Generated from `nbguard.auditor.registry.RULES`.", ""]
     for rule in sorted(RULES.values(), key=lambda r: ({"error": 0, "warning": 1}.get(r.severity.value, 2), r.id)):
-        lines += [f"## {rule.id}", "", f"**Severity:** {rule.severity.value}  ", 
+        lines += [f"## {rule.id}", "", f"**Severity:** {rule.severity.value}  ",
                   f"**Fixes:** {_fix_links(_fix_ids_named_in(rule.check, FIXES))}", "",
                   _require("audit rule", rule.id, rule.description), ""]
     return "\n".join(lines)
