@@ -114,7 +114,9 @@ def rules_page() -> str:
 
     lines = ["# Audit rules", "",
              "`nbguard.audit(...)` and `%precision_check` run every rule below; each finding names its rule, "
-             "its severity and the fixes to try. Generated from `nbguard.auditor.registry.RULES`.", ""]
+             "its severity and the fixes to try. Generated from `nbguard.auditor.registry.RULES`; the fixes listed "
+             "are those the rule's own code names (a finding may add others its helpers choose for your setup).",
+             ""]
     for rule in sorted(RULES.values(), key=lambda r: ({"error": 0, "warning": 1}.get(r.severity.value, 2), r.id)):
         lines += [f"## {rule.id}", "", f"**Severity:** {rule.severity.value}  ",
                   f"**Fixes:** {_fix_links(_fix_ids_named_in(rule.check, FIXES))}", "",
