@@ -2,8 +2,9 @@
 screen of its report both show the turn, read from the pixels of the screenshots (saved to
 test-artifacts/browser/ for a person to look at).
 
-A "turn" is a row of the heatmap where a run of healthy colours (the viridis scale of grad norms) is
-followed, to its right, by a run of the NaN colour: steps 0-3 healthy, steps 4-7 non-finite.
+A "turn" is a row of pixels where a run of healthy colours (the heatmap's viridis scale of grad norms,
+or the palette's "good" colour) is followed, to its right, by a run of the NaN colour: steps 0-3
+healthy, steps 4-7 non-finite.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from browser.lab_helpers import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, REPO_ROOT
-from nbguard.document.palette import NAN_COLOR, SCALE
+from nbguard.document.palette import GOOD_COLOR, NAN_COLOR, SCALE
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -28,13 +29,14 @@ def _rgb(color: str) -> tuple[int, int, int]:
 
 
 def _scale_samples(steps_between: int = 16):
-    """The heatmap's colour ramp, sampled between its stops (cells take any colour along it)."""
+    """The healthy colours: the heatmap's ramp, sampled between its stops (cells take any colour along
+    it), and the palette's "good" colour (a view may mark healthy steps with it instead)."""
     import numpy as np
 
     stops = np.array([_rgb(c) for c in SCALE], dtype=float)
     t = np.linspace(0, 1, steps_between, endpoint=False)[:, None]
     samples = [a + (b - a) * t for a, b in zip(stops, stops[1:])]
-    return np.concatenate(samples + [stops[-1:]])
+    return np.concatenate(samples + [stops[-1:], np.array([_rgb(GOOD_COLOR)], dtype=float)])
 
 
 def _labels(png: bytes, tolerance: float = 14.0):
