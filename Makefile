@@ -1,6 +1,8 @@
 # Everything a fresh machine (Python 3.11, no GPU) needs, from two commands:
 #   make demo   run the quickstart notebook headless; executed copies and reports land in build/
-#   make test   every test lane: current releases, the Colab profile, transformers 4.50
+#   make test   every test lane: current releases (the docs build and the wheel check included), the Colab
+#               profile, transformers 4.50
+# Also: make docs (the site, strictly, into build/site/), make wheel (dist/, with the prebuilt Lab extension).
 SHELL := /bin/bash
 PYTHON ?= python3
 SHARED ?= ../shared
@@ -16,7 +18,7 @@ VENV := .venv
 COLAB_VENV := .venv-colab
 TF450_VENV := .venv-tf450
 
-.PHONY: demo test test-main test-labextension test-colab test-tf450 install clean lint
+.PHONY: demo docs wheel test test-main test-labextension test-colab test-tf450 install clean lint
 
 install: $(VENV)/.stamp
 
@@ -25,7 +27,7 @@ $(VENV)/.stamp: pyproject.toml
 	$(VENV)/bin/pip install $(PIP_QUIET) --upgrade pip
 	$(VENV)/bin/pip install $(PIP_QUIET) $(TORCH)
 	# pip builds the lab extension through hatch-jupyter-builder: needs node and npm on PATH.
-	$(VENV)/bin/pip install $(PIP_QUIET) -e ".[hf,test,browser,trackers]"
+	$(VENV)/bin/pip install $(PIP_QUIET) -e ".[hf,test,browser,trackers,docs]"
 	touch $@
 
 # The Colab lane: the versions a Colab GPU runtime ships, held by a constraints file.
@@ -48,6 +50,16 @@ $(TF450_VENV)/.stamp: pyproject.toml $(SHARED)/compat/transformers-4.50.txt
 
 demo: $(VENV)/.stamp
 	$(VENV)/bin/python notebooks/run.py --out build/demo notebooks/00_quickstart.ipynb
+
+# The site, built strictly (a warning fails it) and offline; the executed quickstart is one of its pages.
+# tests/test_docs.py runs the same build in test-main, beside the check that no registry entry lacks its page.
+docs: demo
+	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(VENV)/bin/mkdocs build --strict
+
+# The wheel Colab and every non-checkout user installs: the Lab extension is built here (node and npm on
+# this machine) and shipped prebuilt, so installing it needs no node (tests/test_wheel.py checks that).
+wheel: $(VENV)/.stamp
+	$(VENV)/bin/pip wheel . --no-deps $(PIP_QUIET) -w dist/
 
 test: test-main test-labextension test-colab test-tf450
 
@@ -74,5 +86,5 @@ test-tf450: $(TF450_VENV)/.stamp
 	$(TF450_VENV)/bin/python -m pytest -m tf450
 
 clean:
-	rm -rf $(VENV) $(COLAB_VENV) $(TF450_VENV) build test-artifacts
+	rm -rf $(VENV) $(COLAB_VENV) $(TF450_VENV) build dist test-artifacts
 	rm -rf labextension/node_modules labextension/lib labextension/build labextension/tsconfig.tsbuildinfo nbguard/labextension

@@ -6,6 +6,7 @@ application/vnd.nbguard.v1+json output); cells tagged "after-fix" must show it g
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -106,19 +107,29 @@ def _no_errors(nb) -> None:
 
 
 def test_quickstart(execute):
+    """The story: healthy steps, the turn at the step the rare-token rows arrive, localised, the
+    verified fix applied from its card's code path, the same run healthy."""
     _not_in_tf450_lane()
     nb, out = execute("00_quickstart.ipynb")
     _no_errors(nb)
     assert "fp16-overflow-risk" in _rules(_docs(nb, "before-fix", "audit"))
-    events = _events(_docs(nb, "before-fix", "watch"))
+    (failing,) = _docs(nb, "before-fix", "watch")
+    events = _events([failing])
     assert [e["kind"] for e in events][:1] == ["nonfinite-loss"]
-    assert events[0]["cause"] == "overflow"
-    assert "model.layers.1.mlp" in _origins(events)
+    assert events[0]["step"] == 4 and events[0]["cause"] == "overflow"
+    assert _origins(events)[0] == "model.layers.0.self_attn.q_proj"
+    losses = failing["history"]["loss"]
+    assert all(math.isfinite(float(x)) for x in losses[:4]) and not any(math.isfinite(float(x)) for x in losses[4:])
+    assert "switch-precision verified on the failing step" in _text(nb, "fix")
     assert "fp16-overflow-risk" not in _rules(_docs(nb, "after-fix", "audit"))
-    assert _events(_docs(nb, "after-fix", "watch")) == []
+    (healthy,) = _docs(nb, "after-fix", "watch")
+    assert _events([healthy]) == [] and len(healthy["history"]["loss"]) == len(losses)
+    assert all(math.isfinite(float(x)) for x in healthy["history"]["loss"])  # the codec spells NaN "nan"
+    heatmaps = _cells(nb, "heatmaps")[0].outputs[0]["data"]["text/html"]
+    assert heatmaps.count("data:image/png;base64,") == 2
     assert (out / "00_quickstart.html").is_file()
     report = (out / "00_quickstart.html").read_text()
-    assert "model.layers.1.mlp" in report and "switch-precision" in report
+    assert "model.layers.0.self_attn.q_proj" in report and "switch-precision" in report
 
 
 def test_gemma3_fp16_t4(execute):
