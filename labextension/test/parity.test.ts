@@ -35,7 +35,7 @@ describe('the Lab view shows everything the view says', () => {
   it('would notice a view string the renderer leaves out', () => {
     const raw = loadFixture('watch');
     const root = renderPayload(readPayload(raw), { insertFix: null, trusted: true });
-    raw.view.sections[0].facts.push({ text: 'a fact no renderer was given', tone: '' });
+    raw.view.sections.find((s: { kind: string }) => s.kind === 'watch')!.facts.push({ text: 'a fact no renderer was given', tone: '' });
     const missing = viewStrings(raw.view).filter(s => !(root.textContent ?? '').includes(s));
     expect(missing).toEqual(['a fact no renderer was given']);
   });

@@ -111,9 +111,9 @@ describe('renderPayload', () => {
 
   it('draws a watch: facts with tones, the origin table, heatmaps in the palette, and the series', () => {
     const { raw, root } = render('watch');
-    const section = raw.view.sections[0];
+    // every section's bad facts (the story section first, then the watch's), in order
     expect([...root.querySelectorAll('.nbg-fact-bad')].map(n => n.textContent)).toEqual(
-      section.facts.filter(f => f.tone === 'bad').map(f => f.text)
+      raw.view.sections.flatMap(s => s.facts).filter(f => f.tone === 'bad').map(f => f.text)
     );
     const event = root.querySelector('.nbg-card[data-event="nonfinite-loss"]')!;
     expect(event.querySelector('td code')!.textContent).toContain('<script>'); // the hostile name, as text
@@ -134,7 +134,7 @@ describe('renderPayload', () => {
 
   it('says why a chart is empty instead of drawing an empty canvas', () => {
     const raw = loadFixture('watch');
-    const chart = raw.view.sections[0].charts.find(c => c.kind === 'heatmap')!;
+    const chart = raw.view.sections.find((s: { kind: string }) => s.kind === 'watch')!.charts.find(c => c.kind === 'heatmap')!;
     chart.empty = 'every gradient norm recorded is non-finite (NaN/Inf): nothing to draw on a scale';
     const root = renderPayload(readPayload(raw), { insertFix: null, trusted: true });
     expect(root.querySelector('.nbg-history canvas')).toBeNull();
