@@ -59,18 +59,6 @@ SIGNATURE_NOTES = {
     "linear4bit-input-dtype": "bitsandbytes' \"Input type into Linear4bit is torch.float16, but "
                               "bnb_4bit_compute_dtype=torch.float32\": a slow or mismatched 4-bit compute dtype.",
 }
-EVENT_NOTES = {
-    "nonfinite-loss": "The loss of a step is NaN or Inf; the step is replayed and the origin module named.",
-    "nonfinite-grad": "A gradient is NaN or Inf while the loss is finite (born in backward).",
-    "skipped-steps": "A GradScaler streak of skipped steps, or a loss scale collapsing towards its minimum.",
-    "scaler-skip": "One step the GradScaler skipped, with its step number; a streak folds into one card in every "
-                   "view, its first step localised.",
-    "frozen-params": "Trainable parameters that did not change over the steps the watch saw.",
-    "frozen-eval-loss": "An evaluation loss that stays exactly the same between evaluations.",
-    "grad-spike": "A total gradient norm far above its recent median: a step that may precede a blow-up.",
-    "few-supervised-tokens": "A micro-batch whose loss rests on few or no supervised labels (0/0 is NaN).",
-    "watch-error": "The watch itself failed on a step; it stepped aside and training went on.",
-}
 CAUSE_NOTES = {
     "overflow": "A finite input produced a value past the dtype's range (fp16: 65504).",
     "invalid-op": "A finite input produced NaN through an invalid operation (0/0, inf-inf, log of a negative).",
@@ -102,7 +90,7 @@ def _fix_links(fix_ids) -> str:
 def _require(kind: str, entry: str, text: str) -> str:
     if not text.strip():
         raise ValueError(f"{kind} {entry!r} has no description: write one where it is registered "
-                         f"(or in docs/gen_reference.py for signatures and event kinds)")
+                         f"(or in docs/gen_reference.py for signatures)")
     return text
 
 
@@ -172,13 +160,18 @@ def signatures_page() -> str:
 
 
 def events_page() -> str:
-    from nbguard.document.model import CAUSES, EVENT_KINDS
+    import nbguard.watcher  # noqa: F401  (imports every detector module, so their kinds are registered)
+    from nbguard.document.model import CAUSES, EVENT_KIND_REGISTRY
 
     lines = ["# Watch events", "",
              "What `nbguard.watch(...)` / `%nanwatch` records, each at one optimizer step (0-based, skipped steps "
-             "counted). Generated from `nbguard.document.model.EVENT_KINDS` and `CAUSES`.", "", "## Event kinds", ""]
-    for kind in EVENT_KINDS:
-        lines += [f"### {kind}", "", _require("event kind", kind, EVENT_NOTES.get(kind, "")), ""]
+             "counted). Generated from the event-kind registry (`nbguard.document.model.EVENT_KIND_REGISTRY`) and `CAUSES`.", "", "## Event kinds", ""]
+    for kind, entry in EVENT_KIND_REGISTRY.items():
+        text = entry.description[:1].upper() + entry.description[1:] + "."
+        if entry.evidence:
+            text += " Evidence: " + ", ".join(f"`{key}`" for key in entry.evidence) + "."
+        _require("event kind", kind, entry.description)
+        lines += [f"### {kind}", "", text, ""]
     lines += ["## Causes", "", "A localised non-finite event names its origins (module, phase, dtype, abs-max of "
               "inputs and outputs) and one cause:", ""]
     for cause in CAUSES:

@@ -53,6 +53,7 @@ _CUDNN_NAN = re.compile(r"Function '(ScaledDotProductCudnnAttentionBackward\d*)'
 
 @rule("cudnn-attention-backward-nan")
 def cudnn_attention_backward_nan(exc):
+    """Anomaly mode names `ScaledDotProductCudnnAttentionBackward0` as returning NaN: the cuDNN SDPA backward on Hopper with a padding mask (torch >= 2.5), not the model."""
     match = _CUDNN_NAN.search(str(exc))
     if not match:
         return None
@@ -472,6 +473,7 @@ def nbguard_stopped(exc):
 # training-compatible (missing prefix-preservation or `{% generation %}` markers) ...") (trl 1.x).
 @rule("assistant-mask-no-generation")
 def assistant_mask_no_generation(exc):
+    """TRL's assistant-only loss on a chat template without `{% generation %}`: the assistant mask is empty, so nothing (or everything) is supervised."""
     text = str(exc)
     if "generation %}" not in text or not ("no assistant tokens" in text or "not training-compatible" in text):
         return None
@@ -493,6 +495,7 @@ _REQUIRED_INPUT = re.compile(r"`(\w+)` is required as a model input when trainin
 
 @rule("model-returned-no-loss")
 def model_returned_no_loss(exc):
+    """The Trainer's "model did not return a loss", or a required input such as `token_type_ids` missing from the batch: the forward ran without labels or without an input the loss needs."""
     text = str(exc)
     required = _REQUIRED_INPUT.search(text)
     if required is None and "did not return a loss from the inputs" not in text:
@@ -515,6 +518,7 @@ def model_returned_no_loss(exc):
 # transformers GenericForSequenceClassification: ValueError("Cannot handle batch sizes > 1 if no padding token is defined.")
 @rule("classifier-no-pad-token")
 def classifier_no_pad_token(exc):
+    """A sequence-classification head with no `pad_token_id`: "Cannot handle batch sizes > 1 if no padding token is defined"; it cannot find the last real token to pool."""
     if "Cannot handle batch sizes > 1 if no padding token is defined" not in str(exc):
         return None
     detail = (
@@ -531,6 +535,7 @@ def classifier_no_pad_token(exc):
 # quantization method do not support training" and "MXFP4 quantization don't support training".
 @rule("mxfp4-not-trainable")
 def mxfp4_not_trainable(exc):
+    """An MXFP4-quantised checkpoint (gpt-oss) given to a trainer: transformers refuses to train that quantisation; dequantise at load or train adapters on a bf16 copy."""
     text = str(exc)
     if "MXFP4" not in text or "support training" not in text:
         return None
@@ -546,6 +551,7 @@ def mxfp4_not_trainable(exc):
 # caused by one of the following reasons: 1) Use of a module parameter outside the `forward` function. ...")
 @rule("ddp-variable-ready-twice")
 def ddp_variable_ready_twice(exc):
+    """DDP with reentrant gradient checkpointing (and LoRA or unused parameters): "Expected to mark a variable ready only once"; use non-reentrant checkpointing."""
     if "mark a variable ready only once" not in str(exc):
         return None
     detail = (
@@ -566,6 +572,7 @@ _IMAGE_MISMATCH = re.compile(r"Image features and image tokens do not match[:,]?
 
 @rule("vlm-image-tokens-mismatch")
 def vlm_image_tokens_mismatch(exc):
+    """A vision-language model's "Image features and image tokens do not match": truncation cut image placeholder tokens out of the text."""
     match = _IMAGE_MISMATCH.search(str(exc))
     if not match:
         return None

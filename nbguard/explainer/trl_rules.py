@@ -12,6 +12,7 @@ _REWARD_COUNT = re.compile(r"the reward function '([^']+)' returned (\d+) reward
 
 @rule("trl-reward-count-mismatch")
 def reward_count_mismatch(exc):
+    """TRL's "The reward function '…' returned N rewards, but M were expected": a GRPO/RLOO reward function must return one value per completion."""
     found = match(_REWARD_COUNT, str(exc))
     if not found:
         return None

@@ -156,6 +156,7 @@ def linear4bit_input_dtype(text: str, origin: str):
 # does not contain `{% generation %}` keyword.")
 @warning_signature("generation-keyword-missing", source="logging:transformers")
 def assistant_mask_no_generation_warning(text: str, origin: str):
+    """transformers warns that `return_assistant_tokens_mask` needs `{% generation %}` in the chat template: the assistant mask will be all zeros."""
     if "return_assistant_tokens_mask" not in text or "generation %}" not in text:
         return None
     return _diagnosis(
@@ -171,6 +172,7 @@ def assistant_mask_no_generation_warning(text: str, origin: str):
 # from '...' with an incorrect regex pattern: ... You should set the `fix_mistral_regex=True` flag ...")
 @warning_signature("mistral-regex-warning", source="logging:transformers")
 def mistral_regex_warning(text: str, origin: str):
+    """transformers' Mistral tokenizer regex warning; the audit rule `mistral-regex-unfixed` tokenises the data with and without `fix_mistral_regex` to say whether it changes the ids."""
     if "incorrect regex pattern" not in text or "fix_mistral_regex" not in text:
         return None
     return _diagnosis(
