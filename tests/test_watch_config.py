@@ -39,3 +39,15 @@ def test_config_refuses_an_unknown_policy_and_documents_itself(shell):  # noqa: 
     assert [type(c).__name__ for c in shell.configurables].count("NbguardMagics") == 1
     assert "default_policy" in run(shell, "%config NbguardMagics").stdout
     assert "NbguardMagics.default_policy" in magics.nanwatch.__doc__
+
+
+def test_a_refused_config_value_never_breaks_the_next_load(shell):  # noqa: F811
+    # IPython keeps a value %config refused in shell.config: the next %load_ext must still work
+    run(shell, '%config NbguardMagics.default_policy = "ignore"')
+    run(shell, "%unload_ext nbguard")
+    import pytest
+
+    with pytest.warns(RuntimeWarning, match="ignoring c.NbguardMagics.default_policy = 'ignore'"):
+        assert run(shell, "%load_ext nbguard").error is None
+    assert shell.magics_manager.registry["NbguardMagics"].default_policy == "warn"
+    assert "default_policy" not in shell.config.NbguardMagics

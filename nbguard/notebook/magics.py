@@ -9,6 +9,7 @@ traceback chained below it.
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Enum, Unicode
+from traitlets import Bool, Enum, TraitError, Unicode
 
 from ..errors import NbguardError
 from ..session import latest_verdict as session_verdict
@@ -74,6 +75,24 @@ class _WeakObjects:
         return objects
 
 
+def _drop_refused_config(config: Any, cls: type) -> None:
+    """A value ``%config`` refused (IPython logs the TraitError) still stays in the shell's config, and
+    would make every later ``%load_ext nbguard`` fail: drop it, saying so, and keep the default."""
+    if cls.__name__ not in config:
+        return
+    section = config[cls.__name__]
+    for name, trait in cls.class_traits(config=True).items():  # type: ignore[attr-defined]
+        if name not in section:
+            continue
+        value = section[name]
+        try:
+            trait.validate(None, value)
+        except TraitError as exc:
+            del section[name]
+            warnings.warn(f"nbguard: ignoring c.{cls.__name__}.{name} = {value!r}: {exc}", RuntimeWarning,
+                          stacklevel=3)
+
+
 @magics_class
 class NbguardMagics(Magics):
     # The configuration surface: ``%config NbguardMagics.default_policy = "skip"`` (or in
@@ -91,6 +110,7 @@ class NbguardMagics(Magics):
     def __init__(self, shell, state):
         if shell is not None:  # a reloaded extension: %config must reach this instance, not the old one
             shell.configurables[:] = [c for c in shell.configurables if type(c).__name__ != type(self).__name__]
+            _drop_refused_config(shell.config, type(self))
         super().__init__(shell)
         self.state = state  # the extension's state (watches started here, last names, ...)
 

@@ -240,6 +240,10 @@ class NanWatch(Displayable):
         watch = weakref.ref(self)  # torch's global hook dict must not keep the watch (and model) alive
 
         def registered(parent, name, value):
+            # Under torch.compile, dynamo traces this hook (transformers slices ModuleLists inside
+            # forward, which registers modules): a module made while compiling is a temporary, not a swap.
+            if torch.compiler.is_compiling():
+                return
             live = watch()
             if live is not None and parent in live._modules_seen:
                 live._coverage_stale = True
