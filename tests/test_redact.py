@@ -117,6 +117,7 @@ def walk(widget):
     'tokenizer.padding_side = "right"', "model.embed_tokens.weight: 0.5", "tokenizer.pad_token = tokenizer.eos_token",
     "pad_token_id: 0", "key: value", "max_tokens=512 --max-new-tokens 20", "task-abcdefghijklmnopqrstuvwxyz0123",
     "resize_token_embeddings(len(tokenizer))", "/work/run.py", "Bearer of bad news",
+    "# The template renders the BOS token: stop the tokenizer adding a second one", "--token none",
 ])
 def test_code_names_and_config_keys_are_byte_identical(text):
     assert redact(text, env={"TOKENIZERS_PARALLELISM": "false", "PWD": "/work/run.py"}) == text
@@ -128,7 +129,7 @@ def test_code_names_and_config_keys_are_byte_identical(text):
     ("eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.c2lnbmF0dXJl", ""),
     ("Authorization: Bearer abc.def-123456", "Authorization: Bearer "), ("mysql://root:pw123456@host/db", "mysql://"),
     ("{'password': 'pw-123456'}", "{'password': '"), ('os.environ["HF_TOKEN"] = "abc-123456"', 'os.environ["HF_TOKEN"] = "'),
-    ("--hub-token abc-123456", "--hub-token "), ("C:\\Users\\alice\\run.py", "\\run.py"), ("/Users/alice/run.py", "/run.py"),
+    ("--hub-token abc-123456", "--hub-token "), ("password: pw123456", "password: "), ("C:\\Users\\alice\\run.py", "\\run.py"), ("/Users/alice/run.py", "/run.py"),
 ])
 def test_token_shapes_quoted_keys_and_home_dirs_are_removed(text, kept):
     out = redact(text, env={})

@@ -105,10 +105,20 @@ def _hide(pattern: re.Pattern, text: str, value_group: int) -> str:
     return pattern.sub(lambda m: _with_hidden_group(m, value_group), text)
 
 
+def _plain_word(match: re.Match, value_group: int) -> bool:
+    """An unquoted lower-case word after a secret-like name is prose ("the BOS token: stop the
+    tokenizer…", "--token none"), not a secret: secrets have digits, capitals or symbols."""
+    value = match.group(value_group)
+    quoted = match.re is not QUOTED_KEY and bool(match.group(value_group - 1))
+    return not quoted and value.isalpha() and value.islower()
+
+
 def _hide_named(pattern: re.Pattern, text: str, name_group: int, value_group: int) -> str:
     """Hide the value of each match whose name (its last dotted part) names a secret."""
     def sub(match: re.Match) -> str:
         if not is_secret_key(match.group(name_group).rsplit(".", 1)[-1]):
+            return match.group(0)
+        if _plain_word(match, value_group):
             return match.group(0)
         return _with_hidden_group(match, value_group)
     return pattern.sub(sub, text)
