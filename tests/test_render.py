@@ -143,7 +143,8 @@ def test_html_shows_every_section_and_embeds_the_heatmaps():
                    "Fixes applied (1, in order)", "Environment", "args.bf16 = True", "NVIDIA Tesla T4"):
         assert needle in text, needle
     images = [attrs for tag, attrs in parsed.tags if tag == "img"]
-    assert [img["alt"] for img in images] == ["gradient-norm heatmap", "loss, total grad norm and loss scale per step",
+    assert [img["alt"] for img in images] == ["gradient-norm heatmap of the run that failed",  # the story's
+                                              "gradient-norm heatmap", "loss, total grad norm and loss scale per step",
                                               "activation abs-max heatmap"]
     for img in images:
         assert img["src"].startswith("data:image/png;base64,")

@@ -137,8 +137,8 @@ describe('renderPayload', () => {
     const chart = raw.view.sections.find((s: { kind: string }) => s.kind === 'watch')!.charts.find(c => c.kind === 'heatmap')!;
     chart.empty = 'every gradient norm recorded is non-finite (NaN/Inf): nothing to draw on a scale';
     const root = renderPayload(readPayload(raw), { insertFix: null, trusted: true });
-    expect(root.querySelector('.nbg-history canvas')).toBeNull();
-    expect(root.querySelector('.nbg-history .nbg-chart-empty')!.textContent).toBe(`${chart.alt}: ${chart.empty}`);
+    expect(root.querySelector('.nbg-section-watch .nbg-history canvas')).toBeNull();
+    expect(root.querySelector('.nbg-section-watch .nbg-history .nbg-chart-empty')!.textContent).toBe(`${chart.alt}: ${chart.empty}`);
   });
 
   it('draws a report as its story: entry headings, then each entry\'s sections', () => {

@@ -190,6 +190,11 @@ class View:
     def section(self, kind: str) -> Section | None:
         return next((s for s in self.sections if s.kind == kind), None)
 
+    def file_charts(self) -> list[Chart]:
+        """The charts saved as files beside a Markdown report, in view order: the story's heatmap is a
+        first-screen copy of its watch's own, so it is not saved twice."""
+        return [c for s in self.sections if s.kind != "story" for c in s.charts]
+
 
 # -- building it ---------------------------------------------------------------------------------
 def view(doc: dict) -> View:
@@ -210,10 +215,19 @@ def _story(doc: dict) -> list[Section]:
     """The first screen: what went wrong, where, and the fix to make (verified first), one line each.
 
     The first non-finite watch event wins (it is what broke the run), else the latest audit's worst finding."""
-    docs = [doc, *_entries(doc)]
-    events = [(d, e) for d in docs for w in watch_sections(d) for e in w["events"] if isinstance(e, dict)]
-    events.sort(key=lambda de: (not str(de[1].get("kind", "")).startswith("nonfinite"),))
-    audits = [d for d in docs if isinstance(d.get("findings"), list)]
+    docs = [(doc, []), *((entry, ["entries", i]) for i, entry in enumerate(_entries(doc)))]
+    watched = [(d, [*at, *w["path"]], w, e) for d, at in docs for w in watch_sections(d)
+               for e in w["events"] if isinstance(e, dict)]
+    watched.sort(key=lambda dwe: (not str(dwe[3].get("kind", "")).startswith("nonfinite"),))
+    events = [(d, e) for d, _, _, e in watched]
+    charts = []
+    if watched:  # the run's heatmap beside the story: healthy steps, then the turn
+        _, at, watch, _ = watched[0]
+        overview = history_overview(watch["history"])
+        if overview.get("n_steps") and overview.get("n_groups"):
+            charts.append(Chart("heatmap", "gradient-norm heatmap of the run that failed", [*at, "history"],
+                                empty=_all_nonfinite(overview, "gradient norm")))
+    audits = [d for d, _ in docs if isinstance(d.get("findings"), list)]
     findings = sorted((f for f in (audits[-1]["findings"] if audits else []) if isinstance(f, dict)),
                       key=lambda f: _severity_rank(f.get("severity")))
     findings = [f for f in findings if f.get("severity") in ("error", "warning")]
@@ -246,7 +260,8 @@ def _story(doc: dict) -> list[Section]:
         not events and findings[0].get("severity") == "error") else ""
     return [Section(kind="story", title="What happened", facts=[
         Fact(f"What went wrong: {what}", tone), Fact(f"Where: {where}"),
-        Fact(f"Fix: {how}", "good" if fix and fix.verdict and fix.verdict.status == "verified" else "")])]
+        Fact(f"Fix: {how}", "good" if fix and fix.verdict and fix.verdict.status == "verified" else "")],
+        charts=charts)]
 
 
 def _entries(doc: dict) -> list[dict]:

@@ -141,6 +141,8 @@ def _section(section: Section, images: dict[str, str], counters: dict[str, int],
                    "in the JSON report.")
     out.extend(md_text(note) for note in section.notes)
     for chart in section.charts:
+        if section.kind == "story":
+            continue  # a first-screen copy of the watch's own heatmap, which the issue gets with its watch
         counters[chart.kind] = counters.get(chart.kind, 0) + 1
         name = images.get(f"{chart.kind}-{counters[chart.kind]}")
         if chart.empty:

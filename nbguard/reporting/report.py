@@ -89,7 +89,7 @@ class Report(Displayable):
     def image_files(self, stem: str) -> dict[str, tuple[str, bytes]]:
         """The heatmap PNGs of this report: {"heatmap-1": (file name, png bytes), ...}."""
         doc = self._written()
-        charts = [c for s in view(doc).sections for c in s.charts if not c.empty]
+        charts = [c for c in view(doc).file_charts() if not c.empty]
         totals = {kind: sum(c.kind == kind for c in charts) for kind in {c.kind for c in charts}}
         counters: dict[str, int] = {}
         out: dict[str, tuple[str, bytes]] = {}
