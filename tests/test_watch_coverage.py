@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from watch_helpers import _NanGrad, batches
 
 import nbguard
 from nbguard.testing import tiny_llama
-from tests.watch_helpers import _NanGrad, batches
 
 
 class NanWeightGradLinear(torch.nn.Linear):

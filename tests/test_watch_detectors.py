@@ -7,6 +7,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
+from watch_helpers import batches
 
 import nbguard
 from nbguard.document import encode_document
@@ -14,7 +15,6 @@ from nbguard.document.schema import schema
 from nbguard.findings import Event
 from nbguard.testing import tiny_llama
 from nbguard.watcher import Detector
-from tests.watch_helpers import batches
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "detectors.md"
 

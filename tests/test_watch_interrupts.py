@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from watch_helpers import batches, snapshot
 
 import nbguard
 from nbguard.testing import tiny_llama
-from tests.watch_helpers import batches, snapshot
 
 
 class InterruptOnce:

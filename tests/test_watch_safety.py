@@ -5,11 +5,11 @@ import warnings
 
 import pytest
 import torch
+from watch_helpers import batches, hook_counts
 
 import nbguard
 from nbguard.testing import tiny_llama
 from nbguard.watcher import Detector
-from tests.watch_helpers import batches, hook_counts
 
 
 def test_bad_scaler_is_refused_before_any_hook():
