@@ -73,6 +73,12 @@ def loss_normalisation(ctx) -> tuple[bool, int]:
     return by_items, steps
 
 
+def _divisor_counts_shifted(trainer) -> bool:
+    """Whether this Trainer counts num_items_in_batch over the shifted labels (transformers after 5.9 marks
+    it with ``_loss_shifts_labels``); older ones count every label that is not -100, the first included."""
+    return hasattr(trainer, "_loss_shifts_labels")
+
+
 def _own_compute_loss(trainer) -> bool:
     """A compute_loss written outside transformers/TRL (a user's subclass): how it normalises is unknown,
     so the rule assumes the common per-batch mean (``sum(loss * mask) / mask.sum()``)."""
@@ -96,8 +102,12 @@ def no_supervised_tokens(ctx):
     share = n_empty / rows_seen
     by_items, accumulation = loss_normalisation(ctx)
     # 0/0 needs every micro-batch the divisor counts to be empty: one micro-batch under a per-batch mean,
-    # all of a step's micro-batches under num_items_in_batch.
-    nan_step = bool(whole) and (not by_items or accumulation == 1 or len(whole) == len(empty))
+    # all of a step's micro-batches under num_items_in_batch. Trainers before the shifted count
+    # (transformers <= 5.9) count labels before the causal shift: a row with only its first label has a
+    # divisor of 1 and a loss of 0, not NaN.
+    unshifted_divisor = by_items and not _divisor_counts_shifted(ctx.trainer)
+    zero_divisor = [i for i in whole if not unshifted_divisor or bool((all_labels[i] == IGNORE_INDEX).all())]
+    nan_step = bool(zero_divisor) and (not by_items or accumulation == 1 or len(zero_divisor) == len(empty))
     how = (f"The Trainer divides each step's summed loss by the supervised tokens of all {accumulation} "
            "accumulated micro-batches (num_items_in_batch)" if by_items and accumulation > 1 else
            "The Trainer divides each step's summed loss by its supervised tokens (num_items_in_batch)" if by_items
@@ -108,6 +118,11 @@ def no_supervised_tokens(ctx):
         if nan_step:
             detail = (f"Every label in {'the batch' if len(empty) == 1 else 'such a batch'} is -100 (after the causal "
                       f"shift). {how}, so that step's loss is 0/0 = NaN with no bad module at all. ")
+        elif unshifted_divisor and len(zero_divisor) < len(whole):
+            detail = (f"Every label in such a batch is -100 after the causal shift. {how}, counted before the shift "
+                      "in this transformers release, so the divisor is at least 1 and the step's loss is exactly 0: "
+                      "it contributes nothing, while the optimizer still steps (AdamW's momentum and weight decay "
+                      "move the weights). It is compute spent on examples the model never learns from. ")
         else:
             detail = (f"Every label in such a batch is -100 (after the causal shift). {how}, so an empty micro-batch "
                       "adds 0 to the sum and nothing to the divisor: it contributes nothing and the loss stays "

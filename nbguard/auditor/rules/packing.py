@@ -12,6 +12,7 @@ counts the query/key pairs that cross an example boundary. Flash-attention kerne
 from __future__ import annotations
 
 import copy
+from inspect import signature
 
 import torch
 
@@ -56,7 +57,10 @@ def _model_mask(config, ids: torch.Tensor, mask2d: torch.Tensor | None, position
         cfg = copy.copy(config)
         cfg._attn_implementation = "sdpa"
         embeds = torch.empty((*ids.shape, 1), device=ids.device)  # only its shape and device are read
-        mask = create_causal_mask(cfg, embeds, mask2d, None, position_ids=positions, allow_is_causal_skip=False)
+        # allow_is_causal_skip came after 5.9; without it a None mask means sdpa's plain causal path
+        skip = {"allow_is_causal_skip": False} if "allow_is_causal_skip" in signature(create_causal_mask).parameters \
+            else {}
+        mask = create_causal_mask(cfg, embeds, mask2d, None, position_ids=positions, **skip)
     except (ImportError, TypeError):
         return causal
     if mask is None:  # sdpa's is_causal path
