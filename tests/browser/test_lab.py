@@ -235,14 +235,14 @@ def test_report_renders_and_fix_cell_lands_below_its_cell(lab, browser_page):
     shoot(page, "03-finding-gone.png")
 
     # The heatmap is drawn from the history: hover names group, step and value; NaN is its own colour.
-    canvas = page.locator(".jp-Notebook .jp-Cell").nth(5).locator(".nbg-history canvas")
+    canvas = page.locator(".jp-Notebook .jp-Cell").nth(5).locator(".nbg-section-watch .nbg-history canvas")
     canvas.wait_for(timeout=30_000)
     layout = json.loads(canvas.get_attribute("data-layout"))
     row, col = 2, 3  # layers.1 at step 3: NaN, and step 3 was skipped
     x = layout["labelWidth"] + col * layout["cellWidth"] + layout["cellWidth"] / 2
     y = layout["markerHeight"] + row * layout["cellHeight"] + 2
     canvas.hover(position={"x": x, "y": y})
-    tooltip = page.locator(".jp-Notebook .jp-Cell").nth(5).locator(".nbg-heatmap-tooltip")
+    tooltip = page.locator(".jp-Notebook .jp-Cell").nth(5).locator(".nbg-section-watch .nbg-heatmap-tooltip")
     tooltip.wait_for(state="visible", timeout=10_000)
     assert tooltip.text_content() == "layers.1 · step 3 · grad norm NaN · optimizer step skipped"
     pixel = canvas.evaluate(
@@ -291,7 +291,7 @@ def test_report_renders_and_fix_cell_lands_below_its_cell(lab, browser_page):
     cells = reopened.locator(".jp-NotebookPanel:visible .jp-Notebook .jp-Cell")
     cells.nth(2).locator(".nbg-report").wait_for(timeout=TIMEOUT_MS)
     assert cells.nth(2).locator(".nbg-card").count() == 0  # the saved, re-audited view
-    cells.nth(5).locator(".nbg-history canvas").wait_for(state="attached", timeout=30_000)
+    cells.nth(5).locator(".nbg-section-watch .nbg-history canvas").wait_for(state="attached", timeout=30_000)
     assert lab.api("/api/kernels") == []
     shoot(reopened, "06-reopened-without-kernel.png")
 
@@ -342,7 +342,7 @@ def test_notebook7_renders_and_inserts_below_the_owning_cell(tmp_path, browser_p
         page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
         wait_state(page, path, executed([0, 1, 2, 3]), "Run All to finish")
         cells = page.locator(".jp-Notebook .jp-Cell")
-        cells.nth(0).locator(".nbg-report .nbg-history canvas").wait_for(timeout=30_000)
+        cells.nth(0).locator(".nbg-report .nbg-section-watch .nbg-history canvas").wait_for(timeout=30_000)
         cells.nth(0).locator('.nbg-fix[data-fix="demo-fix"] button.nbg-insert').click()
         state = wait_state(page, path, lambda s: len(s["cells"]) == 5, "the fix cell")
         assert [c["source"] for c in state["cells"][:3]] == [SYNTHETIC_WATCH, "inserted_and_ran = True", LATER]
