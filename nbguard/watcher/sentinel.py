@@ -68,6 +68,7 @@ class GradNormCollector:
         self._tapped = False
         self._squares: torch.Tensor | None = None  # fused: this step's per-group squared norms, once taken
         self._scaled = True  # whether the norms taken this step are of loss-scaled gradients
+        self._backward_seen: Callable[[torch.Tensor], None] | None = None  # fused: the output hook, made once
         self.cover(named_params)
 
     def cover(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> list[str]:
@@ -112,16 +113,17 @@ class GradNormCollector:
         """Count the backward through this forward's outputs (one tensor hook each, not one per parameter)."""
         if self.per_parameter or not self.enabled:
             return
-        collector = weakref.ref(self)  # the graph must not keep the collector (and the model) alive
+        if self._backward_seen is None:
+            collector = weakref.ref(self)  # the graph must not keep the collector (and the model) alive
 
-        def seen(grad: torch.Tensor) -> None:
-            live = collector()
-            if live is not None and live.enabled:
-                live.accumulations += 1
+            def seen(grad: torch.Tensor) -> None:
+                live = collector()
+                if live is not None and live.enabled:
+                    live.accumulations += 1
 
-        hook = guarded(seen, self._on_error)  # never break the user's backward
+            self._backward_seen = guarded(seen, self._on_error)  # never break the user's backward
         for _, tensor in backward_targets(output):  # the loss the model computed, else its outputs
-            tensor.register_hook(hook)
+            tensor.register_hook(self._backward_seen)
 
     def before_clip(self, parameters: list[torch.Tensor]) -> None:
         """A gradient clip is about to scale ``parameters``' gradients: take the norms now if they are ours."""
@@ -130,27 +132,30 @@ class GradNormCollector:
 
     def take(self) -> None:
         """This step's per-group squared norms of the accumulated gradients, once per step, on the device."""
-        if self.per_parameter or not self.enabled or self._squares is not None:
-            return
-        by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
+        if not (self.per_parameter or not self.enabled or self._squares is not None):
+            with torch.no_grad():  # a backward with create_graph=True leaves gradients that need grad
+                self._take()
+
+    def _take(self) -> None:
+        by_kind: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
         for p, group in zip(self.params, self._index):
             grad = p.grad
             if grad is not None:
-                grads, index = by_device.setdefault(grad.device, ([], []))
-                grads.append(grad.detach())
+                grads, index = by_kind.setdefault((grad.device, grad.dtype), ([], []))
+                grads.append(grad)
                 index.append(group)
-        if not by_device:
+        if not by_kind:
             return
         self._scaled = self._grads_scaled()
-        squares = [torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()
-                   for grads, _ in by_device.values()]
-        order = [i for _, index in by_device.values() for i in index]
+        # one fused norm per (device, dtype); accumulated in fp32 where the gradients are narrower
+        # (an fp16 norm overflows long before its gradient does)
+        squares = [torch.stack(torch._foreach_norm(grads, 2, dtype=None if dtype == torch.float32 else torch.float32))
+                   .square() for (_, dtype), (grads, _) in by_kind.items()]
+        order = [i for _, index in by_kind.values() for i in index]
         device = squares[0].device
         stacked = torch.cat([s.to(device, non_blocking=True) for s in squares]) if len(squares) > 1 else squares[0]
-        if order == self._index:
-            idx = self._index_on(device)
-        else:  # some parameters had no gradient this step
-            idx = torch.tensor(order, device=device)
+        # the parameter order, unless some had no gradient this step or dtypes interleave
+        idx = self._index_on(device) if order == self._index else torch.tensor(order, device=device)
         self._squares = torch.zeros(len(self.groups), device=device, dtype=torch.float32).index_add_(0, idx, stacked)
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
