@@ -3,6 +3,7 @@ per-parameter hooks gave: pre-clip, unscaled, per group, accumulated over micro-
 import math
 import tempfile
 
+import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from watch_helpers import PoisonedSiLU, batches
@@ -68,32 +69,39 @@ def test_trainer_clipping_a_nan_names_its_group_with_no_hook_per_parameter():
     assert not any(math.isnan(row[step]) for row in norms.values() for step in (0, 1, 3))
 
 
-def _scaler_loop_norms(per_parameter: bool, unscale_first: bool):
+def _loop_norms(per_parameter: bool, scaled: bool, unscale_and_clip: bool):
+    """Two steps of 2 micro-batches each, with a GradScaler or without, clipping or not."""
     model = tiny_llama()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaled else None
     watch = _watch(model, per_parameter, optimizer=opt, scaler=scaler)
     for i, batch in enumerate(batches(4)):
-        scaler.scale(model(**batch).loss / 2).backward()
+        loss = model(**batch).loss / 2
+        (scaler.scale(loss) if scaler is not None else loss).backward()
         if i % 2 == 1:
-            if unscale_first:
-                scaler.unscale_(opt)
+            if unscale_and_clip:
+                if scaler is not None:
+                    scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
-            scaler.step(opt)
-            scaler.update()
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()  # nothing clipped: the fused read happens at the optimizer's pre-step hook
             opt.zero_grad()
     watch.detach()
     return watch
 
 
-def test_grad_scaler_norms_are_unscaled_whether_or_not_the_loop_unscales_and_clips_first():
-    for unscale_first in (True, False):
-        fused = _scaler_loop_norms(per_parameter=False, unscale_first=unscale_first)
-        reference = _scaler_loop_norms(per_parameter=True, unscale_first=unscale_first)
-        assert fused.step == 2 and fused.history.loss_scale == [1024.0, 1024.0]
-        assert _same(fused.history, reference.history)
-        # unscaled: the size of a tiny model's gradient, not 1024 times it
-        assert all(0 < v < 50 for g in fused.history.groups for v in fused.history.grad_norm(g))
+@pytest.mark.parametrize("scaled", [True, False])
+@pytest.mark.parametrize("unscale_and_clip", [True, False])
+def test_plain_loop_norms_are_unscaled_pre_clip_and_accumulated_as_the_hooks_give(scaled, unscale_and_clip):
+    fused = _loop_norms(per_parameter=False, scaled=scaled, unscale_and_clip=unscale_and_clip)
+    reference = _loop_norms(per_parameter=True, scaled=scaled, unscale_and_clip=unscale_and_clip)
+    assert fused.step == 2 and fused.history.loss_scale == ([1024.0, 1024.0] if scaled else [None, None])
+    assert _same(fused.history, reference.history)
+    # unscaled and before the clip to 0.01: the size of a tiny model's gradient, not 1024 times it
+    assert all(0.01 < fused.history.total_grad_norm[s] < 50 for s in (0, 1))
 
 
 def test_two_watches_share_one_clip_wrapper_and_detach_restores_torch():
