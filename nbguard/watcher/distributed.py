@@ -79,7 +79,7 @@ def is_sharded(params: Sequence[torch.Tensor]) -> bool:
     return any(callable(getattr(p, "to_local", None)) for p in params)
 
 
-def reads_before_reduce(target: Any, params: Sequence[torch.Tensor]) -> bool:
+def needs_parameter_hooks(target: Any, params: Sequence[torch.Tensor]) -> bool:
     """Whether the sentinel needs a hook per parameter: sharded (FSDP2) gradients, or a DeepSpeed
     engine, which moves gradients into its own buffers (``param.grad`` stays empty at the step
     boundary). Multi-rank DDP needs them too (``RankSync``): the step boundary sees the averaged

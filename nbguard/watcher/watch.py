@@ -134,7 +134,7 @@ class NanWatch(Displayable):
         self.history = GradHistory(self._collector.groups, self.settings.history_capacity)
         # multi-rank runs: one small collective per step, folded into the read
         self._ranks = ranks.RankSync.detect(self._collector.params, len(self._collector.groups))
-        self._collector.per_parameter = self._ranks is not None or ranks.reads_before_reduce(target, self._collector.params)
+        self._collector.per_parameter = self._ranks is not None or ranks.needs_parameter_hooks(target, self._collector.params)
         self._verdict: ranks.RankVerdict | None = None
         self._streamer: Any = None  # a forked rank's stream to the kernel (stream.RankStreamer)
         self._keep_farewell = False
