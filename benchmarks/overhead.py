@@ -7,6 +7,15 @@ order, so drift on a shared machine hits them all alike. Reported: median step t
 the per-round ratios against the baseline, then how quickly a planted fault is localised.
 
     OMP_NUM_THREADS=1 python benchmarks/overhead.py --rounds 20
+
+``--fixed-cost`` measures the watch's fixed cost per step instead, where steps are short: a 4-layer
+tiny Llama and a 24-layer tiny Llama with LoRA adapters (PEFT), each step clipping like the Trainer
+(``clip_grad_norm_(1.0)``). Variants: no watch, the watch with a hook per parameter (the path kept
+for DDP/FSDP/DeepSpeed, and the only one before the fused read), the watch's fused read, and the watch
+with its gradient norms switched off (what is left: the part that does not grow with the tensors). Reported:
+the median per-round ratio against no watch and the added time per trainable tensor per step.
+
+    OMP_NUM_THREADS=1 python benchmarks/overhead.py --fixed-cost --rounds 60 --clock cpu --threads 1
 """
 from __future__ import annotations
 
@@ -146,6 +155,83 @@ def localise(args):
     }
 
 
+def tiny_llama(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64))
+
+
+def tiny_lora(layers: int):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    return get_peft_model(tiny_llama(layers), config)
+
+
+class FixedCostVariant:
+    """One copy of the model trained like the Trainer does: fwd, bwd, clip to 1.0, AdamW step."""
+
+    def __init__(self, name: str, model: torch.nn.Module):
+        self.name = name
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=1e-5)
+        self.watch = None
+        if name != "no watch":
+            self.watch = NanWatch(model, optimizer=self.opt)
+            self.watch._collector.per_parameter = name.startswith("hook per parameter")
+            self.watch.attach()
+            # everything but the gradient read (capture, detectors, the step's read): the part of the
+            # fixed cost that does not grow with the number of tensors
+            self.watch._collector.enabled = not name.startswith("no gradient read")
+
+    def run(self, batch, steps: int, clock) -> float:
+        start = clock()
+        for _ in range(steps):
+            self.model(**batch).loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return (clock() - start) / steps
+
+
+def fixed_cost(args) -> None:
+    clock = CLOCKS[args.clock]
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 256, (4, 32), generator=gen)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    print(f"\n### the watch's fixed cost ({torch.get_num_threads()} threads, {args.rounds} rounds of "
+          f"{args.steps_per_round} steps, {args.clock} clock, batch 4x32, clip_grad_norm_ + AdamW)\n")
+    print("| model | trainable tensors | no watch, step | watch | ratio (median per round) | per tensor per step |")
+    print("|---|---:|---:|---|---:|---:|")
+    for label, build in (("tiny Llama, 4 layers", lambda: tiny_llama(4)),
+                         ("LoRA (q,k,v,o r=8), 24 layers", lambda: tiny_lora(24))):
+        base = build()
+        names = ["no watch", "hook per parameter (before)", "fused read (after)", "no gradient read"]
+        variants = [FixedCostVariant(n, copy.deepcopy(base) if i else base) for i, n in enumerate(names)]
+        n_tensors = len(variants[0].params)
+        for v in variants:
+            v.run(batch, args.warmup, clock)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(args.rounds):
+            for v in variants[r % len(variants):] + variants[:r % len(variants)]:  # rotating order: drift hits every variant alike
+                times[v.name].append(v.run(batch, args.steps_per_round, clock))
+        for v in variants[1:]:
+            assert v.watch is not None
+            if v.watch._collector.enabled:  # (without gradient norms, zeros look like a dead run)
+                assert v.watch.events == [], v.watch.summary()  # a healthy run: no alarm
+            assert v.watch.step == args.rounds * args.steps_per_round + args.warmup
+            v.watch.detach()
+        baseline = times["no watch"]
+        for name in names[1:]:
+            ratio = statistics.median(t / b for t, b in zip(times[name], baseline))
+            per_tensor = statistics.median(t - b for t, b in zip(times[name], baseline)) / n_tensors
+            print(f"| {label} | {n_tensors} | {statistics.median(baseline) * 1e3:.2f} ms | {name} | {ratio:.3f}x "
+                  f"| {per_tensor * 1e6:.2f} us |")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
@@ -159,6 +245,9 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip-debug", action="store_true", help="leave out DebugUnderflowOverflow")
     parser.add_argument("--watch-only", action="store_true", help="only baseline and the watch (plain and + activations)")
+    parser.add_argument("--fixed-cost", action="store_true",
+                        help="the watch's fixed cost on a 4-layer tiny Llama and a 24-layer LoRA model instead")
+    parser.add_argument("--steps-per-round", type=int, default=5, help="--fixed-cost: steps per variant per round")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall (default) or cpu: this thread's CPU time, steadier on a busy machine "
                              "(use with --threads 1 on CPU only)")
@@ -167,6 +256,9 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
         parser.error("--clock cpu measures one thread: use it with --device cpu --threads 1")
+    if args.fixed_cost:
+        fixed_cost(args)
+        return
 
     n_params, variants, ratios = measure(args)
     base_median = statistics.median(variants[0].times)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from nbguard.testing import tiny_batch
+from nbguard.watcher import clip_tap
 
 
 def output_absmax(model, module, batch) -> float:
@@ -106,7 +107,8 @@ def hook_counts(model, optimizer=None, scaler=None) -> dict:
         counts["optimizer"] = (len(optimizer._optimizer_step_pre_hooks), len(optimizer._optimizer_step_post_hooks),
                                "zero_grad" in vars(optimizer))
     if scaler is not None:
-        counts["scaler.update"] = "update" in vars(scaler)
+        counts["scaler"] = tuple(name in vars(scaler) for name in ("update", "unscale_", "step"))
+    counts["clip_grad_norm_ wrapped"] = clip_tap.tapped()
     return counts
 
 

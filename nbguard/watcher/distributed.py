@@ -79,6 +79,16 @@ def is_sharded(params: Sequence[torch.Tensor]) -> bool:
     return any(callable(getattr(p, "to_local", None)) for p in params)
 
 
+def needs_parameter_hooks(target: Any, params: Sequence[torch.Tensor]) -> bool:
+    """Whether the sentinel needs a hook per parameter: sharded (FSDP2) gradients, or a DeepSpeed
+    engine, which moves gradients into its own buffers (``param.grad`` stays empty at the step
+    boundary). Multi-rank DDP needs them too (``RankSync``): the step boundary sees the averaged
+    gradient, and each rank's own one only exists before the all-reduce."""
+    trainer_deepspeed = bool(getattr(target, "is_deepspeed_enabled", False))
+    engine = any(cls.__name__ == "DeepSpeedEngine" for cls in type(target).__mro__)
+    return trainer_deepspeed or engine or is_sharded(params)
+
+
 @dataclass
 class RankVerdict:
     """What every rank learned from the step's exchange (identical on every rank)."""

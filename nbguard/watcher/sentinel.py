@@ -1,11 +1,17 @@
-"""The per-step sentinel: gradient norms per parameter taken as each gradient is accumulated
-(so before any clipping), folded with the loss and the loss scale into ONE tensor that is read
-to the host once per optimizer step.
+"""The per-step sentinel: per-group gradient norms, folded with the loss and the loss scale into
+ONE tensor that is read to the host once per optimizer step.
 
-Why ``register_post_accumulate_grad_hook``: HF Trainer (and many loops) clip gradients before the
-optimizer step; one NaN makes the clip factor NaN and poisons every gradient, hiding the culprit.
-The hook fires after each accumulation, so the last value it records in a step is the norm of
-the full accumulated gradient, before clipping or unscaling.
+The norms are the accumulated gradient's, before any clipping (HF Trainer and many loops clip
+before the optimizer step; one NaN makes the clip factor NaN and poisons every gradient, hiding
+the culprit). Two ways to take them:
+
+- fused (one process): one ``torch._foreach_norm`` over every gradient at the step boundary: at
+  the first gradient clip of the step (``clip_tap``), the GradScaler's ``unscale_``/``step``, or the
+  optimizer's pre-step hook, whichever comes first. A few kernels per step, whatever the number of
+  tensors. A backward is noticed by one hook on the forward's outputs, not one per parameter.
+- per parameter (DDP, FSDP, DeepSpeed): a ``register_post_accumulate_grad_hook`` per parameter,
+  because there the step boundary only sees gradients after the all-reduce averaged a NaN into
+  every rank, or after DeepSpeed moved them into its own buffers; the hook fires before both.
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..step.capture import backward_targets
+from . import clip_tap
 from .distributed import local_tensor
 from .guard import guarded
 from .history import group_name
@@ -48,18 +56,25 @@ class StepStats:
 
 
 class GradNormCollector:
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], on_error: Callable[[BaseException], None]):
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], on_error: Callable[[BaseException], None],
+                 grads_scaled: Callable[[], bool] = lambda: False):
         self.groups: list[str] = []
         self._on_error = on_error
+        self._grads_scaled = grads_scaled  # fused: are the gradients still multiplied by the loss scale now?
         self.enabled = True
-        self.accumulations = 0  # gradient accumulations seen, ever (the watch compares it across captures)
+        self.per_parameter = False  # one hook per parameter (multi-rank and DeepSpeed runs), else fused
+        self.accumulations = 0  # backwards (per-parameter: accumulations) seen, ever; compared across captures
         self.handles: list = []
+        self._tapped = False
+        self._squares: torch.Tensor | None = None  # fused: this step's per-group squared norms, once taken
+        self._scaled = True  # whether the norms taken this step are of loss-scaled gradients
+        self._backward_seen: Callable[[torch.Tensor], None] | None = None  # fused: the output hook, made once
         self.cover(named_params)
 
     def cover(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> list[str]:
         """Watch exactly these parameters from now on (a module swapped in after attach); groups
         only grow, so earlier history stays aligned. Returns the groups that are new."""
-        attached = bool(self.handles)
+        attached = bool(self.handles) or self._tapped
         self.detach()
         known = len(self.groups)
         self.params = [p for _, p in named_params]
@@ -70,6 +85,7 @@ class GradNormCollector:
                 self.groups.append(g)
             index.append(self.groups.index(g))
         self._index = index
+        self._ids = {id(p) for p in self.params}
         self._index_tensors: dict[torch.device, torch.Tensor] = {}
         self._norms: list[torch.Tensor | None] = [None] * len(self.params)
         if attached:
@@ -77,6 +93,10 @@ class GradNormCollector:
         return self.groups[known:]
 
     def attach(self) -> None:
+        if not self.per_parameter:
+            clip_tap.tap(self)
+            self._tapped = True
+            return
         for i, p in enumerate(self.params):
             self.handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
 
@@ -84,6 +104,59 @@ class GradNormCollector:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        if self._tapped:
+            clip_tap.untap(self)
+            self._tapped = False
+
+    # ---- fused: one read of every gradient at the step boundary -----------------------------
+    def watch_backward(self, output: object) -> None:
+        """Count the backward through this forward's outputs (one tensor hook each, not one per parameter)."""
+        if self.per_parameter or not self.enabled:
+            return
+        if self._backward_seen is None:
+            collector = weakref.ref(self)  # the graph must not keep the collector (and the model) alive
+
+            def seen(grad: torch.Tensor) -> None:
+                live = collector()
+                if live is not None and live.enabled:
+                    live.accumulations += 1
+
+            self._backward_seen = guarded(seen, self._on_error)  # never break the user's backward
+        for _, tensor in backward_targets(output):  # the loss the model computed, else its outputs
+            tensor.register_hook(self._backward_seen)
+
+    def before_clip(self, parameters: list[torch.Tensor]) -> None:
+        """A gradient clip is about to scale ``parameters``' gradients: take the norms now if they are ours."""
+        if self._squares is None and self.enabled and any(id(p) in self._ids for p in parameters):
+            guarded(self.take, self._on_error)()
+
+    def take(self) -> None:
+        """This step's per-group squared norms of the accumulated gradients, once per step, on the device."""
+        if not (self.per_parameter or not self.enabled or self._squares is not None):
+            with torch.no_grad():  # a backward with create_graph=True leaves gradients that need grad
+                self._take()
+
+    def _take(self) -> None:
+        by_kind: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
+        for p, group in zip(self.params, self._index):
+            grad = p.grad
+            if grad is not None:
+                grads, index = by_kind.setdefault((grad.device, grad.dtype), ([], []))
+                grads.append(grad)
+                index.append(group)
+        if not by_kind:
+            return
+        self._scaled = self._grads_scaled()
+        # one fused norm per (device, dtype); accumulated in fp32 where the gradients are narrower
+        # (an fp16 norm overflows long before its gradient does)
+        squares = [torch.stack(torch._foreach_norm(grads, 2, dtype=None if dtype == torch.float32 else torch.float32))
+                   .square() for (_, dtype), (grads, _) in by_kind.items()]
+        order = [i for _, index in by_kind.values() for i in index]
+        device = squares[0].device
+        stacked = torch.cat([s.to(device, non_blocking=True) for s in squares]) if len(squares) > 1 else squares[0]
+        # the parameter order, unless some had no gradient this step or dtypes interleave
+        idx = self._index_on(device) if order == self._index else torch.tensor(order, device=device)
+        self._squares = torch.zeros(len(self.groups), device=device, dtype=torch.float32).index_add_(0, idx, stacked)
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         # Weakly: the garbage collector does not see into a tensor's post-accumulate-grad hooks, so a
@@ -108,11 +181,20 @@ class GradNormCollector:
 
     def reset(self) -> None:
         self._norms = [None] * len(self.params)
+        self._squares = None
 
     def device(self) -> torch.device:
         """Where this step's norms live (the device of the step's read and collective)."""
+        if self._squares is not None:
+            return self._squares.device
         ref = next((n for n in self._norms if n is not None), None)
         return ref.device if ref is not None else (self.params[0].device if self.params else torch.device("cpu"))
+
+    @property
+    def norms_scaled(self) -> bool:
+        """The step's norms are of loss-scaled gradients: per-parameter hooks always read them in the
+        backward; the fused read, when the GradScaler had not unscaled them yet."""
+        return self.per_parameter or self._scaled
 
     def fingerprint(self) -> torch.Tensor:
         """Per-group sum of parameter norms: it stays bit-identical only if the weights do."""
@@ -124,10 +206,24 @@ class GradNormCollector:
         stacked = torch.stack([v.to(device, non_blocking=True) for v in values])
         if square:
             stacked = stacked.square()
+        return torch.zeros(len(self.groups), device=device, dtype=torch.float32).index_add_(
+            0, self._index_on(device), stacked)
+
+    def _index_on(self, device: torch.device) -> torch.Tensor:
+        """Parameter -> group index, kept on each device it is used on."""
         idx = self._index_tensors.get(device)
         if idx is None:
             idx = self._index_tensors[device] = torch.tensor(self._index, device=device)
-        return torch.zeros(len(self.groups), device=device, dtype=torch.float32).index_add_(0, idx, stacked)
+        return idx
+
+    def _group_norms(self) -> torch.Tensor:
+        if self.per_parameter:
+            zero = torch.zeros((), device=self.device())
+            return self._per_group([n if n is not None else zero for n in self._norms], square=True).sqrt()
+        self.take()
+        if self._squares is None:  # no gradient at all this step (or paused): zeros, as the hooks gave
+            return torch.zeros(len(self.groups), device=self.device(), dtype=torch.float32)
+        return self._squares.sqrt()
 
     def read(self, losses: list[torch.Tensor], scale: torch.Tensor | None, with_fingerprint: bool,
              sum_losses: bool = False, found_inf: torch.Tensor | None = None,
@@ -139,9 +235,8 @@ class GradNormCollector:
         ``exchange(norms, loss)`` (multi-rank runs) returns the step's all-reduced flags; they are
         appended last and read in the same ``tolist()``.
         """
-        device = self.device()
-        zero = torch.zeros((), device=device)
-        parts = [self._per_group([n if n is not None else zero for n in self._norms], square=True).sqrt()]
+        parts = [self._group_norms()]
+        device = parts[0].device
         if losses:
             stacked = torch.stack([loss.detach().float().to(device) for loss in losses])
             parts.append((stacked.sum() if sum_losses else stacked.mean()).reshape(1))
@@ -178,7 +273,7 @@ class GradNormCollector:
         loss_scale = rest.pop(0) if scale is not None else None
         inf_flags = rest.pop(0) if found_inf is not None else None
         acts_values, rest = (rest[:n_acts], rest[n_acts:]) if activations is not None else (None, rest)
-        if loss_scale:
+        if loss_scale and self.norms_scaled:
             norms = [v / loss_scale for v in norms]  # activations are forward values: never scaled
         return StepStats(norms, loss, loss_scale, rest if with_fingerprint else None, inf_flags, acts_values,
                          extra_values, exchanged)

@@ -130,10 +130,11 @@ class NanWatch(Displayable):
         self.optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
         self.scaler = scaler
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        self._collector = GradNormCollector(named, lambda exc: self._fail(exc, safe=False))
+        self._collector = GradNormCollector(named, lambda exc: self._fail(exc, safe=False), self._grads_scaled)
         self.history = GradHistory(self._collector.groups, self.settings.history_capacity)
         # multi-rank runs: one small collective per step, folded into the read
         self._ranks = ranks.RankSync.detect(self._collector.params, len(self._collector.groups))
+        self._collector.per_parameter = self._ranks is not None or ranks.needs_parameter_hooks(target, self._collector.params)
         self._verdict: ranks.RankVerdict | None = None
         self._streamer: Any = None  # a forked rank's stream to the kernel (stream.RankStreamer)
         self._keep_farewell = False
@@ -205,7 +206,7 @@ class NanWatch(Displayable):
         if self.optimizer is not None:
             self._opt_binding = OptimizerBinding(self.optimizer, self._pre_step, self._post_step, self._zero_grad)
         if self.scaler is not None:
-            self._scaler_binding = ScalerBinding(self.scaler, self._before_scaler_update, self._after_scaler_update)
+            self._scaler_binding = self._bind_scaler(self.scaler)
         if self.trainer is not None:
             from .integrations.trainer import LabelsTap, WatchCallback
 
@@ -405,7 +406,19 @@ class NanWatch(Displayable):
             if self._scaler_binding is not None:
                 self._scaler_binding.remove()
             self.scaler = scaler
-            self._scaler_binding = ScalerBinding(scaler, self._before_scaler_update, self._after_scaler_update)
+            self._scaler_binding = self._bind_scaler(scaler)
+
+    def _bind_scaler(self, scaler: Any) -> ScalerBinding:
+        return ScalerBinding(scaler, self._before_scaler_update, self._after_scaler_update, self._take_grad_norms)
+
+    @watch_hook(safe=False)
+    def _take_grad_norms(self) -> None:
+        """The gradients are about to change in place (unscaled, or stepped): the fused read takes them now."""
+        self._collector.take()
+
+    def _grads_scaled(self) -> bool:
+        binding = self._scaler_binding
+        return binding is not None and self.optimizer is not None and binding.grads_scaled(self.optimizer)
 
     def record_eval_loss(self, eval_loss: float, global_step: int | None = None) -> None:
         """An evaluation's loss (a plain loop's evaluation): as if the trainer had logged it."""
@@ -569,6 +582,7 @@ class NanWatch(Displayable):
         self._forward_open = False
         if not self._training_forward(module) or not self._micro_batches:
             return None
+        self._collector.watch_backward(output)  # a backward through this forward: the capture is in use
         loss = model_loss(output)
         if loss is not None:
             self._losses.append(loss.detach())

@@ -49,14 +49,15 @@ class OptimizerBinding:
 
 
 class ScalerBinding:
-    """Wraps one GradScaler instance's ``update`` (an instance attribute, removed on detach)."""
+    """Wraps one GradScaler instance's ``update`` and, with ``before_unscale``, its ``unscale_`` and
+    ``step`` (instance attributes, removed on detach): the sentinel reads the gradients before the
+    scaler unscales them in place."""
 
-    def __init__(self, scaler, before, after):
+    def __init__(self, scaler, before, after, before_unscale=None):
         if not callable(getattr(scaler, "update", None)) or not hasattr(scaler, "step"):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         self.scaler = scaler
-        self._had_own = "update" in vars(scaler)
-        self._own = vars(scaler).get("update")
+        self._own = {name: (name in vars(scaler), vars(scaler).get(name)) for name in ("update", "unscale_", "step")}
         original = scaler.update
 
         def update(*args, **kwargs):
@@ -67,6 +68,18 @@ class ScalerBinding:
 
         update.__nbguard__ = True
         scaler.update = update
+        if before_unscale is not None:
+            for name in ("unscale_", "step"):
+                setattr(scaler, name, _first(before_unscale, getattr(scaler, name)))
+
+    def grads_scaled(self, optimizer) -> bool:
+        """Whether ``optimizer``'s gradients are still multiplied by the loss scale (the scaler has
+        not unscaled them this step)."""
+        if not self.enabled:
+            return False
+        state = getattr(self.scaler, "_per_optimizer_states", {}).get(id(optimizer))
+        stage = state.get("stage") if isinstance(state, dict) else None
+        return stage is None or getattr(stage, "name", None) == "READY"
 
     def scale(self) -> torch.Tensor | None:
         if not self.enabled:
@@ -92,7 +105,17 @@ class ScalerBinding:
         return torch.stack([t.to(device).float().reshape(()) for t in flags]).sum()
 
     def remove(self) -> None:
-        if self._had_own:
-            self.scaler.update = self._own
-        else:
-            vars(self.scaler).pop("update", None)
+        for name, (had_own, own) in self._own.items():
+            if had_own:
+                setattr(self.scaler, name, own)
+            else:
+                vars(self.scaler).pop(name, None)
+
+
+def _first(before, original):
+    def wrapped(*args, **kwargs):
+        before()
+        return original(*args, **kwargs)
+
+    wrapped.__nbguard__ = True
+    return wrapped
