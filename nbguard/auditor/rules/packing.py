@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from inspect import signature
+from typing import Any
 
 import torch
 
@@ -58,7 +59,7 @@ def _model_mask(config, ids: torch.Tensor, mask2d: torch.Tensor | None, position
         cfg._attn_implementation = "sdpa"
         embeds = torch.empty((*ids.shape, 1), device=ids.device)  # only its shape and device are read
         # allow_is_causal_skip came after 5.9; without it a None mask means sdpa's plain causal path
-        skip = {"allow_is_causal_skip": False} if "allow_is_causal_skip" in signature(create_causal_mask).parameters \
+        skip: dict[str, Any] = {"allow_is_causal_skip": False} if "allow_is_causal_skip" in signature(create_causal_mask).parameters \
             else {}
         mask = create_causal_mask(cfg, embeds, mask2d, None, position_ids=positions, **skip)
     except (ImportError, TypeError):
