@@ -312,3 +312,29 @@ def test_drop_unsupervised_rows_refuses_to_leave_no_data(tmp_path):
     with pytest.raises(ValueError, match="nothing to train on"):
         fixes.apply("drop-unsupervised-rows", trainer=trainer)
     assert len(trainer.train_dataset) == 6
+
+
+@pytest.mark.parametrize("through", ["apply", "cell"])
+def test_switch_precision_after_training_lets_the_same_trainer_train_again(tmp_path, through):
+    """A trainer that already stepped keeps its optimizer: its fp16 moments must follow the fp32 weights, or
+    the next train() fails on a fused update over mixed dtypes."""
+    from data_helpers import ListDataset, word_tokenizer
+    from transformers import DataCollatorForLanguageModeling, Trainer
+
+    rows = [{"input_ids": [1, *range(5 + i, 12 + i), 2]} for i in range(8)]
+    args = make_args(tmp_path, per_device_train_batch_size=2, max_steps=2, save_strategy="no")
+    trainer = Trainer(model=tiny_llama(dtype=torch.float16), args=args, train_dataset=ListDataset(rows),
+                      data_collator=DataCollatorForLanguageModeling(word_tokenizer(), mlm=False))
+    trainer.train()
+    assert {v.dtype for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step"} == {torch.float16}
+    if through == "apply":
+        changed = fixes.apply("switch-precision", trainer=trainer, to="fp32").changed
+        assert "optimizer_state" in changed
+    else:
+        run_cell(fixes.code("switch-precision", trainer="t", model="t.model", args="t.args", to="fp32"), t=trainer)
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert {v.dtype for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step"} == {torch.float32}
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.args.max_steps = 4
+    trainer.train()  # raised "Tensors of the same index must be on the same device and the same dtype" before
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())

@@ -213,10 +213,26 @@ def _switch(target, to=None, hardware=None, only=None, **_):
                 p.data = p.data.to(dtype)
         if casts:
             changed["parameters"] = casts
+            if target.trainer is not None:
+                _follow_optimizer_state(target.trainer, changed)
         compute = set_compute_dtype(target.model, torch.float32 if to == "fp32" else torch.bfloat16)
         if compute:
             changed["4bit_compute_dtype"] = compute
     return {"to": to, **changed} if changed else {}
+
+
+def _follow_optimizer_state(trainer, changed) -> None:
+    """A trainer that already trained keeps its optimizer, whose moments are still in the old dtype: the
+    next step's fused update refuses mixed dtypes. Each state tensor follows its weight's new dtype."""
+    optimizer = getattr(trainer, "optimizer", None)
+    moved = 0
+    for param, state in (optimizer.state.items() if optimizer is not None else ()):
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.is_floating_point() and key != "step" and value.dtype != param.dtype:
+                state[key] = value.to(param.dtype)
+                moved += 1
+    if moved:
+        changed["optimizer_state"] = f"{moved} state tensors follow their weights' dtype"
 
 
 def _switch_code(names, to=None, hardware=None, only=None, **_):
@@ -266,6 +282,15 @@ AcceleratorState._reset_state()
 for _name, _param in {m}.named_parameters():
     if _param.is_floating_point() and {rule}:
         _param.data = _param.data.to({cast})
+"""
+    if t:
+        code += f"""
+# An optimizer that already stepped keeps its moments in the old dtype: they follow the weights.
+if {t}.optimizer is not None:
+    for _param, _state in {t}.optimizer.state.items():
+        for _key, _value in _state.items():
+            if torch.is_tensor(_value) and _value.is_floating_point() and _key != "step":
+                _state[_key] = _value.to(_param.dtype)
 """
     compute = "torch.float32" if to == "fp32" else "torch.bfloat16"
     code += f"""
