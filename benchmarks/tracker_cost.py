@@ -6,7 +6,7 @@ AdamW, batch 4 x 64, fwd + bwd + step, one step each per round in alternating or
 (or an offline W&B run). ``--clock cpu`` counts the thread's CPU time (valid with one torch thread
 on CPU); the tracker's own background writer threads are outside it, and reported by ``--clock wall``.
 
-    OMP_NUM_THREADS=1 /work/venvs/trackers/bin/python benchmarks/tracker_cost.py --rounds 60 --clock cpu
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/tracker_cost.py --rounds 60 --clock cpu
 """
 from __future__ import annotations
 
