@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -36,6 +37,12 @@ def main(mode: str, out_dir: str) -> None:
     diagnosis = nbguard.explain(RuntimeError(error)) if error else None
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
         "rules": found, "error": error, "signature": diagnosis.signature if diagnosis else None}))
+    # Free the DDP wrapper (its reducer) while the process group lives, and leave together: a rank
+    # whose reducer was freed after destroy_process_group, its peer gone, hung at exit about once in
+    # a few loaded runs here (main thread in teardown, a gloo thread waiting).
+    del ddp
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

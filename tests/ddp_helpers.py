@@ -21,6 +21,7 @@ Scenarios (faults on rank 1 only; rank 0's batches are healthy):
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -266,15 +268,32 @@ def _run_once(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank that gets SIGABRT prints every thread's stack first
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
-        out, _ = proc.communicate()
-        raise AssertionError(f"the two-rank run hung (killed after {timeout:.0f}s):\n{out[-4000:]}") from None
+        _stop_tree(proc.pid)
+        out, _ = proc.communicate(timeout=60)
+        raise AssertionError(f"the two-rank run hung (killed after {timeout:.0f}s):\n{out[-12000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def _stop_tree(pid: int) -> None:
+    """Stop a launcher and every process under it. torchrun starts each rank in a session of its own
+    (so a process-group kill misses them, and they keep the output pipe open): walk the tree instead.
+    The ranks get SIGABRT first, so the output shows where each one hung."""
+    launcher = psutil.Process(pid)
+    tree = [launcher, *launcher.children(recursive=True)]
+    for process in tree[1:]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGABRT)
+    psutil.wait_procs(tree[1:], timeout=10)
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(tree, timeout=10)
 
 
 def read_ranks(out_dir: Path, world_size: int = 2) -> list[dict[str, Any]]:
