@@ -164,6 +164,7 @@ class NanWatch(Displayable):
         self._scaler_binding: ScalerBinding | None = None
         self._callback: Any = None  # WatchCallback, Trainer only
         self._labels_tap: Any = None  # LabelsTap, Trainer only: labels the Trainer keeps from the model
+        self._loss_tap: Any = None  # TrainingLossTap: a Trainer whose loss is not its model's own
         self._trainer_control = None
         self._stop_requested = False
         self._broken = False
@@ -208,10 +209,12 @@ class NanWatch(Displayable):
         if self.scaler is not None:
             self._scaler_binding = self._bind_scaler(self.scaler)
         if self.trainer is not None:
-            from .integrations.trainer import LabelsTap, WatchCallback
+            from .integrations.trainer import LabelsTap, TrainingLossTap, WatchCallback, trainer_computes_its_loss
 
             self._callback = WatchCallback(self)
             self.trainer.add_callback(self._callback)
+            if trainer_computes_its_loss(self.trainer):  # read before LabelsTap sets compute_loss on it
+                self._loss_tap = TrainingLossTap(self.trainer, self._take_trainer_loss)
             self._labels_tap = LabelsTap(self.trainer)
             if self._run_checks is not None:
                 self._run_checks.bind()
@@ -284,6 +287,9 @@ class NanWatch(Displayable):
         if self._labels_tap is not None:
             self._labels_tap.remove()
             self._labels_tap = None
+        if self._loss_tap is not None:
+            self._loss_tap.remove()
+            self._loss_tap = None
         if self._run_checks is not None:
             self._run_checks.unbind()
         if self._deepspeed is not None:
@@ -583,12 +589,18 @@ class NanWatch(Displayable):
         if not self._training_forward(module) or not self._micro_batches:
             return None
         self._collector.watch_backward(output)  # a backward through this forward: the capture is in use
-        loss = model_loss(output)
+        loss = model_loss(output) if self._loss_tap is None else None  # else the Trainer's, at training_step's end
         if loss is not None:
             self._losses.append(loss.detach())
         if self.localize:
             self._micro_batches[-1].record_output_grads(output)
         return None
+
+    @watch_hook(safe=True)
+    def _take_trainer_loss(self, loss: torch.Tensor) -> None:
+        """The loss a Trainer's training_step returned (TrainingLossTap), for the step now open."""
+        if self._micro_batches:
+            self._losses.append(loss.detach())
 
     # ---- hooks: step boundaries -----------------------------------------------------------
     def _read(self) -> StepStats:
@@ -603,7 +615,8 @@ class NanWatch(Displayable):
             scale = binding.scale() if binding is not None else None
             found_inf = binding.found_inf() if binding is not None and binding.enabled else None
             # Trainer passes num_items_in_batch: each micro-batch loss is then a share of the step's loss
-            shares = any("num_items_in_batch" in mb.kwargs for mb in self._micro_batches)
+            # the micro-batches' losses add up to the step's when each is already its share of the step
+            shares = self._loss_tap is not None or any("num_items_in_batch" in mb.kwargs for mb in self._micro_batches)
             self._stats = self._collector.read(self._losses, scale, False, sum_losses=shares,
                                                found_inf=found_inf,
                                                activations=self._probe.values if self._probe is not None else None,

@@ -2,7 +2,7 @@
 ``train()``) and the accelerator's GradScaler, ends training on ``stop``, and watches eval loss."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from transformers import TrainerCallback
@@ -44,6 +44,43 @@ class LabelsTap:
             self.trainer.compute_loss = self._own
         else:
             vars(self.trainer).pop("compute_loss", None)
+
+
+def trainer_computes_its_loss(trainer) -> bool:
+    """Whether the loss a Trainer trains on may differ from the one its model returns: a
+    ``compute_loss`` written outside transformers' Trainer (TRL's GRPO, DPO, KTO, RLOO and SFT
+    trainers, a user's subclass or one set on the instance) or a ``compute_loss_func``. TRL's GRPO
+    and DPO pass labels to the model for its log-probabilities, so the model's own ``loss`` is a
+    language-model loss beside the point, not the loss that is backpropagated and logged."""
+    if "compute_loss" in vars(trainer) or getattr(trainer, "compute_loss_func", None) is not None:
+        return True
+    owner = next((c for c in type(trainer).__mro__ if "compute_loss" in vars(c)), None)
+    return owner is not None and owner.__module__ != "transformers.trainer"
+
+
+class TrainingLossTap:
+    """Hands each loss ``training_step`` returns to ``on_loss``: what the Trainer backpropagated for
+    that micro-batch (divided by the accumulation steps where the Trainer divides), whose sum over a
+    step is the loss the Trainer logs. Installed as an instance attribute and removed on detach."""
+
+    def __init__(self, trainer, on_loss: Callable[[torch.Tensor], None]):
+        self.trainer = trainer
+        self._own = vars(trainer).get("training_step")  # a training_step the user set on the instance
+        original = trainer.training_step
+
+        def training_step(model, inputs, *args, **kwargs):
+            loss = original(model, inputs, *args, **kwargs)
+            if isinstance(loss, torch.Tensor):
+                on_loss(loss)
+            return loss
+
+        trainer.training_step = training_step
+
+    def remove(self) -> None:
+        if self._own is not None:
+            self.trainer.training_step = self._own
+        else:
+            vars(self.trainer).pop("training_step", None)
 
 
 class WatchCallback(TrainerCallback):
