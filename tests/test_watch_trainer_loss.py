@@ -73,3 +73,22 @@ def test_a_plain_trainer_keeps_reading_its_models_loss(tmp_path):
     assert "training_step" not in vars(trainer)
     trainer.train()
     assert_watch_loss_is_the_logged_loss(trainer, watch)
+
+
+def test_sft_with_accumulation_keeps_every_micro_batch(tmp_path):
+    """TRL's SFTTrainer takes its loss from the model's log-probabilities, not the model's own loss: the
+    backward through them must count as the micro-batch's backward, or the next forward would drop it."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from nbguard.testing import word_tokenizer
+
+    rows = [{"prompt": f"w{3 + i % 50} w{9 + i % 40}", "completion": f" w{20 + i % 60} w{30 + i % 70} w{4 + i % 90}"}
+            for i in range(32)]
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                     logging_steps=1, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True)
+    trainer = SFTTrainer(model=tiny_llama(), args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=word_tokenizer())
+    watch = nbguard.watch(trainer)
+    trainer.train()
+    assert_watch_loss_is_the_logged_loss(trainer, watch)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..step.capture import backward_targets
+from ..step.tensors import iter_tensors
 from . import clip_tap
 from .distributed import local_tensor
 from .guard import guarded
@@ -122,8 +122,11 @@ class GradNormCollector:
                     live.accumulations += 1
 
             self._backward_seen = guarded(seen, self._on_error)  # never break the user's backward
-        for _, tensor in backward_targets(output):  # the loss the model computed, else its outputs
-            tensor.register_hook(self._backward_seen)
+        # Every output a backward can start from, the model's own loss among them: TRL's trainers take
+        # their loss from the log-probabilities the model returns beside an unused LM loss.
+        for _, tensor in iter_tensors(output):
+            if tensor.is_floating_point() and tensor.requires_grad:
+                tensor.register_hook(self._backward_seen)
 
     def before_clip(self, parameters: list[torch.Tensor]) -> None:
         """A gradient clip is about to scale ``parameters``' gradients: take the norms now if they are ours."""
