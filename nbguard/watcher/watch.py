@@ -68,6 +68,13 @@ def attached_watch(target: Any) -> NanWatch | None:
     return ref() if ref is not None else None
 
 
+def attached_watches() -> list[NanWatch]:
+    """Every watch registered on a target and still alive (a snapshot: attaching or detaching
+    while the caller iterates does not change it)."""
+    alive = [ref() for ref in list(_ATTACHED.values())]  # the map holds weak references to the watches
+    return [w for w in alive if w is not None]
+
+
 def _is_trainer(obj) -> bool:
     try:
         from transformers import Trainer
