@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import sys
@@ -16,7 +15,6 @@ from typing import Any
 
 import torch
 
-from ..document.model import fold_skip_streaks as fold_streaks
 from ..document.view import plural
 from ..errors import NonFiniteError
 from ..findings import Displayable, Event, document
@@ -25,35 +23,19 @@ from ..step.precision import capture_autocast
 from . import distributed as ranks
 from .activations import FP16_LIMIT, ActivationProbe, host_values
 from .builtin import builtin_detectors
-from .detectors import SkipStreak, WatchSettings
+from .detectors import WatchSettings
+from .events import event_message, fold_skip_streaks, skip_streaks
 from .guard import guarded_call, watch_hook
 from .history import ActivationHistory, GradHistory
 from .integrations.loop import OptimizerBinding, ScalerBinding, unwrap_optimizer
 from .pipeline import Detector, DetectorBoard, StepView
-from .policies import check_policy, drop_update
+from .policies import check_policy, drop_update, training_stopper, update_dropper
 from .replay import Replayer
 from .run_checks import RunChecks
+from .scaler_skips import ScalerSkips
 from .sentinel import GradNormCollector, StepStats
 
 Listener = Callable[["NanWatch", str, Any], None]
-
-
-def skip_streaks(events: list[Event]) -> list[dict[str, Any]]:
-    """Each GradScaler skip streak as data for the views: its steps, length, and the cause and
-    module the replay of its first step found."""
-    out = []
-    for first, last, count in fold_skip_streaks(events):
-        if first.kind != "scaler-skip":
-            continue
-        origin = first.origins[0] if first.origins else None
-        out.append({"first_step": first.step, "last_step": last, "count": count, "cause": first.cause,
-                    "module": origin.module if origin else None, "loss_scale": first.evidence.get("loss_scale")})
-    return out
-
-
-def fold_skip_streaks(events: list[Event]) -> list[tuple[Event, int, int]]:
-    """(first event, last step, count) per GradScaler streak; see ``nbguard.document.model``."""
-    return fold_streaks(events, lambda e: (e.kind, e.step, e.evidence.get("streak_start")))
 
 
 # target -> (a weak reference to) the watch attached to it, so a second watch on the same target
@@ -161,7 +143,6 @@ class NanWatch(Displayable):
         self._replayer: Replayer | None = None
         self._replays = 0  # replays of nonfinite-loss/grad events
         self._skip_replays = 0  # replays of the first step of each GradScaler skip streak (own budget)
-        self._streak_first: Event | None = None  # the scaler-skip event that opened the current streak
         self._handles: list = []
         self._modules_seen: weakref.WeakSet = weakref.WeakSet()
         self._accumulations_at_capture = -1  # the collector's count at this step's last capture
@@ -176,10 +157,13 @@ class NanWatch(Displayable):
         self._broken = False
         self._replaying = False
         self._bad_streak = 0
-        self._skips = SkipStreak(self.settings)
-        self._board = DetectorBoard(builtin_detectors(self.settings) + list(detectors))
+        # the detectors, in the order they judge a step: the GradScaler's skips, the built-in and the
+        # user's (add_detector inserts before the run checks, which stay last)
+        scaler_skips = ScalerSkips(self.settings, lambda kind, extra, budget: self._localised_event(
+            kind, self._read(), extra, budget))
         self._run_checks = RunChecks(self.trainer, lambda exc: self._fail(exc, safe=False)) if run_checks else None
-        self._run_checked = -1  # the step the run checks last judged
+        self._board = DetectorBoard([scaler_skips, *builtin_detectors(self.settings), *detectors],
+                                    last=[self._run_checks] if self._run_checks is not None else [])
         self._micro_batches: list[MicroBatch] = []
         self._losses: list[torch.Tensor] = []
         self._stats: StepStats | None = None
@@ -435,11 +419,8 @@ class NanWatch(Displayable):
     def record_log(self, logs: dict[str, Any]) -> None:
         """The trainer logged metrics after a step (``Trainer.log``): every detector's ``on_log``."""
         step = max(self.step - 1, 0)  # the optimizer step the metrics are about
-        for detector in self._board.detectors:
+        for detector in self._board.detectors:  # the run checks (last) read TRL's rewards, margins, ratios
             for event in detector.on_log(step, dict(logs)):
-                self._emit(event)
-        if self._run_checks is not None:  # TRL's rewards, margins, clipped ratios
-            for event in self._run_checks.on_log(step, dict(logs)):
                 self._emit(event)
 
     # ---- detectors and the public interface integrations use ------------------------------------
@@ -679,7 +660,7 @@ class NanWatch(Displayable):
         finite = not verdict.bad_ranks if verdict is not None else stats.loss_finite and stats.grads_finite
         if finite:
             self._bad_streak = 0
-            self._check_divergence(stats)
+            self._before_update(stats)
             return
         self._bad_streak += 1
         event: Event | None
@@ -697,27 +678,26 @@ class NanWatch(Displayable):
         if self.policy == "stop":
             self._stop(event)
 
-    def _run_checks_once(self, stats: StepStats) -> list[Event]:
-        """The run checks of this step (before its update where the watch checks updates, else at its end)."""
-        if self._run_checks is None or self._run_checked == self.step:
-            return []
-        self._run_checked = self.step
-        events = self._run_checks.update(self.step, stats.loss, dict(zip(self.history.groups, stats.grad_norm)))
-        for event in events:
-            self._emit(event)
-        return events
-
-    def _check_divergence(self, stats: StepStats) -> None:
-        """An exploded (finite) update under skip/stop is dropped like a non-finite one: the weights stay
-        the last good ones. One process only: across ranks the verdicts could differ."""
-        exploded = next((e for e in self._run_checks_once(stats) if e.kind == "divergence"), None)
-        if exploded is None or self.policy == "warn" or self._ranks is not None:
+    def _before_update(self, stats: StepStats) -> None:
+        """The detectors see the finite update before the optimizer applies it; one may have it dropped
+        under skip/stop (the weights stay the last good ones), and under stop training ends."""
+        view = self._view(stats, skipped=False, scaler_skipped=False)
+        dropper = update_dropper(self.policy, self._board.run("before_update", view, stats.extra, self._emit_from),
+                                 across_ranks=self._ranks is not None)
+        if dropper is None:
             return
         drop_update(self.optimizer, self.model)
         self._step_dropped = True
-        exploded.evidence["update_dropped"] = True
+        dropper.evidence["update_dropped"] = True
         if self.policy == "stop":
-            self._stop(exploded)
+            self._stop(dropper)
+
+    def _view(self, stats: StepStats, skipped: bool, scaler_skipped: bool) -> StepView:
+        return StepView(self.step, tuple(self.history.groups), tuple(stats.grad_norm), stats.loss, stats.loss_scale,
+                        skipped, scaler_skipped if self._scaler_binding is not None else None, history=self.history)
+
+    def _emit_from(self, detector: Detector, event: Event) -> None:
+        self._emit(event, agreed=getattr(detector, "agreed", False))
 
     def _stop(self, event: Event | None, step_ended: bool = False) -> None:
         self._stop_requested = True
@@ -740,22 +720,8 @@ class NanWatch(Displayable):
         if self.activation_history is not None and stats.activations is not None:
             activations = host_values(stats.activations)
             self.activation_history.append(step, activations)
-        stop_event = None
-        if self._scaler_binding is not None:
-            if scaler_skipped:
-                self._emit(self._scaler_skip_event(stats), agreed=self._ranks is not None)
-            streak = self._skips.update(scaler_skipped, stats.loss_scale, step)
-            if streak is not None:
-                event = self._streak_event(stats, streak)
-                self._emit(event, agreed=self._ranks is not None)
-                if self.policy == "stop":
-                    stop_event = event
-        view = StepView(step, tuple(self.history.groups), tuple(stats.grad_norm), stats.loss, stats.loss_scale,
-                        skipped, history=self.history)
-        for detector, scalars in zip(self._board.detectors, self._board.split(stats.extra)):
-            for event in detector.update(dataclasses.replace(view, scalars=scalars)):
-                self._emit(event)
-        self._run_checks_once(stats)
+        found = self._board.run("update", self._view(stats, skipped, scaler_skipped), stats.extra, self._emit_from)
+        stop_event = training_stopper(self.policy, found, across_ranks=self._ranks is not None)
         self.step += 1
         payload: dict[str, Any] = {"step": step, "loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
                    "loss_scale": stats.loss_scale, "skipped": skipped,
@@ -787,33 +753,6 @@ class NanWatch(Displayable):
             sync.step_exchanged = False
 
     # ---- events and localisation ----------------------------------------------------------
-    def _scaler_skip_event(self, stats: StepStats) -> Event:
-        """One event per step the GradScaler skipped. The first of a streak is localised by replay;
-        the others point at it (``streak_start``), so views fold a streak into one line."""
-        first = self._skips.streak == 0
-        start = self.step if first else self._skips.start
-        if first:
-            event = self._localised_event("scaler-skip", stats, {"streak_start": start}, budget="skip")
-            self._streak_first = event
-            return event
-        evidence = {"streak_start": start, "loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
-                    "loss_scale": stats.loss_scale, "localised_at_step": start}
-        return Event("scaler-skip", self.step, self._message("scaler-skip", None, [], evidence), evidence=evidence,
-                     rank=self._streak_first.rank if self._streak_first is not None else None)
-
-    def _streak_event(self, stats: StepStats, streak: dict) -> Event:
-        """The alarm after a streak: localised by the replay of the streak's first step when it had one."""
-        first = self._streak_first
-        if first is None or first.cause is None:
-            return self._localised_event("skipped-steps", stats, streak)
-        evidence = {**streak, "streak_start": first.step, "localised_at_step": first.step,
-                    **{k: v for k, v in first.evidence.items() if k in ("micro_batch", "replay_seconds")}}
-        evidence.update({"loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
-                         "loss_scale": stats.loss_scale})
-        evidence.update({k: v for k, v in first.evidence.items() if k in ranks.RANK_EVIDENCE})
-        return Event("skipped-steps", self.step, self._message("skipped-steps", first.cause, first.origins, evidence),
-                     first.cause, list(first.origins), evidence, rank=first.rank)
-
     def _localised_event(self, kind: str, stats: StepStats, extra: dict | None = None,
                          budget: str = "nonfinite") -> Event:
         """``_make_event``, or across ranks the agreed event: the bad ranks localise, all get the same."""
@@ -848,7 +787,7 @@ class NanWatch(Displayable):
                 cause, origins = found.cause, found.origins
                 evidence.update(found.evidence)
             evidence["replay_seconds"] = time.perf_counter() - started
-        return Event(kind, self.step, self._message(kind, cause, origins, evidence), cause, origins, evidence)
+        return Event(kind, self.step, event_message(kind, cause, origins, evidence), cause, origins, evidence)
 
     def _take_replay(self, budget: str) -> bool:
         """Skip streaks (a fresh fp16 run has a few at start-up) do not use up the NaN events' replays."""
@@ -866,32 +805,6 @@ class NanWatch(Displayable):
             self._replayer = Replayer(self.model)
         with self.paused():
             return self._replayer.run(self._micro_batches)
-
-    def _message(self, kind: str, cause, origins, evidence) -> str:
-        what = {
-            "nonfinite-loss": "non-finite loss",
-            "nonfinite-grad": "non-finite gradient",
-            "skipped-steps": f"GradScaler skipped {evidence.get('consecutive_skipped')} optimizer steps in a row "
-                             f"(loss scale down to {evidence.get('loss_scale')})",
-            "scaler-skip": f"GradScaler skipped this step: non-finite gradients at loss scale "
-                           f"{evidence.get('loss_scale')}",
-        }.get(kind, kind)
-        text = what  # renderers and summary() show the step themselves
-        if cause == "no-supervised-tokens":
-            return text + ": a micro-batch has every label -100, so the mean loss is 0/0"
-        if origins:
-            o = origins[0]
-            text += f": {cause} in {o.module or '<model>'} ({o.phase}"
-            text += f", {o.dtype})" if o.dtype else ")"
-            if o.micro_batch:
-                text += f", micro-batch {o.micro_batch}"
-            if o.evidence.get("bypassed_children"):
-                text += "; made inside its own forward: a fused kernel bypassed its children's hooks"
-        elif cause == "not-reproducible" and evidence.get("next_steps"):
-            text += f" (not reproduced by an eager replay; next: {evidence['next_steps'][0].split(':')[0]})"
-        elif cause:
-            text += f" ({cause})"
-        return text
 
     # ---- results ---------------------------------------------------------------------------
     def summary(self) -> str:
