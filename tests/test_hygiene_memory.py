@@ -126,15 +126,16 @@ def test_the_attached_watch_map_holds_no_watch_once_detached():
     import torch
 
     from nbguard.testing import tiny_llama
-    from nbguard.watcher.watch import _ATTACHED, attached_watch
+    from nbguard.watcher.lifecycle import _ATTACHED, attached_watch, attached_watches
 
     model = tiny_llama()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     watch = nbguard.watch(model, optimizer=opt)
-    assert attached_watch(model) is watch
+    assert attached_watch(model) is watch and watch in attached_watches()
     assert isinstance(_ATTACHED[model], weakref.ref)  # the value does not hold its key alive
     watch.detach()
     assert attached_watch(model) is None and model not in _ATTACHED
+    assert watch not in attached_watches()
 
 
 def test_lab_comm_path_leaves_the_model_collectable(kernel, tmp_path):

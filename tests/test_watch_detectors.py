@@ -12,6 +12,7 @@ from watch_helpers import batches
 import nbguard
 from nbguard.document import encode_document
 from nbguard.document.schema import schema
+from nbguard.errors import NonFiniteError
 from nbguard.findings import Event
 from nbguard.testing import tiny_llama
 from nbguard.watcher import Detector
@@ -19,11 +20,13 @@ from nbguard.watcher import Detector
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "detectors.md"
 
 
-def guide_namespace() -> dict:
-    """Run the guide's first code block, as a reader would paste it."""
-    code = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)[0]
+def guide_namespace(*also: str) -> dict:
+    """Run the guide's first code block, then the blocks defining the classes ``also``, as a reader
+    would paste them."""
+    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)
     namespace: dict = {}
-    exec(compile(code, str(GUIDE), "exec"), namespace)
+    for code in blocks[:1] + [b for b in blocks[1:] if any(f"class {name}(" in b for name in also)]:
+        exec(compile(code, str(GUIDE), "exec"), namespace)
     return namespace
 
 
@@ -100,3 +103,90 @@ def test_trainer_logs_reach_on_log_after_each_step():
     watch.detach()
     step_logs = [logs for logs in recorder.logs if "loss" in logs]
     assert len(step_logs) == 3 and all(isinstance(logs["grad_norm"], float) for logs in step_logs)
+
+
+def _train(model, opt, steps: int) -> None:
+    batch = batches(1)[0]
+    for _ in range(steps):
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _weights(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("policy", ["warn", "skip"])
+def test_a_guide_detector_drops_the_update_before_the_optimizer_step_under_skip(policy):
+    ExplodedUpdate = guide_namespace("ExplodedUpdate")["ExplodedUpdate"]
+    torch.manual_seed(0)
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    watch = nbguard.watch(model, optimizer=opt, policy=policy, detectors=[ExplodedUpdate(limit=0.0)], verify=False)
+    before = _weights(model)
+    _train(model, opt, 2)
+    watch.detach()
+    events = [e for e in watch.events if e.kind == "exploded-update"]
+    assert [e.step for e in events] == [0, 1] and all(e.evidence["limit"] == 0.0 for e in events)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    if policy == "skip":
+        assert unchanged and not opt.state  # AdamW never stepped: no moments, no step count
+        assert all(e.evidence["update_dropped"] is True for e in events)
+        assert watch.history.skipped_steps == [0, 1]
+    else:
+        assert not unchanged and all("update_dropped" not in e.evidence for e in events)
+        assert watch.history.skipped_steps == []
+
+
+def test_a_guide_detector_stops_training_before_the_update_under_stop():
+    ExplodedUpdate = guide_namespace("ExplodedUpdate")["ExplodedUpdate"]
+    torch.manual_seed(0)
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = nbguard.watch(model, optimizer=opt, policy="stop", detectors=[ExplodedUpdate(limit=0.0)], verify=False)
+    before = _weights(model)
+    with pytest.raises(NonFiniteError, match="stopped training at step 0: gradient norm"):
+        _train(model, opt, 1)
+    watch.detach()
+    [event] = [e for e in watch.events if e.kind == "exploded-update"]
+    assert event.evidence["update_dropped"] is True and watch.stop_requested
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+class StopAfter(Detector):
+    """An event at step ``at`` (from update, after the step) that ends training under stop."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def update(self, view):
+        if view.step != self.at:
+            return []
+        return [Event("exploded-update", view.step, "stop here", evidence={"total_grad_norm": view.total_grad_norm,
+                                                                          "limit": 0.0})]
+
+    def stops_training(self, event):
+        return True
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_a_detector_ends_training_after_its_step_only_under_stop(policy):
+    guide_namespace("ExplodedUpdate")  # registers the event kind
+    torch.manual_seed(0)
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = nbguard.watch(model, optimizer=opt, policy=policy, detectors=[StopAfter(at=1)], verify=False)
+    _train(model, opt, 1)
+    before = _weights(model)
+    if policy == "stop":
+        with pytest.raises(NonFiniteError, match="stopped training at step 1: stop here"):
+            _train(model, opt, 1)
+    else:
+        _train(model, opt, 2)
+    watch.detach()
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # step 1 was applied
+    assert watch.history.steps == ([0, 1] if policy == "stop" else [0, 1, 2])
+    assert watch.history.skipped_steps == []
+    [event] = [e for e in watch.events if e.kind == "exploded-update"]
+    assert "update_dropped" not in event.evidence

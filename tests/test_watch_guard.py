@@ -8,7 +8,7 @@ from watch_helpers import batches, hook_counts, train
 
 import nbguard
 from nbguard.testing import tiny_llama
-from nbguard.watcher import guard, watch
+from nbguard.watcher import guard, lifecycle, record, steps, watch
 from nbguard.watcher.integrations import loop, trainer
 
 torch.set_num_threads(1)
@@ -72,9 +72,10 @@ def test_integrations_use_only_the_public_interface_of_the_watch():
 
 
 def test_the_watch_has_no_try_blocks_of_its_own_around_hooks():
-    """One guarded-call helper instead of repeated try/except blocks in the hook methods."""
-    tree = ast.parse(inspect.getsource(watch))
-    hooks = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
+    """One guarded-call helper instead of repeated try/except blocks in the hook methods (the watch
+    core's modules: its record, step state machine, lifecycle and construction)."""
+    trees = [ast.parse(inspect.getsource(m)) for m in (record, steps, lifecycle, watch)]
+    hooks = [n for tree in trees for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
              and n.name in ("_root_pre", "_root_post", "_capture_micro_batch", "_pre_step", "_post_step",
                             "_before_scaler_update", "_after_scaler_update", "bind_trainer_step", "_notify")]
     assert len(hooks) == 9

@@ -219,7 +219,7 @@ def test_a_failing_replay_keeps_the_event_unlocalised():
     def out_of_memory(micro_batches):
         raise RuntimeError("simulated out of memory")
 
-    watch._replayer = type("Broken", (), {"run": staticmethod(out_of_memory)})()
+    watch._localiser.replayer = type("Broken", (), {"run": staticmethod(out_of_memory)})()
     train(model, opt, batches(1))
     watch.detach()
     event = _one_event(watch, "nonfinite-grad")

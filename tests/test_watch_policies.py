@@ -97,3 +97,24 @@ def test_bad_arguments_are_refused_clearly():
         nbguard.watch("model", optimizer=opt)
     with pytest.raises(TypeError, match="optimizer"):
         nbguard.watch(model, optimizer=object())
+
+
+def test_across_ranks_the_policy_acts_only_on_agreed_detectors():
+    """A rank's own verdict (the run checks' divergence) only reports under DDP: the ranks could
+    disagree and apply different updates. An agreed detector's events (the GradScaler streak) act."""
+    from nbguard.findings import Event
+    from nbguard.watcher.detectors import WatchSettings
+    from nbguard.watcher.policies import training_stopper, update_dropper
+    from nbguard.watcher.run_checks import RunChecks
+    from nbguard.watcher.scaler_skips import ScalerSkips
+
+    checks = RunChecks(None, lambda exc: None)
+    exploded = Event("divergence", 3, "gradient norm exploded", evidence={})
+    for policy, one_process in (("warn", None), ("skip", exploded), ("stop", exploded)):
+        assert update_dropper(policy, [(checks, exploded)], across_ranks=False) is one_process
+        assert update_dropper(policy, [(checks, exploded)], across_ranks=True) is None
+    skips = ScalerSkips(WatchSettings(), lambda kind, extra, budget: Event(kind, 0, kind, evidence=dict(extra)))
+    streak = Event("skipped-steps", 8, "GradScaler skipped 8 optimizer steps in a row", evidence={})
+    assert training_stopper("stop", [(checks, exploded), (skips, streak)], across_ranks=True) is streak
+    assert training_stopper("skip", [(skips, streak)], across_ranks=True) is None
+    assert update_dropper("stop", [(skips, streak)], across_ranks=False) is None  # a skip streak drops nothing

@@ -70,7 +70,7 @@ def test_a_streak_alarm_reuses_the_localisation_of_the_streaks_first_step():
     assert len(alarm) == 1 and alarm[0].step == 8 and alarm[0].evidence["streak_start"] == 1
     assert alarm[0].evidence["localised_at_step"] == 1
     assert alarm[0].origin("forward").module == "model.embed_tokens"
-    assert watch._skip_replays == 1 and watch._replays == 0  # one replay for the whole streak
+    assert watch._localiser.skip_replays == 1 and watch._localiser.replays == 0  # one replay for the whole streak
 
 
 class _ArmAt(TrainerCallback):

@@ -22,7 +22,7 @@ from ..step.eager import eager_everywhere, unwrap_compiled
 from ..step.plan import CapturedStep, ShadowPlan
 from ..step.precision import autocast_as, autocast_text
 from ..step.tensors import float_tensors, iter_tensors
-from ..watcher.watch import _ATTACHED
+from ..watcher.lifecycle import attached_watches
 from .result import StepEvidence
 
 MAX_NAMED_GRADS = 5
@@ -33,8 +33,7 @@ MAX_NAMED_GRADS = 5
 def quiet_watches(model: torch.nn.Module) -> Iterator[None]:
     """Any attached nbguard watch on ``model`` ignores the shadow runs (as it does its own replay)."""
     eager = unwrap_compiled(model)[0]
-    alive = [ref() for ref in list(_ATTACHED.values())]  # the map holds weak references to the watches
-    watches = [w for w in alive if w is not None and unwrap_compiled(w.model)[0] is eager]
+    watches = [w for w in attached_watches() if unwrap_compiled(w.model)[0] is eager]
     with contextlib.ExitStack() as stack:
         for w in watches:
             stack.enter_context(w.paused())

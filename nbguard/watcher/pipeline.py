@@ -6,11 +6,21 @@ it (``on_log``: TRL's ``reward``, ``rewards/chosen``, ``eval_loss``...). It retu
 kinds are registered once with :func:`nbguard.document.register_event_kind`. The watch never
 needs to know a detector's name: ``nbguard.watch(..., detectors=[...])`` or
 ``watch.add_detector(d)`` is the whole registration. See docs/guides/detectors.md.
+
+A detector may also take part in the watch's policy (``warn``/``skip``/``stop``) without the core
+knowing it: ``before_update`` sees a finite update before the optimizer applies it, and an event
+for which ``drops_update(event)`` is true has that update dropped under ``skip`` and ``stop``
+(``stop`` then ends training); an event from ``update`` for which ``stops_training(event)`` is true
+ends training under ``stop`` once its step has ended. Across ranks the policy acts only on the
+events of a detector whose ``agreed`` is true (decided from what every rank agreed on, so every
+rank acts alike); its events are recorded as the same event on every rank. The watch's own
+GradScaler skip streak (:mod:`.scaler_skips`) and run checks (:mod:`.run_checks`) are detectors.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -41,6 +51,7 @@ class StepView:
     loss: float | None
     loss_scale: float | None
     skipped: bool  # the update was dropped (policy) or skipped (GradScaler)
+    scaler_skipped: bool | None = None  # the GradScaler skipped this step (None: no GradScaler is bound)
     scalars: dict[str, list[float]] = field(default_factory=dict)  # what this detector asked for, by name
     history: GradHistory | None = None  # every earlier step (per-group norms, losses, scales, skips)
 
@@ -61,6 +72,9 @@ class Detector:
     """
 
     name = "detector"
+    # Its events are decided from values every rank agreed on (the step's exchange, the GradScaler's
+    # all-reduced found_inf): recorded as one agreed event, and the policy acts on them across ranks.
+    agreed = False
 
     def scalars(self, watch: WatchedRun) -> dict[str, torch.Tensor]:
         """Device tensors to fold into this step's single host read, by name (any shape, flattened).
@@ -77,6 +91,21 @@ class Detector:
     def on_log(self, step: int, logs: dict[str, Any]) -> list[Event]:
         """The trainer logged metrics (``Trainer.log``: loss, learning rate, TRL's rewards, eval_loss)."""
         return []
+
+    def before_update(self, view: StepView) -> list[Event]:
+        """The step's update is finite and about to be applied (``view.skipped`` is False): the events
+        found now, while the policy can still drop it. Called only where the watch checks updates
+        before the optimizer moves (not under an enabled GradScaler, which decides itself)."""
+        return []
+
+    def drops_update(self, event: Event) -> bool:
+        """Whether ``event`` (one ``before_update`` returned) drops the update under policy skip or stop;
+        the event then carries ``update_dropped: True``, and under stop training ends."""
+        return False
+
+    def stops_training(self, event: Event) -> bool:
+        """Whether ``event`` (one ``update`` returned) ends training under policy stop, after its step."""
+        return False
 
     def reset_step(self) -> None:
         """A step (or ``train()``) starts, or an interrupted one is abandoned: forget per-step state."""
@@ -96,32 +125,49 @@ def check_detector(detector: Any) -> Detector:
 class DetectorBoard:
     """The watch's list of detectors: collects their scalars for the read, hands out the values."""
 
-    def __init__(self, detectors: list[Detector]):
-        self.detectors = [check_detector(d) for d in detectors]
-        self._asked: list[tuple[int, str, int]] = []  # (detector index, name, numel) in read order
+    def __init__(self, detectors: list[Detector], last: list[Detector] | tuple[Detector, ...] = ()):
+        """``last``: detectors that stay at the end of the list (an added one goes before them)."""
+        self.detectors = [check_detector(d) for d in [*detectors, *last]]
+        self._last = len(last)
+        self._asked: list[tuple[Detector, str, int]] = []  # (detector, name, numel) in read order
 
     def add(self, detector: Detector) -> None:
-        self.detectors.append(check_detector(detector))
+        self.detectors.insert(len(self.detectors) - self._last, check_detector(detector))
 
     def collect(self, watch: WatchedRun) -> list[torch.Tensor]:
         """Every detector's scalars, flattened, in a stable order (the sentinel stacks them)."""
         self._asked, tensors = [], []
-        for i, detector in enumerate(self.detectors):
+        for detector in self.detectors:
             for name, tensor in detector.scalars(watch).items():
                 flat = tensor.detach().float().reshape(-1)
-                self._asked.append((i, name, flat.numel()))
+                self._asked.append((detector, name, flat.numel()))
                 tensors.append(flat)
         return tensors
 
     def split(self, values: list[float] | None) -> list[dict[str, list[float]]]:
-        """The read's values back per detector, by name."""
-        out: list[dict[str, list[float]]] = [{} for _ in self.detectors]
+        """The read's values back per detector, by name (in the order of the last ``collect``)."""
+        by_detector: dict[int, dict[str, list[float]]] = {id(d): {} for d in self.detectors}
         at = 0
-        for i, name, n in self._asked:
-            out[i][name] = list(values[at:at + n]) if values is not None else []
+        for detector, name, n in self._asked:
+            if id(detector) in by_detector:
+                by_detector[id(detector)][name] = list(values[at:at + n]) if values is not None else []
             at += n
-        self._asked = []
-        return out
+        return [by_detector[id(d)] for d in self.detectors]
+
+    def run(self, hook: str, view: StepView, values: list[float] | None,
+            emit: Callable[[Detector, Event], None]) -> list[tuple[Detector, Event]]:
+        """Every detector's ``hook`` (``"update"`` or ``"before_update"``) on ``view`` with its own
+        scalars, in list order; each detector's events are emitted before the next one runs.
+        Returns (detector, event) for each event, for the policy to decide on."""
+        found: list[tuple[Detector, Event]] = []
+        for detector, scalars in zip(self.detectors, self.split(values)):
+            method = getattr(detector, hook, None)  # a duck-typed detector may lack the newer hooks
+            if method is None:
+                continue
+            for event in method(replace(view, scalars=scalars)):
+                emit(detector, event)
+                found.append((detector, event))
+        return found
 
     def reset_step(self) -> None:
         self._asked = []

@@ -1,9 +1,12 @@
-"""The checks for runs that stop learning without a NaN, as one unit the watch drives.
+"""The checks for runs that stop learning without a NaN, as one detector.
 
 Every run gets the divergence and dead-run checks (:mod:`.divergence`); a TRL RL or preference
-trainer also gets its reward, preference and ratio checks (:mod:`.rl`). The watch calls
-``update`` at each optimizer step's end with what the sentinel read, ``on_log`` with the trainer's
-logged metrics, ``bind``/``unbind`` on attach and detach. Nothing here touches the device.
+trainer also gets its reward, preference and ratio checks (:mod:`.rl`). They judge each optimizer
+step once: before its update where the watch checks updates (``before_update``: an exploded update
+is then dropped under policy skip/stop, like a non-finite one), else at its end (``update``); the
+trainer's logged metrics through ``on_log``. The watch calls ``bind``/``unbind`` on attach and
+detach (TRL's reward functions). Nothing here touches the device. Their verdicts are this rank's
+own, so across ranks they only report.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Any
 from ..findings import EVENT_KIND_REGISTRY, Event
 from ..introspect.trl import GENERATING, PREFERENCE, trl_stack
 from .divergence import RUN_FIXES, RunHealth
+from .pipeline import Detector, StepView
 from .rl import KIND_FIXES, Found, TRLChecks
 
 # kind -> one line for the reference table of event kinds
@@ -25,7 +29,9 @@ FIXES = {"divergence": RUN_FIXES, "dead-run": RUN_FIXES, **KIND_FIXES}
 EXPLAINS_DEAD = ("nonfinite-reward", "no-learning-signal", "no-preference-signal")
 
 
-class RunChecks:
+class RunChecks(Detector):
+    name = "run-checks"
+
     def __init__(self, trainer: Any, on_error: Callable[[BaseException], None]):
         stack = trl_stack(trainer) if trainer is not None else None
         # a GRPO generation with equal rewards, or a DPO pair with equal answers, has a zero gradient
@@ -34,6 +40,7 @@ class RunChecks:
                                 constant_expected=math.log(2) if stack == "dpo" else None)
         self.trl = TRLChecks(trainer, on_error) if stack is not None else None
         self.dead_explained = False
+        self.checked = -1  # the step last judged
 
     def bind(self) -> None:
         if self.trl is not None:
@@ -43,13 +50,24 @@ class RunChecks:
         if self.trl is not None:
             self.trl.unbind()
 
-    def update(self, step: int, loss: float | None, grad_norms: dict[str, float]) -> list[Event]:
-        """At the end of optimizer step ``step``: the reward calls made during it, then the step's norms."""
+    def before_update(self, view: StepView) -> list[Event]:
+        return self.update(view)
+
+    def drops_update(self, event: Event) -> bool:
+        """An exploded (finite) update is dropped like a non-finite one: the weights stay the last good ones."""
+        return event.kind == "divergence"
+
+    def update(self, view: StepView) -> list[Event]:
+        """Once per optimizer step: the reward calls made during it, then the step's norms."""
+        step = view.step
+        if self.checked == step:
+            return []
+        self.checked = step
         found: list[Found] = []
         if self.trl is not None:
             found += self.trl.take()
             self.trl.step = step + 1  # reward calls from now on belong to the next step
-        found += self.health.update(step, loss, grad_norms)
+        found += self.health.update(step, view.loss, dict(zip(view.groups, view.grad_norm)))
         return self._events(step, found)
 
     def on_log(self, step: int, logs: dict[str, Any]) -> list[Event]:
