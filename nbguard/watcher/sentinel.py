@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,24 @@ from . import clip_tap
 from .distributed import local_tensor
 from .guard import guarded
 from .history import group_name
+
+_WIDE = (torch.float32, torch.float64)  # gradients whose norms are taken in their own dtype
+
+
+@dataclass
+class _ClipPlan:
+    """How one clip's stacked per-tensor norms map onto the groups (see ``GradNormCollector.take_from_clip``)."""
+
+    index: list[int]  # per clip norm: its group, or one past the last group (not ours, or not fp32)
+    own: Sequence[tuple[torch.Tensor, int]]  # our (parameter, group) pairs the clip's norms do not cover
+    shares: bool  # some clip norm is ours
+    _on_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+    def index_on(self, device: torch.device) -> torch.Tensor:
+        idx = self._on_device.get(device)
+        if idx is None:
+            idx = self._on_device[device] = torch.tensor(self.index, device=device)
+        return idx
 
 
 @dataclass
@@ -86,6 +104,8 @@ class GradNormCollector:
             index.append(self.groups.index(g))
         self._index = index
         self._ids = {id(p) for p in self.params}
+        self._group_of = {id(p): g for p, g in zip(self.params, index)}  # id(parameter) -> its group
+        self._clip_plan: tuple[tuple, _ClipPlan] | None = None  # the last clip's layout and how it maps here
         self._index_tensors: dict[torch.device, torch.Tensor] = {}
         self._norms: list[torch.Tensor | None] = [None] * len(self.params)
         if attached:
@@ -127,8 +147,58 @@ class GradNormCollector:
 
     def before_clip(self, parameters: list[torch.Tensor]) -> None:
         """A gradient clip is about to scale ``parameters``' gradients: take the norms now if they are ours."""
-        if self._squares is None and self.enabled and any(id(p) in self._ids for p in parameters):
+        if self.shares_clip(parameters):
             guarded(self.take, self._on_error)()
+
+    def shares_clip(self, parameters: list[torch.Tensor]) -> bool:
+        """This clip is where this step's norms are read: none taken yet, and some of ``parameters`` are ours."""
+        return (self._squares is None and self.enabled and not self.per_parameter
+                and any(id(p) in self._ids for p in parameters))
+
+    def take_from_clip(self, parameters: list[torch.Tensor], kinds: clip_tap.Kinds, norms: torch.Tensor) -> None:
+        """``clip_grad_norm_`` computed ``norms[i]``, the 2-norm of ``parameters[i].grad`` (its groups of
+        device and dtype: ``kinds``), before scaling anything: this step's squares reuse the fp32 ones."""
+        if self.shares_clip(parameters):
+            guarded(self._take_from_clip, self._on_error)(parameters, kinds, norms)
+
+    def _take_from_clip(self, parameters: list[torch.Tensor], kinds: clip_tap.Kinds, norms: torch.Tensor) -> None:
+        key = (tuple(map(id, parameters)), kinds, norms.dtype, norms.device)
+        if self._clip_plan is None or self._clip_plan[0] != key:
+            self._clip_plan = (key, self._plan_clip(parameters, kinds, norms.dtype))
+        plan = self._clip_plan[1]
+        with torch.no_grad():
+            own = self._norm_squares(plan.own)
+            if not plan.shares and own is None:
+                return
+            self._scaled = self._grads_scaled()
+            device = norms.device
+            # one slot past the groups collects what is not ours (other parameters, other dtypes)
+            squares = torch.zeros(len(self.groups) + 1, device=device, dtype=torch.float32)
+            if plan.shares:
+                squares.index_add_(0, plan.index_on(device), norms.square())
+            if own is not None:
+                stacked, order = own
+                squares.index_add_(0, torch.tensor(order, device=device), stacked.to(device))
+            self._squares = squares[:len(self.groups)]
+
+    def _plan_clip(self, parameters: list[torch.Tensor], kinds: clip_tap.Kinds, dtype: torch.dtype) -> _ClipPlan:
+        """Which of the clip's norms are this step's (fp32 gradients of ours, each once), and which of
+        our parameters need their own norm (not in the clip, or narrower gradients: read in fp32)."""
+        spare = len(self.groups)
+        index: list[int] = []
+        shared: set[int] = set()
+        at = 0
+        for _, kind_dtype, count in kinds:
+            for p in parameters[at:at + count]:
+                group = self._group_of.get(id(p))
+                if group is not None and kind_dtype == dtype == torch.float32 and id(p) not in shared:
+                    shared.add(id(p))
+                    index.append(group)
+                else:
+                    index.append(spare)
+            at += count
+        own = [(p, g) for p, g in zip(self.params, self._index) if id(p) not in shared]
+        return _ClipPlan(index, own, bool(shared))
 
     def take(self) -> None:
         """This step's per-group squared norms of the accumulated gradients, once per step, on the device."""
@@ -137,26 +207,36 @@ class GradNormCollector:
                 self._take()
 
     def _take(self) -> None:
+        found = self._norm_squares(zip(self.params, self._index))
+        if found is None:
+            return
+        self._scaled = self._grads_scaled()
+        stacked, order = found
+        device = stacked.device
+        # the parameter order, unless some had no gradient this step or dtypes interleave
+        idx = self._index_on(device) if order == self._index else torch.tensor(order, device=device)
+        self._squares = torch.zeros(len(self.groups), device=device, dtype=torch.float32).index_add_(0, idx, stacked)
+
+    @staticmethod
+    def _norm_squares(pairs: Iterable[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, list[int]] | None:
+        """The squared 2-norms of the gradients of these (parameter, group) pairs, with their groups."""
         by_kind: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
-        for p, group in zip(self.params, self._index):
+        for p, group in pairs:
             grad = p.grad
             if grad is not None:
                 grads, index = by_kind.setdefault((grad.device, grad.dtype), ([], []))
                 grads.append(grad)
                 index.append(group)
         if not by_kind:
-            return
-        self._scaled = self._grads_scaled()
+            return None
         # one fused norm per (device, dtype); accumulated in fp32 where the gradients are narrower
-        # (an fp16 norm overflows long before its gradient does)
-        squares = [torch.stack(torch._foreach_norm(grads, 2, dtype=None if dtype == torch.float32 else torch.float32))
-                   .square() for (_, dtype), (grads, _) in by_kind.items()]
+        # (an fp16 norm overflows long before its gradient does), fp64 ones squared in fp64
+        squares = [torch.stack(torch._foreach_norm(grads, 2, dtype=None if dtype in _WIDE else torch.float32))
+                   .square().float() for (_, dtype), (grads, _) in by_kind.items()]
         order = [i for _, index in by_kind.values() for i in index]
         device = squares[0].device
         stacked = torch.cat([s.to(device, non_blocking=True) for s in squares]) if len(squares) > 1 else squares[0]
-        # the parameter order, unless some had no gradient this step or dtypes interleave
-        idx = self._index_on(device) if order == self._index else torch.tensor(order, device=device)
-        self._squares = torch.zeros(len(self.groups), device=device, dtype=torch.float32).index_add_(0, idx, stacked)
+        return stacked, order
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         # Weakly: the garbage collector does not see into a tensor's post-accumulate-grad hooks, so a
