@@ -80,7 +80,7 @@ def _assert_clip_identical(model, twin, clip_args=(0.05,), clip_kwargs=None, par
     try:
         got = torch.nn.utils.clip_grad_norm_(params(model), *clip_args, **clip_kwargs)
         assert clip_tap.tapped()
-        read = watch._collector._group_norms().tolist()
+        read = watch._collector.read([], None, False).grad_norm  # the step's one read, as the watch makes it
     finally:
         watch.detach()
     want = torch.nn.utils.clip_grad_norm_(params(twin), *clip_args, **clip_kwargs)
@@ -122,11 +122,11 @@ def test_bf16_gradients_are_read_in_fp32_besides_the_clip(monkeypatch):
     watch = _watch(model)
     counter = _CountNorms(monkeypatch)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-    squares = watch._collector._squares
+    squares = watch._collector._taken
     watch.detach()
     trainable = sum(1 for p in model.parameters() if p.requires_grad)
     assert (counter.calls, counter.tensors) == (2, 2 * trainable)
-    assert squares is not None and squares.dtype == torch.float32
+    assert squares is not None and [n.dtype for n, _ in squares] == [torch.float32]
 
 
 def test_mixed_dtypes_keep_torchs_grouping_order():
@@ -257,7 +257,7 @@ def test_torchs_own_clip_is_what_the_tap_shares():
         model, _ = _pair()
         watch = _watch(model)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-        taken = watch._collector._squares is not None  # the watch still read before the library's clip
+        taken = watch._collector._taken is not None  # the watch still read before the library's clip
         watch.detach()
         assert calls == [0.05] and taken
     finally:
