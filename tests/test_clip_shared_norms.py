@@ -38,15 +38,16 @@ def _group_norms(model) -> dict[str, float]:
 
 
 class _CountNorms:
-    """Counts ``torch._foreach_norm`` calls and the tensors they read (one pass = each tensor once)."""
+    """Counts ``torch._foreach_norm`` calls over gradients and the tensors they read (one pass = each once)."""
 
     def __init__(self, monkeypatch):
         self.calls = self.tensors = 0
         original = torch._foreach_norm
 
         def counted(tensors, *args, **kwargs):
-            self.calls += 1
-            self.tensors += len(tensors)
+            if not isinstance(tensors[0], torch.nn.Parameter):  # gradients (the weight fingerprint reads weights)
+                self.calls += 1
+                self.tensors += len(tensors)
             return original(tensors, *args, **kwargs)
 
         monkeypatch.setattr(torch, "_foreach_norm", counted)
@@ -239,8 +240,8 @@ def test_training_steps_match_an_unwatched_run_bit_for_bit():
     assert all(_same_bits(a, b) for a, b in zip(weights, twin_weights, strict=True))
 
 
-def _watch_with(model, opt):
-    return NanWatch(model, optimizer=opt).attach()
+def _watch_with(target, opt):
+    return NanWatch(target, optimizer=opt).attach()
 
 
 def test_torchs_own_clip_is_what_the_tap_shares():
@@ -262,3 +263,44 @@ def test_torchs_own_clip_is_what_the_tap_shares():
         assert calls == [0.05] and taken
     finally:
         torch.nn.utils.clip_grad_norm_ = original
+
+
+def _trainer_run(watched: bool, monkeypatch):
+    import tempfile
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from nbguard.testing import TinyDataset
+
+    class Logged(TrainerCallback):
+        def __init__(self):
+            self.grad_norms = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "grad_norm" in logs:
+                self.grad_norms.append(logs["grad_norm"])
+
+    model = tiny_llama()
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_grad_norm=0.05, use_cpu=True, report_to=[],
+                             save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
+    logged = Logged()
+    trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(16), callbacks=[logged])
+    watch = _watch_with(trainer, None) if watched else None
+    counter = _CountNorms(monkeypatch)
+    trainer.train()
+    if watch is not None:
+        watch.detach()
+        assert watch.step == 3 and [e.kind for e in watch.events] == []
+    monkeypatch.undo()
+    return logged.grad_norms, [p.detach().clone() for p in model.parameters()], counter.calls, watch
+
+
+def test_trainer_clip_through_accelerate_is_shared_and_bit_identical(monkeypatch):
+    norms, weights, calls, watch = _trainer_run(True, monkeypatch)
+    twin_norms, twin_weights, twin_calls, _ = _trainer_run(False, monkeypatch)
+    assert len(norms) == 3 and norms == twin_norms  # the grad_norm the Trainer logs, to the last bit
+    assert all(_same_bits(a, b) for a, b in zip(weights, twin_weights, strict=True))
+    assert calls == twin_calls  # the watch read no gradient a second time
+    # and its per-group norms are the pre-clip ones the Trainer's clip saw
+    assert all(math.isclose(watch.history.total_grad_norm[s], norms[s], rel_tol=1e-5) for s in range(3))
