@@ -8,7 +8,9 @@ the culprit). Two ways to take them:
 - fused (one process): one ``torch._foreach_norm`` over every gradient at the step boundary: at
   the first gradient clip of the step (``clip_tap``), the GradScaler's ``unscale_``/``step``, or the
   optimizer's pre-step hook, whichever comes first. A few kernels per step, whatever the number of
-  tensors. A backward is noticed by one hook on the forward's outputs, not one per parameter.
+  tensors; none where a default ``clip_grad_norm_`` computes the same norms (the tap hands them
+  over). The per-tensor norms join the one read and are summed per group on the host. A backward
+  is noticed by one hook on the forward's outputs, not one per parameter.
 - per parameter (DDP, FSDP, DeepSpeed): a ``register_post_accumulate_grad_hook`` per parameter,
   because there the step boundary only sees gradients after the all-reduce averaged a NaN into
   every rank, or after DeepSpeed moved them into its own buffers; the hook fires before both.
