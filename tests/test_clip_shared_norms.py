@@ -304,3 +304,21 @@ def test_trainer_clip_through_accelerate_is_shared_and_bit_identical(monkeypatch
     assert calls == twin_calls  # the watch read no gradient a second time
     # and its per-group norms are the pre-clip ones the Trainer's clip saw
     assert all(math.isclose(watch.history.total_grad_norm[s], norms[s], rel_tol=1e-5) for s in range(3))
+
+
+def test_a_failure_before_the_clip_falls_back_to_torchs_own_call(monkeypatch):
+    def broken(parameters):
+        raise RuntimeError("not this time")
+
+    monkeypatch.setattr(clip_tap, "_clip_norms", broken)
+    model, twin = _pair()
+    _assert_clip_identical(model, twin)  # the watch read first, then torch's own clip ran
+
+
+def test_the_total_norm_follows_a_new_list_of_group_norms():
+    from nbguard.watcher.sentinel import StepStats
+
+    stats = StepStats([3.0, 4.0], None, None, None)
+    assert stats.total_grad_norm == 5.0
+    stats.grad_norm = [6.0, 8.0]  # what settle() does across ranks (sharded: whole-gradient norms)
+    assert stats.total_grad_norm == 10.0

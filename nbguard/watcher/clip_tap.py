@@ -74,9 +74,10 @@ def _max_norm_if_shareable(args: tuple, kwargs: dict) -> Any:
     return bound["max_norm"]
 
 
-def _shared_clip(parameters: list[torch.Tensor], max_norm: Any, readers: list[Any]) -> torch.Tensor | None:
-    """torch's ``clip_grad_norm_(parameters, max_norm)``, handing its per-tensor norms to ``readers``
-    before the gradients are scaled. None (nothing done) where torch's own call must run instead."""
+def _clip_norms(parameters: list[torch.Tensor]) -> tuple[list[torch.Tensor], Kinds, torch.Tensor, torch.Tensor] | None:
+    """What torch's ``clip_grad_norm_(parameters)`` computes before it scales anything: the parameters
+    with a gradient in the order of their stacked 2-norms, the norms' groups (``Kinds``), the stacked
+    norms and the total norm. None where there is no gradient (torch's own call then runs)."""
     with torch.no_grad():
         with_grad = [p for p in parameters if p.grad is not None]
         if not with_grad:
@@ -97,11 +98,7 @@ def _shared_clip(parameters: list[torch.Tensor], max_norm: Any, readers: list[An
         first_device = grads[0].device
         stacked = torch.stack([norm.to(first_device) for norm in norms])
         total_norm = torch.linalg.vector_norm(stacked, 2.0)
-        ordered = [with_grad[i] for i in order]
-    for reader in readers:
-        reader.take_from_clip(ordered, tuple(kinds), stacked)  # guarded by the reader
-    _clip_with_norm(parameters, max_norm, total_norm, None)
-    return total_norm
+    return [with_grad[i] for i in order], tuple(kinds), stacked, total_norm
 
 
 def _tapped(original: Callable[..., Any], shares: bool) -> Callable[..., Any]:
@@ -112,17 +109,21 @@ def _tapped(original: Callable[..., Any], shares: bool) -> Callable[..., Any]:
             listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
             parameters = listed
             readers = list(_READERS)
-            max_norm = _max_norm_if_shareable(args, kwargs) if shares else None
+            max_norm: Any = _max_norm_if_shareable(args, kwargs) if shares else None
             sharing = [r for r in readers if r.shares_clip(listed)] if max_norm is not None else []
             for reader in readers:
                 if reader not in sharing:
                     reader.before_clip(listed)  # guarded by the reader: it never raises into the user's step
             if sharing:
                 try:
-                    total_norm = _shared_clip(listed, max_norm, sharing)
-                except Exception:  # not torch's own error: raised before any gradient was scaled
-                    total_norm = None
-                if total_norm is not None:
+                    computed = _clip_norms(listed)
+                except Exception:  # nothing is scaled yet: torch's own call runs (and raises its own error)
+                    computed = None
+                if computed is not None:
+                    ordered, kinds, norms, total_norm = computed
+                    for reader in sharing:
+                        reader.take_from_clip(ordered, kinds, norms)  # guarded by the reader
+                    _clip_with_norm(listed, max_norm, total_norm, None)  # torch's own: its errors are the user's
                     return total_norm
                 for reader in sharing:
                     reader.before_clip(listed)

@@ -17,7 +17,6 @@ the culprit). Two ways to take them:
 """
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -56,9 +55,14 @@ class StepStats:
     extra: list[float] | None = None  # the detectors' scalars, flattened (pipeline.DetectorBoard splits them)
     exchanged: list[float] | None = None  # across ranks: what the step's one collective returned
 
-    @functools.cached_property
-    def total_grad_norm(self) -> float:  # read several times per step (history, checks, events): once
-        return math.sqrt(sum(v * v for v in self.grad_norm))
+    @property
+    def total_grad_norm(self) -> float:
+        # read several times per step (history, checks, events): computed once per grad_norm list
+        # (settle() across ranks puts another list in place)
+        cached = self.__dict__.get("_total")
+        if cached is None or cached[0] is not self.grad_norm:
+            cached = self.__dict__["_total"] = (self.grad_norm, math.sqrt(sum(v * v for v in self.grad_norm)))
+        return cached[1]
 
     @property
     def grads_finite(self) -> bool:
