@@ -322,3 +322,13 @@ def test_the_total_norm_follows_a_new_list_of_group_norms():
     assert stats.total_grad_norm == 5.0
     stats.grad_norm = [6.0, 8.0]  # what settle() does across ranks (sharded: whole-gradient norms)
     assert stats.total_grad_norm == 10.0
+
+
+def test_a_step_with_nothing_to_read_gives_zero_norms():
+    """No gradient read (paused), no loss, no detector scalars: zeros, as before, without a read."""
+    model = tiny_llama()
+    watch = _watch(model)
+    watch._collector.enabled = False
+    stats = watch._collector.read([], None, False)
+    watch.detach()
+    assert stats.grad_norm == [0.0] * len(watch._collector.groups) and stats.loss is None

@@ -354,7 +354,7 @@ class GradNormCollector:
             parts.append(flat)
         if n_exchanged:
             parts.append(shared)
-        values = torch.cat(parts).tolist()  # the one host sync of the step
+        values = torch.cat(parts).tolist() if parts else []  # the one host sync of the step (none: nothing to read)
         exchanged = values[len(values) - n_exchanged:] if n_exchanged else None
         values = values[:len(values) - n_exchanged]
         extra_values = values[len(values) - n_extra:] if n_extra else None
