@@ -16,6 +16,10 @@ with its gradient norms switched off (what is left: the part that does not grow 
 the median per-round ratio against no watch and the added time per trainable tensor per step.
 
     OMP_NUM_THREADS=1 python benchmarks/overhead.py --fixed-cost --rounds 60 --clock cpu --threads 1
+
+``--against TREE`` adds the fused read of another checkout (``git worktree add /tmp/main main``) to the
+same rounds: a before/after under the same load, where separate runs on a shared machine differ by more
+than the change.
 """
 from __future__ import annotations
 
@@ -170,17 +174,36 @@ def tiny_lora(layers: int):
     return get_peft_model(tiny_llama(layers), config)
 
 
+def other_tree_watch(tree: str):
+    """``NanWatch`` from another checkout's ``nbguard`` (e.g. main, for a before/after in one process).
+
+    The tree is copied as the package ``nbguard_other`` with its own clip-tap mark, so both taps stack:
+    attach this tree's watches first (its tap then wraps torch's own ``clip_grad_norm_``), the other
+    tree's last (its wrapper sits outside and calls through). Every variant pays both wrappers.
+    """
+    import importlib
+    import shutil
+    import tempfile
+
+    target = Path(tempfile.mkdtemp()) / "nbguard_other"
+    shutil.copytree(Path(tree) / "nbguard", target)
+    tap = target / "watcher" / "clip_tap.py"
+    tap.write_text(tap.read_text().replace("__nbguard_clip_tap__", "__nbguard_other_clip_tap__"))
+    sys.path.insert(0, str(target.parent))
+    return importlib.import_module("nbguard_other.watcher").NanWatch
+
+
 class FixedCostVariant:
     """One copy of the model trained like the Trainer does: fwd, bwd, clip to 1.0, AdamW step."""
 
-    def __init__(self, name: str, model: torch.nn.Module):
+    def __init__(self, name: str, model: torch.nn.Module, watch_class=None):
         self.name = name
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=1e-5)
         self.watch = None
         if name != "no watch":
-            self.watch = NanWatch(model, optimizer=self.opt)
+            self.watch = (watch_class or NanWatch)(model, optimizer=self.opt)
             self.watch._collector.per_parameter = name.startswith("hook per parameter")
             self.watch.attach()
             # everything but the gradient read (capture, detectors, the step's read): the part of the
@@ -199,6 +222,7 @@ class FixedCostVariant:
 
 def fixed_cost(args) -> None:
     clock = CLOCKS[args.clock]
+    other = other_tree_watch(args.against) if args.against else None
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 256, (4, 32), generator=gen)
     batch = {"input_ids": ids, "labels": ids.clone()}
@@ -211,6 +235,9 @@ def fixed_cost(args) -> None:
         base = build()
         names = ["no watch", "hook per parameter (before)", "fused read (after)", "no gradient read"]
         variants = [FixedCostVariant(n, copy.deepcopy(base) if i else base) for i, n in enumerate(names)]
+        if other is not None:  # attached last: its clip wrapper goes around this tree's
+            names.append(f"fused read, {args.against}")
+            variants.append(FixedCostVariant(names[-1], copy.deepcopy(base), other))
         n_tensors = len(variants[0].params)
         for v in variants:
             v.run(batch, args.warmup, clock)
@@ -248,6 +275,9 @@ def main(argv=None):
     parser.add_argument("--fixed-cost", action="store_true",
                         help="the watch's fixed cost on a 4-layer tiny Llama and a 24-layer LoRA model instead")
     parser.add_argument("--steps-per-round", type=int, default=5, help="--fixed-cost: steps per variant per round")
+    parser.add_argument("--against", metavar="TREE", default=None,
+                        help="--fixed-cost: also the fused read of another checkout's nbguard (e.g. main), "
+                             "in the same process and rounds")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall (default) or cpu: this thread's CPU time, steadier on a busy machine "
                              "(use with --threads 1 on CPU only)")

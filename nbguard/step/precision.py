@@ -23,7 +23,22 @@ def autocast_devices() -> tuple[str, ...]:
 
 
 def capture_autocast() -> AutocastRegions:
-    """The autocast regions active around this forward, to re-enter them in a replay."""
+    """The autocast regions active around this forward, to re-enter them in a replay.
+
+    Runs at every training micro-batch: the flags are read first, and whether CUDA is available only
+    where CUDA autocast is on (the same regions as ``autocast_devices()`` gives, without asking the
+    driver each time)."""
+    try:
+        active = []
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device) and (device == "cpu" or torch.cuda.is_available()):
+                active.append((device, torch.get_autocast_dtype(device)))
+        return active
+    except (RuntimeError, TypeError, AttributeError):  # torch < 2.4 has per-device functions
+        return _capture_autocast_per_device()
+
+
+def _capture_autocast_per_device() -> AutocastRegions:
     active = []
     for device in autocast_devices():
         try:

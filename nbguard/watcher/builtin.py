@@ -90,7 +90,9 @@ class FewSupervisedTokens(Detector):
 
     def scalars(self, watch: WatchedRun) -> dict[str, torch.Tensor]:
         pending = self.few.pending()
-        return {"supervised_tokens": torch.stack(pending)} if pending else {}
+        if not pending:
+            return {}
+        return {"supervised_tokens": pending[0].reshape(1) if len(pending) == 1 else torch.stack(pending)}
 
     def reset_step(self) -> None:
         self.few.reset()

@@ -5,6 +5,15 @@ HF Trainer (through ``accelerator.clip_grad_norm_``, which unscales and then cal
 clip factor NaN and poisons every gradient, hiding the culprit, so the sentinel must take its
 per-group norms before the clip scales anything. One wrapper per clipping function, installed
 once for all attached watches (never stacked) and removed when the last one detaches.
+
+Where the clip is ``clip_grad_norm_`` with its defaults (2-norm, ``error_if_nonfinite=False``,
+``foreach=None``) on torch >= 2.6, the wrapper takes the per-tensor norms once for both: it computes
+them as torch's ``get_total_norm`` does (one ``_foreach_norm`` per device and dtype, in torch's
+grouping order), hands them to the readers that read this step's gradients here, derives the total
+norm from them exactly as torch does and clips with torch's own ``clip_grads_with_norm_``. The
+returned norm and the clipped gradients are bit-identical to torch's ``clip_grad_norm_``; every
+other call (another norm type, ``error_if_nonfinite``, ``foreach`` given, an older torch) goes to
+torch's own function after the readers took their own norms.
 """
 from __future__ import annotations
 
@@ -17,28 +26,107 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 
+try:  # torch >= 2.6: clip_grad_norm_ is _get_total_norm followed by this (the untapped original)
+    from torch.nn.utils.clip_grad import _clip_grads_with_norm_ as _clip_with_norm
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
+except ImportError:  # pragma: no cover - older torch: the readers take their own norms
+    _clip_with_norm = None  # type: ignore[assignment]
+
 # (module, attribute) of every public function that scales gradients by a norm
 _TARGETS = ((torch.nn.utils, "clip_grad_norm_"), (torch.nn.utils.clip_grad, "clip_grad_norm_"),
             (torch.nn.utils, "clip_grads_with_norm_"))
 _MARK = "__nbguard_clip_tap__"
+# torch's own clip_grad_norm_: only a call to it is computed here (never bypass another library's wrapper)
+_TORCH_NORM_CLIP = getattr(torch.nn.utils.clip_grad.clip_grad_norm_, _MARK, torch.nn.utils.clip_grad.clip_grad_norm_)
+
+# (device, dtype, how many) per group of torch's _foreach_norm, in the order the norms are stacked
+Kinds = tuple[tuple[torch.device, torch.dtype, int], ...]
 
 
 class ClipReader(Protocol):
     def before_clip(self, parameters: list[torch.Tensor]) -> None: ...
 
+    def shares_clip(self, parameters: list[torch.Tensor]) -> bool: ...
+
+    def take_from_clip(self, parameters: list[torch.Tensor], kinds: Kinds, norms: torch.Tensor) -> None: ...
+
 
 _READERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def _tapped(original: Callable[..., Any]) -> Callable[..., Any]:
+def _max_norm_if_shareable(args: tuple, kwargs: dict) -> Any:
+    """``max_norm`` when ``clip_grad_norm_(parameters, *args, **kwargs)`` is a default 2-norm clip, else None."""
+    if _clip_with_norm is None or len(args) > 4:
+        return None
+    names = ("max_norm", "norm_type", "error_if_nonfinite", "foreach")
+    bound = dict(zip(names, args))
+    for key, value in kwargs.items():
+        if key not in names or key in bound:
+            return None  # torch's own function raises its TypeError
+        bound[key] = value
+    if "max_norm" not in bound or bound.get("error_if_nonfinite") or bound.get("foreach") is not None:
+        return None
+    try:
+        if float(bound.get("norm_type", 2.0)) != 2.0:
+            return None
+    except (TypeError, ValueError):
+        return None
+    return bound["max_norm"]
+
+
+def _clip_norms(parameters: list[torch.Tensor]) -> tuple[list[torch.Tensor], Kinds, torch.Tensor, torch.Tensor] | None:
+    """What torch's ``clip_grad_norm_(parameters)`` computes before it scales anything: the parameters
+    with a gradient in the order of their stacked 2-norms, the norms' groups (``Kinds``), the stacked
+    norms and the total norm. None where there is no gradient (torch's own call then runs)."""
+    with torch.no_grad():
+        with_grad = [p for p in parameters if p.grad is not None]
+        if not with_grad:
+            return None
+        grads: list[torch.Tensor] = [p.grad for p in with_grad]  # type: ignore[misc]
+        # as torch.nn.utils.get_total_norm(grads, 2.0): the same grouping, kernels and order
+        grouped = _group_tensors_by_device_and_dtype([grads], with_indices=True)  # type: ignore[list-item]
+        norms: list[torch.Tensor] = []
+        order: list[int] = []
+        kinds = []
+        for (device, dtype), ([device_grads], indices) in grouped.items():
+            if _has_foreach_support(device_grads, device):  # type: ignore[arg-type]
+                norms.extend(torch._foreach_norm(device_grads, 2.0))  # type: ignore[arg-type]
+            else:
+                norms.extend([torch.linalg.vector_norm(g, 2.0) for g in device_grads])
+            order.extend(indices)
+            kinds.append((device, dtype, len(indices)))
+        first_device = grads[0].device
+        stacked = torch.stack([norm.to(first_device) for norm in norms])
+        total_norm = torch.linalg.vector_norm(stacked, 2.0)
+    return [with_grad[i] for i in order], tuple(kinds), stacked, total_norm
+
+
+def _tapped(original: Callable[..., Any], shares: bool) -> Callable[..., Any]:
     @functools.wraps(original)
     def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         if _READERS:
             # a generator can be walked once: hand the same list to the readers and to torch
             listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
             parameters = listed
-            for reader in list(_READERS):
-                reader.before_clip(listed)  # guarded by the reader: it never raises into the user's step
+            readers = list(_READERS)
+            max_norm: Any = _max_norm_if_shareable(args, kwargs) if shares else None
+            sharing = [r for r in readers if r.shares_clip(listed)] if max_norm is not None else []
+            for reader in readers:
+                if reader not in sharing:
+                    reader.before_clip(listed)  # guarded by the reader: it never raises into the user's step
+            if sharing:
+                try:
+                    computed = _clip_norms(listed)
+                except Exception:  # nothing is scaled yet: torch's own call runs (and raises its own error)
+                    computed = None
+                if computed is not None:
+                    ordered, kinds, norms, total_norm = computed
+                    for reader in sharing:
+                        reader.take_from_clip(ordered, kinds, norms)  # guarded by the reader
+                    _clip_with_norm(listed, max_norm, total_norm, None)  # torch's own: its errors are the user's
+                    return total_norm
+                for reader in sharing:
+                    reader.before_clip(listed)
         return original(parameters, *args, **kwargs)
 
     setattr(clip, _MARK, original)
@@ -46,12 +134,13 @@ def _tapped(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def tap(reader: ClipReader) -> None:
-    """``reader.before_clip(parameters)`` runs before every gradient clip from now on."""
+    """``reader.before_clip(parameters)`` runs before every gradient clip from now on (or, for a
+    default ``clip_grad_norm_``, ``reader.take_from_clip`` with the clip's own norms)."""
     _READERS.add(reader)
     for module, name in _TARGETS:
         current = getattr(module, name, None)
         if current is not None and not hasattr(current, _MARK):
-            setattr(module, name, _tapped(current))
+            setattr(module, name, _tapped(current, shares=current is _TORCH_NORM_CLIP))
 
 
 def untap(reader: ClipReader) -> None:

@@ -139,7 +139,11 @@ class DetectorBoard:
         self._asked, tensors = [], []
         for detector in self.detectors:
             for name, tensor in detector.scalars(watch).items():
-                flat = tensor.detach().float().reshape(-1)
+                flat = tensor.detach() if tensor.requires_grad else tensor  # each no-op call costs on a short step
+                if flat.dtype != torch.float32:
+                    flat = flat.float()
+                if flat.dim() != 1:
+                    flat = flat.reshape(-1)
                 self._asked.append((detector, name, flat.numel()))
                 tensors.append(flat)
         return tensors

@@ -8,7 +8,9 @@ the culprit). Two ways to take them:
 - fused (one process): one ``torch._foreach_norm`` over every gradient at the step boundary: at
   the first gradient clip of the step (``clip_tap``), the GradScaler's ``unscale_``/``step``, or the
   optimizer's pre-step hook, whichever comes first. A few kernels per step, whatever the number of
-  tensors. A backward is noticed by one hook on the forward's outputs, not one per parameter.
+  tensors; none where a default ``clip_grad_norm_`` computes the same norms (the tap hands them
+  over). The per-tensor norms join the one read and are summed per group on the host. A backward
+  is noticed by one hook on the forward's outputs, not one per parameter.
 - per parameter (DDP, FSDP, DeepSpeed): a ``register_post_accumulate_grad_hook`` per parameter,
   because there the step boundary only sees gradients after the all-reduce averaged a NaN into
   every rank, or after DeepSpeed moved them into its own buffers; the hook fires before both.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +27,19 @@ import torch
 from ..step.tensors import iter_tensors
 from . import clip_tap
 from .distributed import local_tensor
-from .guard import guarded
+from .guard import guarded, guarded_call
 from .history import group_name
+
+_WIDE = (torch.float32, torch.float64)  # gradients whose norms are taken in their own dtype (else in fp32)
+
+
+@dataclass
+class _ClipPlan:
+    """How one clip's stacked per-tensor norms map onto the groups (see ``GradNormCollector.take_from_clip``)."""
+
+    index: list[int]  # per clip norm: its group, or one past the last group (not ours, or not fp32)
+    own: Sequence[tuple[torch.Tensor, int]]  # our (parameter, group) pairs the clip's norms do not cover
+    shares: bool  # some clip norm is ours
 
 
 @dataclass
@@ -44,7 +57,12 @@ class StepStats:
 
     @property
     def total_grad_norm(self) -> float:
-        return math.sqrt(sum(v * v for v in self.grad_norm))
+        # read several times per step (history, checks, events): computed once per grad_norm list
+        # (settle() across ranks puts another list in place)
+        cached = self.__dict__.get("_total")
+        if cached is None or cached[0] is not self.grad_norm:
+            cached = self.__dict__["_total"] = (self.grad_norm, math.sqrt(sum(v * v for v in self.grad_norm)))
+        return cached[1]
 
     @property
     def grads_finite(self) -> bool:
@@ -66,7 +84,9 @@ class GradNormCollector:
         self.accumulations = 0  # backwards (per-parameter: accumulations) seen, ever; compared across captures
         self.handles: list = []
         self._tapped = False
-        self._squares: torch.Tensor | None = None  # fused: this step's per-group squared norms, once taken
+        # fused: this step's per-tensor 2-norms once taken, as (norms on the device, each one's group);
+        # they ride in the step's one read and are summed per group on the host
+        self._taken: list[tuple[torch.Tensor, Sequence[int]]] | None = None
         self._scaled = True  # whether the norms taken this step are of loss-scaled gradients
         self._backward_seen: Callable[[torch.Tensor], None] | None = None  # fused: the output hook, made once
         self.cover(named_params)
@@ -86,6 +106,8 @@ class GradNormCollector:
             index.append(self.groups.index(g))
         self._index = index
         self._ids = {id(p) for p in self.params}
+        self._group_of = {id(p): g for p, g in zip(self.params, index)}  # id(parameter) -> its group
+        self._clip_plan: tuple[tuple, _ClipPlan] | None = None  # the last clip's layout and how it maps here
         self._index_tensors: dict[torch.device, torch.Tensor] = {}
         self._norms: list[torch.Tensor | None] = [None] * len(self.params)
         if attached:
@@ -130,36 +152,76 @@ class GradNormCollector:
 
     def before_clip(self, parameters: list[torch.Tensor]) -> None:
         """A gradient clip is about to scale ``parameters``' gradients: take the norms now if they are ours."""
-        if self._squares is None and self.enabled and any(id(p) in self._ids for p in parameters):
-            guarded(self.take, self._on_error)()
+        if self.shares_clip(parameters):
+            guarded_call(self._on_error, self.take)
+
+    def shares_clip(self, parameters: list[torch.Tensor]) -> bool:
+        """This clip is where this step's norms are read: none taken yet, and some of ``parameters`` are ours."""
+        return (self._taken is None and self.enabled and not self.per_parameter
+                and any(id(p) in self._ids for p in parameters))
+
+    def take_from_clip(self, parameters: list[torch.Tensor], kinds: clip_tap.Kinds, norms: torch.Tensor) -> None:
+        """``clip_grad_norm_`` computed ``norms[i]``, the 2-norm of ``parameters[i].grad`` (its groups of
+        device and dtype: ``kinds``), before scaling anything: this step's read reuses the fp32 ones."""
+        if self.shares_clip(parameters):
+            guarded_call(self._on_error, self._take_from_clip, parameters, kinds, norms)
+
+    def _take_from_clip(self, parameters: list[torch.Tensor], kinds: clip_tap.Kinds, norms: torch.Tensor) -> None:
+        key = (tuple(map(id, parameters)), kinds, norms.dtype)
+        if self._clip_plan is None or self._clip_plan[0] != key:
+            self._clip_plan = (key, self._plan_clip(parameters, kinds, norms.dtype))
+        plan = self._clip_plan[1]
+        with torch.no_grad():
+            taken = self._own_norms(plan.own)
+        if plan.shares:
+            taken.insert(0, (norms, plan.index))  # no device work: the clip's own tensor joins the read
+        if taken:
+            self._scaled = self._grads_scaled()
+            self._taken = taken
+
+    def _plan_clip(self, parameters: list[torch.Tensor], kinds: clip_tap.Kinds, dtype: torch.dtype) -> _ClipPlan:
+        """Which of the clip's norms are this step's (fp32 gradients of ours, each once), and which of
+        our parameters need their own norm (not in the clip, or narrower gradients: read in fp32)."""
+        spare = len(self.groups)  # the host sum's slot for norms that are not ours
+        index: list[int] = []
+        shared: set[int] = set()
+        at = 0
+        for _, kind_dtype, count in kinds:
+            for p in parameters[at:at + count]:
+                group = self._group_of.get(id(p))
+                if group is not None and kind_dtype == dtype == torch.float32 and id(p) not in shared:
+                    shared.add(id(p))
+                    index.append(group)
+                else:
+                    index.append(spare)
+            at += count
+        own = [(p, g) for p, g in zip(self.params, self._index) if id(p) not in shared]
+        return _ClipPlan(index, own, bool(shared))
 
     def take(self) -> None:
-        """This step's per-group squared norms of the accumulated gradients, once per step, on the device."""
-        if not (self.per_parameter or not self.enabled or self._squares is not None):
+        """This step's per-tensor norms of the accumulated gradients, once per step, on the device."""
+        if not (self.per_parameter or not self.enabled or self._taken is not None):
             with torch.no_grad():  # a backward with create_graph=True leaves gradients that need grad
-                self._take()
+                taken = self._own_norms(zip(self.params, self._index))
+            if taken:
+                self._scaled = self._grads_scaled()
+                self._taken = taken
 
-    def _take(self) -> None:
+    @staticmethod
+    def _own_norms(pairs: Iterable[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, Sequence[int]]]:
+        """The 2-norms of the gradients of these (parameter, group) pairs: one stacked tensor per
+        device and dtype, with each norm's group."""
         by_kind: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
-        for p, group in zip(self.params, self._index):
+        for p, group in pairs:
             grad = p.grad
             if grad is not None:
                 grads, index = by_kind.setdefault((grad.device, grad.dtype), ([], []))
                 grads.append(grad)
                 index.append(group)
-        if not by_kind:
-            return
-        self._scaled = self._grads_scaled()
         # one fused norm per (device, dtype); accumulated in fp32 where the gradients are narrower
         # (an fp16 norm overflows long before its gradient does)
-        squares = [torch.stack(torch._foreach_norm(grads, 2, dtype=None if dtype == torch.float32 else torch.float32))
-                   .square() for (_, dtype), (grads, _) in by_kind.items()]
-        order = [i for _, index in by_kind.values() for i in index]
-        device = squares[0].device
-        stacked = torch.cat([s.to(device, non_blocking=True) for s in squares]) if len(squares) > 1 else squares[0]
-        # the parameter order, unless some had no gradient this step or dtypes interleave
-        idx = self._index_on(device) if order == self._index else torch.tensor(order, device=device)
-        self._squares = torch.zeros(len(self.groups), device=device, dtype=torch.float32).index_add_(0, idx, stacked)
+        return [(torch.stack(torch._foreach_norm(grads, 2, dtype=None if dtype in _WIDE else torch.float32)), index)
+                for (_, dtype), (grads, index) in by_kind.items()]
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         # Weakly: the garbage collector does not see into a tensor's post-accumulate-grad hooks, so a
@@ -183,13 +245,14 @@ class GradNormCollector:
         return guarded(hook, on_error)  # never break the user's backward
 
     def reset(self) -> None:
-        self._norms = [None] * len(self.params)
-        self._squares = None
+        if self.per_parameter:
+            self._norms = [None] * len(self.params)
+        self._taken = None
 
     def device(self) -> torch.device:
         """Where this step's norms live (the device of the step's read and collective)."""
-        if self._squares is not None:
-            return self._squares.device
+        if self._taken:
+            return self._taken[0][0].device
         ref = next((n for n in self._norms if n is not None), None)
         return ref.device if ref is not None else (self.params[0].device if self.params else torch.device("cpu"))
 
@@ -201,7 +264,8 @@ class GradNormCollector:
 
     def fingerprint(self) -> torch.Tensor:
         """Per-group sum of parameter norms: it stays bit-identical only if the weights do."""
-        norms = torch._foreach_norm([local_tensor(p.detach()) for p in self.params])
+        with torch.no_grad():
+            norms = torch._foreach_norm([local_tensor(p) for p in self.params])
         return self._per_group([n.float() for n in norms], square=False)
 
     def _per_group(self, values: list[torch.Tensor], square: bool) -> torch.Tensor:
@@ -220,13 +284,29 @@ class GradNormCollector:
         return idx
 
     def _group_norms(self) -> torch.Tensor:
+        """This step's per-group norms as one tensor on the device (the per-parameter path's read)."""
         if self.per_parameter:
             zero = torch.zeros((), device=self.device())
             return self._per_group([n if n is not None else zero for n in self._norms], square=True).sqrt()
         self.take()
-        if self._squares is None:  # no gradient at all this step (or paused): zeros, as the hooks gave
+        if not self._taken:  # no gradient at all this step (or paused): zeros, as the hooks gave
             return torch.zeros(len(self.groups), device=self.device(), dtype=torch.float32)
-        return self._squares.sqrt()
+        device = self._taken[0][0].device
+        squares = torch.zeros(len(self.groups) + 1, device=device, dtype=torch.float32)
+        for norms, index in self._taken:
+            squares.index_add_(0, torch.tensor(index, device=device), norms.to(device).float().square())
+        return squares[:len(self.groups)].sqrt()
+
+    def _host_group_norms(self, values: list[float]) -> list[float]:
+        """The fused read's per-tensor norms (``values``, in ``_taken``'s order) summed per group on the host."""
+        squares = [0.0] * (len(self.groups) + 1)  # the last slot: norms of the clip's that are not ours
+        at = 0
+        for _, index in self._taken or ():  # none: no gradient this step (or paused): zeros, as the hooks gave
+            for group, value in zip(index, values[at:at + len(index)]):
+                squares[group] += value * value
+            at += len(index)
+        squares.pop()
+        return [math.sqrt(v) for v in squares]
 
     def read(self, losses: list[torch.Tensor], scale: torch.Tensor | None, with_fingerprint: bool,
              sum_losses: bool = False, found_inf: torch.Tensor | None = None,
@@ -238,19 +318,31 @@ class GradNormCollector:
         ``exchange(norms, loss)`` (multi-rank runs) returns the step's all-reduced flags; they are
         appended last and read in the same ``tolist()``.
         """
-        parts = [self._group_norms()]
-        device = parts[0].device
+        host_grouped = not self.per_parameter and exchange is None
+        if host_grouped:  # the fused read: per-tensor norms, summed per group on the host after the read
+            self.take()
+            taken = self._taken or []
+            device = taken[0][0].device if taken else self.device()
+            parts = [norms.to(device) for norms, _ in taken]
+            n_norms = sum(len(index) for _, index in taken)
+        else:
+            parts = [self._group_norms()]
+            device = parts[0].device
+            n_norms = len(self.groups)
         if losses:
-            stacked = torch.stack([loss.detach().float().to(device) for loss in losses])
-            parts.append((stacked.sum() if sum_losses else stacked.mean()).reshape(1))
+            if len(losses) == 1:  # the mean (or sum) of one loss is that loss
+                parts.append(_flat(losses[0], device))
+            else:
+                stacked = torch.stack([loss.detach().float().to(device) for loss in losses])
+                parts.append((stacked.sum() if sum_losses else stacked.mean()).reshape(1))
         n_exchanged = 0
         if exchange is not None:
             shared = exchange(parts[0], parts[1] if losses else None)
             n_exchanged = shared.numel()
         if scale is not None:
-            parts.append(scale.detach().float().reshape(1).to(device))
+            parts.append(_flat(scale, device))
         if found_inf is not None:
-            parts.append(found_inf.detach().float().reshape(1).to(device))
+            parts.append(_flat(found_inf, device))
         n_acts = 0
         if activations is not None:
             acts = activations(device)
@@ -259,19 +351,20 @@ class GradNormCollector:
         if with_fingerprint:
             parts.append(self.fingerprint().to(device))
         n_extra = 0
-        if extra:
-            flat = torch.cat([t.detach().float().reshape(-1).to(device) for t in extra])
-            n_extra = flat.numel()
+        for tensor in extra or ():
+            flat = _flat(tensor, device)
+            n_extra += flat.numel()
             parts.append(flat)
         if n_exchanged:
             parts.append(shared)
-        values = torch.cat(parts).tolist()  # the one host sync of the step
+        values = torch.cat(parts).tolist() if parts else []  # the one host sync of the step (none: nothing to read)
         exchanged = values[len(values) - n_exchanged:] if n_exchanged else None
         values = values[:len(values) - n_exchanged]
         extra_values = values[len(values) - n_extra:] if n_extra else None
         values = values[:len(values) - n_extra]
-        g = len(self.groups)
-        norms, rest = values[:g], values[g:]
+        norms, rest = values[:n_norms], values[n_norms:]
+        if host_grouped:
+            norms = self._host_group_norms(norms)
         loss = rest.pop(0) if losses else None
         loss_scale = rest.pop(0) if scale is not None else None
         inf_flags = rest.pop(0) if found_inf is not None else None
@@ -280,3 +373,14 @@ class GradNormCollector:
             norms = [v / loss_scale for v in norms]  # activations are forward values: never scaled
         return StepStats(norms, loss, loss_scale, rest if with_fingerprint else None, inf_flags, acts_values,
                          extra_values, exchanged)
+
+
+def _flat(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` as a detached 1-d fp32 tensor on ``device`` for the read's one ``cat`` (no op where it is one)."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.dtype != torch.float32:
+        tensor = tensor.float()
+    if tensor.dim() != 1:
+        tensor = tensor.reshape(-1)
+    return tensor if tensor.device == device else tensor.to(device)
