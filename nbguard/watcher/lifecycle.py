@@ -128,12 +128,10 @@ class WatchLifecycle(WatchSteps):
         if self._callback is not None and self.trainer is not None:
             self.trainer.remove_callback(self._callback)
             self._callback = None
-        if self._labels_tap is not None:
-            self._labels_tap.remove()
-            self._labels_tap = None
-        if self._loss_tap is not None:
-            self._loss_tap.remove()
-            self._loss_tap = None
+        for tap in (self._labels_tap, self._loss_tap):
+            if tap is not None:
+                tap.remove()
+        self._labels_tap = self._loss_tap = None
         if self._run_checks is not None:
             self._run_checks.unbind()
         if self._deepspeed is not None:

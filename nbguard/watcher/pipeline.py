@@ -135,17 +135,12 @@ class DetectorBoard:
         self.detectors.insert(len(self.detectors) - self._last, check_detector(detector))
 
     def collect(self, watch: WatchedRun) -> list[torch.Tensor]:
-        """Every detector's scalars, flattened, in a stable order (the sentinel stacks them)."""
+        """Every detector's scalars, in a stable order (the sentinel's read flattens and stacks them)."""
         self._asked, tensors = [], []
         for detector in self.detectors:
             for name, tensor in detector.scalars(watch).items():
-                flat = tensor.detach() if tensor.requires_grad else tensor  # each no-op call costs on a short step
-                if flat.dtype != torch.float32:
-                    flat = flat.float()
-                if flat.dim() != 1:
-                    flat = flat.reshape(-1)
-                self._asked.append((detector, name, flat.numel()))
-                tensors.append(flat)
+                self._asked.append((detector, name, tensor.numel()))
+                tensors.append(tensor)  # the read flattens each into its one cat
         return tensors
 
     def split(self, values: list[float] | None) -> list[dict[str, list[float]]]:

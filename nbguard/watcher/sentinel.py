@@ -57,12 +57,7 @@ class StepStats:
 
     @property
     def total_grad_norm(self) -> float:
-        # read several times per step (history, checks, events): computed once per grad_norm list
-        # (settle() across ranks puts another list in place)
-        cached = self.__dict__.get("_total")
-        if cached is None or cached[0] is not self.grad_norm:
-            cached = self.__dict__["_total"] = (self.grad_norm, math.sqrt(sum(v * v for v in self.grad_norm)))
-        return cached[1]
+        return math.sqrt(sum(v * v for v in self.grad_norm))
 
     @property
     def grads_finite(self) -> bool:
@@ -285,17 +280,8 @@ class GradNormCollector:
 
     def _group_norms(self) -> torch.Tensor:
         """This step's per-group norms as one tensor on the device (the per-parameter path's read)."""
-        if self.per_parameter:
-            zero = torch.zeros((), device=self.device())
-            return self._per_group([n if n is not None else zero for n in self._norms], square=True).sqrt()
-        self.take()
-        if not self._taken:  # no gradient at all this step (or paused): zeros, as the hooks gave
-            return torch.zeros(len(self.groups), device=self.device(), dtype=torch.float32)
-        device = self._taken[0][0].device
-        squares = torch.zeros(len(self.groups) + 1, device=device, dtype=torch.float32)
-        for norms, index in self._taken:
-            squares.index_add_(0, torch.tensor(index, device=device), norms.to(device).float().square())
-        return squares[:len(self.groups)].sqrt()
+        zero = torch.zeros((), device=self.device())
+        return self._per_group([n if n is not None else zero for n in self._norms], square=True).sqrt()
 
     def _host_group_norms(self, values: list[float]) -> list[float]:
         """The fused read's per-tensor norms (``values``, in ``_taken``'s order) summed per group on the host."""
@@ -318,7 +304,11 @@ class GradNormCollector:
         ``exchange(norms, loss)`` (multi-rank runs) returns the step's all-reduced flags; they are
         appended last and read in the same ``tolist()``.
         """
-        host_grouped = not self.per_parameter and exchange is None
+        # Across ranks the norms are each rank's own, taken before the all-reduce: per parameter
+        # (the watch sets per_parameter wherever it exchanges)
+        host_grouped = not self.per_parameter
+        if host_grouped and exchange is not None:
+            raise ValueError("an exchange across ranks needs the per-parameter gradient hooks")
         if host_grouped:  # the fused read: per-tensor norms, summed per group on the host after the read
             self.take()
             taken = self._taken or []

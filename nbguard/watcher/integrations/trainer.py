@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from transformers import TrainerCallback
@@ -13,7 +14,25 @@ def trainer_scaler(trainer):
     return getattr(accelerator, "scaler", None)
 
 
-class LabelsTap:
+class _MethodTap:
+    """Replaces ``trainer.<method>`` by an instance attribute wrapping it; ``remove`` puts back what
+    the instance had (a method the user set on it, or none: the class's own shows through again)."""
+
+    method = ""
+
+    def __init__(self, trainer, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]):
+        self.trainer = trainer
+        self._own = vars(trainer).get(self.method)
+        setattr(trainer, self.method, wrap(getattr(trainer, self.method)))
+
+    def remove(self) -> None:
+        if self._own is not None:
+            setattr(self.trainer, self.method, self._own)
+        else:
+            vars(self.trainer).pop(self.method, None)
+
+
+class LabelsTap(_MethodTap):
     """Keeps the labels the Trainer hands to ``compute_loss`` for the next training forward.
 
     With ``compute_loss_func`` or label smoothing the Trainer pops the labels before calling the
@@ -21,29 +40,24 @@ class LabelsTap:
     look like an unexplained NaN. Installed as an instance attribute and removed on detach.
     """
 
+    method = "compute_loss"
+
     def __init__(self, trainer):
-        self.trainer = trainer
         self.labels: torch.Tensor | None = None
-        self._own = vars(trainer).get("compute_loss")  # a compute_loss the user set on the instance
-        original = trainer.compute_loss
 
-        def compute_loss(model, inputs, *args, **kwargs):
-            labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
-            self.labels = labels if isinstance(labels, torch.Tensor) else None
-            return original(model, inputs, *args, **kwargs)
+        def wrap(original):
+            def compute_loss(model, inputs, *args, **kwargs):
+                labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
+                self.labels = labels if isinstance(labels, torch.Tensor) else None
+                return original(model, inputs, *args, **kwargs)
+            return compute_loss
 
-        trainer.compute_loss = compute_loss
+        super().__init__(trainer, wrap)
 
     def take(self) -> torch.Tensor | None:
         """The labels of the forward about to run; each set is handed out once."""
         labels, self.labels = self.labels, None
         return labels
-
-    def remove(self) -> None:
-        if self._own is not None:
-            self.trainer.compute_loss = self._own
-        else:
-            vars(self.trainer).pop("compute_loss", None)
 
 
 def trainer_computes_its_loss(trainer) -> bool:
@@ -58,29 +72,23 @@ def trainer_computes_its_loss(trainer) -> bool:
     return owner is not None and owner.__module__ != "transformers.trainer"
 
 
-class TrainingLossTap:
+class TrainingLossTap(_MethodTap):
     """Hands each loss ``training_step`` returns to ``on_loss``: what the Trainer backpropagated for
     that micro-batch (divided by the accumulation steps where the Trainer divides), whose sum over a
     step is the loss the Trainer logs. Installed as an instance attribute and removed on detach."""
 
+    method = "training_step"
+
     def __init__(self, trainer, on_loss: Callable[[torch.Tensor], None]):
-        self.trainer = trainer
-        self._own = vars(trainer).get("training_step")  # a training_step the user set on the instance
-        original = trainer.training_step
+        def wrap(original):
+            def training_step(model, inputs, *args, **kwargs):
+                loss = original(model, inputs, *args, **kwargs)
+                if isinstance(loss, torch.Tensor):
+                    on_loss(loss)
+                return loss
+            return training_step
 
-        def training_step(model, inputs, *args, **kwargs):
-            loss = original(model, inputs, *args, **kwargs)
-            if isinstance(loss, torch.Tensor):
-                on_loss(loss)
-            return loss
-
-        trainer.training_step = training_step
-
-    def remove(self) -> None:
-        if self._own is not None:
-            self.trainer.training_step = self._own
-        else:
-            vars(self.trainer).pop("training_step", None)
+        super().__init__(trainer, wrap)
 
 
 class WatchCallback(TrainerCallback):
