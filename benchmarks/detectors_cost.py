@@ -87,10 +87,11 @@ def host_cost(repeats: int = 2000):
     """Microseconds per call of each check, on values shaped like a 32-layer model's step."""
     groups = {f"model.layers.{i}.{part}": 0.1 + 0.01 * (i % 7) for i in range(32)
               for part in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm", "x", "y")}
+    names, norms = tuple(groups), tuple(groups.values())
     health = RunHealth()
     start = time.perf_counter()
     for step in range(repeats):
-        health.update(step, 2.0 - step * 1e-4, groups)
+        health.update(step, 2.0 - step * 1e-4, names, norms)
     run = (time.perf_counter() - start) / repeats * 1e6
     rewards = RewardChecks(group_size=8, max_completion_length=256, eos_token_id=2)
     call = RewardCall("reward", [float(i % 3) for i in range(64)], ["x"] * 64, [[5] * 100 + [2]] * 64)

@@ -190,3 +190,52 @@ def test_a_detector_ends_training_after_its_step_only_under_stop(policy):
     assert watch.history.skipped_steps == []
     [event] = [e for e in watch.events if e.kind == "exploded-update"]
     assert "update_dropped" not in event.evidence
+
+
+def test_each_hook_reaches_exactly_the_detectors_that_implement_it():
+    """The board calls a hook only where a detector defines it (the base's do nothing): a class
+    override, a method set on the instance and a duck-typed detector all count; only the detector that
+    asked for scalars gets them."""
+    calls: list[tuple[str, str, dict]] = []
+
+    class Judges(Detector):
+        name = "judges"
+
+        def update(self, view):
+            calls.append(("judges", "update", dict(view.scalars)))
+            return []
+
+    class Asks(Detector):
+        name = "asks"
+
+        def scalars(self, watch):
+            return {"ones": torch.ones(2)}
+
+        def before_update(self, view):
+            calls.append(("asks", "before_update", dict(view.scalars)))
+            return []
+
+    class Duck:  # not a Detector: every method is its own
+        def scalars(self, watch):
+            return {}
+
+        def update(self, view):
+            calls.append(("duck", "update", dict(view.scalars)))
+            return []
+
+        def on_log(self, step, logs):
+            return []
+
+        def reset_step(self):
+            pass
+
+    instance_hooked = Detector()
+    instance_hooked.update = lambda view: calls.append(("instance", "update", dict(view.scalars))) or []
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    watch = nbguard.watch(model, optimizer=opt, detectors=[Judges(), Asks(), Duck(), instance_hooked], verify=False)
+    model(**batches(1)[0]).loss.backward()
+    opt.step()
+    watch.detach()
+    assert calls == [("asks", "before_update", {"ones": [1.0, 1.0]}), ("judges", "update", {}),
+                     ("duck", "update", {}), ("instance", "update", {})]

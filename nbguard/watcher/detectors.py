@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import math
-import statistics
-from collections import deque
 from dataclasses import dataclass
+
+from .rolling import RollingMedian
 
 
 @dataclass
@@ -60,14 +60,14 @@ class SkipStreak:
 class SpikeDetector:
     def __init__(self, settings: WatchSettings):
         self.settings = settings
-        self.recent: deque[float] = deque(maxlen=settings.spike_window)
+        self.recent = RollingMedian(settings.spike_window)
 
     def update(self, total: float) -> dict | None:
         if not math.isfinite(total):
             return None
         evidence = None
         if len(self.recent) >= self.settings.spike_min_history:
-            median = statistics.median(self.recent)
+            median = self.recent.median()
             if median > 0 and total > self.settings.spike_factor * median:
                 evidence = {"total_grad_norm": total, "recent_median": median, "ratio": total / median}
         self.recent.append(total)

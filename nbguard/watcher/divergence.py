@@ -14,11 +14,15 @@ run's wide swings fire it. A learning rate of 1000 jumps 8-13 decades in one ste
 """
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from .rolling import RollingMedian
 
 # One MAD of a normal sample is 0.6745 standard deviations; scaled, it estimates the std robustly.
 MAD_TO_STD = 1.4826
@@ -53,9 +57,12 @@ class DivergenceDetector:
     def __init__(self, settings: DivergenceSettings | None = None):
         self.settings = settings or DivergenceSettings()
         self.recent: deque[float] = deque(maxlen=self.settings.window)
+        # |step-to-step change| between consecutive healthy log norms, kept sorted (the noise's median)
+        self.changes = RollingMedian(self.settings.window - 1)
         self.recent_loss: deque[float] = deque(maxlen=self.settings.window)
-        # the last healthy steps' per-group norms, raw: logs are taken only when an explosion is named
-        self.group_recent: deque[dict[str, float]] = deque(maxlen=self.settings.level_steps)
+        # the last healthy steps' per-group norms, raw (in the order of the groups then known): logs are
+        # taken only when an explosion is named
+        self.group_recent: deque[Sequence[float]] = deque(maxlen=self.settings.level_steps)
         self.exploding = False
         self.last_explosion: int | None = None  # the step of the last explosion reported
 
@@ -63,7 +70,7 @@ class DivergenceDetector:
         """The run's recent log10 gradient norm (None before any healthy step)."""
         if not self.recent:
             return None
-        return statistics.median(list(self.recent)[-self.settings.level_steps:])
+        return statistics.median(itertools.islice(reversed(self.recent), self.settings.level_steps))
 
     def threshold(self) -> float | None:
         """Decades above the level that count as an explosion (None: not enough history)."""
@@ -72,19 +79,18 @@ class DivergenceDetector:
             return None
         if len(self.recent) < s.early_steps:
             return s.early_decades
-        values = list(self.recent)
-        noise = statistics.median(abs(b - a) for a, b in zip(values, values[1:]))
-        return max(s.min_decades, s.robust_z * MAD_TO_STD * noise)
+        return max(s.min_decades, s.robust_z * MAD_TO_STD * self.changes.median())
 
-    def update(self, step: int, loss: float | None, total: float, groups: dict[str, float]) -> dict[str, Any] | None:
-        """Evidence for an explosion at ``step``, or None. ``groups``: group name -> gradient norm."""
+    def update(self, step: int, loss: float | None, total: float, groups: Sequence[str],
+               norms: Sequence[float]) -> dict[str, Any] | None:
+        """Evidence for an explosion at ``step``, or None. ``norms[i]``: the gradient norm of ``groups[i]``."""
         value = log_norm(total)
         if value is None:
             return None  # 0 is the dead-run detector's, a non-finite norm the NaN watch's
         limit, median = self.threshold(), self.level()
         exploded = limit is not None and median is not None and value - median > limit
         if not exploded:
-            self._remember(value, loss, groups)
+            self._remember(value, loss, norms)
             self.exploding = False
             return None
         if self.exploding:
@@ -95,20 +101,25 @@ class DivergenceDetector:
         return {"total_grad_norm": total, "recent_level": 10 ** median, "ratio": 10 ** (value - median),
                 "decades_above_level": value - median, "threshold_decades": limit,
                 "healthy_steps_seen": len(self.recent), "loss": loss, "recent_loss_median": loss_median,
-                "exploded_groups": self._exploded_groups(groups, limit)}
+                "exploded_groups": self._exploded_groups(groups, norms, limit)}
 
-    def _remember(self, value: float, loss: float | None, groups: dict[str, float]) -> None:
+    def _remember(self, value: float, loss: float | None, norms: Sequence[float]) -> None:
+        if self.recent:
+            self.changes.append(abs(value - self.recent[-1]))
         self.recent.append(value)
         if loss is not None and math.isfinite(loss):
             self.recent_loss.append(loss)
-        self.group_recent.append(groups)
+        self.group_recent.append(norms)
 
-    def _exploded_groups(self, groups: dict[str, float], limit: float, most: int = 8) -> list[dict[str, Any]]:
+    def _exploded_groups(self, groups: Sequence[str], norms: Sequence[float], limit: float,
+                         most: int = 8) -> list[dict[str, Any]]:
         """The groups whose own norm jumped past the limit, largest jump first."""
         jumps = []
-        for name, norm in groups.items():
+        for i, (name, norm) in enumerate(zip(groups, norms)):
             logged = log_norm(norm)
-            seen = [v for v in (log_norm(step.get(name)) for step in self.group_recent) if v is not None]
+            # (a group added since a step has no norm in it)
+            seen = [v for v in (log_norm(step[i] if i < len(step) else None) for step in self.group_recent)
+                    if v is not None]
             if logged is None or not seen:
                 continue
             rise = logged - statistics.median(seen)
@@ -207,10 +218,13 @@ class RunHealth:
         self.dead = DeadRunDetector(settings, zero_grad_expected=zero_grad_expected)
         self.constant_expected = constant_expected
 
-    def update(self, step: int, loss: float | None, grad_norms: dict[str, float]) -> list[tuple[str, str, dict]]:
-        total = math.sqrt(sum(v * v for v in grad_norms.values()))
+    def update(self, step: int, loss: float | None, groups: Sequence[str], norms: Sequence[float],
+               total: float | None = None) -> list[tuple[str, str, dict]]:
+        """``norms[i]``: the gradient norm of ``groups[i]``; ``total``: their 2-norm, where the caller has it."""
+        if total is None:
+            total = math.sqrt(sum(v * v for v in norms))
         found = []
-        exploded = self.divergence.update(step, loss, total, grad_norms)
+        exploded = self.divergence.update(step, loss, total, groups, norms)
         if exploded is not None:
             found.append(("divergence", divergence_message(exploded), exploded))
         explained = loss is not None and self.constant_expected is not None and \

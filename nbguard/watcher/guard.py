@@ -24,11 +24,15 @@ def guarded_call(on_error: OnError, fn: Callable[..., T], *args: Any, **kwargs: 
     except NonFiniteError:
         raise
     except Exception as exc:  # never break the user's run
-        try:
-            on_error(exc)
-        except Exception:  # the error path itself failed (e.g. warnings as errors): still not the user's
-            pass
+        _report(on_error, exc)
         return None
+
+
+def _report(on_error: OnError, exc: BaseException) -> None:
+    try:
+        on_error(exc)
+    except Exception:  # the error path itself failed (e.g. warnings as errors): still not the user's
+        pass
 
 
 def guarded(fn: Callable[..., T], on_error: OnError) -> Callable[..., T | None]:
@@ -49,11 +53,19 @@ def watch_hook(*, safe: bool) -> Callable[[Callable[..., Any]], Callable[..., An
     """
 
     def decorate(method: Callable[..., Any]) -> Callable[..., Any]:
+        # guarded_call's body inline: this runs several times per training step, and a closure and one
+        # more call per hook cost more than the rest of a small hook
         @functools.wraps(method)
         def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
             if not self.active:
                 return None
-            return guarded_call(lambda exc: self._fail(exc, safe=safe), method, self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            except NonFiniteError:
+                raise
+            except Exception as exc:  # never break the user's run
+                _report(functools.partial(self._fail, safe=safe), exc)
+                return None
 
         return hook
 

@@ -18,6 +18,7 @@ GradScaler skip streak (:mod:`.scaler_skips`) and run checks (:mod:`.run_checks`
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -55,7 +56,7 @@ class StepView:
     scalars: dict[str, list[float]] = field(default_factory=dict)  # what this detector asked for, by name
     history: GradHistory | None = None  # every earlier step (per-group norms, losses, scales, skips)
 
-    @property
+    @functools.cached_property  # (several detectors ask, once per step)
     def total_grad_norm(self) -> float:
         return math.sqrt(sum(v * v for v in self.grad_norm))
 
@@ -122,6 +123,18 @@ def check_detector(detector: Any) -> Detector:
     return detector
 
 
+# what a detector may override; the board calls a hook only on the detectors that implement it (the
+# base's methods do nothing), so a step pays for the detectors it has, not for the protocol
+_HOOKS = ("scalars", "on_micro_batch", "update", "before_update", "reset_step")
+
+
+def _implements(detector: Any, hook: str) -> bool:
+    method = getattr(type(detector), hook, None)
+    if method is None or hook in getattr(detector, "__dict__", {}):  # duck-typed, or set on the instance
+        return callable(getattr(detector, hook, None))
+    return method is not getattr(Detector, hook)
+
+
 class DetectorBoard:
     """The watch's list of detectors: collects their scalars for the read, hands out the values."""
 
@@ -130,28 +143,38 @@ class DetectorBoard:
         self.detectors = [check_detector(d) for d in [*detectors, *last]]
         self._last = len(last)
         self._asked: list[tuple[Detector, str, int]] = []  # (detector, name, numel) in read order
+        self._by_hook: dict[str, list[Detector]] = {}
+        self._index_hooks()
 
     def add(self, detector: Detector) -> None:
         self.detectors.insert(len(self.detectors) - self._last, check_detector(detector))
+        self._index_hooks()
+
+    def _index_hooks(self) -> None:
+        self._by_hook = {hook: [d for d in self.detectors if _implements(d, hook)] for hook in _HOOKS}
+
+    def on_micro_batch(self, micro_batch: MicroBatch) -> None:
+        for detector in self._by_hook["on_micro_batch"]:
+            detector.on_micro_batch(micro_batch)
 
     def collect(self, watch: WatchedRun) -> list[torch.Tensor]:
         """Every detector's scalars, in a stable order (the sentinel's read flattens and stacks them)."""
         self._asked, tensors = [], []
-        for detector in self.detectors:
+        for detector in self._by_hook["scalars"]:
             for name, tensor in detector.scalars(watch).items():
                 self._asked.append((detector, name, tensor.numel()))
                 tensors.append(tensor)  # the read flattens each into its one cat
         return tensors
 
-    def split(self, values: list[float] | None) -> list[dict[str, list[float]]]:
-        """The read's values back per detector, by name (in the order of the last ``collect``)."""
-        by_detector: dict[int, dict[str, list[float]]] = {id(d): {} for d in self.detectors}
+    def split(self, values: list[float] | None) -> dict[int, dict[str, list[float]]]:
+        """The read's values back by id(detector), by name (in the order of the last ``collect``);
+        only the detectors that asked this step."""
+        by_detector: dict[int, dict[str, list[float]]] = {}
         at = 0
         for detector, name, n in self._asked:
-            if id(detector) in by_detector:
-                by_detector[id(detector)][name] = list(values[at:at + n]) if values is not None else []
+            by_detector.setdefault(id(detector), {})[name] = list(values[at:at + n]) if values is not None else []
             at += n
-        return [by_detector[id(d)] for d in self.detectors]
+        return by_detector
 
     def run(self, hook: str, view: StepView, values: list[float] | None,
             emit: Callable[[Detector, Event], None]) -> list[tuple[Detector, Event]]:
@@ -159,16 +182,15 @@ class DetectorBoard:
         scalars, in list order; each detector's events are emitted before the next one runs.
         Returns (detector, event) for each event, for the policy to decide on."""
         found: list[tuple[Detector, Event]] = []
-        for detector, scalars in zip(self.detectors, self.split(values)):
-            method = getattr(detector, hook, None)  # a duck-typed detector may lack the newer hooks
-            if method is None:
-                continue
-            for event in method(replace(view, scalars=scalars)):
+        asked = self.split(values) if self._asked else {}
+        for detector in self._by_hook[hook]:
+            scalars = asked.get(id(detector))
+            for event in getattr(detector, hook)(view if scalars is None else replace(view, scalars=scalars)):
                 emit(detector, event)
                 found.append((detector, event))
         return found
 
     def reset_step(self) -> None:
         self._asked = []
-        for detector in self.detectors:
+        for detector in self._by_hook["reset_step"]:
             detector.reset_step()

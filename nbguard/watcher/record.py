@@ -169,10 +169,6 @@ class WatchRecord(ABC):
         """Attached and not stepped aside after an internal error: hooks do their work."""
         return self.attached and not self._broken
 
-    def _active(self) -> bool:
-        """The old private spelling of :attr:`active`, kept while branches written against it merge."""
-        return self.active
-
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Forward/backward passes inside are not the user's training (a replay, a shadow step):

@@ -85,8 +85,7 @@ class WatchSteps(WatchRecord):
         self._micro_batches.append(
             MicroBatch(len(self._micro_batches), args, dict(kwargs), capture_rng(), capture_autocast(),
                        trainer_labels=trainer_labels))
-        for detector in self._board.detectors:
-            detector.on_micro_batch(self._micro_batches[-1])
+        self._board.on_micro_batch(self._micro_batches[-1])
 
     @watch_hook(safe=False)
     def _root_post(self, module, args, kwargs, output):
@@ -204,7 +203,7 @@ class WatchSteps(WatchRecord):
         """Before the optimizer moves anything: is this update finite? Apply the policy if not.
 
         Across ranks the agreed verdict decides, so every rank applies the same policy."""
-        if not self._active():
+        if not self.active:
             return
         verdict = self._verdict if self._ranks is not None else None
         finite = not verdict.bad_ranks if verdict is not None else stats.loss_finite and stats.grads_finite
@@ -265,8 +264,8 @@ class WatchSteps(WatchRecord):
     def _end_step(self, skipped: bool, scaler_skipped: bool = False) -> None:
         stats = self._read()
         step = self.step
-        self.history.append(step, list[float | None](stats.grad_norm), stats.loss, stats.total_grad_norm,
-                            stats.loss_scale, skipped)
+        total_grad_norm = stats.total_grad_norm
+        self.history.append(step, stats.grad_norm, stats.loss, total_grad_norm, stats.loss_scale, skipped)
         activations = None
         if self.activation_history is not None and stats.activations is not None:
             activations = host_values(stats.activations)
@@ -274,13 +273,14 @@ class WatchSteps(WatchRecord):
         found = self._board.run("update", self._view(stats, skipped, scaler_skipped), stats.extra, self._emit_from)
         stop_event = training_stopper(self.policy, found, across_ranks=self._ranks is not None)
         self.step += 1
-        payload: dict[str, Any] = {"step": step, "loss": stats.loss, "total_grad_norm": stats.total_grad_norm,
-                   "loss_scale": stats.loss_scale, "skipped": skipped,
-                   "grad_norm": dict(zip(self.history.groups, stats.grad_norm))}
-        if activations is not None and self.activation_history is not None:
-            payload["activation_absmax"] = dict(zip(self.activation_history.groups, activations))
         self._release_step()
-        self._notify("step", payload)
+        if self._listeners:  # (the payload's dicts are built only for someone to read them)
+            payload: dict[str, Any] = {"step": step, "loss": stats.loss, "total_grad_norm": total_grad_norm,
+                                       "loss_scale": stats.loss_scale, "skipped": skipped,
+                                       "grad_norm": dict(zip(self.history.groups, stats.grad_norm))}
+            if activations is not None and self.activation_history is not None:
+                payload["activation_absmax"] = dict(zip(self.activation_history.groups, activations))
+            self._notify("step", payload)
         if stop_event is not None:
             self._stop(stop_event, step_ended=True)
 

@@ -10,12 +10,12 @@ along in the sentinel's one host read of the step (``StepStats.extra``): no extr
 """
 from __future__ import annotations
 
-import statistics
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .rolling import RollingMedian
 
 IGNORE_INDEX = -100
 
@@ -39,7 +39,7 @@ class FewTokensDetector:
 
     def __init__(self, settings: SupervisionSettings | None = None):
         self.settings = settings or SupervisionSettings()
-        self.recent: deque[int] = deque(maxlen=self.settings.window)
+        self.recent = RollingMedian(self.settings.window)
         self._pending: list[tuple[int, torch.Tensor]] = []
 
     def capture(self, index: int, labels: torch.Tensor | None) -> None:
@@ -64,7 +64,7 @@ class FewTokensDetector:
         worst: dict[str, Any] | None = None
         for index, count in counts:
             enough = len(self.recent) >= self.settings.min_history
-            median = statistics.median(self.recent) if self.recent else None
+            median = self.recent.median() if self.recent else None
             few = count == 0 or (enough and median is not None and count < self.settings.few_share * median)
             if few and (worst is None or count < worst["supervised_tokens"]):
                 worst = {"micro_batch": index, "supervised_tokens": count, "recent_median": median,

@@ -1,0 +1,38 @@
+"""The median of the last N values, kept sorted as they arrive.
+
+The detectors compare each step with a recent median (of 50 gradient norms, 256 token counts):
+``statistics.median`` over a deque sorts the whole window on every step, inside the user's
+training step. Kept sorted, a step costs one binary insertion and one removal.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+
+
+class RollingMedian:
+    def __init__(self, window: int):
+        self.window = window
+        self._arrived: deque[float] = deque()
+        self._sorted: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self._arrived)
+
+    def __bool__(self) -> bool:
+        return bool(self._arrived)
+
+    def append(self, value: float) -> None:
+        if len(self._arrived) == self.window:
+            oldest = self._arrived.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, oldest)]
+        self._arrived.append(value)
+        bisect.insort(self._sorted, value)
+
+    def median(self) -> float:
+        """As ``statistics.median`` of the window (the mean of the middle two for an even count)."""
+        values, n = self._sorted, len(self._sorted)
+        if n == 0:
+            raise ValueError("no values yet: the median of an empty window")
+        half = n // 2
+        return values[half] if n % 2 else (values[half - 1] + values[half]) / 2
