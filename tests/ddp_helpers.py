@@ -14,6 +14,7 @@ Scenarios (faults on rank 1 only; rank 0's batches are healthy):
   loss      - rank 1's batch has every label -100: its mean loss is 0/0
   uncaught  - as forward, but the function does not catch nbguard's NonFiniteError (policy stop)
   rank0only - healthy, but only rank 0 attaches a watch: it must watch alone, not wait for rank 1
+  unwatched - healthy, no watch on any rank (the reference the healthy run's weights must equal)
   scaler    - fp16 autocast + GradScaler; rank 1's batches overflow from BAD_STEP on: the scaler
               skips every step on both ranks (the all-reduced grads are inf), a streak of 2 is an event
   fail      - rank 1's watch hits an internal error in its step read: it must step aside without
@@ -106,6 +107,27 @@ def _loop(model, opt, scaler, accelerator, rank: int, scenario: str) -> tuple[st
     return None, steps
 
 
+def _gradient_read(watch) -> dict[str, Any]:
+    """How the attached watch took this rank's gradients: DDP's buckets, or a hook per parameter."""
+    collector = watch._collector
+    return {"buckets": collector.bucketed, "parameter_hooks": len(collector.handles)}
+
+
+def _own_step0_norms(model, batch) -> dict[str, float]:
+    """Per group, the norm of this rank's OWN first gradient (a copy of the model, no DDP, no reduce)."""
+    import copy
+
+    from nbguard.watcher import group_name
+
+    local = copy.deepcopy(model)
+    local(**batch).loss.backward()
+    squares: dict[str, float] = {}
+    for name, p in local.named_parameters():
+        if p.grad is not None:
+            squares[group_name(name)] = squares.get(group_name(name), 0.0) + float(p.grad.double().square().sum())
+    return {g: v ** 0.5 for g, v in squares.items()}
+
+
 def train_rank(scenario: str, policy: str, out_dir: str) -> None:
     """The user's training function (runs on every rank)."""
     import torch.distributed as dist
@@ -128,7 +150,9 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
     # a modest initial scale: the healthy rank's scaled gradients stay finite, only rank 1 overflows
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scenario == "scaler" else None
     settings = WatchSettings(skip_streak=2) if scenario == "scaler" else None
-    watched = not (scenario == "rank0only" and rank != 0)  # a user who watches rank 0 alone
+    watched = not (scenario == "rank0only" and rank != 0) and scenario != "unwatched"  # rank0only: rank 0 alone
+    own_norms = _own_step0_norms(accelerator.unwrap_model(model), _batches(rank, scenario)[0]) \
+        if scenario == "healthy" else {}
     watch = NanWatch(model, optimizer=opt, scaler=scaler, policy=policy, settings=settings)
     if watched:
         watch.attach()
@@ -138,6 +162,7 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         stopped, steps = _loop(model, opt, scaler, accelerator, rank, scenario)
+    gradient_read = _gradient_read(watch)
     watch.detach()
     warned = [str(w.message) for w in caught if "not on every rank" in str(w.message)]
     inner = accelerator.unwrap_model(model)
@@ -149,6 +174,8 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
         "weights_sum": float(weights.double().sum()), "weights_abs_sum": float(weights.double().abs().sum()),
         "exchanges": watch._ranks.exchanges if watch._ranks is not None else 0,
         "streamed": watch._streamer is not None, "watched": watched, "warned": warned,
+        "gradient_read": gradient_read, "own_step0_norms": own_norms,
+        "watch_step0_norms": dict(zip(watch.history.groups, watch.history._norms[0])) if len(watch.history) else {},
         "seconds": time.perf_counter() - started,
         "distributed_type": str(accelerator.distributed_type),
     }
@@ -183,13 +210,14 @@ def train_trainer_rank(scenario: str, policy: str, out_dir: str) -> None:
     trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(64), callbacks=[ArmOnRank1()])
     watch = nbguard.watch(trainer, policy=policy)
     trainer.train()
+    gradient_read = _gradient_read(watch)
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     result = {"rank": rank, "world_size": args.world_size, "steps": trainer.state.global_step, "stopped": None,
               "watch_steps": watch.step, "events": [e.to_dict() for e in watch.events],
               "weights_finite": bool(torch.isfinite(weights).all()), "weights_sum": float(weights.double().sum()),
               "weights_abs_sum": float(weights.double().abs().sum()),
               "exchanges": watch._ranks.exchanges if watch._ranks is not None else 0,
-              "distributed_type": str(trainer.accelerator.distributed_type)}
+              "gradient_read": gradient_read, "distributed_type": str(trainer.accelerator.distributed_type)}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
 

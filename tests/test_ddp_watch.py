@@ -49,6 +49,27 @@ def test_healthy_run_no_event_on_any_rank_and_one_exchange_per_step(launcher, tm
     assert ranks[0]["weights_sum"] == ranks[1]["weights_sum"]
 
 
+def test_each_rank_reads_its_own_gradient_from_ddp_buckets_and_training_is_unchanged(tmp_path):
+    """DDP's communication hook hands the watch each bucket before the all-reduce: no hook per
+    parameter, each rank's norms are its own gradient's (a local copy's, not the averaged one), and the
+    weights end bit-identical to a run without the watch."""
+    import math
+
+    (tmp_path / "watched").mkdir()
+    (tmp_path / "plain").mkdir()
+    watched = _run("notebook_launcher", "healthy", "warn", tmp_path / "watched")
+    plain = _run("notebook_launcher", "unwatched", "warn", tmp_path / "plain")
+    for r in watched:
+        assert r["gradient_read"] == {"buckets": True, "parameter_hooks": 0}
+        assert r["watch_step0_norms"].keys() == r["own_step0_norms"].keys()
+        for group, own in r["own_step0_norms"].items():
+            assert math.isclose(r["watch_step0_norms"][group], own, rel_tol=1e-5), group
+    # the ranks' batches differ, so their own gradients do (the averaged one is the same on both)
+    assert watched[0]["watch_step0_norms"] != watched[1]["watch_step0_norms"]
+    assert [r["weights_sum"] for r in watched] == [r["weights_sum"] for r in plain]
+    assert [r["weights_abs_sum"] for r in watched] == [r["weights_abs_sum"] for r in plain]
+
+
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_forward_overflow_on_rank_1_named_on_every_rank_and_skipped_everywhere(launcher, tmp_path):
     ranks = _run(launcher, "forward", "skip", tmp_path)
@@ -125,6 +146,7 @@ def test_trainer_under_ddp_names_rank_1_and_agrees_on_the_policy(launcher, polic
     assert event["evidence"]["micro_batches"] == 2  # rank 1 replayed both of its micro-batches
     for r in ranks:
         assert r["weights_finite"]
+        assert r["gradient_read"] == {"buckets": True, "parameter_hooks": 0}  # train() wrapped it: DDP's hook
         # stop: the Trainer ends after the bad step on both ranks; skip: it runs to the end on both
         assert r["steps"] == (BAD_STEP + 1 if policy == "stop" else STEPS)
     assert ranks[0]["weights_sum"] == ranks[1]["weights_sum"]

@@ -5,10 +5,11 @@ its local gradients non-finite, its watch stepping aside — plus, for sharded (
 its per-group squared shard norms. ONE ``all_reduce(SUM)`` of those few floats is the only extra
 collective of a healthy step; the result comes back in the same host read as the rest.
 
-Why the flags are "pre-reduce": the sentinel's ``register_post_accumulate_grad_hook`` runs inside
-``AccumulateGrad`` before DDP's reducer hook (a post-hook of that node) copies the gradient into
-its bucket, so the norm it takes is this rank's own gradient, before the all-reduce averages a NaN
-into every rank. (Under FSDP2 the hook runs after the reduce-scatter, on the reduced shard: there
+Why the flags are "pre-reduce": under DDP the sentinel reads each gradient bucket in DDP's
+communication hook, before it is reduced (:mod:`.ddp_buckets`); where it cannot register that hook,
+its ``register_post_accumulate_grad_hook`` runs inside ``AccumulateGrad`` before DDP's reducer hook
+(a post-hook of that node) copies the gradient into its bucket. Either way the norm is this rank's
+own gradient, before the all-reduce averages a NaN into every rank. (Under FSDP2 the hook runs after the reduce-scatter, on the reduced shard: there
 only the local loss tells which rank was bad; see ``RankSync.sharded``.)
 
 On a bad step the bad ranks localise their own micro-batches on the unwrapped module (no DDP
@@ -82,8 +83,9 @@ def is_sharded(params: Sequence[torch.Tensor]) -> bool:
 def needs_parameter_hooks(target: Any, params: Sequence[torch.Tensor]) -> bool:
     """Whether the sentinel needs a hook per parameter: sharded (FSDP2) gradients, or a DeepSpeed
     engine, which moves gradients into its own buffers (``param.grad`` stays empty at the step
-    boundary). Multi-rank DDP needs them too (``RankSync``): the step boundary sees the averaged
-    gradient, and each rank's own one only exists before the all-reduce."""
+    boundary). Multi-rank DDP starts with them too (``RankSync``: the step boundary sees the averaged
+    gradient, and each rank's own one only exists before the all-reduce) until the watch reads DDP's
+    buckets instead (``ddp_buckets``)."""
     trainer_deepspeed = bool(getattr(target, "is_deepspeed_enabled", False))
     engine = any(cls.__name__ == "DeepSpeedEngine" for cls in type(target).__mro__)
     return trainer_deepspeed or engine or is_sharded(params)

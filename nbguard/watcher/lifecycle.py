@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from . import distributed as ranks
 from .guard import watch_hook
 from .integrations.loop import OptimizerBinding, ScalerBinding, unwrap_optimizer
 from .steps import WatchSteps
@@ -58,6 +59,7 @@ class WatchLifecycle(WatchSteps):
             self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True),
             self.model.register_forward_hook(self._root_post, with_kwargs=True),
         ]
+        self._read_ddp_buckets()
         self._collector.attach()
         self._handles += self._watch_registrations()
         if self._probe is not None:
@@ -119,6 +121,10 @@ class WatchLifecycle(WatchSteps):
             h.remove()
         self._handles = []
         self._collector.detach()
+        if self._bucket_reader is not None:  # DDP keeps its hook: from now on it only reduces
+            self._bucket_reader.point_at(None)
+            self._bucket_reader = None
+            self._collector.bucketed, self._collector.per_parameter = False, True  # the next attach decides again
         if self._probe is not None:
             self._probe.detach()
         if not (self._keep_farewell and self._owes_farewell()):
@@ -172,6 +178,32 @@ class WatchLifecycle(WatchSteps):
         self._bad_streak = 0
         self.begin_step()
         self.bind_trainer_step(control)
+        self._switch_to_ddp_buckets()
+
+    @watch_hook(safe=False)
+    def _switch_to_ddp_buckets(self) -> None:
+        """``train()`` has wrapped the model in DDP by now, before its first step: read its buckets."""
+        if self._ranks is not None and not self._collector.bucketed:
+            self._collector.detach()
+            self._read_ddp_buckets()
+            self._collector.attach()
+
+    def _read_ddp_buckets(self) -> None:
+        """Across DDP ranks, this rank's own gradient norms from DDP's communication hook (one fused norm
+        per bucket, see :mod:`.ddp_buckets`) instead of a hook per parameter, where the DDP module is
+        known and takes the hook. Called while the collector is detached."""
+        from .ddp_buckets import bucket_reader, find_ddp
+
+        if self._ranks is None or self._ranks.sharded or self._collector.bucketed \
+                or ranks.needs_parameter_hooks(self.target, self._collector.params):
+            return
+        ddp = find_ddp(self.target)
+        reader = bucket_reader(ddp) if ddp is not None else None
+        if reader is None:
+            return
+        reader.point_at(self._collector)
+        self._bucket_reader = reader
+        self._collector.per_parameter, self._collector.bucketed = False, True
 
     @watch_hook(safe=False)
     def bind_trainer_step(self, control: Any = None) -> None:

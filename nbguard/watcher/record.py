@@ -67,6 +67,7 @@ class WatchRecord(ABC):
     _listeners: list[Listener]
     # ---- across ranks -----------------------------------------------------------------------
     _ranks: ranks.RankSync | None  # multi-rank runs: one small collective per step, folded into the read
+    _bucket_reader: Any  # DDP: the communication hook reading this rank's buckets (ddp_buckets.BucketReader)
     _verdict: ranks.RankVerdict | None
     _streamer: Any  # a forked rank's stream to the kernel (stream.RankStreamer)
     _keep_farewell: bool

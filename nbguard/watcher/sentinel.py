@@ -75,7 +75,9 @@ class GradNormCollector:
         self._on_error = on_error
         self._grads_scaled = grads_scaled  # fused: are the gradients still multiplied by the loss scale now?
         self.enabled = True
-        self.per_parameter = False  # one hook per parameter (multi-rank and DeepSpeed runs), else fused
+        self.per_parameter = False  # one hook per parameter (FSDP2, DeepSpeed, DDP without our hook), else fused
+        self.bucketed = False  # DDP: this rank's own norms come from its communication hook (ddp_buckets)
+        self._bucket_norms: list[tuple[torch.Tensor, Sequence[int]]] = []  # this step's buckets, so far
         self.accumulations = 0  # backwards (per-parameter: accumulations) seen, ever; compared across captures
         self.handles: list = []
         self._tapped = False
@@ -152,7 +154,7 @@ class GradNormCollector:
 
     def shares_clip(self, parameters: list[torch.Tensor]) -> bool:
         """This clip is where this step's norms are read: none taken yet, and some of ``parameters`` are ours."""
-        return (self._taken is None and self.enabled and not self.per_parameter
+        return (self._taken is None and self.enabled and not self.per_parameter and not self.bucketed
                 and any(id(p) in self._ids for p in parameters))
 
     def take_from_clip(self, parameters: list[torch.Tensor], kinds: clip_tap.Kinds, norms: torch.Tensor) -> None:
@@ -167,7 +169,7 @@ class GradNormCollector:
             self._clip_plan = (key, self._plan_clip(parameters, kinds, norms.dtype))
         plan = self._clip_plan[1]
         with torch.no_grad():
-            taken = self._own_norms(plan.own)
+            taken = self._norms_of((p.grad, g) for p, g in plan.own)
         if plan.shares:
             taken.insert(0, (norms, plan.index))  # no device work: the clip's own tensor joins the read
         if taken:
@@ -195,20 +197,35 @@ class GradNormCollector:
 
     def take(self) -> None:
         """This step's per-tensor norms of the accumulated gradients, once per step, on the device."""
-        if not (self.per_parameter or not self.enabled or self._taken is not None):
-            with torch.no_grad():  # a backward with create_graph=True leaves gradients that need grad
-                taken = self._own_norms(zip(self.params, self._index))
-            if taken:
-                self._scaled = self._grads_scaled()
-                self._taken = taken
+        if self.per_parameter or not self.enabled or self._taken is not None:
+            return
+        if self._bucket_norms:  # DDP reduced this step: its buckets held this rank's own gradients
+            self._scaled, self._taken = True, self._bucket_norms
+            return
+        with torch.no_grad():  # a backward with create_graph=True leaves gradients that need grad
+            taken = self._norms_of((p.grad, g) for p, g in zip(self.params, self._index))
+        if taken:
+            self._scaled = self._grads_scaled()
+            self._taken = taken
+
+    def take_bucket(self, parameters: list[torch.Tensor], gradients: list[torch.Tensor]) -> None:
+        """DDP's communication hook hands over one bucket before reducing it (``ddp_buckets``): the
+        norms of this rank's own gradients, in the step's read; parameters not ours go to the spare slot."""
+        if self.enabled and self._taken is None:
+            guarded_call(self._on_error, self._take_bucket, parameters, gradients)
+
+    def _take_bucket(self, parameters: list[torch.Tensor], gradients: list[torch.Tensor]) -> None:
+        spare = len(self.groups)
+        with torch.no_grad():
+            self._bucket_norms += self._norms_of(
+                (grad, self._group_of.get(id(p), spare)) for p, grad in zip(parameters, gradients))
 
     @staticmethod
-    def _own_norms(pairs: Iterable[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, Sequence[int]]]:
-        """The 2-norms of the gradients of these (parameter, group) pairs: one stacked tensor per
+    def _norms_of(pairs: Iterable[tuple[torch.Tensor | None, int]]) -> list[tuple[torch.Tensor, Sequence[int]]]:
+        """The 2-norms of these (gradient, group) pairs (None: no gradient): one stacked tensor per
         device and dtype, with each norm's group."""
         by_kind: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
-        for p, group in pairs:
-            grad = p.grad
+        for grad, group in pairs:
             if grad is not None:
                 grads, index = by_kind.setdefault((grad.device, grad.dtype), ([], []))
                 grads.append(grad)
@@ -243,6 +260,7 @@ class GradNormCollector:
         if self.per_parameter:
             self._norms = [None] * len(self.params)
         self._taken = None
+        self._bucket_norms = []
 
     def device(self) -> torch.device:
         """Where this step's norms live (the device of the step's read and collective)."""
@@ -304,11 +322,12 @@ class GradNormCollector:
         ``exchange(norms, loss)`` (multi-rank runs) returns the step's all-reduced flags; they are
         appended last and read in the same ``tolist()``.
         """
-        # Across ranks the norms are each rank's own, taken before the all-reduce: per parameter
-        # (the watch sets per_parameter wherever it exchanges)
+        # Across ranks the norms are each rank's own, taken before the all-reduce: per parameter, or
+        # from DDP's buckets (the watch sets one of them wherever it exchanges)
         host_grouped = not self.per_parameter
-        if host_grouped and exchange is not None:
-            raise ValueError("an exchange across ranks needs the per-parameter gradient hooks")
+        if host_grouped and exchange is not None and not self.bucketed:
+            raise ValueError("an exchange across ranks needs this rank's own gradients: the per-parameter "
+                             "hooks or DDP's communication hook")
         if host_grouped:  # the fused read: per-tensor norms, summed per group on the host after the read
             self.take()
             taken = self._taken or []
@@ -319,6 +338,7 @@ class GradNormCollector:
             parts = [self._group_norms()]
             device = parts[0].device
             n_norms = len(self.groups)
+        n_norm_parts = len(parts)
         if losses:
             if len(losses) == 1:  # the mean (or sum) of one loss is that loss
                 parts.append(_flat(losses[0], device))
@@ -327,7 +347,9 @@ class GradNormCollector:
                 parts.append((stacked.sum() if sum_losses else stacked.mean()).reshape(1))
         n_exchanged = 0
         if exchange is not None:
-            shared = exchange(parts[0], parts[1] if losses else None)
+            norms = parts[0] if n_norm_parts == 1 else (
+                torch.cat(parts[:n_norm_parts]) if n_norm_parts else torch.zeros(0, device=device))
+            shared = exchange(norms, parts[n_norm_parts] if losses else None)
             n_exchanged = shared.numel()
         if scale is not None:
             parts.append(_flat(scale, device))

@@ -101,6 +101,7 @@ class NanWatch(WatchLifecycle, Displayable):
         # multi-rank runs: one small collective per step, folded into the read
         self._ranks = ranks.RankSync.detect(self._collector.params, len(self._collector.groups))
         self._collector.per_parameter = self._ranks is not None or ranks.needs_parameter_hooks(target, self._collector.params)
+        self._bucket_reader = None  # DDP: its communication hook reads this rank's buckets (ddp_buckets)
         self._verdict = None
         self._streamer = None  # a forked rank's stream to the kernel (stream.RankStreamer)
         self._keep_farewell = False
