@@ -80,3 +80,22 @@ def test_backward_hook_failure_under_warnings_as_errors(monkeypatch):
         model(**batches(1)[0]).loss.backward()
         opt.step()
     assert [e.kind for e in watch.events] == ["watch-error"] and not watch.active
+
+
+def test_a_watch_that_fails_after_the_last_forward_gives_torch_its_clip_back_at_once():
+    """Its hooks wait for a safe point (the next forward, which a finished loop never runs), but the
+    global clip_grad_norm_ wrapper is released when the failure happens: later runs do not pay it."""
+    from nbguard.watcher import clip_tap
+
+    torch.manual_seed(0)
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = nbguard.watch(model, optimizer=opt, detectors=[BrokenDetector()], verify=False)
+    model(**batches(1)[0]).loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    assert clip_tap.tapped()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.step()  # the detector fails in the step-end hook (not a safe point: the hooks stay)
+    assert not watch.active and watch.attached and not clip_tap.tapped()
+    watch.detach()

@@ -144,6 +144,9 @@ class WatchRecord(ABC):
         self._broken = True
         if self._ranks is not None:
             self._ranks.owes_farewell = True
+        # a broken watch keeps its hooks until a safe point (its next forward, or never if the loop
+        # has ended), but not torch's clip function: that one is global, every later run would pay it
+        guarded_call(lambda _: None, self._collector.release_clip)
         self._emit(Event("watch-error", self.step,
                          f"nbguard's watch hit an internal error and detached itself; training goes on: "
                          f"{type(exc).__name__}: {exc}",

@@ -123,6 +123,12 @@ class GradNormCollector:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        self.release_clip()
+
+    def release_clip(self) -> None:
+        """Stop reading at gradient clips (torch's own functions are back once no watch reads them).
+        Safe at any point, even inside a hook or the clip itself: it is a module attribute, not a hook
+        dict torch is iterating."""
         if self._tapped:
             clip_tap.untap(self)
             self._tapped = False
