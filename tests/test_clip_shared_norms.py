@@ -332,3 +332,52 @@ def test_a_step_with_nothing_to_read_gives_zero_norms():
     stats = watch._collector.read([], None, False)
     watch.detach()
     assert stats.grad_norm == [0.0] * len(watch._collector.groups) and stats.loss is None
+
+
+def _scaled_loop(model, watched: bool, monkeypatch):
+    """fp16-style loop on CPU: GradScaler, unscale_, clip to 0.05, step; 3 steps. Returns the clip's
+    total norms, the norm passes over gradients counted, and the watch."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    watch = NanWatch(model, optimizer=opt, scaler=scaler).attach() if watched else None
+    counter = _CountNorms(monkeypatch)
+    totals = []
+    for batch in batches(3):
+        scaler.scale(model(**batch).loss).backward()
+        scaler.unscale_(opt)
+        totals.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    monkeypatch.undo()
+    if watch is not None:
+        watch.detach()
+    return totals, counter.calls, watch
+
+
+def test_under_a_gradscaler_the_clip_after_unscale_is_the_watchs_only_norm_pass(monkeypatch):
+    """The Trainer's fp16 path (unscale_, then clip): the watch takes the clip's norms of the unscaled
+    gradients instead of a pass of its own before unscale_; the run is bit-identical to an unwatched one."""
+    model = tiny_llama()
+    twin = copy.deepcopy(model)
+    totals, calls, watch = _scaled_loop(model, True, monkeypatch)
+    twin_totals, twin_calls, _ = _scaled_loop(twin, False, monkeypatch)
+    assert calls == twin_calls == 3  # one norm pass a step, the clip's, watched or not
+    assert all(_same_bits(a, b) for a, b in zip(totals, twin_totals, strict=True))
+    assert all(_same_bits(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
+    # what the watch recorded: the clip's pre-clip total (unscaled: not 1024 times it), at the scale used
+    assert watch.history.loss_scale == [1024.0] * 3
+    for step, total in enumerate(totals):
+        assert math.isclose(watch.history.total_grad_norm[step], float(total), rel_tol=1e-5)
+
+
+def test_a_value_clip_is_read_before_its_clamp_hides_an_inf():
+    model, _ = _pair()
+    with torch.no_grad():
+        model.lm_head.weight.grad[0, 0] = float("inf")
+    watch = _watch(model)
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)  # the inf becomes 0.01
+    read = dict(zip(watch._collector.groups, watch._collector.read([], None, False).grad_norm))
+    watch.detach()
+    assert torch.isfinite(model.lm_head.weight.grad).all()
+    assert math.isinf(read["lm_head"]) and math.isfinite(read["model.norm"])

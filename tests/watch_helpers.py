@@ -107,7 +107,7 @@ def hook_counts(model, optimizer=None, scaler=None) -> dict:
         counts["optimizer"] = (len(optimizer._optimizer_step_pre_hooks), len(optimizer._optimizer_step_post_hooks),
                                "zero_grad" in vars(optimizer))
     if scaler is not None:
-        counts["scaler"] = tuple(name in vars(scaler) for name in ("update", "unscale_", "step"))
+        counts["scaler"] = tuple(name in vars(scaler) for name in ("update", "unscale_", "step"))  # (any we wrap)
     counts["clip_grad_norm_ wrapped"] = clip_tap.tapped()
     return counts
 

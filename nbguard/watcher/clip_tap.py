@@ -32,9 +32,11 @@ try:  # torch >= 2.6: clip_grad_norm_ is _get_total_norm followed by this (the u
 except ImportError:  # pragma: no cover - older torch: the readers take their own norms
     _clip_with_norm = None  # type: ignore[assignment]
 
-# (module, attribute) of every public function that scales gradients by a norm
+# (module, attribute) of every public function that clips gradients in place (by a norm, or by value:
+# a clamp turns an inf into a finite number, so the read must come first)
 _TARGETS = ((torch.nn.utils, "clip_grad_norm_"), (torch.nn.utils.clip_grad, "clip_grad_norm_"),
-            (torch.nn.utils, "clip_grads_with_norm_"))
+            (torch.nn.utils, "clip_grads_with_norm_"), (torch.nn.utils, "clip_grad_value_"),
+            (torch.nn.utils.clip_grad, "clip_grad_value_"))
 _MARK = "__nbguard_clip_tap__"
 # torch's own clip_grad_norm_: only a call to it is computed here (never bypass another library's wrapper)
 _TORCH_NORM_CLIP = getattr(torch.nn.utils.clip_grad.clip_grad_norm_, _MARK, torch.nn.utils.clip_grad.clip_grad_norm_)

@@ -231,4 +231,4 @@ class WatchLifecycle(WatchSteps):
             self._scaler_binding = self._bind_scaler(scaler)
 
     def _bind_scaler(self, scaler: Any) -> ScalerBinding:
-        return ScalerBinding(scaler, self._before_scaler_update, self._after_scaler_update, self._take_grad_norms)
+        return ScalerBinding(scaler, self._before_scaler_update, self._after_scaler_update)

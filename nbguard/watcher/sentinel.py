@@ -6,10 +6,11 @@ before the optimizer step; one NaN makes the clip factor NaN and poisons every g
 the culprit). Two ways to take them:
 
 - fused (one process): one ``torch._foreach_norm`` over every gradient at the step boundary: at
-  the first gradient clip of the step (``clip_tap``), the GradScaler's ``unscale_``/``step``, or the
-  optimizer's pre-step hook, whichever comes first. A few kernels per step, whatever the number of
-  tensors; none where a default ``clip_grad_norm_`` computes the same norms (the tap hands them
-  over). The per-tensor norms join the one read and are summed per group on the host. A backward
+  the first gradient clip of the step (``clip_tap``), or the optimizer's pre-step hook (the
+  GradScaler's ``update`` where it skips the step), whichever comes first; a GradScaler's
+  ``unscale_`` before it only divides them by the scale, which the read knows (``grads_scaled``).
+  A few kernels per step, whatever the number of tensors; none where a default ``clip_grad_norm_``
+  computes the same norms (the tap hands them over), with or without a GradScaler. The per-tensor norms join the one read and are summed per group on the host. A backward
   is noticed by one hook on the forward's outputs, not one per parameter.
 - per parameter (DDP, FSDP, DeepSpeed): a ``register_post_accumulate_grad_hook`` per parameter,
   because there the step boundary only sees gradients after the all-reduce averaged a NaN into

@@ -107,11 +107,6 @@ class WatchSteps(WatchRecord):
             self._losses.append(loss.detach())
 
     # ---- the step's one read -------------------------------------------------------------------------
-    @watch_hook(safe=False)
-    def _take_grad_norms(self) -> None:
-        """The gradients are about to change in place (unscaled, or stepped): the fused read takes them now."""
-        self._collector.take()
-
     def _grads_scaled(self) -> bool:
         binding = self._scaler_binding
         return binding is not None and self.optimizer is not None and binding.grads_scaled(self.optimizer)

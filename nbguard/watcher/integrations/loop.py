@@ -49,15 +49,15 @@ class OptimizerBinding:
 
 
 class ScalerBinding:
-    """Wraps one GradScaler instance's ``update`` and, with ``before_unscale``, its ``unscale_`` and
-    ``step`` (instance attributes, removed on detach): the sentinel reads the gradients before the
-    scaler unscales them in place."""
+    """Wraps one GradScaler instance's ``update`` (an instance attribute, removed on detach): the step's
+    read before it, the step's end after it. The gradients are read wherever they are then (still
+    scaled, or unscaled by ``unscale_``); ``grads_scaled`` tells the read which."""
 
-    def __init__(self, scaler, before, after, before_unscale=None):
+    def __init__(self, scaler, before, after):
         if not callable(getattr(scaler, "update", None)) or not hasattr(scaler, "step"):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         self.scaler = scaler
-        self._own = {name: (name in vars(scaler), vars(scaler).get(name)) for name in ("update", "unscale_", "step")}
+        self._own = {"update": ("update" in vars(scaler), vars(scaler).get("update"))}
         original = scaler.update
 
         def update(*args, **kwargs):
@@ -68,9 +68,6 @@ class ScalerBinding:
 
         update.__nbguard__ = True
         scaler.update = update
-        if before_unscale is not None:
-            for name in ("unscale_", "step"):
-                setattr(scaler, name, _first(before_unscale, getattr(scaler, name)))
 
     def grads_scaled(self, optimizer) -> bool:
         """Whether ``optimizer``'s gradients are still multiplied by the loss scale (the scaler has
@@ -110,12 +107,3 @@ class ScalerBinding:
                 setattr(self.scaler, name, own)
             else:
                 vars(self.scaler).pop(name, None)
-
-
-def _first(before, original):
-    def wrapped(*args, **kwargs):
-        before()
-        return original(*args, **kwargs)
-
-    wrapped.__nbguard__ = True
-    return wrapped
