@@ -12,9 +12,12 @@ the culprit). Two ways to take them:
   A few kernels per step, whatever the number of tensors; none where a default ``clip_grad_norm_``
   computes the same norms (the tap hands them over), with or without a GradScaler. The per-tensor norms join the one read and are summed per group on the host. A backward
   is noticed by one hook on the forward's outputs, not one per parameter.
-- per parameter (DDP, FSDP, DeepSpeed): a ``register_post_accumulate_grad_hook`` per parameter,
-  because there the step boundary only sees gradients after the all-reduce averaged a NaN into
-  every rank, or after DeepSpeed moved them into its own buffers; the hook fires before both.
+- DDP's buckets (``bucketed``): the step boundary only sees the gradient after the all-reduce
+  averaged a NaN into every rank; DDP's communication hook hands over each bucket before that
+  (:mod:`.ddp_buckets`): one fused norm per bucket, in the same per-tensor form as the fused read.
+- per parameter (FSDP, DeepSpeed, DDP with another communication hook): a
+  ``register_post_accumulate_grad_hook`` per parameter, which fires before the reduction, and
+  before DeepSpeed moves the gradients into its own buffers.
 """
 from __future__ import annotations
 
