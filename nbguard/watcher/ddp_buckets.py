@@ -56,7 +56,8 @@ def bucket_reader(ddp: torch.nn.Module) -> BucketReader | None:
     reader = getattr(ddp, _READER_ATTR, None)
     if isinstance(reader, BucketReader):
         return reader
-    if not callable(getattr(ddp, "register_comm_hook", None)):
+    register = getattr(ddp, "register_comm_hook", None)
+    if not callable(register):
         return None
     reader = BucketReader(getattr(ddp, "process_group", None))
 
@@ -66,7 +67,7 @@ def bucket_reader(ddp: torch.nn.Module) -> BucketReader | None:
         return reader.reduce(bucket)
 
     try:
-        ddp.register_comm_hook(state=None, hook=nbguard_bucket_hook)
+        register(state=None, hook=nbguard_bucket_hook)
     except RuntimeError:  # DDP takes one hook: the user's (or accelerate's) is there already
         return None
     setattr(ddp, _READER_ATTR, reader)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from ..findings import encode_float
@@ -45,7 +46,7 @@ class GradHistory:
         for row in self._norms:
             row.extend([None] * len(groups))
 
-    def append(self, step: int, norms: list[float | None], loss: float | None, total: float | None,
+    def append(self, step: int, norms: Sequence[float | None], loss: float | None, total: float | None,
                scale: float | None, skipped: bool) -> None:
         self._steps.append(step)
         self._norms.append(list(norms))

@@ -357,9 +357,9 @@ class GradNormCollector:
                 parts.append((stacked.sum() if sum_losses else stacked.mean()).reshape(1))
         n_exchanged = 0
         if exchange is not None:
-            norms = parts[0] if n_norm_parts == 1 else (
+            own = parts[0] if n_norm_parts == 1 else (
                 torch.cat(parts[:n_norm_parts]) if n_norm_parts else torch.zeros(0, device=device))
-            shared = exchange(norms, parts[n_norm_parts] if losses else None)
+            shared = exchange(own, parts[n_norm_parts] if losses else None)
             n_exchanged = shared.numel()
         if scale is not None:
             parts.append(_flat(scale, device))
