@@ -52,7 +52,7 @@ class BucketReader:
 
 def bucket_reader(ddp: torch.nn.Module) -> BucketReader | None:
     """The reader on this DDP module's communication hook: nbguard's, registered now if the module has
-    none yet; None where that cannot be (another hook is registered, or a backward already ran)."""
+    none yet; None where another hook is registered (DDP takes one)."""
     reader = getattr(ddp, _READER_ATTR, None)
     if isinstance(reader, BucketReader):
         return reader

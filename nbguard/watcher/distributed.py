@@ -113,7 +113,6 @@ class RankSync:
         self.dist = dist
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.backend = str(dist.get_backend())
         self.sharded = sharded
         self.n_groups = n_groups
         self.owes_farewell = False  # this rank's watch failed: it still joins one exchange, saying so
@@ -194,10 +193,6 @@ class RankSync:
         out: list[Any] = [None] * self.world_size
         self.dist.all_gather_object(out, local)
         return out
-
-    def describe(self) -> dict[str, Any]:
-        return {"rank": self.rank, "world_size": self.world_size, "backend": self.backend,
-                "sharded": self.sharded}
 
 
 def _origin_rank(verdict: RankVerdict, found: list[dict[str, Any] | None]) -> int | None:

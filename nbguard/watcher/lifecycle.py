@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import distributed as ranks
+from .ddp_buckets import bucket_reader, find_ddp
 from .guard import watch_hook
 from .integrations.loop import OptimizerBinding, ScalerBinding, unwrap_optimizer
 from .steps import WatchSteps
@@ -192,8 +193,6 @@ class WatchLifecycle(WatchSteps):
         """Across DDP ranks, this rank's own gradient norms from DDP's communication hook (one fused norm
         per bucket, see :mod:`.ddp_buckets`) instead of a hook per parameter, where the DDP module is
         known and takes the hook. Called while the collector is detached."""
-        from .ddp_buckets import bucket_reader, find_ddp
-
         if self._ranks is None or self._ranks.sharded or self._collector.bucketed \
                 or ranks.needs_parameter_hooks(self.target, self._collector.params):
             return
