@@ -15,6 +15,9 @@ Scenarios (faults on rank 1 only; rank 0's batches are healthy):
   uncaught  - as forward, but the function does not catch nbguard's NonFiniteError (policy stop)
   rank0only - healthy, but only rank 0 attaches a watch: it must watch alone, not wait for rank 1
   unwatched - healthy, no watch on any rank (the reference the healthy run's weights must equal)
+  accumulate - healthy, two micro-batches per optimizer step, each reduced (no no_sync), read from DDP's
+              buckets; accumulate-hooks - the same with a communication hook of the user's registered
+              first, so the watch reads with a hook per parameter (the reference)
   scaler    - fp16 autocast + GradScaler; rank 1's batches overflow from BAD_STEP on: the scaler
               skips every step on both ranks (the all-reduced grads are inf), a streak of 2 is an event
   fail      - rank 1's watch hits an internal error in its step read: it must step aside without
@@ -91,6 +94,13 @@ def _loop(model, opt, scaler, accelerator, rank: int, scenario: str) -> tuple[st
         for batch in _batches(rank, scenario):
             with torch.autocast("cpu", dtype=torch.float16, enabled=scenario in ("forward", "scaler", "uncaught")):
                 loss = model(**batch).loss
+            if scenario.startswith("accumulate"):
+                accelerator.backward(loss / 2)  # a loop that accumulates without no_sync: DDP reduces each
+                if steps % 2 == 1:
+                    opt.step()
+                    opt.zero_grad()
+                steps += 1
+                continue
             if scaler is not None:
                 accelerator.backward(scaler.scale(loss))
                 scaler.step(opt)
@@ -147,6 +157,10 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
         model.model.layers[1].mlp.act_fn = PoisonedSiLU(armed=rank == 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = accelerator.prepare(model, opt)
+    if scenario == "accumulate-hooks":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        model.register_comm_hook(None, allreduce_hook)  # DDP takes one hook: the watch falls back
     # a modest initial scale: the healthy rank's scaled gradients stay finite, only rank 1 overflows
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scenario == "scaler" else None
     settings = WatchSettings(skip_streak=2) if scenario == "scaler" else None
@@ -175,6 +189,7 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
         "exchanges": watch._ranks.exchanges if watch._ranks is not None else 0,
         "streamed": watch._streamer is not None, "watched": watched, "warned": warned,
         "gradient_read": gradient_read, "own_step0_norms": own_norms,
+        "history_norms": {g: watch.history.grad_norm(g) for g in watch.history.groups},
         "watch_step0_norms": dict(zip(watch.history.groups, watch.history._norms[0])) if len(watch.history) else {},
         "seconds": time.perf_counter() - started,
         "distributed_type": str(accelerator.distributed_type),

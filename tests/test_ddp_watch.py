@@ -70,6 +70,24 @@ def test_each_rank_reads_its_own_gradient_from_ddp_buckets_and_training_is_uncha
     assert [r["weights_abs_sum"] for r in watched] == [r["weights_abs_sum"] for r in plain]
 
 
+def test_buckets_reduced_at_every_micro_batch_read_as_the_per_parameter_hooks_do(tmp_path):
+    """A loop that accumulates without no_sync: DDP reduces each micro-batch, so each bucket holds the
+    gradient accumulated so far. The step's norms are the last bucket's, as the per-parameter hooks (a run
+    whose DDP already has another communication hook) read them: no bucket counted twice."""
+    import math
+
+    (tmp_path / "buckets").mkdir()
+    (tmp_path / "hooks").mkdir()
+    buckets = _run("notebook_launcher", "accumulate", "warn", tmp_path / "buckets")
+    hooks = _run("notebook_launcher", "accumulate-hooks", "warn", tmp_path / "hooks")
+    for b, h in zip(buckets, hooks):
+        assert b["gradient_read"]["buckets"] and not h["gradient_read"]["buckets"] and h["gradient_read"]["parameter_hooks"]
+        assert b["watch_steps"] == h["watch_steps"] == STEPS // 2 and b["events"] == h["events"] == []
+        assert b["history_norms"].keys() == h["history_norms"].keys()
+        for group, norms in b["history_norms"].items():
+            assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(norms, h["history_norms"][group], strict=True)), group
+
+
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_forward_overflow_on_rank_1_named_on_every_rank_and_skipped_everywhere(launcher, tmp_path):
     ranks = _run(launcher, "forward", "skip", tmp_path)

@@ -25,8 +25,8 @@ _READER_ATTR = "_nbguard_bucket_reader"  # on the DDP module: the reader its hoo
 
 
 class BucketReader:
-    """The DDP module's communication hook: hands each bucket to its reader (``take_bucket(parameters,
-    gradients)``, which guards itself), then reduces as DDP does by default. The reader is held weakly:
+    """The DDP module's communication hook: hands each bucket to its reader (``take_bucket(index,
+    parameters, gradients)``, which guards itself), then reduces as DDP does by default. The reader is held weakly:
     the DDP module must not keep a watch (and its collector) alive."""
 
     def __init__(self, process_group: Any):
@@ -44,7 +44,7 @@ class BucketReader:
         reader = self._reader() if self._reader is not None else None
         if reader is not None:
             try:
-                reader.take_bucket(bucket.parameters(), bucket.gradients())
+                reader.take_bucket(bucket.index(), bucket.parameters(), bucket.gradients())
             except Exception:  # (take_bucket reports its own errors) never break the user's backward
                 pass
         return allreduce_hook(self.process_group, bucket)

@@ -81,7 +81,9 @@ class GradNormCollector:
         self.enabled = True
         self.per_parameter = False  # one hook per parameter (FSDP2, DeepSpeed, DDP without our hook), else fused
         self.bucketed = False  # DDP: this rank's own norms come from its communication hook (ddp_buckets)
-        self._bucket_norms: list[tuple[torch.Tensor, Sequence[int]]] = []  # this step's buckets, so far
+        # DDP: this step's norms by bucket index. A loop that accumulates without no_sync reduces every
+        # micro-batch; each bucket then holds the gradient accumulated so far: the last one is the step's
+        self._bucket_norms: dict[int, list[tuple[torch.Tensor, Sequence[int]]]] = {}
         self.accumulations = 0  # backwards (per-parameter: accumulations) seen, ever; compared across captures
         self.handles: list = []
         self._tapped = False
@@ -210,7 +212,7 @@ class GradNormCollector:
         if self.per_parameter or not self.enabled or self._taken is not None:
             return
         if self._bucket_norms:  # DDP reduced this step: its buckets held this rank's own gradients
-            self._scaled, self._taken = True, self._bucket_norms
+            self._scaled, self._taken = True, [part for parts in self._bucket_norms.values() for part in parts]
             return
         with torch.no_grad():  # a backward with create_graph=True leaves gradients that need grad
             taken = self._norms_of((p.grad, g) for p, g in zip(self.params, self._index))
@@ -218,16 +220,16 @@ class GradNormCollector:
             self._scaled = self._grads_scaled()
             self._taken = taken
 
-    def take_bucket(self, parameters: list[torch.Tensor], gradients: list[torch.Tensor]) -> None:
-        """DDP's communication hook hands over one bucket before reducing it (``ddp_buckets``): the
+    def take_bucket(self, index: int, parameters: list[torch.Tensor], gradients: list[torch.Tensor]) -> None:
+        """DDP's communication hook hands over bucket ``index`` before reducing it (``ddp_buckets``): the
         norms of this rank's own gradients, in the step's read; parameters not ours go to the spare slot."""
         if self.enabled and self._taken is None:
-            guarded_call(self._on_error, self._take_bucket, parameters, gradients)
+            guarded_call(self._on_error, self._take_bucket, index, parameters, gradients)
 
-    def _take_bucket(self, parameters: list[torch.Tensor], gradients: list[torch.Tensor]) -> None:
+    def _take_bucket(self, index: int, parameters: list[torch.Tensor], gradients: list[torch.Tensor]) -> None:
         spare = len(self.groups)
         with torch.no_grad():
-            self._bucket_norms += self._norms_of(
+            self._bucket_norms[index] = self._norms_of(
                 (grad, self._group_of.get(id(p), spare)) for p, grad in zip(parameters, gradients))
 
     @staticmethod
@@ -270,7 +272,7 @@ class GradNormCollector:
         if self.per_parameter:
             self._norms = [None] * len(self.params)
         self._taken = None
-        self._bucket_norms = []
+        self._bucket_norms = {}
 
     def device(self) -> torch.device:
         """Where this step's norms live (the device of the step's read and collective)."""
