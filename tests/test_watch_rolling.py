@@ -22,7 +22,9 @@ def test_rolling_median_matches_the_median_of_the_last_window_values(window):
         assert rolling.median() == statistics.median(recent)
 
 
-def test_an_empty_window_has_no_median():
+def test_an_empty_window_has_no_median_and_a_window_holds_at_least_one_value():
     assert not RollingMedian(4)
     with pytest.raises(ValueError, match="empty window"):
         RollingMedian(4).median()
+    with pytest.raises(ValueError, match="at least 1 value, got 0"):
+        RollingMedian(0)

@@ -58,7 +58,7 @@ class DivergenceDetector:
         self.settings = settings or DivergenceSettings()
         self.recent: deque[float] = deque(maxlen=self.settings.window)
         # |step-to-step change| between consecutive healthy log norms, kept sorted (the noise's median)
-        self.changes = RollingMedian(self.settings.window - 1)
+        self.changes = RollingMedian(max(self.settings.window - 1, 1))  # (window 1: no change is ever judged)
         self.recent_loss: deque[float] = deque(maxlen=self.settings.window)
         # the last healthy steps' per-group norms, raw (in the order of the groups then known): logs are
         # taken only when an explosion is named

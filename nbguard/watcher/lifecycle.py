@@ -184,7 +184,7 @@ class WatchLifecycle(WatchSteps):
     @watch_hook(safe=False)
     def _switch_to_ddp_buckets(self) -> None:
         """``train()`` has wrapped the model in DDP by now, before its first step: read its buckets."""
-        if self._ranks is not None and not self._collector.bucketed:
+        if self._ranks is not None and not self._collector.bucketed and find_ddp(self.target) is not None:
             self._collector.detach()
             self._read_ddp_buckets()
             self._collector.attach()

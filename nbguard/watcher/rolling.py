@@ -12,6 +12,8 @@ from collections import deque
 
 class RollingMedian:
     def __init__(self, window: int):
+        if window < 1:
+            raise ValueError(f"a rolling median needs a window of at least 1 value, got {window}")
         self.window = window
         self._arrived: deque[float] = deque()
         self._sorted: list[float] = []
