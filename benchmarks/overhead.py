@@ -17,6 +17,11 @@ the median per-round ratio against no watch and the added time per trainable ten
 
     OMP_NUM_THREADS=1 python benchmarks/overhead.py --fixed-cost --rounds 60 --clock cpu --threads 1
 
+``--hook-times`` says where that fixed part goes on the tiny Llama: the time inside each of the four
+step hooks, the watch with its detectors removed, and the cold first op of a step.
+
+    OMP_NUM_THREADS=1 python benchmarks/overhead.py --hook-times --rounds 100 --clock cpu --threads 1
+
 ``--against TREE`` adds the fused read of another checkout (``git worktree add /tmp/main main``) to the
 same rounds: a before/after under the same load, where separate runs on a shared machine differ by more
 than the change.
@@ -259,6 +264,77 @@ def fixed_cost(args) -> None:
                   f"| {per_tensor * 1e6:.2f} us |")
 
 
+def hook_times(args) -> None:
+    """Where the fixed part of a watched tiny-Llama step goes: the time spent inside each of the watch's
+    four step hooks (``perf_counter_ns`` around each, medians), the watch with its detectors removed
+    against the whole watch (same rounds), and the cold first op: the supervised-token count run twice
+    inside the forward pre-hook, first and again right after."""
+    from nbguard.watcher import steps, supervision
+    from nbguard.watcher.pipeline import DetectorBoard
+
+    inside: dict[tuple[str, int], list[int]] = {}  # (hook, id(watch)) -> ns per call
+
+    def timed(name: str):
+        method = getattr(steps.WatchSteps, name)
+
+        def wrapper(watch, *a, **k):
+            start = time.perf_counter_ns()
+            try:
+                return method(watch, *a, **k)
+            finally:
+                inside.setdefault((name, id(watch)), []).append(time.perf_counter_ns() - start)
+        return wrapper
+
+    hooks = ("_root_pre", "_root_post", "_pre_step", "_post_step")
+    for name in hooks:  # (before the watches attach: their hooks are bound at attach)
+        setattr(steps.WatchSteps, name, timed(name))
+    counts: list[tuple[int, int]] = []
+    count = supervision.supervised_count
+
+    def count_twice(labels):
+        start = time.perf_counter_ns()
+        count(labels)
+        middle = time.perf_counter_ns()
+        result = count(labels)
+        counts.append((middle - start, time.perf_counter_ns() - middle))
+        return result
+
+    supervision.supervised_count = count_twice
+    clock = CLOCKS[args.clock]
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 256, (4, 32), generator=gen)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    base = tiny_llama(4)
+    variants = [FixedCostVariant(n, copy.deepcopy(base) if i else base)
+                for i, n in enumerate(["no watch", "fused read", "fused read, no detectors"])]
+    variants[2].watch._board = DetectorBoard([])  # (the benchmark's ablation: no detector, no run check)
+    for v in variants:
+        v.run(batch, args.warmup, clock)
+    inside.clear()
+    counts.clear()
+    times: dict[str, list[float]] = {v.name: [] for v in variants}
+    for r in range(args.rounds):
+        for v in variants[r % 3:] + variants[:r % 3]:
+            times[v.name].append(v.run(batch, args.steps_per_round, clock))
+    for v in variants[1:]:
+        v.watch.detach()
+    print(f"\n### inside the watch's hooks (tiny Llama, 4 layers, {args.rounds} rounds of {args.steps_per_round} "
+          f"steps, {args.clock} clock)\n")
+    print("| hook | median per call, whole watch | without detectors |\n|---|---:|---:|")
+    for name in hooks:
+        print(f"| {name} | " + " | ".join(f"{statistics.median(inside[name, id(v.watch)]) / 1e3:.1f} us"
+                                         for v in variants[1:]) + " |")
+    first, again = (statistics.median(c[i] for c in counts) / 1e3 for i in (0, 1))
+    print(f"\nsupervised-token count in the forward pre-hook: first call {first:.1f} us, the same call right "
+          f"after {again:.1f} us\n")
+    baseline = times["no watch"]
+    print("| variant | added per step (median per round) | ratio |\n|---|---:|---:|")
+    for name in ("fused read", "fused read, no detectors"):
+        added = statistics.median(t - b for t, b in zip(times[name], baseline))
+        ratio = statistics.median(t / b for t, b in zip(times[name], baseline))
+        print(f"| {name} | {added * 1e6:.0f} us | {ratio:.3f}x |")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
@@ -275,6 +351,9 @@ def main(argv=None):
     parser.add_argument("--fixed-cost", action="store_true",
                         help="the watch's fixed cost on a 4-layer tiny Llama and a 24-layer LoRA model instead")
     parser.add_argument("--steps-per-round", type=int, default=5, help="--fixed-cost: steps per variant per round")
+    parser.add_argument("--hook-times", action="store_true",
+                        help="where the fixed part goes: time inside each step hook, the watch without its "
+                             "detectors, and the cold first op (tiny Llama)")
     parser.add_argument("--against", metavar="TREE", default=None,
                         help="--fixed-cost: also the fused read of another checkout's nbguard (e.g. main), "
                              "in the same process and rounds")
@@ -288,6 +367,9 @@ def main(argv=None):
         parser.error("--clock cpu measures one thread: use it with --device cpu --threads 1")
     if args.fixed_cost:
         fixed_cost(args)
+        return
+    if args.hook_times:
+        hook_times(args)
         return
 
     n_params, variants, ratios = measure(args)
