@@ -41,10 +41,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _seeded_and_clean_session():
-    """Each test starts from the same RNG state and an empty nbguard session record."""
+    """Each test starts from the same RNG state, an empty nbguard session record and no watch attached:
+    a test that leaves its watch on (a Trainer's, alive in a reference cycle until the collector runs)
+    would otherwise leave torch's clip_grad_norm_ wrapped for the tests after it."""
     from nbguard.session import SESSION
+    from nbguard.watcher.watch import attached_watches
 
     torch.manual_seed(0)
     SESSION.clear()
     yield
+    for watch in attached_watches():
+        watch.detach()
     SESSION.clear()
