@@ -158,6 +158,7 @@ WIDGET_NOTEBOOK_CELLS = [
 ]
 # From the notebook model: cell sources, execution counts, the kernel's status and whether it is dirty.
 JS_NOTEBOOK_STATE = """(path) => { const app = window.jupyterapp;
+  if (!app || !app.shell) { return null; }  // the page is still booting: the app is exposed once started
   const panel = Array.from(app.shell.widgets('main')).find(w => w.context && w.context.path === path);
   if (!panel || !panel.content.model) { return null; }
   const cells = [];

@@ -70,6 +70,7 @@ print("extension", CHANNEL.extension_version, "sent", sent)"""
 # Reads the notebook model (not the DOM) so sources and outputs are compared exactly.
 JS_STATE = """(path) => {
   const app = window.jupyterapp;
+  if (!app || !app.shell) { return null; }  // the page is still booting: the app is exposed once started
   const panel = Array.from(app.shell.widgets('main')).find(w => w.context && w.context.path === path)
     || (app.shell.currentWidget && app.shell.currentWidget.context && app.shell.currentWidget.context.path === path
         ? app.shell.currentWidget : null);
