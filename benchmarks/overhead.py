@@ -215,29 +215,51 @@ class FixedCostVariant:
             # fixed cost that does not grow with the number of tensors
             self.watch._collector.enabled = not name.startswith("no gradient read")
 
-    def run(self, batch, steps: int, clock) -> float:
+    def run(self, batch, steps: int, clock, device: str = "cpu", loss_item: bool = False) -> float:
+        synchronize(device)
         start = clock()
         for _ in range(steps):
-            self.model(**batch).loss.backward()
+            loss = self.model(**batch).loss
+            loss.backward()
             torch.nn.utils.clip_grad_norm_(self.params, 1.0)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
+            if loss_item:  # as the Trainer's NaN filter and a progress bar's loss do: one host read per step
+                loss.item()
+        synchronize(device)  # a GPU's queued work counts in the step that queued it
         return (clock() - start) / steps
+
+
+def launches(variant: FixedCostVariant, batch, steps: int, device: str, loss_item: bool) -> dict[str, float]:
+    """Per step, from torch's profiler: device kernels (on CUDA), aten ops at every level, and host
+    waits on the device (``cudaStreamSynchronize`` / ``cudaDeviceSynchronize``: each one drains the queue)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        variant.run(batch, steps, time.perf_counter, device, loss_item)
+    events = prof.events()
+    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    ops = sum(1 for e in events if e.name.startswith("aten::"))
+    syncs = sum(1 for e in events if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize"))
+    return {"kernels": kernels / steps, "aten ops": ops / steps, "host waits": syncs / steps}
 
 
 def fixed_cost(args) -> None:
     clock = CLOCKS[args.clock]
     other = other_tree_watch(args.against) if args.against else None
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, 256, (4, 32), generator=gen)
+    ids = torch.randint(1, 256, (4, 32), generator=gen).to(args.device)
     batch = {"input_ids": ids, "labels": ids.clone()}
-    print(f"\n### the watch's fixed cost ({torch.get_num_threads()} threads, {args.rounds} rounds of "
-          f"{args.steps_per_round} steps, {args.clock} clock, batch 4x32, clip_grad_norm_ + AdamW)\n")
+    where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
+    print(f"\n### the watch's fixed cost ({where}, {args.rounds} rounds of {args.steps_per_round} steps, "
+          f"{args.clock} clock, batch 4x32, clip_grad_norm_ + AdamW"
+          f"{', loss.item() each step' if args.loss_item else ''})\n")
     print("| model | trainable tensors | no watch, step | watch | ratio (median per round) | per tensor per step |")
     print("|---|---:|---:|---|---:|---:|")
     for label, build in (("tiny Llama, 4 layers", lambda: tiny_llama(4)),
                          ("LoRA (q,k,v,o r=8), 24 layers", lambda: tiny_lora(24))):
-        base = build()
+        base = build().to(args.device)
         names = ["no watch", "hook per parameter (before)", "fused read (after)", "no gradient read"]
         variants = [FixedCostVariant(n, copy.deepcopy(base) if i else base) for i, n in enumerate(names)]
         if other is not None:  # attached last: its clip wrapper goes around this tree's
@@ -245,16 +267,18 @@ def fixed_cost(args) -> None:
             variants.append(FixedCostVariant(names[-1], copy.deepcopy(base), other))
         n_tensors = len(variants[0].params)
         for v in variants:
-            v.run(batch, args.warmup, clock)
+            v.run(batch, args.warmup, clock, args.device, args.loss_item)
         times: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
             for v in variants[r % len(variants):] + variants[:r % len(variants)]:  # rotating order: drift hits every variant alike
-                times[v.name].append(v.run(batch, args.steps_per_round, clock))
+                times[v.name].append(v.run(batch, args.steps_per_round, clock, args.device, args.loss_item))
+        counted = {v.name: launches(v, batch, args.steps_per_round, args.device, args.loss_item)
+                   for v in variants} if args.launches else {}
         for v in variants[1:]:
             assert v.watch is not None
             if v.watch._collector.enabled:  # (without gradient norms, zeros look like a dead run)
                 assert v.watch.events == [], v.watch.summary()  # a healthy run: no alarm
-            assert v.watch.step == args.rounds * args.steps_per_round + args.warmup
+            assert v.watch.step == (args.rounds + bool(args.launches)) * args.steps_per_round + args.warmup
             v.watch.detach()
         baseline = times["no watch"]
         for name in names[1:]:
@@ -262,6 +286,12 @@ def fixed_cost(args) -> None:
             per_tensor = statistics.median(t - b for t, b in zip(times[name], baseline)) / n_tensors
             print(f"| {label} | {n_tensors} | {statistics.median(baseline) * 1e3:.2f} ms | {name} | {ratio:.3f}x "
                   f"| {per_tensor * 1e6:.2f} us |")
+        if counted:
+            print(f"\n| {label}: per step | " + " | ".join(next(iter(counted.values()))) + " |")
+            print("|---|" + "---:|" * len(next(iter(counted.values()))))
+            for name, counts in counted.items():
+                print(f"| {name} | " + " | ".join(f"{c:.1f}" for c in counts.values()) + " |")
+            print()
 
 
 def hook_times(args) -> None:
@@ -357,6 +387,12 @@ def main(argv=None):
     parser.add_argument("--against", metavar="TREE", default=None,
                         help="--fixed-cost: also the fused read of another checkout's nbguard (e.g. main), "
                              "in the same process and rounds")
+    parser.add_argument("--launches", action="store_true",
+                        help="--fixed-cost: also count, per step, the device kernels (CUDA), aten ops and host "
+                             "waits on the device of each variant (torch's profiler, after the timed rounds)")
+    parser.add_argument("--loss-item", action="store_true",
+                        help="--fixed-cost: the loop reads loss.item() each step, as the Trainer and most "
+                             "notebook loops do (on a GPU: a loop that already waits for each step)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall (default) or cpu: this thread's CPU time, steadier on a busy machine "
                              "(use with --threads 1 on CPU only)")

@@ -56,12 +56,13 @@ PROFILES: dict[str, Hardware] = {
     "rtx3090": _gpu("rtx3090", "NVIDIA GeForce RTX 3090", (8, 6), 24.0),
     "rtx4090": _gpu("rtx4090", "NVIDIA GeForce RTX 4090", (8, 9), 24.0),
     "h100": _gpu("h100", "NVIDIA H100", (9, 0), 80.0),
+    "h200": _gpu("h200", "NVIDIA H200", (9, 0), 141.0),
 }
 
 # Substrings of torch.cuda.get_device_name() that identify a profile.
 _NAME_HINTS = (
     ("T4", "t4"), ("V100", "v100"), ("A10G", "a10g"), ("L4", "l4"), ("A100", "a100"),
-    ("3090", "rtx3090"), ("4090", "rtx4090"), ("H100", "h100"),
+    ("3090", "rtx3090"), ("4090", "rtx4090"), ("H100", "h100"), ("H200", "h200"),
 )
 
 

@@ -11,12 +11,12 @@ from nbguard.hardware import PROFILES, Hardware, detect, resolve_hardware
 
 
 def test_all_named_profiles_exist():
-    assert set(PROFILES) == {"cpu", "t4", "v100", "a10g", "l4", "a100", "rtx3090", "rtx4090", "h100"}
+    assert set(PROFILES) == {"cpu", "t4", "v100", "a10g", "l4", "a100", "rtx3090", "rtx4090", "h100", "h200"}
 
 
 @pytest.mark.parametrize("name, native", [
     ("t4", False), ("v100", False), ("a10g", True), ("l4", True), ("a100", True),
-    ("rtx3090", True), ("rtx4090", True), ("h100", True), ("cpu", True),
+    ("rtx3090", True), ("rtx4090", True), ("h100", True), ("h200", True), ("cpu", True),
 ])
 def test_native_bf16_is_compute_capability_8(name, native):
     hw = PROFILES[name]

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# What only a GPU shows, in one run (a lent GPU machine's time is short): the CUDA tests, then the
+# watch's fixed cost on the GPU with kernel and host-wait counts, without and with a loss.item() per
+# step. Run from the repository root: bash benchmarks/on_gpu.sh [results-dir]
+set -uo pipefail
+results="${1:-${OUT:-gpu-results}}"
+mkdir -p "$results"
+python="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$results/device.txt"
+"$python" -c "import sys, torch, transformers, peft, accelerate; print('python', sys.version.split()[0], '| torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| accelerate', accelerate.__version__)" | tee -a "$results/device.txt"
+"$python" -m pytest -q tests/test_cuda.py -p no:cacheprovider --durations=5 2>&1 | tee "$results/cuda_tests.log"
+rounds="${ROUNDS:-20}"
+for extra in "" "--loss-item"; do
+  "$python" benchmarks/overhead.py --fixed-cost --device cuda --rounds "$rounds" --launches $extra \
+    2>>"$results/overhead.err" | tee -a "$results/fixed_cost.md"
+done

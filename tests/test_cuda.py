@@ -1,0 +1,194 @@
+"""On a real CUDA GPU: what the CPU suite cannot show. Skipped where torch sees no CUDA device (CI);
+run on a GPU machine with ``python -m pytest tests/test_cuda.py`` (benchmarks/README.md, "On a GPU").
+
+- fp16 overflowing in CUDA's autocast kernels, and torch's CUDA GradScaler skipping the step (its
+  inf check is CUDA's own ``_amp_foreach_non_finite_check_and_unscale_``);
+- a Trainer with ``fp16=True``: accelerate refuses fp16 autocast on CPU, so only a GPU runs the
+  Trainer's real GradScaler path (unscale, then the clip the watch shares);
+- the clip's multi-tensor norm kernels, bit for bit against torch's own clip;
+- the detected hardware, and a fix verified on the failing step under CUDA autocast.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from audit_helpers import make_args, make_trainer
+from test_clip_shared_norms import _assert_clip_identical, _same_bits
+from watch_helpers import batches, identical, scale_output_to, snapshot
+
+import nbguard
+from nbguard.hardware import detect
+from nbguard.testing import TinyDataset, plant_fp16_overflow_token, tiny_batch, tiny_llama
+from nbguard.watcher import NanWatch, WatchSettings
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = torch.device("cuda")
+
+
+def _on_gpu(batch: dict) -> dict:
+    return {k: v.to(CUDA) for k, v in batch.items()}
+
+
+def _fp16_step(model, opt, scaler, batch) -> None:
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(**batch).loss
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
+def _eval_loss(model, batch) -> float:  # in fp32: the eval a user reads stays finite while training is stuck
+    model.eval()
+    with torch.no_grad():
+        loss = model(**batch).loss.item()
+    model.train()
+    return loss
+
+
+def test_detect_reads_this_gpu_and_its_native_bf16():
+    hw = detect()
+    props = torch.cuda.get_device_properties(0)
+    assert hw.device_type == "cuda" and hw.detected and hw.display_name == props.name
+    assert hw.compute_capability == (props.major, props.minor)
+    assert hw.native_bf16 is (props.major >= 8)
+    assert hw.native_bf16 is torch.cuda.is_bf16_supported(including_emulation=False)
+    for hint, name in (("H100", "h100"), ("H200", "h200"), ("A100", "a100"), ("T4", "t4")):
+        if hint in props.name:
+            assert hw.name == name
+    assert hw.memory_gb == round(props.total_memory / 2**30, 1)
+
+
+def test_cuda_gradscaler_skipping_every_step_is_named_at_its_overflowing_module():
+    """The constant-eval-loss case with CUDA's own autocast and GradScaler: every step skipped, the
+    streak named with the module whose fp16 output overflows, and not one weight moved."""
+    model = tiny_llama().to(CUDA)
+    data = [_on_gpu(b) for b in batches(10)]
+    scale_output_to(model, model.model.layers[0].mlp.up_proj, data[0], 2e5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cuda")
+    before = snapshot(model)
+    eval_losses = []
+    settings = WatchSettings(frozen_check_every=2, frozen_after=4)
+    with NanWatch(model, optimizer=opt, scaler=scaler, settings=settings) as watch:
+        for epoch in range(2):
+            for batch in data[epoch * 5:(epoch + 1) * 5]:
+                _fp16_step(model, opt, scaler, batch)
+            eval_losses.append(_eval_loss(model, data[0]))
+    assert watch.step == 10 and watch.history.skipped_steps == list(range(10))
+    assert identical(before, snapshot(model))
+    assert eval_losses[0] == eval_losses[1]
+    skips = [e for e in watch.events if e.kind == "skipped-steps"]
+    assert len(skips) == 1, watch.summary()
+    event = skips[0]
+    assert event.cause == "overflow" and event.evidence["consecutive_skipped"] == 8
+    assert event.evidence["scale_trend"][:3] == [65536.0, 32768.0, 16384.0]
+    assert event.origin("forward").module == "model.layers.0.mlp.up_proj"
+
+
+def test_cuda_fp16_weights_overflow_is_named_in_the_step_it_happens():
+    """fp16 weights, no scaler: q_proj's fp16 output passes 65504 on one token, the loss turns NaN,
+    and the watch names q_proj in that step (the replay runs under CUDA too)."""
+    model = tiny_llama()
+    plant_fp16_overflow_token(model, 7)
+    model = model.to(CUDA, torch.float16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    clean = _on_gpu(batches(1, avoid=7)[0])
+    hot = _on_gpu(batches(1, avoid=7, seed=5)[0])
+    hot["input_ids"][0, 3] = 7
+    with NanWatch(model, optimizer=opt) as watch:
+        for batch in (clean, clean, hot):
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert [e.step for e in watch.events if e.kind.startswith("nonfinite")][:1] == [2], watch.summary()
+    first = next(e for e in watch.events if e.kind.startswith("nonfinite"))
+    assert first.origin("forward").module == "model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_shared_clip_on_cuda_is_bit_identical_to_torch(dtype):
+    model = tiny_llama(dtype=dtype).to(CUDA)
+    twin = copy.deepcopy(model)
+    batch = _on_gpu(batches(1)[0])
+    for m in (model, twin):
+        m(**batch).loss.backward()
+    total = _assert_clip_identical(model, twin)
+    assert total.device.type == "cuda" and float(total) > 0.05
+
+
+def _trainer_fp16(watched: bool, tmp_path, plant: bool = False):
+    from transformers import TrainerCallback
+
+    class Logged(TrainerCallback):
+        def __init__(self):
+            self.grad_norms, self.losses = [], []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "grad_norm" in logs:
+                self.grad_norms.append(logs["grad_norm"])
+                self.losses.append(logs["loss"])
+
+    model = tiny_llama()
+    if plant:
+        data = TinyDataset(16)
+        first = {k: torch.stack([data[i][k] for i in range(2)]) for k in data[0]}
+        scale_output_to(model, model.model.layers[0].mlp.up_proj, first, 2e5)
+    args = make_args(tmp_path, use_cpu=False, fp16=True, max_steps=10 if plant else 4, per_device_train_batch_size=2,
+                     gradient_accumulation_steps=2, max_grad_norm=0.05, seed=0, eval_strategy="no")
+    trainer = make_trainer(model, args, rows=16)
+    logged = Logged()
+    trainer.add_callback(logged)
+    watch = NanWatch(trainer).attach() if watched else None
+    trainer.train()
+    if watch is not None:
+        watch.detach()
+    return trainer, logged, watch
+
+
+def test_fp16_trainer_on_cuda_shares_the_clip_after_unscale_bit_for_bit(tmp_path):
+    """The Trainer's real fp16 path (accelerate's GradScaler, unscale, then the clip): the watched run
+    logs the same grad_norm and ends with the same weights as an unwatched one, to the last bit."""
+    trainer, logged, watch = _trainer_fp16(True, tmp_path / "a")
+    twin, twin_logged, _ = _trainer_fp16(False, tmp_path / "b")
+    assert trainer.accelerator.scaler is not None  # really the fp16 GradScaler path
+    assert len(logged.grad_norms) == 4 and logged.grad_norms == twin_logged.grad_norms
+    for p, q in zip(trainer.model.parameters(), twin.model.parameters(), strict=True):
+        assert _same_bits(p, q)
+    assert watch.events == [], watch.summary()
+    for step, norm in enumerate(logged.grad_norms):  # the watch's pre-clip, unscaled norm is the logged one
+        assert math.isclose(watch.history.total_grad_norm[step], norm, rel_tol=1e-5)
+    assert watch.history.loss_scale[0] == 65536.0
+
+
+def test_fp16_trainer_on_cuda_skipping_every_step_is_named(tmp_path):
+    trainer, logged, watch = _trainer_fp16(True, tmp_path, plant=True)
+    assert watch.history.skipped_steps == list(range(10)), watch.summary()
+    skips = [e for e in watch.events if e.kind == "skipped-steps"]
+    assert len(skips) == 1 and skips[0].cause == "overflow"
+    assert skips[0].origin("forward").module == "model.layers.0.mlp.up_proj"
+
+
+def test_switch_to_bf16_is_verified_under_cuda_autocast(tmp_path):
+    """A model whose q_proj passes 65504 on one token, trained with fp16=True on this GPU: the audit
+    (hardware detected, probe on) offers the switch to bf16, and the verdict ran the failing step in
+    CUDA's fp16 autocast, then in its bf16 one."""
+    model = tiny_llama()
+    plant_fp16_overflow_token(model, 7)
+    model = model.to(CUDA)
+    batch = tiny_batch(2, 12, model.config.vocab_size, seed=3)
+    batch["input_ids"][0, 4] = 7
+    args = make_args(tmp_path, use_cpu=False, fp16=True)
+    result = nbguard.audit(model=model, args=args, batch=_on_gpu(batch), probe=True, verify=True)
+    assert result.hardware.device_type == "cuda" and result.hardware.detected
+    finding = next(f for f in result.findings if f.rule == "fp16-overflow-risk")
+    assert finding.evidence["target_precision"] == ("bf16" if result.hardware.native_bf16 else "fp32")
+    verification = result.verification
+    assert verification.baseline is not None and not verification.baseline.healthy
+    assert verification.baseline.precision.startswith("autocast cuda float16")
+    switch = verification.verdict("switch-precision")
+    assert switch.verdict == "verified", switch.reason
+    assert switch.step.precision.startswith("autocast cuda bfloat16") and "args.bf16 = True" in switch.code
