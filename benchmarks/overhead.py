@@ -33,6 +33,7 @@ import copy
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -230,9 +231,15 @@ class FixedCostVariant:
         return (clock() - start) / steps
 
 
-def launches(variant: FixedCostVariant, batch, steps: int, device: str, loss_item: bool) -> dict[str, float]:
+# steps profiled per variant: a multiple of the watch's weight-fingerprint period (frozen_check_every),
+# so its periodic work counts at its real share
+PROFILED_STEPS = 10
+
+
+def launches(variant: FixedCostVariant, batch, steps: int, device: str, loss_item: bool) -> tuple[dict, Counter]:
     """Per step, from torch's profiler: device kernels (on CUDA), aten ops at every level, and host
-    waits on the device (``cudaStreamSynchronize`` / ``cudaDeviceSynchronize``: each one drains the queue)."""
+    waits on the device (``cudaStreamSynchronize`` / ``cudaDeviceSynchronize``: each one drains the
+    queue); and the aten ops by name (to list what a variant adds)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
@@ -240,9 +247,9 @@ def launches(variant: FixedCostVariant, batch, steps: int, device: str, loss_ite
         variant.run(batch, steps, time.perf_counter, device, loss_item)
     events = prof.events()
     kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    ops = sum(1 for e in events if e.name.startswith("aten::"))
+    ops = Counter(e.name for e in events if e.name.startswith("aten::"))
     syncs = sum(1 for e in events if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize"))
-    return {"kernels": kernels / steps, "aten ops": ops / steps, "host waits": syncs / steps}
+    return {"kernels": kernels / steps, "aten ops": ops.total() / steps, "host waits": syncs / steps}, ops
 
 
 def fixed_cost(args) -> None:
@@ -272,13 +279,13 @@ def fixed_cost(args) -> None:
         for r in range(args.rounds):
             for v in variants[r % len(variants):] + variants[:r % len(variants)]:  # rotating order: drift hits every variant alike
                 times[v.name].append(v.run(batch, args.steps_per_round, clock, args.device, args.loss_item))
-        counted = {v.name: launches(v, batch, args.steps_per_round, args.device, args.loss_item)
+        counted = {v.name: launches(v, batch, PROFILED_STEPS, args.device, args.loss_item)
                    for v in variants} if args.launches else {}
         for v in variants[1:]:
             assert v.watch is not None
             if v.watch._collector.enabled:  # (without gradient norms, zeros look like a dead run)
                 assert v.watch.events == [], v.watch.summary()  # a healthy run: no alarm
-            assert v.watch.step == (args.rounds + bool(args.launches)) * args.steps_per_round + args.warmup
+            assert v.watch.step == args.rounds * args.steps_per_round + args.warmup + bool(args.launches) * PROFILED_STEPS
             v.watch.detach()
         baseline = times["no watch"]
         for name in names[1:]:
@@ -287,11 +294,15 @@ def fixed_cost(args) -> None:
             print(f"| {label} | {n_tensors} | {statistics.median(baseline) * 1e3:.2f} ms | {name} | {ratio:.3f}x "
                   f"| {per_tensor * 1e6:.2f} us |")
         if counted:
-            print(f"\n| {label}: per step | " + " | ".join(next(iter(counted.values()))) + " |")
-            print("|---|" + "---:|" * len(next(iter(counted.values()))))
-            for name, counts in counted.items():
+            columns = counted["no watch"][0]
+            print(f"\n| {label}: per step | " + " | ".join(columns) + " |")
+            print("|---|" + "---:|" * len(columns))
+            for name, (counts, _) in counted.items():
                 print(f"| {name} | " + " | ".join(f"{c:.1f}" for c in counts.values()) + " |")
-            print()
+            added = counted["fused read (after)"][1]
+            added.subtract(counted["no watch"][1])
+            print("\nthe fused read adds per step: " + ", ".join(
+                f"{op} {n / PROFILED_STEPS:+g}" for op, n in sorted(added.items(), key=lambda kv: -kv[1]) if n) + "\n")
 
 
 def hook_times(args) -> None:
@@ -389,7 +400,8 @@ def main(argv=None):
                              "in the same process and rounds")
     parser.add_argument("--launches", action="store_true",
                         help="--fixed-cost: also count, per step, the device kernels (CUDA), aten ops and host "
-                             "waits on the device of each variant (torch's profiler, after the timed rounds)")
+                             "waits on the device of each variant, and list the aten ops the fused read adds "
+                             "(torch's profiler, 10 steps after the timed rounds)")
     parser.add_argument("--loss-item", action="store_true",
                         help="--fixed-cost: the loop reads loss.item() each step, as the Trainer and most "
                              "notebook loops do (on a GPU: a loop that already waits for each step)")
