@@ -103,7 +103,8 @@ def measure(args):
         names.remove("DebugUnderflowOverflow")
     if args.watch_only:  # a tighter estimate of the watch alone: more rounds in the same time
         names = names[:3]
-    variants = [Variant(n, copy.deepcopy(base) if i else base, args) for i, n in enumerate(names)]
+    # every variant is a copy (the baseline too): the same kind of allocation, none favoured
+    variants = [Variant(n, copy.deepcopy(base), args) for n in names]
     batches = [make_batch(args, s) for s in range(4)]
     for v in variants:  # warm-up: allocator, autograd caches, first AdamW state
         for w in range(args.warmup):
@@ -268,7 +269,7 @@ def fixed_cost(args) -> None:
                          ("LoRA (q,k,v,o r=8), 24 layers", lambda: tiny_lora(24))):
         base = build().to(args.device)
         names = ["no watch", "hook per parameter (before)", "fused read (after)", "no gradient read"]
-        variants = [FixedCostVariant(n, copy.deepcopy(base) if i else base) for i, n in enumerate(names)]
+        variants = [FixedCostVariant(n, copy.deepcopy(base)) for n in names]  # all copies, the baseline too
         if other is not None:  # attached last: its clip wrapper goes around this tree's
             names.append(f"fused read, {args.against}")
             variants.append(FixedCostVariant(names[-1], copy.deepcopy(base), other))
@@ -346,8 +347,7 @@ def hook_times(args) -> None:
     ids = torch.randint(1, 256, (4, 32), generator=gen)
     batch = {"input_ids": ids, "labels": ids.clone()}
     base = tiny_llama(4)
-    variants = [FixedCostVariant(n, copy.deepcopy(base) if i else base)
-                for i, n in enumerate(["no watch", "fused read", "fused read, no detectors"])]
+    variants = [FixedCostVariant(n, copy.deepcopy(base)) for n in ["no watch", "fused read", "fused read, no detectors"]]
     variants[2].watch._board = DetectorBoard([])  # (the benchmark's ablation: no detector, no run check)
     for v in variants:
         v.run(batch, args.warmup, clock)
