@@ -9,7 +9,7 @@ python="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$results/device.txt"
 "$python" -c "import sys, torch, transformers, peft, accelerate; print('python', sys.version.split()[0], '| torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| accelerate', accelerate.__version__)" | tee -a "$results/device.txt"
-"$python" -m pytest -q tests/test_cuda.py -p no:cacheprovider --durations=5 2>&1 | tee "$results/cuda_tests.log"
+"$python" -m pytest -q -m cuda tests/test_cuda.py tests/test_watch_scaler.py -p no:cacheprovider --durations=5 2>&1 | tee "$results/cuda_tests.log"
 rounds="${ROUNDS:-20}"
 for extra in "" "--loss-item"; do
   "$python" benchmarks/overhead.py --fixed-cost --device cuda --rounds "$rounds" --launches $extra \

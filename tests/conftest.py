@@ -25,18 +25,22 @@ def _transformers_is_450() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """tf450 tests only run where transformers 4.50.x is installed; browser tests need Chromium.
+    """tf450 tests only run where transformers 4.50.x is installed; browser tests need Chromium;
+    cuda tests need a CUDA device (none in CI: they run on a GPU machine, benchmarks/on_gpu.sh).
 
     In CI (CI=true) a missing Chromium is an error, not a skip: the browser test must really run.
     """
     on_450 = _transformers_is_450()
     has_chromium = shutil.which("chromium") is not None
     in_ci = os.environ.get("CI") == "true"
+    has_cuda = torch.cuda.is_available()
     for item in items:
         if "tf450" in item.keywords and not on_450:
             item.add_marker(pytest.mark.skip(reason="needs transformers 4.50.x (make test-tf450)"))
         if "browser" in item.keywords and not has_chromium and not in_ci:
             item.add_marker(pytest.mark.skip(reason="Debian chromium not installed (apt-get install chromium)"))
+        if "cuda" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (bash benchmarks/on_gpu.sh on a GPU machine)"))
 
 
 @pytest.fixture(autouse=True)

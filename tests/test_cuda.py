@@ -1,8 +1,8 @@
 """On a real CUDA GPU: what the CPU suite cannot show. Skipped where torch sees no CUDA device (CI);
-run on a GPU machine with ``python -m pytest tests/test_cuda.py`` (benchmarks/README.md, "On a GPU").
+run on a GPU machine with ``python -m pytest -m cuda tests/test_cuda.py tests/test_watch_scaler.py`` (or ``bash benchmarks/on_gpu.sh``).
 
-- fp16 overflowing in CUDA's autocast kernels, and torch's CUDA GradScaler skipping the step (its
-  inf check is CUDA's own ``_amp_foreach_non_finite_check_and_unscale_``);
+- fp16 overflowing in CUDA's kernels (and, in tests/test_watch_scaler.py's cuda case, CUDA's autocast
+  and GradScaler skipping every step: its inf check is CUDA's own);
 - a Trainer with ``fp16=True``: accelerate refuses fp16 autocast on CPU, so only a GPU runs the
   Trainer's real GradScaler path (unscale, then the clip the watch shares);
 - the clip's multi-tensor norm kernels, bit for bit against torch's own clip;
@@ -24,29 +24,12 @@ from nbguard.hardware import detect
 from nbguard.testing import TinyDataset, plant_fp16_overflow_token, tiny_batch, tiny_llama
 from nbguard.watcher import NanWatch, WatchSettings
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.cuda
 CUDA = torch.device("cuda")
 
 
 def _on_gpu(batch: dict) -> dict:
     return {k: v.to(CUDA) for k, v in batch.items()}
-
-
-def _fp16_step(model, opt, scaler, batch) -> None:
-    with torch.autocast("cuda", dtype=torch.float16):
-        loss = model(**batch).loss
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
-    opt.zero_grad()
-
-
-def _eval_loss(model, batch) -> float:  # in fp32: the eval a user reads stays finite while training is stuck
-    model.eval()
-    with torch.no_grad():
-        loss = model(**batch).loss.item()
-    model.train()
-    return loss
 
 
 def test_detect_reads_this_gpu_and_its_native_bf16():
@@ -60,33 +43,6 @@ def test_detect_reads_this_gpu_and_its_native_bf16():
         if hint in props.name:
             assert hw.name == name
     assert hw.memory_gb == round(props.total_memory / 2**30, 1)
-
-
-def test_cuda_gradscaler_skipping_every_step_is_named_at_its_overflowing_module():
-    """The constant-eval-loss case with CUDA's own autocast and GradScaler: every step skipped, the
-    streak named with the module whose fp16 output overflows, and not one weight moved."""
-    model = tiny_llama().to(CUDA)
-    data = [_on_gpu(b) for b in batches(10)]
-    scale_output_to(model, model.model.layers[0].mlp.up_proj, data[0], 2e5)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cuda")
-    before = snapshot(model)
-    eval_losses = []
-    settings = WatchSettings(frozen_check_every=2, frozen_after=4)
-    with NanWatch(model, optimizer=opt, scaler=scaler, settings=settings) as watch:
-        for epoch in range(2):
-            for batch in data[epoch * 5:(epoch + 1) * 5]:
-                _fp16_step(model, opt, scaler, batch)
-            eval_losses.append(_eval_loss(model, data[0]))
-    assert watch.step == 10 and watch.history.skipped_steps == list(range(10))
-    assert identical(before, snapshot(model))
-    assert eval_losses[0] == eval_losses[1]
-    skips = [e for e in watch.events if e.kind == "skipped-steps"]
-    assert len(skips) == 1, watch.summary()
-    event = skips[0]
-    assert event.cause == "overflow" and event.evidence["consecutive_skipped"] == 8
-    assert event.evidence["scale_trend"][:3] == [65536.0, 32768.0, 16384.0]
-    assert event.origin("forward").module == "model.layers.0.mlp.up_proj"
 
 
 def test_cuda_fp16_weights_overflow_is_named_in_the_step_it_happens():

@@ -10,7 +10,7 @@ from nbguard.watcher import NanWatch, WatchSettings
 torch.set_num_threads(1)
 
 
-def _eval_loss(model, batch):
+def _eval_loss(model, batch):  # in fp32: the eval a user reads stays finite while training is stuck
     model.eval()
     with torch.no_grad():
         loss = model(**batch).loss.item()
@@ -18,14 +18,16 @@ def _eval_loss(model, batch):
     return loss
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("fused", [False, True])
-def test_scaler_skipping_every_step_is_the_constant_eval_loss_case(fused):
-    model = tiny_llama()
-    data = batches(10)
+def test_scaler_skipping_every_step_is_the_constant_eval_loss_case(fused, device):
+    """On CUDA the autocast kernels, the GradScaler's inf check and the fused AdamW are CUDA's own."""
+    model = tiny_llama().to(device)
+    data = [{k: v.to(device) for k, v in b.items()} for b in batches(10)]
     scale_output_to(model, model.model.layers[0].mlp.up_proj, data[0], 2e5)
     # a fused AdamW is always called by scaler.step and skips inside its kernel
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
-    scaler = torch.amp.GradScaler("cpu")
+    scaler = torch.amp.GradScaler(device)
     before = snapshot(model)
     eval_losses = []
     settings = WatchSettings(frozen_check_every=2, frozen_after=4)

@@ -54,15 +54,17 @@ class PoisonedSiLU(torch.nn.Module):
         return _NanGrad.apply(F.silu(x)) if self.armed else F.silu(x)
 
 
-def autocast_ctx(dtype):
-    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+def autocast_ctx(dtype, device_type: str = "cpu"):
+    return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def train(model, optimizer, batches, *, scaler=None, autocast=None, accumulation: int = 1):
-    """A plain loop: forward (HF loss), backward, optional GradScaler and accumulation."""
+    """A plain loop: forward (HF loss), backward, optional GradScaler and accumulation (autocast on
+    the model's device type)."""
+    device_type = next(model.parameters()).device.type
     losses = []
     for i, batch in enumerate(batches):
-        with autocast_ctx(autocast):
+        with autocast_ctx(autocast, device_type):
             loss = model(**batch).loss / accumulation
         (scaler.scale(loss) if scaler is not None else loss).backward()
         losses.append(loss.detach())
