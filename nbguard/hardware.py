@@ -6,6 +6,7 @@ counts emulation, which is slow and is not what mixed-precision training expects
 """
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, replace
 
 NATIVE_BF16_MIN_CAPABILITY = (8, 0)
@@ -59,11 +60,19 @@ PROFILES: dict[str, Hardware] = {
     "h200": _gpu("h200", "NVIDIA H200", (9, 0), 141.0),
 }
 
-# Substrings of torch.cuda.get_device_name() that identify a profile.
+# Model numbers in torch.cuda.get_device_name() that identify a profile, as whole words: "NVIDIA L40S"
+# is not an L4, nor "NVIDIA GH200 480GB" an H200 ("Tesla V100-SXM2-16GB" is a V100)
 _NAME_HINTS = (
     ("T4", "t4"), ("V100", "v100"), ("A10G", "a10g"), ("L4", "l4"), ("A100", "a100"),
     ("3090", "rtx3090"), ("4090", "rtx4090"), ("H100", "h100"), ("H200", "h200"),
 )
+_WORDS = re.compile(r"[A-Za-z0-9]+")
+
+
+def profile_name(device_name: str) -> str:
+    """The profile id for a CUDA device name (``torch.cuda.get_device_name()``), or "cuda" for none."""
+    words = set(_WORDS.findall(device_name))
+    return next((pid for hint, pid in _NAME_HINTS if hint in words), "cuda")
 
 
 def detect() -> Hardware:
@@ -72,9 +81,8 @@ def detect() -> Hardware:
 
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        name = next((pid for hint, pid in _NAME_HINTS if hint in props.name), "cuda")
         return Hardware(
-            name=name,
+            name=profile_name(props.name),
             display_name=props.name,
             device_type="cuda",
             compute_capability=(props.major, props.minor),

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from nbguard.hardware import PROFILES, Hardware, detect, resolve_hardware
+from nbguard.hardware import PROFILES, Hardware, detect, profile_name, resolve_hardware
 
 
 def test_all_named_profiles_exist():
@@ -48,6 +48,18 @@ def test_detect_on_this_machine():
         assert hw.device_type in ("cpu", "mps") and hw.compute_capability is None
     else:  # pragma: no cover - GPU machines only
         assert hw.compute_capability == torch.cuda.get_device_capability(0)
+
+
+@pytest.mark.parametrize("device_name, profile", [
+    ("Tesla T4", "t4"), ("Tesla V100-SXM2-16GB", "v100"), ("NVIDIA A10G", "a10g"), ("NVIDIA L4", "l4"),
+    ("NVIDIA A100-SXM4-40GB", "a100"), ("NVIDIA A100 80GB PCIe", "a100"), ("NVIDIA GeForce RTX 3090", "rtx3090"),
+    ("NVIDIA GeForce RTX 3090 Ti", "rtx3090"), ("NVIDIA GeForce RTX 4090", "rtx4090"),
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+    # other GPUs whose names contain a profile's model number are not that GPU
+    ("NVIDIA L40S", "cuda"), ("NVIDIA L40", "cuda"), ("NVIDIA GH200 480GB", "cuda"), ("NVIDIA RTX A4000", "cuda"),
+])
+def test_profile_is_named_by_the_whole_model_number(device_name, profile):
+    assert profile_name(device_name) == profile
 
 
 def test_to_dict_is_json_and_says_native_bf16():
