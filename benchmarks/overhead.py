@@ -306,11 +306,50 @@ def fixed_cost(args) -> None:
                 f"{op} {n / PROFILED_STEPS:+g}" for op, n in sorted(added.items(), key=lambda kv: -kv[1]) if n) + "\n")
 
 
+class HooksOnly(FixedCostVariant):
+    """The same kinds of hooks the watch registers, each returning at once (root forward pre/post hooks
+    with kwargs, a hook on the loss, optimizer step pre/post hooks, a wrapped ``zero_grad``): what
+    having hooks at all costs, with no work in them."""
+
+    def __init__(self, name: str, model: torch.nn.Module):
+        super().__init__("no watch", model)
+        self.name = name
+        model.register_forward_pre_hook(lambda module, args, kwargs: None, with_kwargs=True)
+        model.register_forward_hook(lambda module, args, kwargs, out: out.loss.register_hook(lambda g: None) and None,
+                                    with_kwargs=True)
+        self.opt.register_step_pre_hook(lambda opt, args, kwargs: None)
+        self.opt.register_step_post_hook(lambda opt, args, kwargs: None)
+        original = self.opt.zero_grad
+        self.opt.zero_grad = lambda set_to_none=True: original(set_to_none=set_to_none)  # type: ignore[method-assign]
+
+
+def time_detectors(board) -> dict[str, list[int]]:
+    """Wraps every hook the board dispatches on each of its detectors with a timer: ns per call, by
+    "Detector.hook" (a hook that calls another of its own is counted in both)."""
+    spent: dict[str, list[int]] = {}
+
+    def timer(method, key: str):
+        def timed(*args, **kwargs):
+            start = time.perf_counter_ns()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent.setdefault(key, []).append(time.perf_counter_ns() - start)
+        return timed
+
+    for hook, detectors in board._by_hook.items():
+        for detector in detectors:
+            setattr(detector, hook, timer(getattr(detector, hook), f"{type(detector).__name__}.{hook}"))
+    board._index_hooks()  # (the same detectors per hook: each already implemented it)
+    return spent
+
+
 def hook_times(args) -> None:
     """Where the fixed part of a watched tiny-Llama step goes: the time spent inside each of the watch's
-    four step hooks (``perf_counter_ns`` around each, medians), the watch with its detectors removed
-    against the whole watch (same rounds), and the cold first op: the supervised-token count run twice
-    inside the forward pre-hook, first and again right after."""
+    four step hooks (``perf_counter_ns`` around each, medians) and inside each detector's hooks, the
+    watch with its detectors removed and a copy with hooks that do nothing against the whole watch (same
+    rounds), and the cold first op: the supervised-token count run twice inside the forward pre-hook,
+    first and again right after (so both watches pay one warm count more than they otherwise would)."""
     from nbguard.watcher import steps, supervision
     from nbguard.watcher.pipeline import DetectorBoard
 
@@ -348,29 +387,37 @@ def hook_times(args) -> None:
     batch = {"input_ids": ids, "labels": ids.clone()}
     base = tiny_llama(4)
     variants = [FixedCostVariant(n, copy.deepcopy(base)) for n in ["no watch", "fused read", "fused read, no detectors"]]
+    variants.append(HooksOnly("hooks that do nothing", copy.deepcopy(base)))
     variants[2].watch._board = DetectorBoard([])  # (the benchmark's ablation: no detector, no run check)
+    per_detector = time_detectors(variants[1].watch._board)
     for v in variants:
         v.run(batch, args.warmup, clock)
     inside.clear()
     counts.clear()
+    per_detector.clear()
     times: dict[str, list[float]] = {v.name: [] for v in variants}
     for r in range(args.rounds):
-        for v in variants[r % 3:] + variants[:r % 3]:
+        for v in variants[r % len(variants):] + variants[:r % len(variants)]:
             times[v.name].append(v.run(batch, args.steps_per_round, clock))
-    for v in variants[1:]:
+    for v in variants[1:3]:
         v.watch.detach()
+    steps = args.rounds * args.steps_per_round
     print(f"\n### inside the watch's hooks (tiny Llama, 4 layers, {args.rounds} rounds of {args.steps_per_round} "
           f"steps, {args.clock} clock)\n")
     print("| hook | median per call, whole watch | without detectors |\n|---|---:|---:|")
     for name in hooks:
         print(f"| {name} | " + " | ".join(f"{statistics.median(inside[name, id(v.watch)]) / 1e3:.1f} us"
-                                         for v in variants[1:]) + " |")
+                                         for v in variants[1:3]) + " |")
+    print("\n| detector hook (whole watch) | calls per step | median per call | per step |\n|---|---:|---:|---:|")
+    for key, spent in sorted(per_detector.items(), key=lambda kv: -sum(kv[1])):
+        print(f"| {key} | {len(spent) / steps:.2f} | {statistics.median(spent) / 1e3:.1f} us "
+              f"| {sum(spent) / steps / 1e3:.1f} us |")
     first, again = (statistics.median(c[i] for c in counts) / 1e3 for i in (0, 1))
     print(f"\nsupervised-token count in the forward pre-hook: first call {first:.1f} us, the same call right "
           f"after {again:.1f} us\n")
     baseline = times["no watch"]
     print("| variant | added per step (median per round) | ratio |\n|---|---:|---:|")
-    for name in ("fused read", "fused read, no detectors"):
+    for name in ("fused read", "fused read, no detectors", "hooks that do nothing"):
         added = statistics.median(t - b for t, b in zip(times[name], baseline))
         ratio = statistics.median(t / b for t, b in zip(times[name], baseline))
         print(f"| {name} | {added * 1e6:.0f} us | {ratio:.3f}x |")

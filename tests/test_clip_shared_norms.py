@@ -265,27 +265,23 @@ def test_torchs_own_clip_is_what_the_tap_shares():
         torch.nn.utils.clip_grad_norm_ = original
 
 
+def logged_grad_norms(trainer) -> list[float]:
+    """The grad_norm the Trainer logged at each step (logging_steps=1)."""
+    return [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+
+
 def _trainer_run(watched: bool, monkeypatch):
     import tempfile
 
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     from nbguard.testing import TinyDataset
-
-    class Logged(TrainerCallback):
-        def __init__(self):
-            self.grad_norms = []
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "grad_norm" in logs:
-                self.grad_norms.append(logs["grad_norm"])
 
     model = tiny_llama()
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, max_grad_norm=0.05, use_cpu=True, report_to=[],
                              save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
-    logged = Logged()
-    trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(16), callbacks=[logged])
+    trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(16))
     watch = _watch_with(trainer, None) if watched else None
     counter = _CountNorms(monkeypatch)
     trainer.train()
@@ -293,7 +289,7 @@ def _trainer_run(watched: bool, monkeypatch):
         watch.detach()
         assert watch.step == 3 and [e.kind for e in watch.events] == []
     monkeypatch.undo()
-    return logged.grad_norms, [p.detach().clone() for p in model.parameters()], counter.calls, watch
+    return logged_grad_norms(trainer), [p.detach().clone() for p in model.parameters()], counter.calls, watch
 
 
 def test_trainer_clip_through_accelerate_is_shared_and_bit_identical(monkeypatch):

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 from audit_helpers import make_args, make_trainer
-from test_clip_shared_norms import _assert_clip_identical, _same_bits
+from test_clip_shared_norms import _assert_clip_identical, _same_bits, logged_grad_norms
 from watch_helpers import batches, identical, scale_output_to, snapshot
 
 import nbguard
@@ -77,17 +77,6 @@ def test_shared_clip_on_cuda_is_bit_identical_to_torch(dtype):
 
 
 def _trainer_fp16(watched: bool, tmp_path, plant: bool = False):
-    from transformers import TrainerCallback
-
-    class Logged(TrainerCallback):
-        def __init__(self):
-            self.grad_norms, self.losses = [], []
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "grad_norm" in logs:
-                self.grad_norms.append(logs["grad_norm"])
-                self.losses.append(logs["loss"])
-
     model = tiny_llama()
     if plant:
         data = TinyDataset(16)
@@ -96,32 +85,31 @@ def _trainer_fp16(watched: bool, tmp_path, plant: bool = False):
     args = make_args(tmp_path, use_cpu=False, fp16=True, max_steps=10 if plant else 4, per_device_train_batch_size=2,
                      gradient_accumulation_steps=2, max_grad_norm=0.05, seed=0, eval_strategy="no")
     trainer = make_trainer(model, args, rows=16)
-    logged = Logged()
-    trainer.add_callback(logged)
     watch = NanWatch(trainer).attach() if watched else None
     trainer.train()
     if watch is not None:
         watch.detach()
-    return trainer, logged, watch
+    return trainer, watch
 
 
 def test_fp16_trainer_on_cuda_shares_the_clip_after_unscale_bit_for_bit(tmp_path):
     """The Trainer's real fp16 path (accelerate's GradScaler, unscale, then the clip): the watched run
     logs the same grad_norm and ends with the same weights as an unwatched one, to the last bit."""
-    trainer, logged, watch = _trainer_fp16(True, tmp_path / "a")
-    twin, twin_logged, _ = _trainer_fp16(False, tmp_path / "b")
+    trainer, watch = _trainer_fp16(True, tmp_path / "a")
+    twin, _ = _trainer_fp16(False, tmp_path / "b")
+    logged = logged_grad_norms(trainer)
     assert trainer.accelerator.scaler is not None  # really the fp16 GradScaler path
-    assert len(logged.grad_norms) == 4 and logged.grad_norms == twin_logged.grad_norms
+    assert len(logged) == 4 and logged == logged_grad_norms(twin)
     for p, q in zip(trainer.model.parameters(), twin.model.parameters(), strict=True):
         assert _same_bits(p, q)
     assert watch.events == [], watch.summary()
-    for step, norm in enumerate(logged.grad_norms):  # the watch's pre-clip, unscaled norm is the logged one
+    for step, norm in enumerate(logged):  # the watch's pre-clip, unscaled norm is the logged one
         assert math.isclose(watch.history.total_grad_norm[step], norm, rel_tol=1e-5)
     assert watch.history.loss_scale[0] == 65536.0
 
 
 def test_fp16_trainer_on_cuda_skipping_every_step_is_named(tmp_path):
-    trainer, logged, watch = _trainer_fp16(True, tmp_path, plant=True)
+    _, watch = _trainer_fp16(True, tmp_path, plant=True)
     assert watch.history.skipped_steps == list(range(10)), watch.summary()
     skips = [e for e in watch.events if e.kind == "skipped-steps"]
     assert len(skips) == 1 and skips[0].cause == "overflow"

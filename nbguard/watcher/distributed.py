@@ -9,8 +9,9 @@ Why the flags are "pre-reduce": under DDP the sentinel reads each gradient bucke
 communication hook, before it is reduced (:mod:`.ddp_buckets`); where it cannot register that hook,
 its ``register_post_accumulate_grad_hook`` runs inside ``AccumulateGrad`` before DDP's reducer hook
 (a post-hook of that node) copies the gradient into its bucket. Either way the norm is this rank's
-own gradient, before the all-reduce averages a NaN into every rank. (Under FSDP2 the hook runs after the reduce-scatter, on the reduced shard: there
-only the local loss tells which rank was bad; see ``RankSync.sharded``.)
+own gradient, before the all-reduce averages a NaN into every rank. (Under FSDP2 the hook runs after
+the reduce-scatter, on the reduced shard: there only the local loss tells which rank was bad; see
+``RankSync.sharded``.)
 
 On a bad step the bad ranks localise their own micro-batches on the unwrapped module (no DDP
 forward, so no collective inside the replay); then ``all_gather_object`` (bad steps only) gives

@@ -10,8 +10,9 @@ the culprit). Two ways to take them:
   GradScaler's ``update`` where it skips the step), whichever comes first; a GradScaler's
   ``unscale_`` before it only divides them by the scale, which the read knows (``grads_scaled``).
   A few kernels per step, whatever the number of tensors; none where a default ``clip_grad_norm_``
-  computes the same norms (the tap hands them over), with or without a GradScaler. The per-tensor norms join the one read and are summed per group on the host. A backward
-  is noticed by one hook on the forward's outputs, not one per parameter.
+  computes the same norms (the tap hands them over), with or without a GradScaler. The per-tensor
+  norms join the one read and are summed per group on the host. A backward is noticed by one hook on
+  the forward's outputs, not one per parameter.
 - DDP's buckets (``bucketed``): the step boundary only sees the gradient after the all-reduce
   averaged a NaN into every rank; DDP's communication hook hands over each bucket before that
   (:mod:`.ddp_buckets`): one fused norm per bucket, in the same per-tensor form as the fused read.
