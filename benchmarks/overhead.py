@@ -338,8 +338,8 @@ def time_detectors(board) -> dict[str, list[int]]:
         return timed
 
     for hook, detectors in board._by_hook.items():
-        for detector in detectors:
-            setattr(detector, hook, timer(getattr(detector, hook), f"{type(detector).__name__}.{hook}"))
+        for detector, method in detectors:
+            setattr(detector, hook, timer(method, f"{type(detector).__name__}.{hook}"))
     board._index_hooks()  # (the same detectors per hook: each already implemented it)
     return spent
 

@@ -67,14 +67,14 @@ def test_internal_failure_under_warnings_as_errors_never_raises_into_the_step():
 def test_backward_hook_failure_under_warnings_as_errors(monkeypatch):
     from nbguard.watcher import sentinel
 
-    def broken(tensor):
+    def broken(self, values):
         raise RuntimeError("norm read failed")
 
     torch.manual_seed(0)
     model = tiny_llama()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     watch = nbguard.watch(model, optimizer=opt, verify=False)
-    monkeypatch.setattr(sentinel, "local_tensor", broken)  # the gradient hook's own work fails
+    monkeypatch.setattr(sentinel.GradNormCollector, "_host_group_norms", broken)  # the norm read's own work fails
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(**batches(1)[0]).loss.backward()

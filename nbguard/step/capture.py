@@ -62,14 +62,19 @@ def model_loss(output: Any) -> torch.Tensor | None:
     return found[1] if found is not None else None
 
 
-def backward_targets(output: Any) -> list[tuple[str, torch.Tensor]]:
-    """The output tensors the real backward starts from.
+_UNSEEN: Any = object()
+
+
+def backward_targets(output: Any, found: Any = _UNSEEN) -> list[tuple[str, torch.Tensor]]:
+    """The output tensors the real backward starts from (``found``: ``find_loss(output)``, when the
+    caller has it).
 
     When the model computed its own loss, only the loss: hooking logits as well would count the
     loss's contribution twice in the replay. Otherwise every floating output that needs a grad
     (the loss is then computed outside the model from them).
     """
-    found = find_loss(output)
+    if found is _UNSEEN:
+        found = find_loss(output)
     if found is not None and found[1].requires_grad:
         return [found]
     return [(p, t) for p, t in iter_tensors(output) if t.is_floating_point() and t.requires_grad]
@@ -97,9 +102,10 @@ class MicroBatch:
     output_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     trainer_labels: torch.Tensor | None = None  # the Trainer's labels when it kept them from the model
 
-    def record_output_grads(self, output: Any) -> None:
-        """Hook the outputs so the real backward leaves us the gradient that reached them."""
-        for path, tensor in backward_targets(output):
+    def record_output_grads(self, output: Any, found: Any = _UNSEEN) -> None:
+        """Hook the outputs so the real backward leaves us the gradient that reached them (``found``:
+        ``find_loss(output)``, when the caller has it)."""
+        for path, tensor in backward_targets(output, found):
             tensor.register_hook(self._keeper(path))
 
     def _keeper(self, path: str):

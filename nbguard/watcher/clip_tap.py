@@ -111,7 +111,9 @@ def _tapped(original: Callable[..., Any], shares: bool) -> Callable[..., Any]:
             listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
             parameters = listed
             readers = list(_READERS)
-            max_norm: Any = _max_norm_if_shareable(args, kwargs) if shares else None
+            max_norm: Any = None
+            if shares:  # (the Trainer's and most loops' call, clip_grad_norm_(parameters, max_norm), first)
+                max_norm = args[0] if len(args) == 1 and not kwargs else _max_norm_if_shareable(args, kwargs)
             sharing = [r for r in readers if r.shares_clip(listed)] if max_norm is not None else []
             for reader in readers:
                 if reader not in sharing:
@@ -142,7 +144,7 @@ def tap(reader: ClipReader) -> None:
     for module, name in _TARGETS:
         current = getattr(module, name, None)
         if current is not None and not hasattr(current, _MARK):
-            setattr(module, name, _tapped(current, shares=current is _TORCH_NORM_CLIP))
+            setattr(module, name, _tapped(current, shares=current is _TORCH_NORM_CLIP and _clip_with_norm is not None))
 
 
 def untap(reader: ClipReader) -> None:

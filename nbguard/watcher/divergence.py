@@ -70,7 +70,10 @@ class DivergenceDetector:
         """The run's recent log10 gradient norm (None before any healthy step)."""
         if not self.recent:
             return None
-        return statistics.median(itertools.islice(reversed(self.recent), self.settings.level_steps))
+        # statistics.median of the last level_steps values, without its checks (once a step, in the user's step)
+        last = sorted(itertools.islice(reversed(self.recent), self.settings.level_steps))
+        half = len(last) // 2
+        return last[half] if len(last) % 2 else (last[half - 1] + last[half]) / 2
 
     def threshold(self) -> float | None:
         """Decades above the level that count as an explosion (None: not enough history)."""
@@ -150,15 +153,16 @@ class DeadRunDetector:
 
     def update(self, step: int, loss: float | None, total: float | None,
                explosion_step: int | None = None) -> dict[str, Any] | None:
-        reasons = set()
-        if total == 0.0 and not self.zero_grad_expected:
-            reasons.add("zero-gradient")
-        if loss is not None and math.isfinite(loss) and loss != 0.0 and loss == self.last_loss:
-            reasons.add("constant-loss")
+        zero = total == 0.0 and not self.zero_grad_expected
+        constant = loss is not None and loss == self.last_loss and loss != 0.0 and math.isfinite(loss)
         self.last_loss = loss
-        if not reasons:
-            self.streak, self.start, self.reasons, self.reported = 0, None, set(), False
+        if not (zero or constant):  # a healthy step (every step of a healthy run: no set built)
+            if self.streak:
+                self.streak, self.start, self.reasons, self.reported = 0, None, set(), False
             return None
+        reasons = {"zero-gradient"} if zero else set()
+        if constant:
+            reasons.add("constant-loss")
         if self.streak == 0:
             # a bit-identical loss shows on the second step of the stretch: it began on the one before
             self.start = step - 1 if reasons == {"constant-loss"} else step

@@ -31,9 +31,10 @@ import torch
 
 from ..step.tensors import iter_tensors
 from . import clip_tap
-from .distributed import local_tensor
+from .distributed import is_sharded, local_tensor
 from .guard import guarded, guarded_call
 from .history import group_name
+from .pipeline import all_finite, total_norm
 
 _WIDE = (torch.float32, torch.float64)  # gradients whose norms are taken in their own dtype (else in fp32)
 
@@ -60,13 +61,13 @@ class StepStats:
     extra: list[float] | None = None  # the detectors' scalars, flattened (pipeline.DetectorBoard splits them)
     exchanged: list[float] | None = None  # across ranks: what the step's one collective returned
 
-    @property
+    @property  # (not cached: settle() replaces grad_norm across ranks)
     def total_grad_norm(self) -> float:
-        return math.sqrt(sum(v * v for v in self.grad_norm))
+        return total_norm(self.grad_norm)
 
     @property
     def grads_finite(self) -> bool:
-        return all(math.isfinite(v) for v in self.grad_norm)
+        return all_finite(self.grad_norm)
 
     @property
     def loss_finite(self) -> bool:
@@ -111,6 +112,11 @@ class GradNormCollector:
         self._index = index
         self._ids = {id(p) for p in self.params}
         self._group_of = {id(p): g for p, g in zip(self.params, index)}  # id(parameter) -> its group
+        # the weight fingerprint (every few steps) skips per-tensor casts, moves and unwrapping where
+        # none is needed: one device, fp32 weights (their norms are fp32), no FSDP shards
+        self._fp32_on_one_device = len({p.device for p in self.params}) <= 1 and all(
+            p.dtype == torch.float32 for p in self.params)
+        self._sharded = is_sharded(self.params)
         self._clip_plan: tuple[tuple, _ClipPlan] | None = None  # the last clip's layout and how it maps here
         self._index_tensors: dict[torch.device, torch.Tensor] = {}
         self._norms: list[torch.Tensor | None] = [None] * len(self.params)
@@ -172,17 +178,19 @@ class GradNormCollector:
 
     def take_from_clip(self, parameters: list[torch.Tensor], kinds: clip_tap.Kinds, norms: torch.Tensor) -> None:
         """``clip_grad_norm_`` computed ``norms[i]``, the 2-norm of ``parameters[i].grad`` (its groups of
-        device and dtype: ``kinds``), before scaling anything: this step's read reuses the fp32 ones."""
-        if self.shares_clip(parameters):
-            guarded_call(self._on_error, self._take_from_clip, parameters, kinds, norms)
+        device and dtype: ``kinds``), before scaling anything: this step's read reuses the fp32 ones.
+        Called only where ``shares_clip`` said yes, for the same clip."""
+        guarded_call(self._on_error, self._take_from_clip, parameters, kinds, norms)
 
     def _take_from_clip(self, parameters: list[torch.Tensor], kinds: clip_tap.Kinds, norms: torch.Tensor) -> None:
         key = (tuple(map(id, parameters)), kinds, norms.dtype)
         if self._clip_plan is None or self._clip_plan[0] != key:
             self._clip_plan = (key, self._plan_clip(parameters, kinds, norms.dtype))
         plan = self._clip_plan[1]
-        with torch.no_grad():
-            taken = self._norms_of((p.grad, g) for p, g in plan.own)
+        taken = []
+        if plan.own:
+            with torch.no_grad():
+                taken = self._norms_of((p.grad, g) for p, g in plan.own)
         if plan.shares:
             taken.insert(0, (norms, plan.index))  # no device work: the clip's own tensor joins the read
         if taken:
@@ -291,12 +299,12 @@ class GradNormCollector:
     def fingerprint(self) -> torch.Tensor:
         """Per-group sum of parameter norms: it stays bit-identical only if the weights do."""
         with torch.no_grad():
-            norms = torch._foreach_norm([local_tensor(p) for p in self.params])
-        return self._per_group([n.float() for n in norms], square=False)
+            norms = torch._foreach_norm([local_tensor(p) for p in self.params] if self._sharded else self.params)
+        return self._per_group(norms if self._fp32_on_one_device else [n.float() for n in norms], square=False)
 
     def _per_group(self, values: list[torch.Tensor], square: bool) -> torch.Tensor:
         device = values[0].device if values else torch.device("cpu")
-        stacked = torch.stack([v.to(device, non_blocking=True) for v in values])
+        stacked = torch.stack(values if self._fp32_on_one_device else [v.to(device, non_blocking=True) for v in values])
         if square:
             stacked = stacked.square()
         return torch.zeros(len(self.groups), device=device, dtype=torch.float32).index_add_(
@@ -345,7 +353,7 @@ class GradNormCollector:
             self.take()
             taken = self._taken or []
             device = taken[0][0].device if taken else self.device()
-            parts = [norms.to(device) for norms, _ in taken]
+            parts = [norms if norms.device == device else norms.to(device) for norms, _ in taken]
             n_norms = sum(len(index) for _, index in taken)
         else:
             parts = [self._group_norms()]

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import NonFiniteError
 from ..findings import Event
-from ..step.capture import MicroBatch, capture_rng, model_loss
+from ..step.capture import MicroBatch, capture_rng, find_loss
 from ..step.precision import capture_autocast
 from . import distributed as ranks
 from .activations import host_values
@@ -52,10 +52,12 @@ class WatchSteps(WatchRecord):
             return None
         if self._coverage_stale:
             self._cover_new_parameters()
-        if self._forward_open and self._training_forward(module):
+        training = self._training_forward(module)
+        if self._forward_open and training:
             self._release_step()  # the previous training forward never returned: it was interrupted
-        self._forward_open = self._training_forward(module)
-        self._capture_micro_batch(module, args, kwargs)
+        self._forward_open = training
+        if training:
+            self._capture_micro_batch(args, kwargs)
         return None
 
     @watch_hook(safe=True)
@@ -73,19 +75,18 @@ class WatchSteps(WatchRecord):
         self._modules_seen = weakref.WeakSet(self.model.modules())
 
     @watch_hook(safe=True)
-    def _capture_micro_batch(self, module, args, kwargs) -> None:
-        if not self._training_forward(module):
-            return
+    def _capture_micro_batch(self, args, kwargs) -> None:
+        """A training forward starts (the caller checked): keep what its replay needs."""
         hooks_see_backward = self._deepspeed is None or self._collector.accumulations > 0  # DeepSpeed: own buffers
         if self._micro_batches and hooks_see_backward \
                 and self._collector.accumulations == self._accumulations_at_capture:
             self._release_step()  # no backward since the last forward: that step was abandoned
         self._accumulations_at_capture = self._collector.accumulations
         trainer_labels = self._labels_tap.take() if self._labels_tap is not None else None
-        self._micro_batches.append(
-            MicroBatch(len(self._micro_batches), args, dict(kwargs), capture_rng(), capture_autocast(),
-                       trainer_labels=trainer_labels))
-        self._board.on_micro_batch(self._micro_batches[-1])
+        micro_batch = MicroBatch(len(self._micro_batches), args, dict(kwargs), capture_rng(), capture_autocast(),
+                                 trainer_labels=trainer_labels)
+        self._micro_batches.append(micro_batch)
+        self._board.on_micro_batch(micro_batch)
 
     @watch_hook(safe=False)
     def _root_post(self, module, args, kwargs, output):
@@ -93,11 +94,11 @@ class WatchSteps(WatchRecord):
         if not self._training_forward(module) or not self._micro_batches:
             return None
         self._collector.watch_backward(output)  # a backward through this forward: the capture is in use
-        loss = model_loss(output) if self._loss_tap is None else None  # else the Trainer's, at training_step's end
-        if loss is not None:
-            self._losses.append(loss.detach())
+        found = find_loss(output)
+        if found is not None and self._loss_tap is None:  # else the Trainer's, at training_step's end
+            self._losses.append(found[1].detach())
         if self.localize:
-            self._micro_batches[-1].record_output_grads(output)
+            self._micro_batches[-1].record_output_grads(output, found)
         return None
 
     @watch_hook(safe=True)
@@ -237,8 +238,17 @@ class WatchSteps(WatchRecord):
             self._stop(dropper)
 
     def _view(self, stats: StepStats, skipped: bool, scaler_skipped: bool) -> StepView:
-        return StepView(self.step, tuple(self.history.groups), tuple(stats.grad_norm), stats.loss, stats.loss_scale,
-                        skipped, scaler_skipped if self._scaler_binding is not None else None, history=self.history)
+        """The step as the detectors see it; the view ``before_update`` got again at the step's end
+        when nothing it shows changed (the usual step: a view is read-only)."""
+        scaler_skipped_seen = scaler_skipped if self._scaler_binding is not None else None
+        last = self._step_view
+        if last is not None and last.skipped == skipped and last.scaler_skipped == scaler_skipped_seen:
+            return last
+        view = StepView(self.step, tuple(self.history.groups), tuple(stats.grad_norm), stats.loss, stats.loss_scale,
+                        skipped, scaler_skipped_seen, history=self.history)
+        view.__dict__["total_grad_norm"] = stats.total_grad_norm  # (its cached property: the same sum, once a step)
+        self._step_view = view
+        return view
 
     def _emit_from(self, detector: Detector, event: Event) -> None:
         self._emit(event, agreed=getattr(detector, "agreed", False))
@@ -284,6 +294,7 @@ class WatchSteps(WatchRecord):
         self._micro_batches = []
         self._losses = []
         self._stats = None
+        self._step_view: StepView | None = None
         self._optimizer_stepped = False
         self._step_dropped = False
         self._forward_open = False
