@@ -5,6 +5,7 @@ Only references are kept (no copies); they are released at the end of every opti
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -102,15 +103,21 @@ class MicroBatch:
     output_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     trainer_labels: torch.Tensor | None = None  # the Trainer's labels when it kept them from the model
 
-    def record_output_grads(self, output: Any, found: Any = _UNSEEN) -> None:
+    def record_output_grads(self, output: Any, found: Any = _UNSEEN,
+                            also: Callable[[torch.Tensor], None] | None = None) -> list[torch.Tensor]:
         """Hook the outputs so the real backward leaves us the gradient that reached them (``found``:
-        ``find_loss(output)``, when the caller has it)."""
-        for path, tensor in backward_targets(output, found):
-            tensor.register_hook(self._keeper(path))
+        ``find_loss(output)``, when the caller has it). ``also``: a tensor hook of the caller's that
+        the same hook calls (one hook per tensor, not two). Returns the hooked tensors."""
+        targets = backward_targets(output, found)
+        for path, tensor in targets:
+            tensor.register_hook(self._keeper(path, also))
+        return [tensor for _, tensor in targets]
 
-    def _keeper(self, path: str):
+    def _keeper(self, path: str, also: Callable[[torch.Tensor], None] | None):
         def keep(grad: torch.Tensor) -> None:
             self.output_grads[path] = grad.detach()
+            if also is not None:
+                also(grad)
         return keep
 
     def labels(self) -> torch.Tensor | None:

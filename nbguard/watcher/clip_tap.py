@@ -53,7 +53,13 @@ class ClipReader(Protocol):
     def take_from_clip(self, parameters: list[torch.Tensor], kinds: Kinds, norms: torch.Tensor) -> None: ...
 
 
-_READERS: weakref.WeakSet[Any] = weakref.WeakSet()
+# id(reader) -> the reader, weakly (a watch dropped without detach reads nothing). A dict of weak
+# references rather than a WeakSet: iterating a WeakSet runs Python code per element, at every clip.
+_READERS: dict[int, weakref.ref] = {}
+
+
+def _live_readers() -> list[Any]:
+    return [reader for ref in tuple(_READERS.values()) if (reader := ref()) is not None]
 
 
 def _max_norm_if_shareable(args: tuple, kwargs: dict) -> Any:
@@ -110,7 +116,7 @@ def _tapped(original: Callable[..., Any], shares: bool) -> Callable[..., Any]:
             # a generator can be walked once: hand the same list to the readers and to torch
             listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
             parameters = listed
-            readers = list(_READERS)
+            readers = _live_readers()
             max_norm: Any = None
             if shares:  # (the Trainer's and most loops' call, clip_grad_norm_(parameters, max_norm), first)
                 max_norm = args[0] if len(args) == 1 and not kwargs else _max_norm_if_shareable(args, kwargs)
@@ -140,7 +146,8 @@ def _tapped(original: Callable[..., Any], shares: bool) -> Callable[..., Any]:
 def tap(reader: ClipReader) -> None:
     """``reader.before_clip(parameters)`` runs before every gradient clip from now on (or, for a
     default ``clip_grad_norm_``, ``reader.take_from_clip`` with the clip's own norms)."""
-    _READERS.add(reader)
+    key = id(reader)
+    _READERS[key] = weakref.ref(reader, lambda _, key=key: _READERS.pop(key, None))  # (gone with the reader)
     for module, name in _TARGETS:
         current = getattr(module, name, None)
         if current is not None and not hasattr(current, _MARK):
@@ -150,7 +157,8 @@ def tap(reader: ClipReader) -> None:
 def untap(reader: ClipReader) -> None:
     """Stop calling ``reader``; the last reader gone puts torch's own functions back (unless
     something wrapped them after us: then ours stays inside, calling nobody)."""
-    _READERS.discard(reader)
+    if _READERS.get(id(reader), lambda: None)() is reader:
+        del _READERS[id(reader)]
     if _READERS:
         return
     for module, name in _TARGETS:

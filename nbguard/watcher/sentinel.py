@@ -147,10 +147,11 @@ class GradNormCollector:
             self._tapped = False
 
     # ---- fused: one read of every gradient at the step boundary -----------------------------
-    def watch_backward(self, output: object) -> None:
-        """Count the backward through this forward's outputs (one tensor hook each, not one per parameter)."""
+    def backward_counter(self) -> Callable[[torch.Tensor], None] | None:
+        """The tensor hook that counts a backward (fused read), made once; None where the per-parameter
+        hooks count them, or while paused."""
         if self.per_parameter or not self.enabled:
-            return
+            return None
         if self._backward_seen is None:
             collector = weakref.ref(self)  # the graph must not keep the collector (and the model) alive
 
@@ -160,11 +161,19 @@ class GradNormCollector:
                     live.accumulations += 1
 
             self._backward_seen = guarded(seen, self._on_error)  # never break the user's backward
+        return self._backward_seen
+
+    def watch_backward(self, output: object, counted: Sequence[torch.Tensor] = ()) -> None:
+        """Count the backward through this forward's outputs (one tensor hook each, not one per
+        parameter); ``counted``: outputs whose hook already calls ``backward_counter()``."""
+        counter = self.backward_counter()
+        if counter is None:
+            return
         # Every output a backward can start from, the model's own loss among them: TRL's trainers take
         # their loss from the log-probabilities the model returns beside an unused LM loss.
         for _, tensor in iter_tensors(output):
-            if tensor.is_floating_point() and tensor.requires_grad:
-                tensor.register_hook(self._backward_seen)
+            if tensor.is_floating_point() and tensor.requires_grad and not any(tensor is c for c in counted):
+                tensor.register_hook(counter)
 
     def before_clip(self, parameters: list[torch.Tensor]) -> None:
         """A gradient clip is about to scale ``parameters``' gradients: take the norms now if they are ours."""

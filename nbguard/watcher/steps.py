@@ -93,12 +93,14 @@ class WatchSteps(WatchRecord):
         self._forward_open = False
         if not self._training_forward(module) or not self._micro_batches:
             return None
-        self._collector.watch_backward(output)  # a backward through this forward: the capture is in use
         found = find_loss(output)
         if found is not None and self._loss_tap is None:  # else the Trainer's, at training_step's end
             self._losses.append(found[1].detach())
-        if self.localize:
-            self._micro_batches[-1].record_output_grads(output, found)
+        # A backward through this forward puts the capture in use: its outputs' hooks count it (the
+        # replay's gradient keeper on the loss counts too: one hook there, not two)
+        counter = self._collector.backward_counter()
+        counted = self._micro_batches[-1].record_output_grads(output, found, counter) if self.localize else []
+        self._collector.watch_backward(output, counted)
         return None
 
     @watch_hook(safe=True)
