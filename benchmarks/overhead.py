@@ -18,7 +18,8 @@ the median per-round ratio against no watch and the added time per trainable ten
     OMP_NUM_THREADS=1 python benchmarks/overhead.py --fixed-cost --rounds 60 --clock cpu --threads 1
 
 ``--hook-times`` says where that fixed part goes on the tiny Llama: the time inside each of the four
-step hooks, the watch with its detectors removed, and the cold first op of a step.
+step hooks, the watch with its detectors removed, a copy doing only the irreducible work of a step
+(the yardstick for the watch's own Python), and the cold first op of a step.
 
     OMP_NUM_THREADS=1 python benchmarks/overhead.py --hook-times --rounds 100 --clock cpu --threads 1
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import statistics
 import sys
 import time
@@ -323,6 +325,68 @@ class HooksOnly(FixedCostVariant):
         self.opt.zero_grad = lambda set_to_none=True: original(set_to_none=set_to_none)  # type: ignore[method-assign]
 
 
+class IrreducibleWork(FixedCostVariant):
+    """What any watch with the same guarantees must do each step, and nothing more: keep references to
+    the micro-batch and its RNG state, count its supervised tokens on the device, keep the loss with
+    one hook on it, keep the clip's own per-tensor norms, and read norms, loss and count to the host
+    in one ``cat``/``tolist`` with a finiteness check. The yardstick for the watch's own Python."""
+
+    def __init__(self, name: str, model: torch.nn.Module):
+        super().__init__("no watch", model)
+        self.name = name
+        self.micro_batches: list = []
+        self.losses: list[torch.Tensor] = []
+        self.norms: torch.Tensor | None = None
+        self.backwards = 0
+        self.history: list[list[float]] = []
+        model.register_forward_pre_hook(self._pre, with_kwargs=True)
+        model.register_forward_hook(self._post, with_kwargs=True)
+        self.opt.register_step_pre_hook(self._read)
+        self.opt.register_step_post_hook(self._end)
+
+    def _pre(self, module, args, kwargs):
+        count = torch.count_nonzero(kwargs["labels"][..., 1:] != -100)
+        self.micro_batches.append((args, kwargs, torch.get_rng_state(), count))
+
+    def _seen(self, grad):
+        self.backwards += 1
+
+    def _post(self, module, args, kwargs, output):
+        output.loss.register_hook(self._seen)
+        self.losses.append(output.loss.detach())
+
+    def _clip(self, params, max_norm):
+        from torch.nn.utils.clip_grad import _clip_grads_with_norm_
+
+        with torch.no_grad():
+            self.norms = torch.stack(torch._foreach_norm([p.grad for p in params], 2.0))
+            total = torch.linalg.vector_norm(self.norms, 2.0)
+        _clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def _read(self, optimizer, args, kwargs):
+        values = torch.cat([self.norms, self.losses[0].reshape(1),
+                            self.micro_batches[0][3].float().reshape(1)]).tolist()
+        if not all(map(math.isfinite, values)):
+            raise FloatingPointError("a planted check: this benchmark trains a healthy model")
+        self.history.append(values)
+
+    def _end(self, optimizer, args, kwargs):
+        self.micro_batches, self.losses = [], []
+
+    def run(self, batch, steps: int, clock, device: str = "cpu", loss_item: bool = False) -> float:
+        synchronize(device)
+        start = clock()
+        for _ in range(steps):
+            loss = self.model(**batch).loss
+            loss.backward()
+            self._clip(self.params, 1.0)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        synchronize(device)
+        return (clock() - start) / steps
+
+
 def time_detectors(board) -> dict[str, list[int]]:
     """Wraps every hook the board dispatches on each of its detectors with a timer: ns per call, by
     "Detector.hook" (a hook that calls another of its own is counted in both)."""
@@ -347,8 +411,8 @@ def time_detectors(board) -> dict[str, list[int]]:
 def hook_times(args) -> None:
     """Where the fixed part of a watched tiny-Llama step goes: the time spent inside each of the watch's
     four step hooks (``perf_counter_ns`` around each, medians) and inside each detector's hooks, the
-    watch with its detectors removed and a copy with hooks that do nothing against the whole watch (same
-    rounds), and the cold first op: the supervised-token count run twice inside the forward pre-hook,
+    watch with its detectors removed, a copy with hooks that do nothing and one doing only the irreducible
+    work (``IrreducibleWork``) against the whole watch (same rounds), and the cold first op: the supervised-token count run twice inside the forward pre-hook,
     first and again right after (so both watches pay one warm count more than they otherwise would)."""
     from nbguard.watcher import steps, supervision
     from nbguard.watcher.pipeline import DetectorBoard
@@ -388,6 +452,7 @@ def hook_times(args) -> None:
     base = tiny_llama(4)
     variants = [FixedCostVariant(n, copy.deepcopy(base)) for n in ["no watch", "fused read", "fused read, no detectors"]]
     variants.append(HooksOnly("hooks that do nothing", copy.deepcopy(base)))
+    variants.append(IrreducibleWork("the irreducible work only", copy.deepcopy(base)))
     variants[2].watch._board = DetectorBoard([])  # (the benchmark's ablation: no detector, no run check)
     per_detector = time_detectors(variants[1].watch._board)
     for v in variants:
@@ -417,7 +482,7 @@ def hook_times(args) -> None:
           f"after {again:.1f} us\n")
     baseline = times["no watch"]
     print("| variant | added per step (median per round) | ratio |\n|---|---:|---:|")
-    for name in ("fused read", "fused read, no detectors", "hooks that do nothing"):
+    for name in ("fused read", "fused read, no detectors", "hooks that do nothing", "the irreducible work only"):
         added = statistics.median(t - b for t, b in zip(times[name], baseline))
         ratio = statistics.median(t / b for t, b in zip(times[name], baseline))
         print(f"| {name} | {added * 1e6:.0f} us | {ratio:.3f}x |")

@@ -114,3 +114,26 @@ def test_two_watches_share_one_clip_wrapper_and_detach_restores_torch():
     watches[1].detach()
     assert not clip_tap.tapped() and torch.nn.utils.clip_grad_norm_ is original
     assert all(_parameter_hooks(m) == 0 for m in models)
+
+
+def test_a_collected_watch_reads_no_more_clips_and_the_live_one_still_does():
+    """The clip keeps its readers weakly: a watch dropped without detach (and its model) is freed and
+    leaves the readers; a watch still attached keeps reading its norms at the clip."""
+    import gc
+    import weakref
+
+    dropped_model, kept_model = tiny_llama(), tiny_llama(seed=1)
+    dropped = _watch(dropped_model, False, optimizer=torch.optim.SGD(dropped_model.parameters(), lr=1e-3))
+    kept_opt = torch.optim.SGD(kept_model.parameters(), lr=1e-3)
+    kept = _watch(kept_model, False, optimizer=kept_opt)
+    assert len(clip_tap._READERS) == 2
+    collector = weakref.ref(dropped._collector)
+    del dropped, dropped_model
+    gc.collect()
+    assert collector() is None and len(clip_tap._READERS) == 1
+    kept_model(**batches(1)[0]).loss.backward()
+    total = torch.nn.utils.clip_grad_norm_(kept_model.parameters(), 1.0)
+    kept_opt.step()
+    assert kept.step == 1 and kept.history.total_grad_norm[0] == pytest.approx(float(total), rel=1e-6)
+    kept.detach()
+    assert not clip_tap.tapped()

@@ -147,7 +147,11 @@ def tap(reader: ClipReader) -> None:
     """``reader.before_clip(parameters)`` runs before every gradient clip from now on (or, for a
     default ``clip_grad_norm_``, ``reader.take_from_clip`` with the clip's own norms)."""
     key = id(reader)
-    _READERS[key] = weakref.ref(reader, lambda _, key=key: _READERS.pop(key, None))  # (gone with the reader)
+
+    def gone(_: weakref.ref) -> None:  # the reader was collected without untap
+        _READERS.pop(key, None)
+
+    _READERS[key] = weakref.ref(reader, gone)
     for module, name in _TARGETS:
         current = getattr(module, name, None)
         if current is not None and not hasattr(current, _MARK):

@@ -31,7 +31,7 @@ from .events import Localiser, fold_skip_streaks, skip_streaks
 from .guard import guarded_call
 from .history import ActivationHistory, GradHistory
 from .integrations.loop import OptimizerBinding, ScalerBinding
-from .pipeline import DetectorBoard
+from .pipeline import DetectorBoard, StepView
 from .run_checks import RunChecks
 from .sentinel import GradNormCollector, StepStats
 
@@ -91,6 +91,7 @@ class WatchRecord(ABC):
     _micro_batches: list[MicroBatch]
     _losses: list[torch.Tensor]
     _stats: StepStats | None
+    _step_view: StepView | None  # this step's view for the detectors, once built
     _optimizer_stepped: bool
     _step_dropped: bool
     _forward_open: bool  # a training forward started and has not returned

@@ -102,7 +102,7 @@ class GradNormCollector:
         attached = bool(self.handles) or self._tapped
         self.detach()
         known = len(self.groups)
-        self.params = [p for _, p in named_params]
+        self.params: list[torch.Tensor] = [p for _, p in named_params]
         index = []
         for name, _ in named_params:
             g = group_name(name)
@@ -311,7 +311,7 @@ class GradNormCollector:
             norms = torch._foreach_norm([local_tensor(p) for p in self.params] if self._sharded else self.params)
         return self._per_group(norms if self._fp32_on_one_device else [n.float() for n in norms], square=False)
 
-    def _per_group(self, values: list[torch.Tensor], square: bool) -> torch.Tensor:
+    def _per_group(self, values: list[torch.Tensor] | tuple[torch.Tensor, ...], square: bool) -> torch.Tensor:
         device = values[0].device if values else torch.device("cpu")
         stacked = torch.stack(values if self._fp32_on_one_device else [v.to(device, non_blocking=True) for v in values])
         if square:

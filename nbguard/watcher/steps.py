@@ -296,7 +296,7 @@ class WatchSteps(WatchRecord):
         self._micro_batches = []
         self._losses = []
         self._stats = None
-        self._step_view: StepView | None = None
+        self._step_view = None
         self._optimizer_stepped = False
         self._step_dropped = False
         self._forward_open = False
