@@ -116,6 +116,24 @@ def test_two_watches_share_one_clip_wrapper_and_detach_restores_torch():
     assert all(_parameter_hooks(m) == 0 for m in models)
 
 
+def test_the_weight_fingerprint_follows_a_model_cast_after_attach():
+    """``model.to(bf16)`` keeps the Parameter objects the watch covers and changes their dtype: the
+    fingerprint then reads bf16 norms, and a run whose weights do not move is still named frozen."""
+    from nbguard.watcher.detectors import WatchSettings
+
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights never move
+    watch = NanWatch(model, optimizer=opt, settings=WatchSettings(frozen_check_every=1, frozen_after=3)).attach()
+    model.to(torch.bfloat16)
+    for batch in batches(5):
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    watch.detach()
+    assert [e.kind for e in watch.events] == ["frozen-params"], watch.summary()
+    assert watch.events[0].evidence["steps_unchanged"] == 3
+
+
 def test_a_collected_watch_reads_no_more_clips_and_the_live_one_still_does():
     """The clip keeps its readers weakly: a watch dropped without detach (and its model) is freed and
     leaves the readers; a watch still attached keeps reading its norms at the clip."""

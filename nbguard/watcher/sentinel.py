@@ -112,11 +112,7 @@ class GradNormCollector:
         self._index = index
         self._ids = {id(p) for p in self.params}
         self._group_of = {id(p): g for p, g in zip(self.params, index)}  # id(parameter) -> its group
-        # the weight fingerprint (every few steps) skips per-tensor casts, moves and unwrapping where
-        # none is needed: one device, fp32 weights (their norms are fp32), no FSDP shards
-        self._fp32_on_one_device = len({p.device for p in self.params}) <= 1 and all(
-            p.dtype == torch.float32 for p in self.params)
-        self._sharded = is_sharded(self.params)
+        self._sharded = is_sharded(self.params)  # FSDP2 shards: the fingerprint reads each rank's own
         self._clip_plan: tuple[tuple, _ClipPlan] | None = None  # the last clip's layout and how it maps here
         self._index_tensors: dict[torch.device, torch.Tensor] = {}
         self._norms: list[torch.Tensor | None] = [None] * len(self.params)
@@ -309,11 +305,15 @@ class GradNormCollector:
         """Per-group sum of parameter norms: it stays bit-identical only if the weights do."""
         with torch.no_grad():
             norms = torch._foreach_norm([local_tensor(p) for p in self.params] if self._sharded else self.params)
-        return self._per_group(norms if self._fp32_on_one_device else [n.float() for n in norms], square=False)
+        return self._per_group(norms, square=False)
 
     def _per_group(self, values: list[torch.Tensor] | tuple[torch.Tensor, ...], square: bool) -> torch.Tensor:
         device = values[0].device if values else torch.device("cpu")
-        stacked = torch.stack(values if self._fp32_on_one_device else [v.to(device, non_blocking=True) for v in values])
+        # Stacked as they are where they already are fp32 on one device (fp32 weights, checked each time:
+        # a model cast after attach keeps its Parameter objects); else cast and moved first
+        if not all(v.dtype == torch.float32 and v.device == device for v in values):
+            values = [v.float().to(device, non_blocking=True) for v in values]
+        stacked = torch.stack(values)
         if square:
             stacked = stacked.square()
         return torch.zeros(len(self.groups), device=device, dtype=torch.float32).index_add_(
