@@ -224,13 +224,16 @@ class FixedCostVariant:
             # fixed cost that does not grow with the number of tensors
             self.watch._collector.enabled = not name.startswith("no gradient read")
 
+    def clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
     def run(self, batch, steps: int, clock, device: str = "cpu", loss_item: bool = False) -> float:
         synchronize(device)
         start = clock()
         for _ in range(steps):
             loss = self.model(**batch).loss
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+            self.clip(self.params, 1.0)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             if loss_item:  # as the Trainer's NaN filter and a progress bar's loss do: one host read per step
@@ -360,7 +363,7 @@ class IrreducibleWork(FixedCostVariant):
         output.loss.register_hook(self._seen)
         self.losses.append(output.loss.detach())
 
-    def _clip(self, params, max_norm):
+    def clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         from torch.nn.utils.clip_grad import _clip_grads_with_norm_
 
         from nbguard.watcher.clip_tap import _clip_norms
@@ -380,18 +383,6 @@ class IrreducibleWork(FixedCostVariant):
 
     def _end(self, optimizer, args, kwargs):
         self.micro_batches, self.losses = [], []
-
-    def run(self, batch, steps: int, clock, device: str = "cpu", loss_item: bool = False) -> float:
-        synchronize(device)
-        start = clock()
-        for _ in range(steps):
-            loss = self.model(**batch).loss
-            loss.backward()
-            self._clip(self.params, 1.0)
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-        synchronize(device)
-        return (clock() - start) / steps
 
 
 def time_detectors(board) -> dict[str, list[int]]:
