@@ -63,19 +63,13 @@ def model_loss(output: Any) -> torch.Tensor | None:
     return found[1] if found is not None else None
 
 
-_UNSEEN: Any = object()
-
-
-def backward_targets(output: Any, found: Any = _UNSEEN) -> list[tuple[str, torch.Tensor]]:
-    """The output tensors the real backward starts from (``found``: ``find_loss(output)``, when the
-    caller has it).
+def backward_targets(output: Any, found: tuple[str, torch.Tensor] | None) -> list[tuple[str, torch.Tensor]]:
+    """The output tensors the real backward starts from (``found``: ``find_loss(output)``).
 
     When the model computed its own loss, only the loss: hooking logits as well would count the
     loss's contribution twice in the replay. Otherwise every floating output that needs a grad
     (the loss is then computed outside the model from them).
     """
-    if found is _UNSEEN:
-        found = find_loss(output)
     if found is not None and found[1].requires_grad:
         return [found]
     return [(p, t) for p, t in iter_tensors(output) if t.is_floating_point() and t.requires_grad]
@@ -103,11 +97,11 @@ class MicroBatch:
     output_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     trainer_labels: torch.Tensor | None = None  # the Trainer's labels when it kept them from the model
 
-    def record_output_grads(self, output: Any, found: Any = _UNSEEN,
+    def record_output_grads(self, output: Any, found: tuple[str, torch.Tensor] | None,
                             also: Callable[[torch.Tensor], None] | None = None) -> list[torch.Tensor]:
         """Hook the outputs so the real backward leaves us the gradient that reached them (``found``:
-        ``find_loss(output)``, when the caller has it). ``also``: a tensor hook of the caller's that
-        the same hook calls (one hook per tensor, not two). Returns the hooked tensors."""
+        ``find_loss(output)``). ``also``: a tensor hook of the caller's that the same hook calls (one
+        hook per tensor, not two). Returns the hooked tensors."""
         targets = backward_targets(output, found)
         for path, tensor in targets:
             tensor.register_hook(self._keeper(path, also))

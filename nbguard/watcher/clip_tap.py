@@ -64,7 +64,7 @@ def _live_readers() -> list[Any]:
 
 def _max_norm_if_shareable(args: tuple, kwargs: dict) -> Any:
     """``max_norm`` when ``clip_grad_norm_(parameters, *args, **kwargs)`` is a default 2-norm clip, else None."""
-    if _clip_with_norm is None or len(args) > 4:
+    if len(args) > 4:  # (called only where the clip can share: torch >= 2.6)
         return None
     names = ("max_norm", "norm_type", "error_if_nonfinite", "foreach")
     bound = dict(zip(names, args))

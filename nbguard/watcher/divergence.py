@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .rolling import RollingMedian
+from .rolling import RollingMedian, sorted_median
 
 # One MAD of a normal sample is 0.6745 standard deviations; scaled, it estimates the std robustly.
 MAD_TO_STD = 1.4826
@@ -70,10 +70,7 @@ class DivergenceDetector:
         """The run's recent log10 gradient norm (None before any healthy step)."""
         if not self.recent:
             return None
-        # statistics.median of the last level_steps values, without its checks (once a step, in the user's step)
-        last = sorted(itertools.islice(reversed(self.recent), self.settings.level_steps))
-        half = len(last) // 2
-        return last[half] if len(last) % 2 else (last[half - 1] + last[half]) / 2
+        return sorted_median(sorted(itertools.islice(reversed(self.recent), self.settings.level_steps)))
 
     def threshold(self) -> float | None:
         """Decades above the level that count as an explosion (None: not enough history)."""

@@ -57,7 +57,7 @@ def watch_hook(*, safe: bool) -> Callable[[Callable[..., Any]], Callable[..., An
         # more call per hook cost more than the rest of a small hook
         @functools.wraps(method)
         def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if self._broken or not self.attached:  # (``self.active``, without a property call per hook)
+            if not self.active:
                 return None
             try:
                 return method(self, *args, **kwargs)

@@ -163,7 +163,6 @@ class DetectorBoard:
         self.detectors = [check_detector(d) for d in [*detectors, *last]]
         self._last = len(last)
         self._asked: list[tuple[Detector, str, int]] = []  # (detector, name, numel) in read order
-        self._split: tuple[list[float] | None, dict[int, dict[str, list[float]]]] | None = None  # (values, split)
         # hook -> (detector, its bound method) for the detectors that implement it (bound once: a
         # step dispatches a dozen of them)
         self._by_hook: dict[str, list[tuple[Detector, Callable[..., Any]]]] = {}
@@ -184,7 +183,6 @@ class DetectorBoard:
     def collect(self, watch: WatchedRun) -> list[torch.Tensor]:
         """Every detector's scalars, in a stable order (the sentinel's read flattens and stacks them)."""
         self._asked, tensors = [], []
-        self._split = None
         for detector, scalars in self._by_hook["scalars"]:
             for name, tensor in scalars(watch).items():
                 self._asked.append((detector, name, tensor.numel()))
@@ -207,13 +205,9 @@ class DetectorBoard:
         scalars, in list order; each detector's events are emitted before the next one runs.
         Returns (detector, event) for each event, for the policy to decide on."""
         found: list[tuple[Detector, Event]] = []
-        asked = {}
-        if self._asked:  # split once a step (before_update and update get the same read)
-            if self._split is None or self._split[0] is not values:
-                self._split = (values, self.split(values))
-            asked = self._split[1]
+        asked = self.split(values) if self._asked else {}
         for detector, method in self._by_hook[hook]:
-            scalars = asked.get(id(detector)) if asked else None
+            scalars = asked.get(id(detector))
             events = method(view if scalars is None else view.with_scalars(scalars))
             for event in events:
                 emit(detector, event)
@@ -222,6 +216,5 @@ class DetectorBoard:
 
     def reset_step(self) -> None:
         self._asked = []
-        self._split = None
         for _, reset_step in self._by_hook["reset_step"]:
             reset_step()

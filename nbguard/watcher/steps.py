@@ -248,7 +248,6 @@ class WatchSteps(WatchRecord):
             return last
         view = StepView(self.step, tuple(self.history.groups), tuple(stats.grad_norm), stats.loss, stats.loss_scale,
                         skipped, scaler_skipped_seen, history=self.history)
-        view.__dict__["total_grad_norm"] = stats.total_grad_norm  # (its cached property: the same sum, once a step)
         self._step_view = view
         return view
 
