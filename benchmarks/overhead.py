@@ -28,6 +28,11 @@ step hooks, the watch with its detectors removed, a copy doing only the irreduci
 
     OMP_NUM_THREADS=1 python benchmarks/overhead.py --slope --rounds 60 --clock cpu --threads 1
 
+``--paired`` attaches and detaches the watch in turns on one copy of each model instead: no spread
+between model copies in the ratio (two unwatched copies differ by up to 0.6% here).
+
+    OMP_NUM_THREADS=1 python benchmarks/overhead.py --paired --rounds 150 --clock cpu --threads 1
+
 ``--against TREE`` adds the fused read of another checkout (``git worktree add /tmp/main main``) to the
 same rounds: a before/after under the same load, where separate runs on a shared machine differ by more
 than the change.
@@ -486,6 +491,44 @@ def hook_times(args) -> None:
         print(f"| {name} | {added * 1e6:.0f} us | {ratio:.3f}x |")
 
 
+def paired(args) -> None:
+    """The whole watch on and off on one copy of each model: ``detach`` and ``attach`` in alternate
+    halves of each round (which half first alternates too), one untimed step after each switch. Two
+    copies of a model differ by up to 0.6% in step time here (their memory, not their work), which
+    copies-against-copies ratios carry; the same copy against itself does not."""
+    clock = CLOCKS[args.clock]
+
+    def batch_of(seed: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(1, 256, (4, 32), generator=torch.Generator().manual_seed(seed)).to(args.device)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    print(f"\n### the watch on and off on the same copy ({args.rounds} rounds of {args.steps_per_round} steps "
+          f"each way, {args.clock} clock)\n")
+    print("| model | trainable tensors | watch off, step | added per step (median of pairs) | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for label, build in (("tiny Llama, 4 layers", lambda: tiny_llama(4)),
+                         ("LoRA (q,k,v,o r=8), 24 layers", lambda: tiny_lora(24))):
+        variant = FixedCostVariant("fused read", build().to(args.device))
+        assert variant.watch is not None
+        variant.run(batch_of(0), args.warmup, clock, args.device)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for r in range(args.rounds):
+            # a new batch each round, the same for both halves: ~1000 steps on one batch memorise it, and
+            # the LoRA model's gradient norm then really jumps 5-20x (the watch names it, rightly)
+            batch = batch_of(r)
+            for watched in ((True, False) if r % 2 else (False, True)):
+                (variant.watch.attach if watched else variant.watch.detach)()
+                variant.run(batch, 1, clock, args.device)  # the switch's own step (a fresh attach's first)
+                times[watched].append(variant.run(batch, args.steps_per_round, clock, args.device))
+        assert variant.watch.events == [], variant.watch.summary()  # a healthy run: no alarm
+        variant.watch.detach()
+        off, on = times[False], times[True]
+        added = statistics.median(b - a for a, b in zip(off, on))
+        ratio = statistics.median(b / a for a, b in zip(off, on))
+        print(f"| {label} | {len(variant.params)} | {statistics.median(off) * 1e3:.2f} ms | {added * 1e6:.0f} us "
+              f"| {ratio:.3f}x |")
+
+
 SLOPE_LAYERS = (6, 12, 24)  # LoRA on q/k/v/o: 8 trainable tensors per layer
 
 
@@ -557,6 +600,9 @@ def main(argv=None):
     parser.add_argument("--slope", action="store_true",
                         help="what grows with the trainable tensors: LoRA on 6, 12 and 24 layers, the added "
                              "time per step and its slope per tensor")
+    parser.add_argument("--paired", action="store_true",
+                        help="the whole watch attached and detached in turns on one copy of each model (no "
+                             "copy-to-copy spread in the ratio)")
     parser.add_argument("--against", metavar="TREE", default=None,
                         help="--fixed-cost: also the fused read of another checkout's nbguard (e.g. main), "
                              "in the same process and rounds")
@@ -583,6 +629,9 @@ def main(argv=None):
         return
     if args.slope:
         slope(args)
+        return
+    if args.paired:
+        paired(args)
         return
 
     n_params, variants, ratios = measure(args)
