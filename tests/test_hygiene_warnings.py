@@ -192,6 +192,7 @@ def test_near_misses_are_not_matched(text):
 def test_every_signature_names_a_real_channel():
     assert set(WARNING_SIGNATURES) == {"response-key-not-found", "checkpoint-inputs-no-grad",
                                        "gemma2-eager-attention", "linear4bit-input-dtype",
-                                       "generation-keyword-missing", "mistral-regex-warning"}  # issue 21's
+                                       "generation-keyword-missing", "mistral-regex-warning",  # issue 21's
+                                       "prompt-not-a-prefix"}
     assert {s.source for s in WARNING_SIGNATURES.values()} == {"warnings", "logging:transformers",
-                                                               "logging:bitsandbytes"}
+                                                               "logging:bitsandbytes", "logging:trl"}

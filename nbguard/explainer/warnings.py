@@ -9,6 +9,7 @@ The diagnosis' ``exception`` field carries the warning's first line (``UserWarni
 """
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -182,3 +183,45 @@ def mistral_regex_warning(text: str, origin: str):
         "the pattern the model was trained with. nbguard.audit(trainer) tokenises the sampled rows with and "
         "without the fix and says whether any id differs (rule mistral-regex-unfixed); to be safe, reload with "
         "AutoTokenizer.from_pretrained(..., fix_mistral_regex=True) before building the dataset.")
+
+
+# trl.trainer.sft_trainer (prompt-completion rows): logger.warning_once("The tokenized prompt is not a prefix of the
+# tokenized prompt+completion, usually because ... this end of the prompt is left out of the training sequence:
+# {processing_class.decode(prompt_ids[prompt_len:])!r}. ..."); accelerate's logger prefixes "[RANK n] "
+_PROMPT_NOT_PREFIX = re.compile(r"tokenized prompt is not a prefix of the tokenized prompt\+completion.*?"
+                                r"left out of the training sequence: (?P<dropped>'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")",
+                                re.S)
+
+
+@warning_signature("prompt-not-a-prefix", source="logging:trl")
+def prompt_not_a_prefix(text: str, origin: str):
+    """TRL's SFTTrainer cut the end of the prompt out of the training sequences: the model trains on a context it
+    never sees at inference (a prompt ending in whitespace that merges into the completion's first token, or a
+    chat template that renders the prompt alone differently)."""
+    match = _PROMPT_NOT_PREFIX.search(text)
+    if not match:
+        return None
+    try:
+        dropped = ast.literal_eval(match.group("dropped"))
+    except (ValueError, SyntaxError):
+        dropped = match.group("dropped")
+    whitespace = isinstance(dropped, str) and dropped != "" and dropped.strip() == ""
+    if whitespace:
+        cause = (f"The prompts end in whitespace ({dropped!r}) that the tokenizer merges into the completion's first "
+                 "token, so the prompt alone ends on a token the prompt+completion never contains. TRL starts the "
+                 "completion where the two diverge and trains without that token, but at inference the same "
+                 "prompt ends on it: the model continues from a context it was never trained on. Move the "
+                 "whitespace to the start of the completion before building the trainer: dataset = dataset.map("
+                 "lambda row: {\"prompt\": row[\"prompt\"].rstrip(), \"completion\": row[\"prompt\"][len(row[\"prompt\"]"
+                 ".rstrip()):] + row[\"completion\"]}), and prompt the trained model without the trailing whitespace.")
+    else:
+        cause = (f"The prompt alone tokenizes to {dropped!r} at its end, which the prompt+completion does not contain: "
+                 "the chat template renders the prompt with add_generation_prompt=True differently from the prompt "
+                 "followed by the completion (an empty thinking block, a different header), or tokens merge across "
+                 "the boundary. TRL trains without that end, but at inference the model sees it. Use a chat template "
+                 "that renders the prompt the same way in both cases, or end the prompt on a token boundary.")
+    return _diagnosis(
+        "prompt-not-a-prefix", text, origin,
+        f"TRL left the end of the prompt ({dropped!r}) out of the training sequences",
+        cause + " TRL warns once, but the cause is usually in every row.",
+        dropped_text=dropped, whitespace_only=whitespace)
