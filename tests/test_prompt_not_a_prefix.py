@@ -11,6 +11,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 from notebook_helpers import run
 
+import nbguard
 from nbguard.explainer import diagnose_warning
 
 pytest.importorskip("trl")
@@ -113,3 +114,43 @@ def test_a_prompt_cut_inside_a_word_is_told_to_end_on_a_token_boundary(caplog):
     assert diagnosis is not None and diagnosis.signature == "prompt-not-a-prefix"
     assert diagnosis.evidence["whitespace_only"] is False and diagnosis.evidence["dropped_text"].strip() == "Fra"
     assert "end the prompt on a token boundary" in diagnosis.detail and "rstrip" not in diagnosis.detail
+
+
+def _prompt_findings(trainer) -> list:
+    return [f for f in nbguard.audit(trainer=trainer).findings if f.rule == "prompt-end-not-trained"]
+
+
+def test_the_audit_counts_the_cut_rows_where_trl_no_longer_warns(caplog):
+    """TRL warns once per process: the second trainer built on the same rows says nothing; the audit still sees it."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from nbguard.testing import tiny_llama
+
+    tok = byte_level_tokenizer()
+
+    def sft(rows):
+        return SFTTrainer(model=tiny_llama(), processing_class=tok, train_dataset=Dataset.from_list(rows),
+                          args=SFTConfig(output_dir=tempfile.mkdtemp(prefix="nbguard-prefix-"), use_cpu=True,
+                                         report_to=[]))
+
+    rows = ROWS + [{"prompt": "The capital of Spain is", "completion": " Madrid."}]  # this one ends on a boundary
+    with caplog.at_level(logging.WARNING, logger="trl"):
+        sft(rows)
+        assert [r for r in caplog.records if "not a prefix" in r.getMessage()]  # the first one warns
+        caplog.clear()
+        again = sft(rows)
+    assert not [r for r in caplog.records if "not a prefix" in r.getMessage()]  # TRL's warning_once: silent now
+    [finding] = _prompt_findings(again)
+    assert finding.severity.value == "warning"
+    assert finding.title == "2 of 3 checked rows train without the end of their prompt (' ')"
+    assert finding.evidence["rows_cut"] == {"first": [0, 1], "count": 2}
+    assert finding.evidence["whitespace_only"] is True and "dataset.map(" in finding.detail
+    assert _prompt_findings(sft([rows[2]])) == []  # the row that ends on a token boundary alone: nothing to say
+    # truncated inside the prompt (TRL 1.16 then drops the row, fully masked; a pipeline that keeps it): no
+    # completion is left to compare with, so nothing is claimed
+    truncated = sft(rows)
+    truncated.train_dataset = truncated.train_dataset.map(lambda row: {"input_ids": row["input_ids"][:3]})
+    assert _prompt_findings(truncated) == []
+    [word] = _prompt_findings(sft([{"prompt": "The capital of Fra", "completion": "nce is Paris."}]))
+    assert word.evidence["whitespace_only"] is False and word.evidence["dropped_texts"]["first"] == [" Fra"]

@@ -193,6 +193,27 @@ _PROMPT_NOT_PREFIX = re.compile(r"tokenized prompt is not a prefix of the tokeni
                                 re.S)
 
 
+def prompt_cut_cause(dropped: object) -> tuple[bool, str]:
+    """(whether the dropped end is whitespace, what cut it and the fix) for a prompt whose tokenized end is not in
+    the tokenized prompt+completion (the warning's explanation and the audit rule ``prompt-end-not-trained``'s)."""
+    whitespace = isinstance(dropped, str) and dropped != "" and dropped.strip() == ""
+    if whitespace:
+        return True, (
+            f"The prompts end in whitespace ({dropped!r}) that the tokenizer merges into the completion's first "
+            "token, so the prompt alone ends on a token the prompt+completion never contains. TRL starts the "
+            "completion where the two diverge and trains without that token, but at inference the same "
+            "prompt ends on it: the model continues from a context it was never trained on. Move the "
+            "whitespace to the start of the completion before building the trainer: dataset = dataset.map("
+            "lambda row: {\"prompt\": row[\"prompt\"].rstrip(), \"completion\": row[\"prompt\"][len(row[\"prompt\"]"
+            ".rstrip()):] + row[\"completion\"]}), and prompt the trained model without the trailing whitespace.")
+    return False, (
+        f"The prompt alone tokenizes to {dropped!r} at its end, which the prompt+completion does not contain: "
+        "the chat template renders the prompt with add_generation_prompt=True differently from the prompt "
+        "followed by the completion (an empty thinking block, a different header), or tokens merge across "
+        "the boundary. TRL trains without that end, but at inference the model sees it. Use a chat template "
+        "that renders the prompt the same way in both cases, or end the prompt on a token boundary.")
+
+
 @warning_signature("prompt-not-a-prefix", source="logging:trl")
 def prompt_not_a_prefix(text: str, origin: str):
     """TRL's SFTTrainer cut the end of the prompt out of the training sequences: the model trains on a context it
@@ -205,23 +226,10 @@ def prompt_not_a_prefix(text: str, origin: str):
         dropped = ast.literal_eval(match.group("dropped"))
     except (ValueError, SyntaxError):
         dropped = match.group("dropped")
-    whitespace = isinstance(dropped, str) and dropped != "" and dropped.strip() == ""
-    if whitespace:
-        cause = (f"The prompts end in whitespace ({dropped!r}) that the tokenizer merges into the completion's first "
-                 "token, so the prompt alone ends on a token the prompt+completion never contains. TRL starts the "
-                 "completion where the two diverge and trains without that token, but at inference the same "
-                 "prompt ends on it: the model continues from a context it was never trained on. Move the "
-                 "whitespace to the start of the completion before building the trainer: dataset = dataset.map("
-                 "lambda row: {\"prompt\": row[\"prompt\"].rstrip(), \"completion\": row[\"prompt\"][len(row[\"prompt\"]"
-                 ".rstrip()):] + row[\"completion\"]}), and prompt the trained model without the trailing whitespace.")
-    else:
-        cause = (f"The prompt alone tokenizes to {dropped!r} at its end, which the prompt+completion does not contain: "
-                 "the chat template renders the prompt with add_generation_prompt=True differently from the prompt "
-                 "followed by the completion (an empty thinking block, a different header), or tokens merge across "
-                 "the boundary. TRL trains without that end, but at inference the model sees it. Use a chat template "
-                 "that renders the prompt the same way in both cases, or end the prompt on a token boundary.")
+    whitespace, cause = prompt_cut_cause(dropped)
     return _diagnosis(
         "prompt-not-a-prefix", text, origin,
         f"TRL left the end of the prompt ({dropped!r}) out of the training sequences",
-        cause + " TRL warns once, but the cause is usually in every row.",
+        cause + " TRL warns once per process, but the cause is usually in every row; nbguard.audit(trainer) "
+        "counts the rows (rule prompt-end-not-trained).",
         dropped_text=dropped, whitespace_only=whitespace)

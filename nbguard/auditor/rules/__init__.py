@@ -17,6 +17,7 @@ from . import (  # noqa: F401  (registers them)
     padding,
     pooling,
     precision,
+    prompt_boundary,
     quantization,
     rl,
     tied,
