@@ -154,3 +154,40 @@ def test_the_audit_counts_the_cut_rows_where_trl_no_longer_warns(caplog):
     assert _prompt_findings(truncated) == []
     [word] = _prompt_findings(sft([{"prompt": "The capital of Fra", "completion": "nce is Paris."}]))
     assert word.evidence["whitespace_only"] is False and word.evidence["dropped_texts"]["first"] == [" Fra"]
+
+
+def test_labels_masked_by_the_prompts_own_length_never_teach_the_completions_first_token(tmp_path):
+    """The hand-written recipe (labels = -100 for len(tokenize(prompt)) tokens) on a plain Trainer: the merged
+    " Paris" counts as prompt. The finding says so, and the fix it writes makes " Paris" supervised."""
+    from datasets import Dataset
+    from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+    from nbguard.testing import tiny_llama
+
+    tok = byte_level_tokenizer()
+
+    def tokenize(row):
+        prompt_ids = tok(row["prompt"])["input_ids"]
+        ids = tok(row["prompt"] + row["completion"])["input_ids"]
+        return {"input_ids": ids, "labels": [-100] * len(prompt_ids) + ids[len(prompt_ids):]}
+
+    def trainer(dataset):
+        return Trainer(model=tiny_llama(vocab_size=len(tok)), train_dataset=dataset.map(tokenize),
+                       data_collator=DataCollatorForSeq2Seq(tok), processing_class=tok,
+                       args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+
+    cut = trainer(Dataset.from_list(ROWS))
+    row = cut.train_dataset[0]
+    paris = row["input_ids"].index(tok.convert_tokens_to_ids("ĠParis"))
+    assert row["labels"][paris] == -100  # what the finding will say: " Paris" is never supervised
+    [finding] = _prompt_findings(cut)
+    assert finding.title == "2 of 2 checked rows never supervise the start of their completion (' Paris')"
+    assert finding.evidence["completion_start_masked"] == {"first": [" Paris", " Rome"], "count": 2}
+    assert finding.evidence["dropped_texts"] == {"first": [" "], "count": 1}
+
+    namespace = {"dataset": Dataset.from_list(ROWS)}
+    exec(re.search(r"dataset = dataset\.map\(.*?\}\)", finding.detail).group(0), namespace)  # the fix as written
+    fixed = trainer(namespace["dataset"])
+    assert _prompt_findings(fixed) == []
+    row = fixed.train_dataset[0]
+    assert row["labels"][row["input_ids"].index(tok.convert_tokens_to_ids("ĠParis"))] != -100  # learned now

@@ -193,19 +193,27 @@ _PROMPT_NOT_PREFIX = re.compile(r"tokenized prompt is not a prefix of the tokeni
                                 re.S)
 
 
+# the fix for prompts that end in whitespace, as code a user runs on the raw prompt-completion dataset
+MOVE_WHITESPACE = (
+    "Move the whitespace to the start of the completion before tokenizing: dataset = dataset.map("
+    "lambda row: {\"prompt\": row[\"prompt\"].rstrip(), \"completion\": row[\"prompt\"][len(row[\"prompt\"]"
+    ".rstrip()):] + row[\"completion\"]}), and prompt the trained model without the trailing whitespace.")
+
+
+def is_whitespace(text: object) -> bool:
+    return isinstance(text, str) and text != "" and text.strip() == ""
+
+
 def prompt_cut_cause(dropped: object) -> tuple[bool, str]:
     """(whether the dropped end is whitespace, what cut it and the fix) for a prompt whose tokenized end is not in
     the tokenized prompt+completion (the warning's explanation and the audit rule ``prompt-end-not-trained``'s)."""
-    whitespace = isinstance(dropped, str) and dropped != "" and dropped.strip() == ""
+    whitespace = is_whitespace(dropped)
     if whitespace:
         return True, (
             f"The prompts end in whitespace ({dropped!r}) that the tokenizer merges into the completion's first "
             "token, so the prompt alone ends on a token the prompt+completion never contains. TRL starts the "
             "completion where the two diverge and trains without that token, but at inference the same "
-            "prompt ends on it: the model continues from a context it was never trained on. Move the "
-            "whitespace to the start of the completion before building the trainer: dataset = dataset.map("
-            "lambda row: {\"prompt\": row[\"prompt\"].rstrip(), \"completion\": row[\"prompt\"][len(row[\"prompt\"]"
-            ".rstrip()):] + row[\"completion\"]}), and prompt the trained model without the trailing whitespace.")
+            "prompt ends on it: the model continues from a context it was never trained on. " + MOVE_WHITESPACE)
     return False, (
         f"The prompt alone tokenizes to {dropped!r} at its end, which the prompt+completion does not contain: "
         "the chat template renders the prompt with add_generation_prompt=True differently from the prompt "

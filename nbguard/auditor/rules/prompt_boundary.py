@@ -9,14 +9,33 @@ trainer's own tokenized rows at every audit.
 """
 from __future__ import annotations
 
-from ...explainer.warnings import prompt_cut_cause
+from dataclasses import dataclass
+
+from ...explainer.warnings import MOVE_WHITESPACE, is_whitespace, prompt_cut_cause
 from ..registry import capped, finding, rule
 
 SAMPLED_ROWS = 64
 
 
-def _cut_rows(tok, dataset) -> tuple[int, list[tuple[int, str]]]:
-    """(rows checked, [(row, the prompt's end missing from its input_ids)]) over the first rows with a text prompt."""
+@dataclass(frozen=True)
+class CutRow:
+    index: int
+    dropped: str  # the tokenized prompt's end that is not in the row's input_ids
+    masked: str  # the completion's first token(s), where the labels count them as prompt ("": none)
+
+
+def _supervised_from(row: dict) -> int | None:
+    """The first supervised position of a row (its labels, or TRL's completion_mask), None when it has neither."""
+    labels, mask = row.get("labels"), row.get("completion_mask")
+    if isinstance(labels, list):
+        return next((i for i, label in enumerate(labels) if label != -100), None)
+    if isinstance(mask, list):
+        return next((i for i, m in enumerate(mask) if m), None)
+    return None
+
+
+def _cut_rows(tok, dataset) -> tuple[int, list[CutRow]]:
+    """(rows checked, the cut ones) over the first rows with a text prompt."""
     checked, cut = 0, []
     for index in range(min(len(dataset), SAMPLED_ROWS)):
         row = dataset[index]
@@ -29,13 +48,20 @@ def _cut_rows(tok, dataset) -> tuple[int, list[tuple[int, str]]]:
             continue  # truncated to max_length inside the prompt: no completion left to compare with
         checked += 1
         if shared < len(prompt_ids):
-            cut.append((index, tok.decode(prompt_ids[shared:])))
+            start = _supervised_from(row)
+            masked = tok.decode(ids[shared:start]) if start is not None and start > shared else ""
+            cut.append(CutRow(index, tok.decode(prompt_ids[shared:]), masked))
     return checked, cut
+
+
+def _most_common(texts: list[str]) -> list[str]:
+    """Distinct texts, most frequent first; ties in the order the rows gave them."""
+    return sorted(dict.fromkeys(texts), key=lambda text: -texts.count(text))
 
 
 @rule("prompt-end-not-trained", "warning")
 def prompt_end_not_trained(ctx):
-    """Prompt-completion rows whose tokenized input starts without the end of the tokenized prompt: TRL trained them on a context the model does not see at inference."""
+    """Prompt-completion rows whose tokenized input does not start with the whole tokenized prompt: the prompt's end is never trained (TRL), or the labels mask the completion's first token as prompt (masking by the prompt's own length)."""
     dataset = getattr(ctx.trainer, "train_dataset", None)
     columns = set(getattr(dataset, "column_names", None) or [])
     if ctx.tokenizer is None or not {"prompt", "completion", "input_ids"} <= columns:
@@ -43,10 +69,28 @@ def prompt_end_not_trained(ctx):
     checked, cut = _cut_rows(ctx.tokenizer, dataset)
     if not cut:
         return None
-    dropped = sorted({text for _, text in cut}, key=lambda text: -sum(t == text for _, t in cut))
-    whitespace, cause = prompt_cut_cause(dropped[0])
+    dropped = _most_common([row.dropped for row in cut])
+    masked = _most_common([row.masked for row in cut if row.masked])
+    evidence = {"rows_checked": checked, "rows_cut": capped([row.index for row in cut]),
+                "dropped_texts": capped(dropped), "whitespace_only": is_whitespace(dropped[0]),
+                "completion_start_masked": capped(masked),
+                "rows_masking_completion_start": capped([row.index for row in cut if row.masked])}
+    if masked:
+        n = sum(1 for row in cut if row.masked)
+        return finding(
+            "prompt-end-not-trained",
+            f"{n} of {checked} checked rows never supervise the start of their completion ({masked[0]!r})",
+            f"The prompt alone tokenizes to {dropped[0]!r} at its end, and the prompt+completion merges it with "
+            f"what follows into {masked[0]!r}. The labels mask as many tokens as the prompt alone has, so "
+            f"{masked[0]!r}, the completion's first token, counts as prompt: the model is never taught to produce "
+            "it, and at inference it continues from a prompt end it never saw. "
+            + (MOVE_WHITESPACE + " Or mask by the tokens the prompt and the prompt+completion share, not by the "
+               "prompt's own length." if is_whitespace(dropped[0]) else
+               "Mask by the tokens the prompt and the prompt+completion share, not by the prompt's own length, "
+               "and end prompts on a token boundary."),
+            evidence)
+    _, cause = prompt_cut_cause(dropped[0])
     return finding(
         "prompt-end-not-trained",
         f"{len(cut)} of {checked} checked rows train without the end of their prompt ({dropped[0]!r})",
-        cause, {"rows_checked": checked, "rows_cut": capped([index for index, _ in cut]),
-                "dropped_texts": capped(dropped), "whitespace_only": whitespace})
+        cause, evidence)
