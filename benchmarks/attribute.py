@@ -1,8 +1,8 @@
 """Where the watch's fixed cost goes inside a real training step, by sampling (py-spy), not by timers.
 
 Timers around each hook change what they time, and an A/B of one piece against another is lost in the
-spread between model copies (two unwatched copies differ by up to 0.6% here). A sampling profiler
-looks at the step as it runs: this script trains the 4-layer tiny Llama of ``overhead.py --fixed-cost``
+spread between model copies (unwatched copies differ by up to 0.8% here: ``overhead.py --copy-spread``).
+A sampling profiler looks at the step as it runs: this script trains the 4-layer tiny Llama of ``overhead.py --fixed-cost``
 with the watch (fused read) under ``py-spy record`` and counts the samples that fall in the watch's own
 code, by the hook they entered through, and the detectors' share of them. Then, for scale, the same
 detectors judge a thousand steps in a hot loop: the time the same Python takes when it is the only
@@ -13,7 +13,8 @@ through to the user's work (the model's forward, the optimizer's step, ``zero_gr
 and not in ``_clip_norms``, which computes the clip's norms in torch's place (the same work an unwatched
 clip does). Needs py-spy (``pip install py-spy``). It samples blocking (the process is paused for
 each sample, off its thread clock): with ``--nonblocking`` about a tenth of the samples fail to read,
-most of them in Python-heavy code, which then undercounts the watch by a third.
+most of them in Python-heavy code, which then undercounts the watch (py-spy's own count of samples and
+errors is printed with the results).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/attribute.py --steps 3000
 """
@@ -40,12 +41,11 @@ def watched_tiny_llama():
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from overhead import FixedCostVariant, tiny_llama
+    from overhead import FixedCostVariant, tiny_batch, tiny_llama
 
     torch.set_num_threads(1)
     variant = FixedCostVariant("fused read", tiny_llama(4))
-    ids = torch.randint(1, 256, (4, 32), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": ids.clone()}
+    batch = tiny_batch()
     variant.run(batch, 20, time.thread_time)
     return variant, batch
 
@@ -109,6 +109,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    parser.add_argument("--nonblocking", action="store_true",
+                        help="sample without pausing the process (py-spy --nonblocking): the comparison that "
+                             "shows why the default pauses (failed reads, fewer samples in the watch)")
     parser.add_argument("--train", action="store_true", help=argparse.SUPPRESS)  # the profiled child
     args = parser.parse_args(argv)
     if args.train:
@@ -120,13 +123,17 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "watch.raw"
         child = subprocess.run([py_spy, "record", "-r", str(args.rate), "-f", "raw", "-o", str(raw),
+                                *(["--nonblocking"] if args.nonblocking else []),
                                 "--", sys.executable, __file__, "--train", "--steps", str(args.steps)],
                                capture_output=True, text=True, check=True)
+        errors = next((line[line.index("Samples:"):].strip() for line in (child.stdout + child.stderr).splitlines()
+                       if "Samples:" in line), "no sample count printed")
         step_us = float(next(line.split()[1] for line in child.stdout.splitlines() if line.startswith("step ")))
         total, by_entry, by_part = attribute(raw)
     watch = sum(by_entry.values())
-    print(f"\n### the watch's share of a tiny-Llama step, sampled ({args.steps} steps, {total} samples in the "
-          f"loop, step {step_us / 1e3:.2f} ms)\n")
+    print(f"\n### the watch's share of a tiny-Llama step, sampled ({args.steps} steps, "
+          f"{'nonblocking' if args.nonblocking else 'blocking'}, {total} samples in the loop, step "
+          f"{step_us / 1e3:.2f} ms; py-spy: {errors})\n")
     print(f"the watch's own code: {watch} samples, {watch / total:.2%} of the step, about "
           f"{watch / total * step_us:.0f} us per step\n")
     print("| entered through | samples | per step |\n|---|---:|---:|")

@@ -29,9 +29,11 @@ step hooks, the watch with its detectors removed, a copy doing only the irreduci
     OMP_NUM_THREADS=1 python benchmarks/overhead.py --slope --rounds 60 --clock cpu --threads 1
 
 ``--paired`` attaches and detaches the watch in turns on one copy of each model instead: no spread
-between model copies in the ratio (two unwatched copies differ by up to 0.6% here).
+between model copies in the ratio. ``--copy-spread`` measures that spread: unwatched copies against
+the first.
 
     OMP_NUM_THREADS=1 python benchmarks/overhead.py --paired --rounds 150 --clock cpu --threads 1
+    OMP_NUM_THREADS=1 python benchmarks/overhead.py --copy-spread --rounds 80 --clock cpu --threads 1
 
 ``--against TREE`` adds the fused read of another checkout (``git worktree add /tmp/main main``) to the
 same rounds: a before/after under the same load, where separate runs on a shared machine differ by more
@@ -193,6 +195,12 @@ def tiny_lora(layers: int):
     return get_peft_model(tiny_llama(layers), config)
 
 
+def tiny_batch(seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The fixed-cost modes' batch: 4 rows of 32 random token ids of the tiny models' 256, labels the same."""
+    ids = torch.randint(1, 256, (4, 32), generator=torch.Generator().manual_seed(seed)).to(device)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
 def other_tree_watch(tree: str):
     """``NanWatch`` from another checkout's ``nbguard`` (e.g. main, for a before/after in one process).
 
@@ -271,9 +279,7 @@ def launches(variant: FixedCostVariant, batch, steps: int, device: str, loss_ite
 def fixed_cost(args) -> None:
     clock = CLOCKS[args.clock]
     other = other_tree_watch(args.against) if args.against else None
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, 256, (4, 32), generator=gen).to(args.device)
-    batch = {"input_ids": ids, "labels": ids.clone()}
+    batch = tiny_batch(device=args.device)
     where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
     print(f"\n### the watch's fixed cost ({where}, {args.rounds} rounds of {args.steps_per_round} steps, "
           f"{args.clock} clock, batch 4x32, clip_grad_norm_ + AdamW"
@@ -449,9 +455,7 @@ def hook_times(args) -> None:
 
     supervision.supervised_count = count_twice
     clock = CLOCKS[args.clock]
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, 256, (4, 32), generator=gen)
-    batch = {"input_ids": ids, "labels": ids.clone()}
+    batch = tiny_batch()
     base = tiny_llama(4)
     variants = [FixedCostVariant(n, copy.deepcopy(base)) for n in ["no watch", "fused read", "fused read, no detectors"]]
     variants.append(HooksOnly("hooks that do nothing", copy.deepcopy(base)))
@@ -491,17 +495,32 @@ def hook_times(args) -> None:
         print(f"| {name} | {added * 1e6:.0f} us | {ratio:.3f}x |")
 
 
+def copy_spread(args, copies: int = 5) -> None:
+    """What separates variants that are only copies: ``copies`` unwatched copies of the tiny Llama, in the
+    same rotating rounds as ``--fixed-cost``, each against the first. Any ratio away from 1.000 is the
+    spread every copies-against-copies figure carries (``--paired`` has none)."""
+    clock = CLOCKS[args.clock]
+    batch = tiny_batch(device=args.device)
+    base = tiny_llama(4).to(args.device)
+    variants = [FixedCostVariant("no watch", copy.deepcopy(base)) for _ in range(copies)]
+    for v in variants:
+        v.run(batch, args.warmup, clock, args.device)
+    times: list[list[float]] = [[] for _ in variants]
+    for r in range(args.rounds):
+        for i in [*range(r % copies, copies), *range(r % copies)]:  # rotating order, as --fixed-cost
+            times[i].append(variants[i].run(batch, args.steps_per_round, clock, args.device))
+    ratios = [statistics.median(t / b for t, b in zip(times[i], times[0])) for i in range(1, copies)]
+    print(f"\n### {copies} unwatched copies of the tiny Llama ({args.rounds} rounds of {args.steps_per_round} "
+          f"steps, {args.clock} clock), each against the first: "
+          + ", ".join(f"{ratio:.3f}x" for ratio in ratios))
+
+
 def paired(args) -> None:
     """The whole watch on and off on one copy of each model: ``detach`` and ``attach`` in alternate
-    halves of each round (which half first alternates too), one untimed step after each switch. Two
-    copies of a model differ by up to 0.6% in step time here (their memory, not their work), which
-    copies-against-copies ratios carry; the same copy against itself does not."""
+    halves of each round (which half first alternates too), one untimed step after each switch. Copies
+    of a model differ by up to 0.8% in step time here (``--copy-spread``: their memory, not their work),
+    which copies-against-copies ratios carry; the same copy against itself does not."""
     clock = CLOCKS[args.clock]
-
-    def batch_of(seed: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(1, 256, (4, 32), generator=torch.Generator().manual_seed(seed)).to(args.device)
-        return {"input_ids": ids, "labels": ids.clone()}
-
     print(f"\n### the watch on and off on the same copy ({args.rounds} rounds of {args.steps_per_round} steps "
           f"each way, {args.clock} clock)\n")
     print("| model | trainable tensors | watch off, step | added per step (median of pairs) | ratio |")
@@ -510,12 +529,12 @@ def paired(args) -> None:
                          ("LoRA (q,k,v,o r=8), 24 layers", lambda: tiny_lora(24))):
         variant = FixedCostVariant("fused read", build().to(args.device))
         assert variant.watch is not None
-        variant.run(batch_of(0), args.warmup, clock, args.device)
+        variant.run(tiny_batch(device=args.device), args.warmup, clock, args.device)
         times: dict[bool, list[float]] = {False: [], True: []}
         for r in range(args.rounds):
             # a new batch each round, the same for both halves: ~1000 steps on one batch memorise it, and
             # the LoRA model's gradient norm then really jumps 5-20x (the watch names it, rightly)
-            batch = batch_of(r)
+            batch = tiny_batch(r, args.device)
             for watched in ((True, False) if r % 2 else (False, True)):
                 (variant.watch.attach if watched else variant.watch.detach)()
                 variant.run(batch, 1, clock, args.device)  # the switch's own step (a fresh attach's first)
@@ -539,9 +558,7 @@ def slope(args) -> None:
     and its least-squares line over the three sizes: the slope is the cost per trainable tensor per
     step, the intercept the part that does not grow with them."""
     clock = CLOCKS[args.clock]
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, 256, (4, 32), generator=gen)
-    batch = {"input_ids": ids, "labels": ids.clone()}
+    batch = tiny_batch()
     names = ["no watch", "fused read (after)", "hook per parameter (before)"]
     variants = []
     for layers in SLOPE_LAYERS:
@@ -603,6 +620,9 @@ def main(argv=None):
     parser.add_argument("--paired", action="store_true",
                         help="the whole watch attached and detached in turns on one copy of each model (no "
                              "copy-to-copy spread in the ratio)")
+    parser.add_argument("--copy-spread", action="store_true",
+                        help="five unwatched copies of the tiny Llama against the first: the spread between "
+                             "copies that --paired removes")
     parser.add_argument("--against", metavar="TREE", default=None,
                         help="--fixed-cost: also the fused read of another checkout's nbguard (e.g. main), "
                              "in the same process and rounds")
@@ -632,6 +652,9 @@ def main(argv=None):
         return
     if args.paired:
         paired(args)
+        return
+    if args.copy_spread:
+        copy_spread(args)
         return
 
     n_params, variants, ratios = measure(args)

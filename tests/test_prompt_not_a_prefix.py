@@ -191,3 +191,12 @@ def test_labels_masked_by_the_prompts_own_length_never_teach_the_completions_fir
     assert _prompt_findings(fixed) == []
     row = fixed.train_dataset[0]
     assert row["labels"][row["input_ids"].index(tok.convert_tokens_to_ids("ĠParis"))] != -100  # learned now
+
+    # a prompt cut inside a word: the masked tokens are the merged word and what follows, no whitespace fix offered
+    word = trainer(Dataset.from_list([{"prompt": "The capital of Fra", "completion": "nce is Paris."}]))
+    row = word.train_dataset[0]
+    assert tok.decode([i for i, label in zip(row["input_ids"], row["labels"]) if label == -100]) == \
+        "The capital of France is"  # what the finding will say: " France is" is masked
+    [finding] = _prompt_findings(word)
+    assert finding.title == "1 of 1 checked rows never supervise the start of their completion (' France is')"
+    assert "' Fra'" in finding.detail and "dataset.map(" not in finding.detail

@@ -211,14 +211,15 @@ def prompt_cut_cause(dropped: object) -> tuple[bool, str]:
     if whitespace:
         return True, (
             f"The prompts end in whitespace ({dropped!r}) that the tokenizer merges into the completion's first "
-            "token, so the prompt alone ends on a token the prompt+completion never contains. TRL starts the "
-            "completion where the two diverge and trains without that token, but at inference the same "
-            "prompt ends on it: the model continues from a context it was never trained on. " + MOVE_WHITESPACE)
+            "token, so the prompt alone ends on a token the prompt+completion never contains. The training rows "
+            "start the completion where the two diverge (as TRL does), so that token is in none of them, but at "
+            "inference the same prompt ends on it: the model continues from a context it was never trained on. "
+            + MOVE_WHITESPACE)
     return False, (
         f"The prompt alone tokenizes to {dropped!r} at its end, which the prompt+completion does not contain: "
         "the chat template renders the prompt with add_generation_prompt=True differently from the prompt "
         "followed by the completion (an empty thinking block, a different header), or tokens merge across "
-        "the boundary. TRL trains without that end, but at inference the model sees it. Use a chat template "
+        "the boundary. The training rows leave that end out, but at inference the model sees it. Use a chat template "
         "that renders the prompt the same way in both cases, or end the prompt on a token boundary.")
 
 

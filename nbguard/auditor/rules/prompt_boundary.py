@@ -80,9 +80,9 @@ def prompt_end_not_trained(ctx):
         return finding(
             "prompt-end-not-trained",
             f"{n} of {checked} checked rows never supervise the start of their completion ({masked[0]!r})",
-            f"The prompt alone tokenizes to {dropped[0]!r} at its end, and the prompt+completion merges it with "
-            f"what follows into {masked[0]!r}. The labels mask as many tokens as the prompt alone has, so "
-            f"{masked[0]!r}, the completion's first token, counts as prompt: the model is never taught to produce "
+            f"Where the prompt alone ends in {dropped[0]!r}, the prompt+completion has {masked[0]!r}: the tokens at "
+            "the boundary differ. The labels mask as many tokens as the prompt alone has, so "
+            f"{masked[0]!r}, where the completion begins, counts as prompt: the model is never taught to produce "
             "it, and at inference it continues from a prompt end it never saw. "
             + (MOVE_WHITESPACE + " Or mask by the tokens the prompt and the prompt+completion share, not by the "
                "prompt's own length." if is_whitespace(dropped[0]) else
