@@ -1,14 +1,16 @@
 /**
  * The payload the kernel displays under `application/vnd.nbguard.v1+json`: the v1 document plus
  * its `view` (nbguard/document/view.py), the presentation model this extension lays out. Their
- * types are generated from nbguard/document/schema.json (src/schema.ts); this module only checks
- * the envelope, finds the part of the document a chart draws, and decodes grid numbers.
+ * types are generated from nbguard/document/schema.json (src/schema.ts); this module checks a
+ * payload against that same schema before anything renders it (src/validate.ts), finds the part of
+ * the document a chart draws, and decodes grid numbers.
  *
  * JSON has no NaN or Infinity, so the kernel writes non-finite floats as "nan", "inf" and "-inf";
  * the view spells every number already, so decoding is needed for the heatmap cells only.
  */
 import type { EncodedNumberOrNull, NbguardDocument, View } from './schema';
 import { safePalette } from './safety';
+import { validateDocument } from './validate';
 
 export const MIME_TYPE = 'application/vnd.nbguard.v1+json';
 export const SCHEMA_VERSION = 1;
@@ -19,13 +21,31 @@ export type Num = number | null;
 /** Raised for a payload this extension cannot read; the renderer shows its message. */
 export class DocumentError extends Error {}
 
+/** A payload that does not follow the schema: shown as a notice, never rendered in part. */
+export class InvalidDocumentError extends DocumentError {
+  constructor(
+    readonly path: string,
+    readonly reason: string
+  ) {
+    super(
+      `nbguard: this output does not follow nbguard's document schema v${SCHEMA_VERSION}, so it is not shown ` +
+        `(${path}: ${reason}). A saved output can be edited by anyone; re-run the cell to see this kernel's own.`
+    );
+  }
+}
+
 /** A displayed payload: the document, and its view (null in outputs saved by an older nbguard). */
 export interface Payload {
   doc: NbguardDocument;
   view: View | null;
 }
 
-/** Check the envelope of a raw payload; throws DocumentError when it is not an nbguard v1 document. */
+/**
+ * Check a raw payload against the v1 schema, view included; throws DocumentError when it is not an
+ * nbguard v1 document, InvalidDocumentError when any field breaks the schema (a string that is not
+ * a string, a tone outside its enumeration, a colour that is not #rrggbb, a key the view does not
+ * define...). What it returns has the types of src/schema.ts because it was checked against them.
+ */
 export function readPayload(raw: unknown): Payload {
   if (!isObject(raw)) {
     throw new DocumentError('nbguard: the payload is not a JSON object');
@@ -36,21 +56,15 @@ export function readPayload(raw: unknown): Payload {
         `this extension reads version ${SCHEMA_VERSION} (update the nbguard package or extension)`
     );
   }
+  const invalid = validateDocument(raw);
+  if (invalid) {
+    throw new InvalidDocumentError(invalid.path, invalid.message);
+  }
   const doc = raw as unknown as NbguardDocument;
-  // the palette reaches element styles: only checked colours leave this function (safety.ts)
-  const view = isView(raw.view) ? { ...raw.view, palette: safePalette(raw.view.palette) } : null;
+  const saved = doc.view;
+  // the palette reaches element styles: rebuilt from checked colours once more (safety.ts)
+  const view = saved ? { ...saved, palette: safePalette(saved.palette) } : null;
   return { doc, view };
-}
-
-/** Enough of a view to lay out; anything less is treated as an output saved before views existed. */
-function isView(value: unknown): value is View {
-  return (
-    isObject(value) &&
-    typeof value.title === 'string' &&
-    Array.isArray(value.sections) &&
-    isObject(value.palette) &&
-    Array.isArray(value.palette.scale)
-  );
 }
 
 /** The heading of a document without a view: its own title, else its kind (as view.py's heading()). */

@@ -2,7 +2,7 @@
 import { IRenderMime } from '@jupyterlab/rendermime-interfaces';
 import { Panel, Widget } from '@lumino/widgets';
 
-import { DocumentError, MIME_TYPE, readPayload } from './document';
+import { DocumentError, InvalidDocumentError, MIME_TYPE, readPayload } from './document';
 import { FixInserter, renderPayload } from './render';
 import { WidgetHost, WidgetRendererSource, widgetModelId } from './widgethost';
 
@@ -53,8 +53,9 @@ export class NbguardRenderer extends Panel implements IRenderMime.IRenderer {
       const outputId = typeof payload.doc.output_id === 'string' ? payload.doc.output_id : null;
       return renderPayload(payload, { insertFix: this.inserterFor(this, model, outputId), trusted: model.trusted });
     } catch (error) {
+      // inert: one line of text, no button, no style from the payload
       const content = document.createElement('div');
-      content.className = 'nbg-render-error';
+      content.className = error instanceof InvalidDocumentError ? 'nbg-render-error nbg-invalid' : 'nbg-render-error';
       content.textContent =
         error instanceof DocumentError ? error.message : `nbguard: could not render this output (${String(error)})`;
       return content;

@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 
-import { DocumentError, decodeNumber, documentHeading, formatNumber, lookup, readPayload } from '../src/document';
+import { DocumentError, InvalidDocumentError, decodeNumber, documentHeading, formatNumber, lookup, readPayload } from '../src/document';
 import { loadFixture, numberSpellings } from './fixtures';
 
 describe('decodeNumber', () => {
@@ -49,7 +49,9 @@ describe('readPayload', () => {
     const { view, ...old } = loadFixture('audit');
     expect(view).toBeDefined();
     expect(readPayload(old).view).toBeNull();
-    expect(readPayload({ ...old, view: { title: 'x' } }).view).toBeNull(); // not a whole view
+    // a view that is not a whole view is not guessed at: the payload fails the schema
+    expect(() => readPayload({ ...old, view: { title: 'x' } })).toThrow(InvalidDocumentError);
+    expect(() => readPayload({ ...old, view: { title: 'x' } })).toThrow(/\(view: missing "meta"\)/);
     expect(documentHeading(readPayload(old).doc)).toBe(old.title);
     expect(documentHeading({ schema_version: 1, kind: 'watch' })).toBe('nbguard watch');
   });

@@ -1,7 +1,7 @@
 /** Untrusted outputs are data, never actions: a hostile saved output cannot run, fetch or hide code. */
 import { beforeEach, describe, expect, it, vi } from 'vitest';
 
-import { MIME_TYPE, readPayload } from '../src/document';
+import { InvalidDocumentError, MIME_TYPE, readPayload } from '../src/document';
 import { renderCard, renderPayload } from '../src/render';
 import { FALLBACK_COLOR, safeColor, safePalette } from '../src/safety';
 import { NbguardRenderer } from '../src/widget';
@@ -105,15 +105,24 @@ describe('colours from data', () => {
     }
   });
 
-  it('a hostile palette reaches no style: the payload\'s palette is rebuilt from checked colours', () => {
+  it('a hostile palette reaches no style: the payload fails the schema and only an inert notice is drawn', async () => {
     const raw = loadFixture('audit');
     const evil = 'url(http://127.0.0.1:9/x)';
     raw.view.palette = { ...raw.view.palette, nan: evil, good: evil, scale: [evil, '#fff'],
                          severity: { error: evil, warning: evil, info: evil } } as any;
-    const payload = readPayload(raw);
-    expect(JSON.stringify(payload.view!.palette)).not.toContain('url(');
-    const root = renderPayload(payload, { insertFix: null, trusted: false });
-    expect(root.outerHTML).not.toContain('url(');
+    expect(() => readPayload(raw)).toThrow(InvalidDocumentError);
+    const renderer = new NbguardRenderer(() => vi.fn());
+    await renderer.renderModel({ data: { [MIME_TYPE]: raw }, metadata: {}, trusted: false, setData: () => undefined } as any);
+    expect(renderer.node.querySelector('.nbg-invalid')!.textContent).toContain('view.palette.nan: does not match');
+    expect(renderer.node.outerHTML).not.toContain('url(');
+    expect(renderer.node.querySelectorAll('button, .nbg-report').length).toBe(0);
+  });
+
+  it('the palette is rebuilt from checked colours all the same (a second line of defence)', () => {
+    const evil = 'url(http://127.0.0.1:9/x)';
+    const palette = safePalette({ nan: evil, good: evil, scale: [evil, '#fff'], severity: { error: evil } });
+    expect(JSON.stringify(palette)).not.toContain('url(');
+    expect(palette.scale).toEqual([FALLBACK_COLOR, '#fff']);
     expect(safePalette({ scale: [] }).scale).toEqual([FALLBACK_COLOR]);
   });
 });
