@@ -38,9 +38,10 @@ def find_loss(output: Any) -> tuple[str, torch.Tensor] | None:
     """The loss a model returned, with its path in :func:`iter_tensors`' spelling.
 
     ``output.loss`` / ``output["loss"]`` (ModelOutput, dicts, dataclasses, any object with a
-    ``.loss``); a bare scalar tensor; the first element of a tuple when it is a scalar
-    (transformers' ``return_dict=False`` puts the loss first). None: the loss is computed
-    outside the model, from its outputs.
+    ``.loss``); a bare scalar tensor; the scalar element of a tuple or list, wherever it sits
+    (transformers' ``return_dict=False`` puts the loss first, nanoGPT returns ``(logits, loss)``);
+    where a tuple holds several scalars, the first a backward can start from. None: the loss is
+    computed outside the model, from its outputs.
     """
     if isinstance(output, torch.Tensor):
         return ("output", output) if output.dim() == 0 and output.is_floating_point() else None
@@ -50,8 +51,9 @@ def find_loss(output: Any) -> tuple[str, torch.Tensor] | None:
         if hasattr(output, "_fields") and "loss" in output._fields:  # a named tuple with a loss field
             i = output._fields.index("loss")
             return (f"[{i}]", output[i]) if _is_loss(output[i]) else None
-        first = output[0] if output else None
-        return ("[0]", first) if _is_loss(first) and first.dim() == 0 else None
+        scalars = [(i, v) for i, v in enumerate(output) if _is_loss(v) and v.dim() == 0]
+        i, first = next(((i, v) for i, v in scalars if v.requires_grad), scalars[0] if scalars else (0, None))
+        return (f"[{i}]", first) if first is not None else None
     else:
         loss = getattr(output, "loss", None)
     return ("loss", loss) if _is_loss(loss) else None

@@ -1,0 +1,152 @@
+"""Issue 30 item 4: no false events from nbguard's own arithmetic and output reading.
+
+A nanoGPT-style GPT written here (its forward returns ``(logits, loss)``) trained in plain loops:
+
+- lr=1000 drives the gradients to ~1e24 while every one stays finite; their fp32 2-norm overflows
+  (the sum of squares passes 3.4e38 once elements pass ~1e19). That is an explosion, never a
+  non-finite gradient.
+- a module that makes NaN at one step: a non-finite *loss*, read from the tuple wherever the loss sits.
+- the loss found in any output users return (a tuple with the loss anywhere, a dict, a bare scalar).
+- a healthy run memorising one batch: its gradient norm swings 10x while the loss falls, and no
+  spike or divergence event is raised.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nbguard
+from nbguard.document import view
+
+torch.set_num_threads(1)
+
+VOCAB, BLOCK = 64, 16
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.c_attn, self.c_proj, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.c_fc, self.gelu, self.c_proj = nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(d), CausalSelfAttention(d, heads)
+        self.ln_2, self.mlp = nn.LayerNorm(d), MLP(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """nanoGPT's model, tiny: ``forward(idx, targets)`` returns ``(logits, loss)``."""
+
+    def __init__(self, d: int = 32, heads: int = 2, layers: int = 2, returns: str = "tuple"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(VOCAB, d), wpe=nn.Embedding(BLOCK, d),
+            h=nn.ModuleList([Block(d, heads) for _ in range(layers)]), ln_f=nn.LayerNorm(d)))
+        self.lm_head = nn.Linear(d, VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT
+        self.returns = returns
+
+    def forward(self, idx, targets=None):
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.shape[1]))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None if targets is None else F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+        if self.returns == "dict":
+            return {"logits": logits, "loss": loss}
+        if self.returns == "scalar":
+            return loss
+        return logits, loss
+
+
+class FlakyLayerNorm(nn.LayerNorm):
+    """A LayerNorm that makes NaN while ``armed`` (the replay of the armed step sees it too)."""
+
+    armed = False
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out * float("nan") if self.armed else out
+
+
+def batches(steps: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, (4, BLOCK), generator=gen), torch.randint(0, VOCAB, (4, BLOCK), generator=gen))
+            for _ in range(steps)]
+
+
+def loss_of(output):
+    """How the loop takes the loss from what the model returned."""
+    return output["loss"] if isinstance(output, dict) else output if isinstance(output, torch.Tensor) else output[1]
+
+
+def train(model, lr: float, steps: int, clip: float | None = None, before=lambda step: None, **watch):
+    """nanoGPT's loop: AdamW, forward, backward, an optional clip, step, zero_grad (set_to_none)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    with nbguard.watch(model, optimizer=opt, verify=False, **watch) as w:
+        for step, (x, y) in enumerate(batches(steps)):
+            before(step)
+            loss = loss_of(model(x, y))
+            loss.backward()
+            losses.append(loss.item())
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return w, losses
+
+
+def kinds(watch) -> list[tuple[str, int]]:
+    return [(e.kind, e.step) for e in watch.events]
+
+
+# ---- the loss, wherever the model returns it ---------------------------------------------------------
+def planted_nan_run(returns: str):
+    model = GPT(returns=returns)
+    flaky = FlakyLayerNorm(32)
+    flaky.load_state_dict(model.transformer.h[0].ln_2.state_dict())
+    model.transformer.h[0].ln_2 = flaky
+
+    def arm(step: int) -> None:
+        flaky.armed = step == 4
+
+    return train(model, lr=1e-3, steps=6, before=arm)
+
+
+@pytest.mark.parametrize("returns", ["tuple", "dict", "scalar"])
+def test_a_planted_nan_is_a_nonfinite_loss_read_from_any_output(returns):
+    watch, losses = planted_nan_run(returns)
+    assert kinds(watch)[0] == ("nonfinite-loss", 4), watch.summary()
+    event = watch.events[0]
+    assert math.isnan(event.evidence["loss"])
+    assert event.origin("forward").module == "transformer.h.0.ln_2"
+    history = watch.history.loss
+    assert history[:4] == pytest.approx(losses[:4], rel=1e-6) and all(3.5 < v < 5 for v in history[:4])
+    assert math.isnan(history[4]) and math.isnan(losses[4])
