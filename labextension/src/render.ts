@@ -7,14 +7,68 @@
  * the pictures only: a chart's `source` is the path of the data it draws.
  *
  * Everything is built with text nodes (never innerHTML), so a document from an untrusted notebook
- * cannot inject markup; the renderer is therefore safe for untrusted outputs.
+ * cannot inject markup; the renderer is therefore safe for untrusted outputs. The payload was
+ * checked against the schema before it got here (document.ts); still, no class name is taken from
+ * data: each enumeration maps to its classes through a fixed table below. Every string is shown
+ * with its control, bidirectional and invisible characters marked (text.ts), and a fix's cell is
+ * one string, normalised once, that is both shown and inserted.
  */
 import { Payload, decodeNumber, documentHeading, isObject, lookup } from './document';
 import { confirmSavedFix, SavedFix, wrapCode } from './confirm';
 import { createHeatmap } from './heatmap';
 import { safeColor, severityColor } from './safety';
-import type { Card, Chart, Fact, FixView, Fold, NbguardDocument, Palette, Section, Table, View } from './schema';
+import type { Card, Chart, Fact, FixView, Fold, NbguardDocument, Palette, Section, Table, Verdict, View } from './schema';
 import { createSeries } from './series';
+import { cellSource, markedText, setText } from './text';
+
+// The classes each enumeration of the view draws with: from these tables only, never from data.
+// Typed by the generated enumerations, so a new value in the schema fails the type check here.
+const SECTION_CLASS: Record<Section['kind'], string> = {
+  story: 'nbg-section-story',
+  notes: 'nbg-section-notes',
+  entry: 'nbg-section-entry',
+  hardware: 'nbg-section-hardware',
+  stack: 'nbg-section-stack',
+  findings: 'nbg-section-findings',
+  probe: 'nbg-section-probe',
+  watch: 'nbg-section-watch',
+  verifications: 'nbg-section-verifications',
+  diagnoses: 'nbg-section-diagnoses',
+  fixes_applied: 'nbg-section-fixes_applied',
+  fix_cells: 'nbg-section-fix_cells',
+  environment: 'nbg-section-environment'
+};
+const CARD_TONE_CLASS: Record<Card['tone'], string> = {
+  error: 'nbg-tone-error',
+  warning: 'nbg-tone-warning',
+  info: 'nbg-tone-info'
+};
+const BADGE_TONE_CLASS: Record<Card['tone'], string> = {
+  error: 'nbg-badge-error',
+  warning: 'nbg-badge-warning',
+  info: 'nbg-badge-info'
+};
+const FACT_TONE_CLASS: Record<Fact['tone'], string> = { bad: 'nbg-fact-bad', skip: 'nbg-fact-skip', good: 'nbg-fact-good', '': '' };
+const FOLD_KIND_CLASS: Record<Fold['kind'], string> = { json: 'nbg-fold-json', text: 'nbg-fold-text', code: 'nbg-fold-code' };
+const VERDICT_CLASS: Record<Verdict['status'], string> = {
+  verified: 'nbg-verdict-verified',
+  'not-enough': 'nbg-verdict-not-enough',
+  'not-checked': 'nbg-verdict-not-checked'
+};
+const CHART_CLASS: Record<Chart['kind'], string> = {
+  heatmap: 'nbg-chart-heatmap',
+  series: 'nbg-chart-series',
+  activations: 'nbg-chart-activations'
+};
+
+/** The class `value` maps to in `table`; '' for anything the table does not hold (or "__proto__"). */
+export function classFor<K extends string>(table: Record<K, string>, value: unknown): string {
+  return typeof value === 'string' && Object.prototype.hasOwnProperty.call(table, value) ? table[value as K] : '';
+}
+
+function classes(...names: string[]): string {
+  return names.filter(Boolean).join(' ');
+}
 
 /** Inserts `code` as a new cell below the cell owning this output, runs it when `run`. */
 export type FixInserter = (code: string, run: boolean) => Promise<string | void>;
@@ -69,7 +123,7 @@ export function renderSection(section: Section, doc: NbguardDocument, palette: P
   if (section.kind === 'entry') {
     return el('h3', 'nbg-entry', section.title);
   }
-  const box = el('div', `nbg-section nbg-section-${section.kind}`);
+  const box = el('div', classes('nbg-section', classFor(SECTION_CLASS, section.kind)));
   box.dataset.section = section.kind;
   if (section.kind === 'notes') {
     for (const note of section.notes) {
@@ -121,7 +175,7 @@ const TONE_COLOR: Record<string, (palette: Palette) => string> = {
 function renderFacts(facts: Fact[], palette: Palette): HTMLElement {
   const list = el('ul', 'nbg-facts');
   for (const fact of facts) {
-    const item = el('li', fact.tone ? `nbg-fact nbg-fact-${fact.tone}` : 'nbg-fact', fact.text);
+    const item = el('li', classes('nbg-fact', classFor(FACT_TONE_CLASS, fact.tone)), fact.text);
     if (Object.prototype.hasOwnProperty.call(TONE_COLOR, fact.tone)) {
       item.style.color = safeColor(TONE_COLOR[fact.tone](palette));
     }
@@ -134,14 +188,14 @@ function renderFacts(facts: Fact[], palette: Palette): HTMLElement {
 const TAG_ATTRIBUTE: Record<string, string> = { findings: 'rule', diagnoses: 'signature', watch: 'event', fix_cells: 'fix' };
 
 export function renderCard(card: Card, sectionKind: string, palette: Palette, context: RenderContext): HTMLElement {
-  const box = el('div', `nbg-card nbg-tone-${card.tone}`);
+  const box = el('div', classes('nbg-card', classFor(CARD_TONE_CLASS, card.tone)));
   box.style.borderLeftColor = severityColor(palette, card.tone);
   if (card.tag && TAG_ATTRIBUTE[sectionKind]) {
     box.dataset[TAG_ATTRIBUTE[sectionKind]] = card.tag;
   }
   const head = el('div', 'nbg-card-head');
   if (card.badge) {
-    const badge = el('span', `nbg-badge nbg-badge-${card.tone}`, card.badge);
+    const badge = el('span', classes('nbg-badge', classFor(BADGE_TONE_CLASS, card.tone)), card.badge);
     badge.style.backgroundColor = severityColor(palette, card.tone);
     head.appendChild(badge);
   }
@@ -172,7 +226,7 @@ export function renderCard(card: Card, sectionKind: string, palette: Palette, co
 }
 
 function renderFold(fold: Fold): HTMLElement {
-  const details = el('details', `nbg-fold nbg-fold-${fold.kind}`);
+  const details = el('details', classes('nbg-fold', classFor(FOLD_KIND_CLASS, fold.kind)));
   details.append(el('summary', '', fold.label), codeBox(fold.text));
   return details;
 }
@@ -193,7 +247,7 @@ export function renderFix(fix: FixView, palette: Palette, context: RenderContext
     const verified = fix.verdict.status === 'verified';
     // "verified" in an untrusted output is only what the saved file claims
     const label = verified && !context.trusted ? 'verified when saved' : fix.verdict.label;
-    const verdict = el('span', `nbg-verdict nbg-verdict-${fix.verdict.status}`, label);
+    const verdict = el('span', classes('nbg-verdict', classFor(VERDICT_CLASS, fix.verdict.status)), label);
     if (verified) {
       verdict.style.color = safeColor(palette.good);
     }
@@ -206,7 +260,16 @@ export function renderFix(fix: FixView, palette: Palette, context: RenderContext
   if (!fix.code) {
     return box; // no cell was recorded for this fix: nothing to insert
   }
-  box.appendChild(codeBox(fix.code));
+  // The one string this fix's cell is: shown here, shown in the confirmation, inserted.
+  const cell = cellSource(fix.code);
+  box.appendChild(codeBox(cell.source));
+  if (!cell.ok) {
+    box.appendChild(
+      el('div', 'nbg-note nbg-fix-refused', `This cell holds control characters (${cell.refused.join(', ')}) and cannot be inserted.`)
+    );
+    return box;
+  }
+  const source = cell.source;
   const actions = el('div', 'nbg-fix-actions');
   const status = el('span', 'nbg-fix-status');
   const insert = button('Insert fix cell', 'nbg-insert');
@@ -221,7 +284,7 @@ export function renderFix(fix: FixView, palette: Palette, context: RenderContext
     const inserter = context.insertFix;
     const confirm = context.trusted ? null : context.confirmInsert ?? confirmSavedFix;
     const onClick = (run: boolean) => async () => {
-      if (confirm && !(await confirm({ id: fix.id, code: fix.code }))) {
+      if (confirm && !(await confirm({ id: fix.id, code: source }))) {
         return;
       }
       for (const b of buttons) {
@@ -230,7 +293,7 @@ export function renderFix(fix: FixView, palette: Palette, context: RenderContext
       status.classList.remove('nbg-error-text');
       status.textContent = run ? 'Inserting and running…' : 'Inserting…';
       try {
-        const note = await inserter(fix.code, run && context.trusted);
+        const note = await inserter(source, run && context.trusted);
         status.textContent = note || (run ? 'Inserted below and ran.' : 'Inserted below.');
       } catch (error) {
         status.classList.add('nbg-error-text');
@@ -265,7 +328,7 @@ export function renderTable(table: Table): HTMLElement {
     row.forEach((value, c) => {
       // a key/value table (no column titles) heads each row with its key
       const cell = el(!headed && c === 0 ? 'th' : 'td', table.numeric[c] ? 'nbg-num' : '');
-      cell.appendChild(table.code[c] && value ? el('code', '', value) : document.createTextNode(value));
+      cell.appendChild(table.code[c] && value ? el('code', '', value) : markedText(value));
       tr.appendChild(cell);
     });
     body.appendChild(tr);
@@ -283,7 +346,7 @@ const VALUE_NAMES: Record<string, string> = { heatmap: 'grad norm', activations:
 
 /** A chart drawn from the document part its `source` names; its `empty` text when there is nothing to draw. */
 export function renderChart(chart: Chart, doc: NbguardDocument, palette: Palette): HTMLElement {
-  const box = el('div', `nbg-chart nbg-chart-${chart.kind}`);
+  const box = el('div', classes('nbg-chart', classFor(CHART_CLASS, chart.kind)));
   if (chart.source[chart.source.length - 1] === 'history' && chart.kind === 'heatmap') {
     box.classList.add('nbg-history'); // the gradient-norm heatmap: what the browser tests point at
   }
@@ -329,9 +392,9 @@ function button(label: string, cls: string): HTMLButtonElement {
   return b;
 }
 
-/** A code box that wraps (confirm.ts): what it shows is the whole cell. */
+/** A code box that wraps (confirm.ts): what it shows is the whole text, line breaks where Python breaks. */
 function codeBox(text: string): HTMLElement {
-  const pre = el('pre', 'nbg-code', text);
+  const pre = el('pre', 'nbg-code', text.replace(/\r\n?/g, '\n'));
   wrapCode(pre);
   return pre;
 }
@@ -342,7 +405,7 @@ function el<K extends keyof HTMLElementTagNameMap>(tag: K, cls: string, text?: s
     node.className = cls;
   }
   if (text !== undefined) {
-    node.textContent = text;
+    setText(node, text); // control, bidirectional and invisible characters marked (text.ts)
   }
   return node;
 }
