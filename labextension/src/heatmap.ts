@@ -9,6 +9,7 @@
 import { Num, formatNumber } from './document';
 import type { Palette } from './schema';
 import { safeColor } from './safety';
+import { setText } from './text';
 
 /** The colours a heatmap needs, from the view's palette (nbguard/document/palette.py): the canvas
  * keeps no colour of its own, so it matches the static HTML's matplotlib picture. */
@@ -341,7 +342,7 @@ export function createHeatmap(title: string, input: HeatmapInput, valueName: str
   root.className = 'nbg-heatmap';
   const heading = document.createElement('div');
   heading.className = 'nbg-heatmap-title';
-  heading.textContent = `${title} — ${input.groups.length} groups × ${input.steps.length} steps`;
+  setText(heading, `${title} — ${input.groups.length} groups × ${input.steps.length} steps`); // marked: the title is saved text
   root.appendChild(heading);
   if (model.rows.length === 0 || model.columns.length === 0) {
     const empty = document.createElement('div');
@@ -379,7 +380,7 @@ export function createHeatmap(title: string, input: HeatmapInput, valueName: str
       tooltip.hidden = true;
       return;
     }
-    tooltip.textContent = describeCell(model, hit.row, hit.column, valueName);
+    setText(tooltip, describeCell(model, hit.row, hit.column, valueName)); // group names are saved text: marked
     tooltip.style.left = `${x + 12}px`;
     tooltip.style.top = `${y + 12}px`;
     tooltip.hidden = false;

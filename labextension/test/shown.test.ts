@@ -10,6 +10,7 @@ import { beforeEach, describe, expect, it, vi } from 'vitest';
 
 import { confirmSavedFix } from '../src/confirm';
 import { readPayload } from '../src/document';
+import { createHeatmap } from '../src/heatmap';
 import { renderCard, renderChart, renderFix, renderSection } from '../src/render';
 import type { Card, FixView, Palette } from '../src/schema';
 import { cellSource, escapeMarked, isPlainId, markedText } from '../src/text';
@@ -127,6 +128,15 @@ describe('11. bidirectional and zero-width characters', () => {
     expect(title.textContent).toBe(`safe${RLO}txt.exe`);
     expect((title.querySelector('.nbg-mark') as HTMLElement).dataset.mark).toBe('U+202E');
     expect((node.querySelector('.nbg-detail .nbg-mark') as HTMLElement).dataset.mark).toBe('U+200B');
+  });
+
+  it('are marked in a heatmap\'s title too', () => {
+    const { view } = readPayload(loadFixture('audit'));
+    const map = createHeatmap(`grad${RLO} norm`, { groups: ['a'], steps: [0], values: [[1]], skippedSteps: [], limit: null },
+      'grad norm', view!.palette);
+    const title = map.querySelector('.nbg-heatmap-title')!;
+    expect(title.textContent!.startsWith(`grad${RLO} norm`)).toBe(true);
+    expect((title.querySelector('.nbg-mark') as HTMLElement).dataset.mark).toBe('U+202E');
   });
 
   it('the warning sentence keeps its order whatever the id holds: the id is its own isolated element', async () => {
