@@ -39,6 +39,8 @@ MIN_SECRET_LENGTH = 6  # shorter values ("1", "true") would erase ordinary text 
 # multi-line string, the "D" of "%3D" in a URL-encoded query, the "m" closing a terminal colour.
 _AFTER_ESCAPE = r"(?<=\\[ntrfvab0])|(?<=%[0-9A-Fa-f]{2})|(?<=\[\dm)|(?<=\[\d\dm)|(?<=;\dm)|(?<=;\d\dm)"
 _START = rf"(?:(?<![A-Za-z0-9_-])|{_AFTER_ESCAPE})"
+_SPACE = r"(?:\s+|\+|%20)"  # a space, also URL-encoded
+_COLON = r"(?:\s*[:=]\s*|%3[AaDd]\+?)"  # ":" or "=", also URL-encoded
 
 DIGITS = string.digits
 HEX = "0123456789abcdef"
@@ -48,8 +50,8 @@ URLSAFE = ALNUM + "-_"
 BASE64 = ALNUM + "+/"
 ALPHABET_WORDS = {DIGITS: "digits", HEX: "hex digits", UPPER_DIGITS: "capitals and digits",
                   ALNUM: "letters and digits", URLSAFE: "letters, digits, `-` and `_`",
-                  BASE64 + "\n": "base64 lines", string.ascii_lowercase: "lower-case letters", "pousr": "one of `pousr`",
-                  "abposr": "one of `abposr`"}
+                  BASE64: "base64 characters", BASE64 + "\n": "base64 lines", string.ascii_lowercase: "lower-case letters", "pousr": "one letter of `pousr`",
+                  "abposr": "one letter of `abposr`"}
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,8 @@ class Chars:
     most: int
 
     def describe(self) -> str:
+        if self.least == self.most == 1:
+            return ALPHABET_WORDS[self.alphabet]
         count = str(self.least) if self.least == self.most else f"{self.least}–{self.most}"
         return f"{count} {ALPHABET_WORDS[self.alphabet]}"
 
@@ -79,13 +83,13 @@ class Shape:
 
     def describe(self) -> str:
         def one(sample: Sample) -> str:
-            return " + ".join(f"`{part}`" if isinstance(part, str) else part.describe() for part in sample)
+            return " + ".join(f"`{part.strip()}`" if isinstance(part, str) else part.describe() for part in sample)
         built = "; ".join(one(sample) for sample in self.samples)
         return f"**{self.name}**: {built}" + (f" ({self.note})" if self.note else "")
 
 
 _HEX_DIGEST_BEFORE = re.compile(r"(?i)(?:[/\\@]|\w\.|(?:revision|commit|sha1?|hash|snapshot)\W{0,4})$")
-_HEX_DIGEST_AFTER = re.compile(r"[/\\]|\.\w")
+_HEX_DIGEST_AFTER = re.compile(r"/|\\(?![ntr])|\.\w")  # "\n" after it is an escape, not a path
 
 
 def _is_digest(match: re.Match) -> bool:
@@ -115,23 +119,23 @@ SHAPES: tuple[Shape, ...] = (
             Chars(ALNUM, 24, 32)),)),
     Shape("Weights & Biases key", re.compile(_START + r"(?:local-)?[0-9a-f]{40}(?![0-9A-Za-z])"),
           ((Chars(HEX, 40, 40),), ("local-", Chars(HEX, 40, 40))),
-          note="not a digest in a path, a dotted module name or after `revision`/`commit`",
+          note="unless a git digest: a path segment, a dotted module name, after `@`, `revision` or `commit`",
           is_not_secret=_is_digest),
     Shape("JSON Web Token", re.compile(_START + r"eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]+"),
           (("eyJ", Chars(URLSAFE, 10, 40), ".eyJ", Chars(URLSAFE, 10, 200), ".", Chars(URLSAFE, 20, 86)),)),
-    Shape("PEM private key", re.compile(r"(-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----)(.*?)(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",
-                                        re.S),
+    Shape("PEM private key", re.compile(r"(-----BEGIN[A-Z0-9 +%]*?PRIVATE(?: |\+|%20)KEY-----)(.*?)"
+                                        r"(?:-----END[A-Z0-9 +%]*?PRIVATE(?: |\+|%20)KEY-----|\Z)", re.S),
           (("-----BEGIN RSA PRIVATE KEY-----\n", Chars(BASE64 + "\n", 64, 1600), "\n-----END RSA PRIVATE KEY-----"),
            ("-----BEGIN OPENSSH PRIVATE KEY-----\n", Chars(BASE64 + "\n", 64, 1600), "\n-----END OPENSSH PRIVATE KEY-----")),
           note="the body, to the END line or, if cut, to the end of the text", secret_group=2),
-    Shape("URL credentials", re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)([^\s/@'\"<>]+)@"),
+    Shape("URL credentials", re.compile(r"([A-Za-z][A-Za-z0-9+.-]*(?:://|%3A%2F%2F))([^\s/@'\"<>]+?)(?:@|%40)"),
           (("postgres://", Chars(ALNUM, 3, 12), ":", Chars(URLSAFE, 8, 40), "@db.internal:5432/app"),),
           note="the user and password before `@`", secret_group=2),
-    Shape("Authorization header", re.compile(r"(?i)(authorization['\"]?\s*[:=]\s*['\"]?(?:(?:bearer|token|basic|bot)\s+)?)"
+    Shape("Authorization header", re.compile(rf"(?i)(authorization['\"]?{_COLON}['\"]?(?:(?:bearer|token|basic|bot){_SPACE})?)"
                                              r"([^\s'\",;}\\]+)"),
           (("Authorization: Basic ", Chars(BASE64, 12, 60)), ("authorization='token ", Chars(ALNUM, 20, 40), "'")),
           note="the credential; the scheme is kept", secret_group=2),
-    Shape("Bearer credential", re.compile(r"(?i)(\bbearer\s+)([A-Za-z0-9._~+/-]{8,}=*)"),
+    Shape("Bearer credential", re.compile(rf"(?i)((?:(?<![A-Za-z0-9_])|{_AFTER_ESCAPE})bearer{_SPACE})([A-Za-z0-9._~+/-]{{8,}}=*)"),
           (("Bearer ", Chars(URLSAFE, 20, 80)),), secret_group=2),
 )
 
@@ -150,14 +154,14 @@ AMBIGUOUS_NAMES = frozenset({"token"})  # "the BOS token: stop …" is prose: it
 
 _QUOTED = r"""(?:"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'|\\"(?:(?!\\").)*?\\"|\\'(?:(?!\\').)*?\\')"""
 _UNQUOTED = r"""[^\s'",;&)}\]\\]+"""
-_NAME_START = rf"(?:(?<![\w.'\"-])|{_AFTER_ESCAPE})"
+_NAME_START = rf"(?:(?<![\w.'\"\\-])|{_AFTER_ESCAPE})"  # not from the "n" of "\n"
 NAMED_VALUE = re.compile(rf"""
     (?: (?P<kq>\\?["'])(?P<qname>[\w.-]+)(?P=kq)\s*\]?\s*[:=]\s*           # 'name': …  ["NAME"] = …
       | {_NAME_START}(?P<bname>[A-Za-z_][\w-]*(?:\.[A-Za-z_][\w-]*)*)       # name= …  name: …  X-Api-Key: …
         (?:\s*[:=]\s*|%3[DdAa])
       | (?:(?<![\w-])|{_AFTER_ESCAPE})--(?P<fname>[A-Za-z][\w-]*)(?:\s+|=)(?!-)  # --name …  --name=…
     )
-    (?P<value>{_QUOTED}|\[[^\]\n]*\]|{_UNQUOTED})""", re.X)
+    (?P<value>{_QUOTED}|\[(?:{_QUOTED}|[^\]\n"'])*\]|{_UNQUOTED})""", re.X)
 _ITEM = re.compile(_QUOTED)
 _PLACEHOLDER = re.compile(r"(?i)true|false|none|null|nil|undefined|<[^<>]*>|\$\{?\w+\}?|\*+|\.\.\.|…|\[REDACTED[^\]]*\]|")
 _CODE_REFERENCE = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+|[A-Za-z_][\w.]*[(\[]")
@@ -298,7 +302,7 @@ def _hide_shape(shape: Shape, text: str) -> str:
     return shape.pattern.sub(sub, text)
 
 
-def _is_placeholder(value: Any) -> bool:
+def is_placeholder(value: Any) -> bool:
     return isinstance(value, str) and _PLACEHOLDER.fullmatch(value.strip()) is not None
 
 
@@ -354,7 +358,7 @@ class Redactor:
     def _hidden_data(self, value: Any) -> Any:
         """The value of a key that names a secret: every string in it, except literals and placeholders."""
         if isinstance(value, str):
-            return value if not value or _is_placeholder(value) else REDACTED
+            return value if not value or is_placeholder(value) else REDACTED
         if isinstance(value, (list, tuple)):
             return [self._hidden_data(v) for v in value]
         if isinstance(value, dict):
