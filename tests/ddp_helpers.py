@@ -85,8 +85,18 @@ def _break_read(watch) -> None:
     watch._collector.read = read
 
 
-def _loop(model, opt, scaler, accelerator, rank: int, scenario: str) -> tuple[str | None, int]:
-    """The user's loop: fp16 autocast (and a GradScaler) where the scenario needs them."""
+def expected_kind(loss_finite: bool) -> str:
+    """The event kind the truth calls for: a rank whose own loss was non-finite is a ``nonfinite-loss``
+    (whether fp16 overflow in q_proj reaches the loss depends on the release's attention code); one
+    whose loss stayed finite while its gradient did not is a ``nonfinite-grad``."""
+    return "nonfinite-grad" if loss_finite else "nonfinite-loss"
+
+
+def _loop(model, opt, scaler, accelerator, rank: int, scenario: str,
+          losses_finite: list[bool], out_dir: str) -> tuple[str | None, int]:
+    """The user's loop: fp16 autocast (and a GradScaler) where the scenario needs them. Each step's
+    own (pre-reduce) loss finiteness is appended to ``losses_finite``: the tests derive the event kind
+    from it rather than from one release's behaviour."""
     from nbguard.errors import NonFiniteError
 
     steps = 0
@@ -94,6 +104,7 @@ def _loop(model, opt, scaler, accelerator, rank: int, scenario: str) -> tuple[st
         for batch in _batches(rank, scenario):
             with torch.autocast("cpu", dtype=torch.float16, enabled=scenario in ("forward", "scaler", "uncaught")):
                 loss = model(**batch).loss
+            losses_finite.append(bool(torch.isfinite(loss.detach()).all()))
             if scenario.startswith("accumulate"):
                 accelerator.backward(loss / 2)  # a loop that accumulates without no_sync: DDP reduces each
                 if steps % 2 == 1:
@@ -112,7 +123,10 @@ def _loop(model, opt, scaler, accelerator, rank: int, scenario: str) -> tuple[st
             steps += 1
     except NonFiniteError as err:
         if scenario == "uncaught":
-            raise  # the user's function does not catch it: every rank's process fails
+            # what the test needs to judge the message, then the user's function does not catch it:
+            # every rank's process fails
+            Path(out_dir, f"losses{rank}.json").write_text(json.dumps(losses_finite))
+            raise
         return str(err), steps
     return None, steps
 
@@ -175,7 +189,8 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
     started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        stopped, steps = _loop(model, opt, scaler, accelerator, rank, scenario)
+        losses_finite: list[bool] = []
+        stopped, steps = _loop(model, opt, scaler, accelerator, rank, scenario, losses_finite, out_dir)
     gradient_read = _gradient_read(watch)
     watch.detach()
     warned = [str(w.message) for w in caught if "not on every rank" in str(w.message)]
@@ -183,7 +198,7 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
     weights = torch.cat([p.detach().flatten() for p in inner.parameters()])
     result: dict[str, Any] = {
         "rank": rank, "world_size": accelerator.num_processes, "steps": steps, "stopped": stopped,
-        "watch_steps": watch.step, "events": [e.to_dict() for e in watch.events],
+        "watch_steps": watch.step, "events": [e.to_dict() for e in watch.events], "losses_finite": losses_finite,
         "weights_finite": bool(torch.isfinite(weights).all()),
         "weights_sum": float(weights.double().sum()), "weights_abs_sum": float(weights.double().abs().sum()),
         "exchanges": watch._ranks.exchanges if watch._ranks is not None else 0,
@@ -222,13 +237,18 @@ def train_trainer_rank(scenario: str, policy: str, out_dir: str) -> None:
         def on_step_begin(self, args, state, control, **kwargs):
             act.armed = scenario == "backward" and rank == 1 and state.global_step == BAD_STEP
 
+    micro_losses_finite: list[bool] = []  # this rank's own loss, per micro-batch (before any reduction)
+    model.register_forward_hook(lambda m, a, out: micro_losses_finite.append(bool(torch.isfinite(out.loss).all())))
     trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(64), callbacks=[ArmOnRank1()])
     watch = nbguard.watch(trainer, policy=policy)
     trainer.train()
+    accumulation = args.gradient_accumulation_steps
+    losses_finite = [all(micro_losses_finite[i:i + accumulation])
+                     for i in range(0, len(micro_losses_finite), accumulation)]
     gradient_read = _gradient_read(watch)
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     result = {"rank": rank, "world_size": args.world_size, "steps": trainer.state.global_step, "stopped": None,
-              "watch_steps": watch.step, "events": [e.to_dict() for e in watch.events],
+              "watch_steps": watch.step, "events": [e.to_dict() for e in watch.events], "losses_finite": losses_finite,
               "weights_finite": bool(torch.isfinite(weights).all()), "weights_sum": float(weights.double().sum()),
               "weights_abs_sum": float(weights.double().abs().sum()),
               "exchanges": watch._ranks.exchanges if watch._ranks is not None else 0,
@@ -280,7 +300,7 @@ def train_fsdp_rank(scenario: str, policy: str, out_dir: str) -> None:
     watch.detach()
     full = torch.cat([p.detach().full_tensor().flatten() for p in model.parameters()])
     result = {"rank": rank, "world_size": dist.get_world_size(), "steps": steps, "stopped": stopped,
-              "watch_steps": watch.step, "events": [e.to_dict() for e in watch.events],
+              "watch_steps": watch.step, "events": [e.to_dict() for e in watch.events], "losses_finite": losses_finite,
               "groups": watch.history.groups,
               "watch_norms": {g: watch.history.grad_norm(g) for g in watch.history.groups},
               "reference_norms": reference, "sharded": watch._ranks.sharded,

@@ -4,8 +4,10 @@ Faults are planted on rank 1 only; every rank must report the same event naming 
 module, apply the same policy, and finish: each run is killed as a process group on a timeout and
 a hang fails the test (see ddp_helpers).
 """
+import json
+
 import pytest
-from ddp_helpers import BAD_STEP, STEPS, launch_notebook, launch_torchrun, read_ranks
+from ddp_helpers import BAD_STEP, STEPS, expected_kind, launch_notebook, launch_torchrun, read_ranks
 
 LAUNCHERS = {"notebook_launcher": launch_notebook, "torchrun": launch_torchrun}
 
@@ -35,6 +37,7 @@ def _same_event_on_every_rank(ranks: list[dict]) -> dict:
     event = _bad_events(ranks[0])[0]
     assert event["rank"] == 1 and event["evidence"]["bad_ranks"] == [1]
     assert event["message"].startswith("rank 1: ")
+    assert event["kind"] == expected_kind(ranks[1]["losses_finite"][event["step"]])  # the origin rank's own loss
     return event
 
 
@@ -202,5 +205,9 @@ def test_stop_left_uncaught_fails_every_rank_promptly_instead_of_hanging(tmp_pat
     done = launch_notebook("uncaught", "stop", tmp_path)
     assert done.returncode != 0
     assert "ChildFailedError" in done.stdout and "NonFiniteError" in done.stdout
-    assert "rank 1: non-finite gradient: overflow in model.layers.0.self_attn.q_proj" in done.stdout
+    # the kind follows rank 1's own loss at the bad step (written just before it raised); module and rank are fixed
+    rank1_losses_finite = json.loads((tmp_path / "losses1.json").read_text())
+    what = {"nonfinite-loss": "non-finite loss", "nonfinite-grad": "non-finite gradient"}[
+        expected_kind(rank1_losses_finite[BAD_STEP])]
+    assert f"rank 1: {what}: overflow in model.layers.0.self_attn.q_proj" in done.stdout
     assert not list(tmp_path.glob("rank*.json"))  # neither rank got past the raise
