@@ -477,6 +477,8 @@ class NbguardMagics(Magics):
         if exc is None:
             raise MagicError("no exception to explain yet in this session")
         if self.state.handler.explain(exc) is None:
+            from ..document.redact import redact
             from ..explainer import exception_text
 
-            print(f"nbguard: no known signature in the last exception ({exception_text(exc)[:200]})")
+            shown = redact(exception_text(exc))[:200]  # redacted whole, then cut, like every shown text
+            print(f"nbguard: no known signature in the last exception ({shown})")

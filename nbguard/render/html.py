@@ -13,6 +13,7 @@ import html
 from typing import Any
 
 from ..document.palette import palette
+from ..document.redact import redact
 from ..document.view import Card, Chart, Fact, Fold, Section, Table, lookup, view
 from .charts import chart_png
 
@@ -69,8 +70,10 @@ def render_html(doc: dict, *, standalone: bool = False, images: bool = True) -> 
     """Static HTML for ``doc``: a fragment (``<div class="nbguard">``) or, with
     ``standalone=True``, a complete self-contained page (CSS inline, images as data URIs).
 
-    ``images=False`` leaves the heatmaps out (used where PNGs are shipped separately).
+    ``images=False`` leaves the heatmaps out (used where PNGs are shipped separately). Redacted, as
+    every renderer's output is.
     """
+    doc = redact(doc)
     v = view(doc)
     draw = (lambda chart: _image(doc, chart)) if images else (lambda chart: "")
     parts = [f'<div class="nbguard nbguard-{esc(doc.get("kind", "document"))}">', f"<style>{_css()}</style>",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from ..document.redact import redact
 from ..document.view import Card, Section, Table, View, view
 
 WIDTH = 100
@@ -14,8 +15,9 @@ MAX_CARDS = 20
 
 
 def render_text(doc: dict) -> str:
-    """A compact, readable text view of every section present in ``doc``."""
-    return format_view(view(doc))
+    """A compact, readable text view of every section present in ``doc``, redacted: ``print(result)``
+    is pasted into bug reports like any saved output."""
+    return format_view(view(redact(doc)))
 
 
 def format_view(v: View) -> str:

@@ -14,7 +14,7 @@ from ...document.redact import redact
 from ...document.view import Card, view
 from ...render.html import table_html
 from .fixrow import ApplyFn, FixRow
-from .html import badge, code_block, esc, success
+from .html import badge, code_block, esc, short, success
 
 
 def card_widget(card: Card, rows: list[FixRow]) -> W.VBox:
@@ -99,7 +99,7 @@ class FindingsView:
 
     def _show_applied(self, fix_id: str, changed, code: str) -> None:
         """After a re-render the fresh cards have no trace of the click: say it in the header."""
-        self.header.value += (f"<div>Applied <code>{esc(fix_id)}</code>; changed: <code>{esc(changed)}</code>"
+        self.header.value += (f"<div>Applied <code>{esc(fix_id)}</code>; changed: <code>{esc(short(changed, 600))}</code>"
                               f"</div>{code_block(code)}")
 
 

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from ...document.palette import GOOD_COLOR, SEVERITY_COLORS
+from ...document.redact import redact
 from ...document.view import Verdict
 
 
@@ -29,13 +30,15 @@ def verdict_badge(verdict: Verdict | None) -> str:
 
 
 def short(value: Any, limit: int = 300) -> str:
+    """A live value (what a fix changed), redacted whole and then cut: the card is shared like a report."""
+    value = redact(value)
     text = value if isinstance(value, str) else json.dumps(value, default=str)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def failure(text: str) -> str:
-    """A failed action, in the palette's error colour."""
-    return f'<span style="color:{SEVERITY_COLORS["error"]}">{esc(text)}</span>'
+    """A failed action, in the palette's error colour; redacted (an error can quote a secret)."""
+    return f'<span style="color:{SEVERITY_COLORS["error"]}">{esc(redact(text))}</span>'
 
 
 def success(html_text: str) -> str:
