@@ -1,11 +1,14 @@
 # Everything a fresh machine (Python 3.11, no GPU) needs, from two commands:
 #   make demo   run the quickstart notebook headless; executed copies and reports land in build/
-#   make test   every test lane: current releases (the docs build and the wheel check included), the Colab
-#               profile, transformers 4.50
-# Also: make docs (the site, strictly, into build/site/), make wheel (dist/, with the prebuilt Lab extension).
+#   make test   every test lane: the pinned releases (constraints/main.txt; the docs build and the wheel check
+#               included), the multi-rank tests with both cores busy, the Colab profile, transformers 4.50
+# Also: make docs (the site, strictly, into build/site/), make wheel (dist/, with the prebuilt Lab extension),
+# make test-newest (the newest releases, unpinned: reports drift, gates nothing), make lock (re-pin main).
 SHELL := /bin/bash
 PYTHON ?= python3
-SHARED ?= ../shared
+# Every lane's versions live in the repository: main is a lock of a known-good set, colab and tf450 the
+# profiles of those runtimes (a fresh clone needs nothing beside it).
+CONSTRAINTS := constraints
 # The CPU build of torch lies on this machine's disk; install it before anything that depends on
 # torch, or pip pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
@@ -17,35 +20,51 @@ export PYTHONUNBUFFERED := 1
 VENV := .venv
 COLAB_VENV := .venv-colab
 TF450_VENV := .venv-tf450
+NEWEST_VENV := .venv-newest
+EXTRAS := hf,test,browser,trackers,docs
+# How many times test-loaded runs the multi-rank tests under load (three in a row before a stop).
+RUNS ?= 1
 
-.PHONY: demo docs wheel test test-main test-labextension test-colab test-tf450 install clean lint
+.PHONY: demo docs wheel test test-main test-loaded test-labextension test-colab test-tf450 test-newest lock \
+	install clean lint
 
 install: $(VENV)/.stamp
 
-$(VENV)/.stamp: pyproject.toml
+# The main lane: the lock in constraints/main.txt, so a clean clone installs what passed here; the newest
+# releases are test-newest's business.
+$(VENV)/.stamp: pyproject.toml $(CONSTRAINTS)/main.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_QUIET) --upgrade pip
 	$(VENV)/bin/pip install $(PIP_QUIET) $(TORCH)
 	# pip builds the lab extension through hatch-jupyter-builder: needs node and npm on PATH.
-	$(VENV)/bin/pip install $(PIP_QUIET) -e ".[hf,test,browser,trackers,docs]"
+	$(VENV)/bin/pip install $(PIP_QUIET) -e ".[$(EXTRAS)]" -c $(CONSTRAINTS)/main.txt
 	touch $@
 
 # The Colab lane: the versions a Colab GPU runtime ships, held by a constraints file.
-$(COLAB_VENV)/.stamp: pyproject.toml $(SHARED)/compat/colab.txt
+$(COLAB_VENV)/.stamp: pyproject.toml $(CONSTRAINTS)/colab.txt
 	$(PYTHON) -m venv $(COLAB_VENV)
 	$(COLAB_VENV)/bin/pip install $(PIP_QUIET) --upgrade pip
 	$(COLAB_VENV)/bin/pip install $(PIP_QUIET) $(TORCH)
-	$(COLAB_VENV)/bin/pip install $(PIP_QUIET) -r $(SHARED)/compat/colab.txt
-	$(COLAB_VENV)/bin/pip install $(PIP_QUIET) -e ".[hf,test]" -c $(SHARED)/compat/colab.txt
+	$(COLAB_VENV)/bin/pip install $(PIP_QUIET) -r $(CONSTRAINTS)/colab.txt
+	$(COLAB_VENV)/bin/pip install $(PIP_QUIET) -e ".[hf,test]" -c $(CONSTRAINTS)/colab.txt
 	touch $@
 
 # The transformers 4.50 lane, where Gemma 3 eval under bf16 really crashes on HybridCache.
-$(TF450_VENV)/.stamp: pyproject.toml $(SHARED)/compat/transformers-4.50.txt
+$(TF450_VENV)/.stamp: pyproject.toml $(CONSTRAINTS)/transformers-4.50.txt
 	$(PYTHON) -m venv $(TF450_VENV)
 	$(TF450_VENV)/bin/pip install $(PIP_QUIET) --upgrade pip
 	$(TF450_VENV)/bin/pip install $(PIP_QUIET) $(TORCH)
-	$(TF450_VENV)/bin/pip install $(PIP_QUIET) -r $(SHARED)/compat/transformers-4.50.txt
-	$(TF450_VENV)/bin/pip install $(PIP_QUIET) -e ".[test]" -c $(SHARED)/compat/transformers-4.50.txt
+	$(TF450_VENV)/bin/pip install $(PIP_QUIET) -r $(CONSTRAINTS)/transformers-4.50.txt
+	$(TF450_VENV)/bin/pip install $(PIP_QUIET) -e ".[test]" -c $(CONSTRAINTS)/transformers-4.50.txt
+	touch $@
+
+# The newest releases, unpinned, rebuilt each time: what a user who pip-installs today gets.
+$(NEWEST_VENV)/.stamp: pyproject.toml
+	rm -rf $(NEWEST_VENV)
+	$(PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/pip install $(PIP_QUIET) --upgrade pip
+	$(NEWEST_VENV)/bin/pip install $(PIP_QUIET) $(TORCH)
+	$(NEWEST_VENV)/bin/pip install $(PIP_QUIET) -e ".[$(EXTRAS)]"
 	touch $@
 
 demo: $(VENV)/.stamp
@@ -61,10 +80,28 @@ docs: demo
 wheel: $(VENV)/.stamp
 	$(VENV)/bin/pip wheel . --no-deps $(PIP_QUIET) -w dist/
 
-test: test-main test-labextension test-colab test-tf450
+test: test-main test-loaded test-labextension test-colab test-tf450
 
+# The multi-rank tests run in test-loaded instead, with both cores busy.
 test-main: $(VENV)/.stamp lint
-	$(VENV)/bin/python -m pytest -m "not tf450"
+	$(VENV)/bin/python -m pytest -m "not tf450 and not multirank"
+
+# Multi-rank verdicts must not depend on timing: two burners keep both cores busy while the multi-rank
+# tests (and notebook 07) run RUNS times in a row; the burners stop however the run ends.
+test-loaded: $(VENV)/.stamp
+	$(VENV)/bin/python tests/lanes/loaded.py --runs $(RUNS) -- $(VENV)/bin/python -m pytest -m "multirank and not tf450" -q
+
+# Drift, not a gate: the newest releases against the suite. The summary (what changed against the lock,
+# what failed) lands in build/newest/summary.txt and is printed; the target exits 0 either way.
+test-newest:
+	rm -f $(NEWEST_VENV)/.stamp
+	$(MAKE) $(NEWEST_VENV)/.stamp
+	$(NEWEST_VENV)/bin/python tests/lanes/newest.py --lock $(CONSTRAINTS)/main.txt --out build/newest -- \
+		$(NEWEST_VENV)/bin/python -m pytest -m "not tf450 and not browser" -q -p no:cacheprovider
+
+# Re-pin the main lane to the newest set (after test-newest came back clean, or its failures were fixed).
+lock: $(NEWEST_VENV)/.stamp
+	$(NEWEST_VENV)/bin/python tests/lanes/newest.py --write-lock $(CONSTRAINTS)/main.txt
 
 # ruff (lint) and mypy (types), configured in pyproject.toml; both must be clean.
 lint: $(VENV)/.stamp
@@ -86,5 +123,5 @@ test-tf450: $(TF450_VENV)/.stamp
 	$(TF450_VENV)/bin/python -m pytest -m tf450
 
 clean:
-	rm -rf $(VENV) $(COLAB_VENV) $(TF450_VENV) build dist test-artifacts
+	rm -rf $(VENV) $(COLAB_VENV) $(TF450_VENV) $(NEWEST_VENV) build dist test-artifacts
 	rm -rf labextension/node_modules labextension/lib labextension/build labextension/tsconfig.tsbuildinfo nbguard/labextension

@@ -284,9 +284,12 @@ def train_fsdp_rank(scenario: str, policy: str, out_dir: str) -> None:
     watch = nbguard.watch(model, optimizer=opt, policy=policy)
     reference: list[dict[str, float]] = []
     stopped, steps = None, 0
+    losses_finite: list[bool] = []
     try:
         for batch in _batches(rank, scenario):
-            model(**batch).loss.backward()
+            loss = model(**batch).loss
+            losses_finite.append(bool(torch.isfinite(loss.detach()).all()))
+            loss.backward()
             sq: dict[str, float] = {}
             for name, p in model.named_parameters():
                 full = p.grad.full_tensor()  # a collective on every rank, outside the watch

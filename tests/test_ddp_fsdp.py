@@ -12,6 +12,8 @@ import math
 import pytest
 from ddp_helpers import BAD_STEP, STEPS, launch_torchrun, read_ranks
 
+pytestmark = pytest.mark.multirank  # launches ranks: run by make test-loaded, with both cores busy
+
 
 def _run(scenario: str, tmp_path):
     done = launch_torchrun(scenario, "skip", tmp_path, fsdp=True)

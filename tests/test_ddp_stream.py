@@ -3,6 +3,7 @@ import json
 import multiprocessing
 import os
 
+import pytest
 from ddp_helpers import BAD_STEP, STEPS, expected_kind, launch_streamed, read_ranks
 from notebook_helpers import run, shell  # noqa: F401 - the fixture
 
@@ -37,6 +38,7 @@ def test_a_channel_needs_a_callable():
         stream.RankChannel(on_message=None)
 
 
+@pytest.mark.multirank  # launches ranks: run by make test-loaded, with both cores busy
 def test_forked_ranks_stream_steps_and_events_into_one_view_and_one_report(tmp_path):
     done = launch_streamed("forward", "skip", tmp_path)
     assert done.returncode == 0, done.stdout[-4000:]

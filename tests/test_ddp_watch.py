@@ -9,6 +9,8 @@ import json
 import pytest
 from ddp_helpers import BAD_STEP, STEPS, expected_kind, launch_notebook, launch_torchrun, read_ranks
 
+pytestmark = pytest.mark.multirank  # launches ranks: run by make test-loaded, with both cores busy
+
 LAUNCHERS = {"notebook_launcher": launch_notebook, "torchrun": launch_torchrun}
 
 

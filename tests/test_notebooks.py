@@ -228,6 +228,7 @@ def test_gemma3_hybridcache_tf450(execute):
     assert (out / "05_gemma3_hybridcache_tf450.html").is_file()
 
 
+@pytest.mark.multirank  # launches ranks: run by make test-loaded, with both cores busy
 def test_ddp_two_ranks(execute):
     """%%nanwatch around notebook_launcher: one dashboard with a row per rank, the event on both
     ranks naming rank 1 and the module, weights identical after skip, one report for all ranks."""

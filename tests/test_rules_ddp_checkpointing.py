@@ -19,6 +19,7 @@ def launch(mode: str, out_dir: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.multirank  # launches ranks: run by make test-loaded, with both cores busy
 def test_reentrant_checkpointing_under_ddp_is_flagged_and_marks_a_variable_ready_twice(tmp_path):
     done = launch("reentrant", tmp_path)
     assert done.returncode == 0, done.stdout[-3000:]
@@ -29,6 +30,7 @@ def test_reentrant_checkpointing_under_ddp_is_flagged_and_marks_a_variable_ready
 
 
 @pytest.mark.slow
+@pytest.mark.multirank  # launches ranks: run by make test-loaded, with both cores busy
 def test_non_reentrant_checkpointing_under_ddp_trains_and_stays_quiet(tmp_path):
     done = launch("non-reentrant", tmp_path)
     assert done.returncode == 0, done.stdout[-3000:]
