@@ -15,8 +15,17 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from nbguard.document.redact import (KEPT, SHAPES, Chars, Shape, is_placeholder, is_secret_env_name, is_secret_key, redact,
-                                     spec_markdown)
+from nbguard.document.redact import (
+    KEPT,
+    SHAPES,
+    Chars,
+    Shape,
+    is_placeholder,
+    is_secret_env_name,
+    is_secret_key,
+    redact,
+    spec_markdown,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 WINDOW = 8  # the measure: a leak is any 8 characters of a secret left in the output
