@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nbguard
-from nbguard.document import view
+from nbguard.document.view import view
 
 torch.set_num_threads(1)
 
@@ -106,21 +106,35 @@ def loss_of(output):
     return output["loss"] if isinstance(output, dict) else output if isinstance(output, torch.Tensor) else output[1]
 
 
-def train(model, lr: float, steps: int, clip: float | None = None, before=lambda step: None, **watch):
-    """nanoGPT's loop: AdamW, forward, backward, an optional clip, step, zero_grad (set_to_none)."""
+def train(model, lr: float, steps: int, clip: float | None = None, before=lambda step: None,
+          scale_loss=lambda step: 1.0, grads: list | None = None, **watch):
+    """nanoGPT's loop: AdamW, forward, backward, an optional clip, step, zero_grad (set_to_none).
+    ``grads``: each step's gradients, measured from scratch (``measure``), are appended to it."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     with nbguard.watch(model, optimizer=opt, verify=False, **watch) as w:
         for step, (x, y) in enumerate(batches(steps)):
             before(step)
             loss = loss_of(model(x, y))
-            loss.backward()
+            (loss * scale_loss(step)).backward()
             losses.append(loss.item())
+            if grads is not None:
+                grads.append(measure(model))
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
     return w, losses
+
+
+def measure(model) -> dict:
+    """The gradients as they are, measured without nbguard: all finite? fp64 2-norm, max |g|, and
+    whether an fp32 norm (torch's, per tensor) overflows."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return {"finite": all(bool(torch.isfinite(g).all()) for g in grads),
+            "norm": math.sqrt(sum(torch.linalg.vector_norm(g.double()).item() ** 2 for g in grads)),
+            "max": max(g.abs().max().item() for g in grads),
+            "fp32_overflows": any(math.isinf(n) for n in torch.stack(torch._foreach_norm(grads)).tolist())}
 
 
 def kinds(watch) -> list[tuple[str, int]]:
@@ -150,3 +164,48 @@ def test_a_planted_nan_is_a_nonfinite_loss_read_from_any_output(returns):
     history = watch.history.loss
     assert history[:4] == pytest.approx(losses[:4], rel=1e-6) and all(3.5 < v < 5 for v in history[:4])
     assert math.isnan(history[4]) and math.isnan(losses[4])
+
+
+# ---- finite gradients whose fp32 norm overflows: an explosion, never a non-finite gradient -----------
+def test_learning_rate_1000_is_an_explosion_not_a_nonfinite_gradient():
+    measured = []
+    watch, losses = train(GPT(), lr=1000.0, steps=6, grads=measured)
+    # the run as it is: step 1 jumps 16 decades; at step 2 every gradient is finite (largest ~1e24) but
+    # the fp32 norms overflow; at step 3 the backward itself overflows to a real NaN
+    assert measured[2]["finite"] and measured[2]["fp32_overflows"] and 1e20 < measured[2]["max"] < 1e27
+    assert not measured[3]["finite"]
+    assert kinds(watch) == [("divergence", 1), ("nonfinite-grad", 3)], watch.summary()
+    diverged, nonfinite = watch.events
+    # the explosion's peak is step 2's true norm and largest gradient, not inf
+    assert diverged.evidence["peak_step"] == 2
+    assert diverged.evidence["peak_grad_norm"] == pytest.approx(measured[2]["norm"], rel=1e-5)
+    overflow = diverged.evidence["fp32_norm_overflow"]
+    assert overflow["step"] == 2 and overflow["lower_bound"] is False
+    assert overflow["max_abs_grad"] == measured[2]["max"]
+    assert watch.history.total_grad_norm[2] == pytest.approx(measured[2]["norm"], rel=1e-5)
+    # the real NaN at step 3 is reproduced by the replay and leads the report's story
+    assert nonfinite.cause == "overflow" and nonfinite.origin("backward") is not None
+    story = view(watch.to_document()).section("story")
+    assert story is not None and story.facts[0].text.startswith("What went wrong: step 3: non-finite grad")
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_a_first_explosion_past_fp32s_range_is_a_divergence_event(clip):
+    """Five healthy steps, then a loss scaled by 1e22: gradients ~1e21, all finite, fp32 norms inf.
+    Under a clip, torch's clip_grad_norm_ zeroes them (max_norm / inf) before the step's read: the
+    event then says the norm was at least the least one that overflows."""
+    measured = []
+    watch, _ = train(GPT(), lr=1e-3, steps=7, clip=clip, scale_loss=lambda step: 1e22 if step == 5 else 1.0,
+                     grads=measured)
+    assert measured[5]["finite"] and measured[5]["fp32_overflows"]
+    assert kinds(watch) == [("divergence", 5)], watch.summary()
+    event = watch.events[0]
+    overflow = event.evidence["fp32_norm_overflow"]
+    assert overflow["step"] == 5 and overflow["lower_bound"] is (clip is not None)
+    if clip is None:
+        assert event.evidence["total_grad_norm"] == pytest.approx(measured[5]["norm"], rel=1e-5)
+        assert overflow["max_abs_grad"] == measured[5]["max"]
+        assert f"exploded to {measured[5]['norm']:.3g} (past fp32's range" in event.message
+    else:
+        assert 1.8e19 < event.evidence["total_grad_norm"] < measured[5]["norm"]
+        assert overflow["max_abs_grad"] is None and "exploded to at least" in event.message

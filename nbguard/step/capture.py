@@ -52,8 +52,8 @@ def find_loss(output: Any) -> tuple[str, torch.Tensor] | None:
             i = output._fields.index("loss")
             return (f"[{i}]", output[i]) if _is_loss(output[i]) else None
         scalars = [(i, v) for i, v in enumerate(output) if _is_loss(v) and v.dim() == 0]
-        i, first = next(((i, v) for i, v in scalars if v.requires_grad), scalars[0] if scalars else (0, None))
-        return (f"[{i}]", first) if first is not None else None
+        chosen = next((s for s in scalars if s[1].requires_grad), scalars[0] if scalars else None)
+        return (f"[{chosen[0]}]", chosen[1]) if chosen is not None else None
     else:
         loss = getattr(output, "loss", None)
     return ("loss", loss) if _is_loss(loss) else None

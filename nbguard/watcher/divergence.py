@@ -11,6 +11,9 @@ log10 norms; its noise is the median absolute change from one step to the next (
 steadily over three decades has small steps, not a wide spread). An explosion is far outside that
 noise AND at least ``min_decades`` above the level, so neither a quiet run's small noise nor a noisy
 run's wide swings fire it. A learning rate of 1000 jumps 8-13 decades in one step.
+
+A step whose fp32 gradient norm overflowed over finite gradients (the sentinel's ``norm_overflow``:
+elements past ~1e19) is an explosion whatever the history: no healthy run gets there.
 """
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ class DivergenceDetector:
         self.group_recent: deque[Sequence[float]] = deque(maxlen=self.settings.level_steps)
         self.exploding = False
         self.last_explosion: int | None = None  # the step of the last explosion reported
+        self.evidence: dict[str, Any] | None = None  # the last explosion's: its later steps update its peak
 
     def level(self) -> float | None:
         """The run's recent log10 gradient norm (None before any healthy step)."""
@@ -82,26 +86,36 @@ class DivergenceDetector:
         return max(s.min_decades, s.robust_z * MAD_TO_STD * self.changes.median())
 
     def update(self, step: int, loss: float | None, total: float, groups: Sequence[str],
-               norms: Sequence[float]) -> dict[str, Any] | None:
-        """Evidence for an explosion at ``step``, or None. ``norms[i]``: the gradient norm of ``groups[i]``."""
+               norms: Sequence[float], overflow: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Evidence for an explosion at ``step``, or None. ``norms[i]``: the gradient norm of ``groups[i]``;
+        ``overflow``: the sentinel's account of finite gradients whose fp32 norm overflowed."""
         value = log_norm(total)
         if value is None:
             return None  # 0 is the dead-run detector's, a non-finite norm the NaN watch's
         limit, median = self.threshold(), self.level()
-        exploded = limit is not None and median is not None and value - median > limit
+        exploded = overflow is not None or (limit is not None and median is not None and value - median > limit)
         if not exploded:
             self._remember(value, loss, norms)
             self.exploding = False
             return None
-        if self.exploding:
-            return None  # the same explosion, still going: one event
+        if self.exploding and self.evidence is not None:  # the same explosion, still going: one event
+            if total > self.evidence["peak_grad_norm"]:
+                self.evidence.update(peak_grad_norm=total, peak_step=step)
+            if overflow is not None:
+                self.evidence.setdefault("fp32_norm_overflow", {"step": step, **overflow})
+            return None
         self.exploding, self.last_explosion = True, step
-        assert median is not None and limit is not None
+        above = value - median if median is not None else None
         loss_median = statistics.median(self.recent_loss) if self.recent_loss else None
-        return {"total_grad_norm": total, "recent_level": 10 ** median, "ratio": 10 ** (value - median),
-                "decades_above_level": value - median, "threshold_decades": limit,
-                "healthy_steps_seen": len(self.recent), "loss": loss, "recent_loss_median": loss_median,
-                "exploded_groups": self._exploded_groups(groups, norms, limit)}
+        self.evidence = {
+            "total_grad_norm": total, "recent_level": 10 ** median if median is not None else None,
+            "ratio": 10 ** above if above is not None else None, "decades_above_level": above,
+            "threshold_decades": limit, "healthy_steps_seen": len(self.recent), "loss": loss,
+            "recent_loss_median": loss_median, "peak_grad_norm": total, "peak_step": step,
+            "exploded_groups": self._exploded_groups(groups, norms, limit if limit is not None else 0.0)}
+        if overflow is not None:
+            self.evidence["fp32_norm_overflow"] = {"step": step, **overflow}
+        return self.evidence
 
     def _remember(self, value: float, loss: float | None, norms: Sequence[float]) -> None:
         if self.recent:
@@ -191,9 +205,16 @@ def dead_run_message(evidence: dict[str, Any]) -> str:
 
 
 def divergence_message(evidence: dict[str, Any]) -> str:
-    text = (f"gradient norm exploded to {evidence['total_grad_norm']:.3g}, {evidence['ratio']:.3g}x the run's "
-            f"recent level ({evidence['decades_above_level']:.1f} decades; the run's own noise allows "
-            f"{evidence['threshold_decades']:.1f})")
+    overflow = evidence.get("fp32_norm_overflow")  # finite gradients: only their fp32 norm overflowed
+    bound = "at least " if overflow is not None and overflow["lower_bound"] else ""
+    text = f"gradient norm exploded to {bound}{evidence['total_grad_norm']:.3g}"
+    if overflow is not None:
+        largest = overflow["max_abs_grad"]
+        text += " (past fp32's range, every gradient finite" + (
+            f": the largest {largest:.3g})" if largest is not None else ")")
+    if evidence.get("ratio") is not None:
+        text += (f", {evidence['ratio']:.3g}x the run's recent level ({evidence['decades_above_level']:.1f} decades; "
+                 f"the run's own noise allows {evidence['threshold_decades']:.1f})")
     if evidence.get("loss") is not None and evidence.get("recent_loss_median") is not None:
         text += f"; loss {evidence['loss']:.4g} (recent median {evidence['recent_loss_median']:.4g})"
     groups = evidence.get("exploded_groups") or []
@@ -220,12 +241,13 @@ class RunHealth:
         self.constant_expected = constant_expected
 
     def update(self, step: int, loss: float | None, groups: Sequence[str], norms: Sequence[float],
-               total: float | None = None) -> list[tuple[str, str, dict]]:
-        """``norms[i]``: the gradient norm of ``groups[i]``; ``total``: their 2-norm, where the caller has it."""
+               total: float | None = None, overflow: dict[str, Any] | None = None) -> list[tuple[str, str, dict]]:
+        """``norms[i]``: the gradient norm of ``groups[i]``; ``total``: their 2-norm, where the caller has it;
+        ``overflow``: finite gradients whose fp32 norm overflowed (the sentinel's ``norm_overflow``)."""
         if total is None:
             total = math.sqrt(sum(v * v for v in norms))
         found = []
-        exploded = self.divergence.update(step, loss, total, groups, norms)
+        exploded = self.divergence.update(step, loss, total, groups, norms, overflow)
         if exploded is not None:
             found.append(("divergence", divergence_message(exploded), exploded))
         explained = loss is not None and self.constant_expected is not None and \

@@ -56,6 +56,9 @@ class StepView:
     scaler_skipped: bool | None = None  # the GradScaler skipped this step (None: no GradScaler is bound)
     scalars: dict[str, list[float]] = field(default_factory=dict)  # what this detector asked for, by name
     history: GradHistory | None = None  # every earlier step (per-group norms, losses, scales, skips)
+    # finite gradients whose fp32 norm overflowed: the groups, whether their norms are lower bounds,
+    # the largest |g| (None where a clip zeroed them first); None on every other step
+    norm_overflow: dict[str, Any] | None = None
 
     @functools.cached_property  # (several detectors ask, once per step)
     def total_grad_norm(self) -> float:

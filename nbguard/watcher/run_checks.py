@@ -67,7 +67,8 @@ class RunChecks(Detector):
         if self.trl is not None:
             found += self.trl.take()
             self.trl.step = step + 1  # reward calls from now on belong to the next step
-        found += self.health.update(step, view.loss, view.groups, view.grad_norm, view.total_grad_norm)
+        found += self.health.update(step, view.loss, view.groups, view.grad_norm, view.total_grad_norm,
+                                    view.norm_overflow)
         return self._events(step, found)
 
     def on_log(self, step: int, logs: dict[str, Any]) -> list[Event]:

@@ -37,6 +37,8 @@ from .history import group_name
 from .pipeline import all_finite, total_norm
 
 _WIDE = (torch.float32, torch.float64)  # gradients whose norms are taken in their own dtype (else in fp32)
+# The least 2-norm whose fp32 sum of squares overflows: what a finite gradient's overflowed norm is at least
+FP32_NORM_OVERFLOW = math.sqrt(torch.finfo(torch.float32).max)
 
 
 @dataclass
@@ -60,6 +62,8 @@ class StepStats:
     activations: list[float] | None = None  # per probed group output abs-max (NOT_SEEN: no forward)
     extra: list[float] | None = None  # the detectors' scalars, flattened (pipeline.DetectorBoard splits them)
     exchanged: list[float] | None = None  # across ranks: what the step's one collective returned
+    # finite gradients whose fp32 norm overflowed (a second read on that step only): see ``norm_overflow``
+    norm_overflow: dict | None = None
 
     @property  # (not cached: settle() replaces grad_norm across ranks)
     def total_grad_norm(self) -> float:
@@ -93,6 +97,7 @@ class GradNormCollector:
         # they ride in the step's one read and are summed per group on the host
         self._taken: list[tuple[torch.Tensor, Sequence[int]]] | None = None
         self._scaled = True  # whether the norms taken this step are of loss-scaled gradients
+        self._at_clip = False  # whether they were taken at a clip (the gradients may be scaled since)
         self._backward_seen: Callable[[torch.Tensor], None] | None = None  # fused: the output hook, made once
         self.cover(named_params)
 
@@ -175,6 +180,7 @@ class GradNormCollector:
         """A gradient clip is about to scale ``parameters``' gradients: take the norms now if they are ours."""
         if self.shares_clip(parameters):
             guarded_call(self._on_error, self.take)
+            self._at_clip = self._taken is not None
 
     def shares_clip(self, parameters: list[torch.Tensor]) -> bool:
         """This clip is where this step's norms are read: none taken yet, and some of ``parameters`` are ours."""
@@ -201,6 +207,7 @@ class GradNormCollector:
         if taken:
             self._scaled = self._grads_scaled()
             self._taken = taken
+            self._at_clip = True
 
     def _plan_clip(self, parameters: list[torch.Tensor], kinds: clip_tap.Kinds, dtype: torch.dtype) -> _ClipPlan:
         """Which of the clip's norms are this step's (fp32 gradients of ours, each once), and which of
@@ -286,6 +293,7 @@ class GradNormCollector:
         if self.per_parameter:
             self._norms = [None] * len(self.params)
         self._taken = None
+        self._at_clip = False
         self._bucket_norms = {}
 
     def device(self) -> torch.device:
@@ -410,11 +418,65 @@ class GradNormCollector:
         loss = rest.pop(0) if losses else None
         loss_scale = rest.pop(0) if scale is not None else None
         inf_flags = rest.pop(0) if found_inf is not None else None
+        overflow = None
+        # rare: a second read, on this step only (not where the GradScaler already found an inf, nor
+        # on DDP's reduced gradients, which are no longer the ones the norms were taken of)
+        if host_grouped and not self.bucketed and not inf_flags and not all_finite(norms):
+            norms, overflow = self.norm_overflow(norms)
         acts_values, rest = (rest[:n_acts], rest[n_acts:]) if activations is not None else (None, rest)
         if loss_scale and self.norms_scaled:
             norms = [v / loss_scale for v in norms]  # activations are forward values: never scaled
+            if overflow is not None and overflow["max_abs_grad"] is not None:
+                overflow["max_abs_grad"] /= loss_scale
         return StepStats(norms, loss, loss_scale, rest if with_fingerprint else None, inf_flags, acts_values,
-                         extra_values, exchanged)
+                         extra_values, exchanged, overflow)
+
+    def norm_overflow(self, norms: list[float]) -> tuple[list[float], dict | None]:
+        """Per-group norms that came back inf or NaN, told apart: a non-finite gradient, or finite
+        gradients whose fp32 norm overflowed (the sum of squares passes 3.4e38 once elements pass
+        ~1e19). The second is an explosion, not a non-finite gradient: its groups get a finite norm.
+
+        Runs only where a norm was not finite, with a second host read on that step. Each tensor of
+        those groups is measured scaled by its own max |g| (no overflow, and no fp64, which some
+        devices lack). Where the norms were read before a clip, the clip has scaled the gradients
+        since: ``clip_grad_norm_`` multiplied them by max_norm / inf = 0, which leaves a finite
+        gradient at exactly 0 and turns an inf into NaN; such a group gets the least norm that
+        overflows (a lower bound), and any other gradient a clip left stays non-finite (a value clip
+        clamps an inf to a finite number). Returns the norms and what was found (None: nothing
+        overflowed).
+        """
+        suspect = {g for g, v in enumerate(norms) if not math.isfinite(v)}
+        grads = [(p.grad, g) for p, g in zip(self.params, self._index) if g in suspect and p.grad is not None]
+        if not grads:
+            return norms, None
+        with torch.no_grad():
+            device = grads[0][0].device
+            measured = []
+            for grad, _ in grads:
+                amax = torch.linalg.vector_norm(grad, float("inf"), dtype=torch.float32)
+                scaled = torch.linalg.vector_norm(grad / amax.clamp_min(torch.finfo(torch.float32).tiny),
+                                                  dtype=torch.float32)
+                measured.append(torch.stack([amax, scaled]).to(device))
+            rows = torch.stack(measured).tolist()
+        squares: dict[int, float] = dict.fromkeys(suspect, 0.0)
+        largest: dict[int, float] = dict.fromkeys(suspect, 0.0)
+        for (_, group), (amax, scaled) in zip(grads, rows):
+            squares[group] += (amax * scaled) ** 2  # on the host, in fp64: no overflow below 1e154
+            largest[group] = max(largest[group], amax)
+        fixed = list(norms)
+        for group, square in squares.items():
+            if not math.isfinite(square):
+                continue  # a non-finite gradient: the norm stays as the read gave it
+            if not self._at_clip:
+                fixed[group] = math.sqrt(square)
+            elif square == 0.0:  # finite gradients the clip zeroed
+                fixed[group] = FP32_NORM_OVERFLOW
+            # else: a clip left a finite nonzero gradient, and nothing tells what it was before
+        overflowed = sorted(g for g in suspect if math.isfinite(fixed[g]))
+        if not overflowed:
+            return norms, None
+        return fixed, {"groups": [self.groups[g] for g in overflowed], "lower_bound": self._at_clip,
+                       "max_abs_grad": None if self._at_clip else max(largest[g] for g in overflowed)}
 
 
 def _flat(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -247,7 +247,7 @@ class WatchSteps(WatchRecord):
         if last is not None and last.skipped == skipped and last.scaler_skipped == scaler_skipped_seen:
             return last
         view = StepView(self.step, tuple(self.history.groups), tuple(stats.grad_norm), stats.loss, stats.loss_scale,
-                        skipped, scaler_skipped_seen, history=self.history)
+                        skipped, scaler_skipped_seen, history=self.history, norm_overflow=stats.norm_overflow)
         self._step_view = view
         return view
 
