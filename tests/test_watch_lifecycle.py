@@ -10,7 +10,7 @@ from watch_helpers import batches, hook_counts, train
 import nbguard
 from nbguard.findings import Event
 from nbguard.testing import tiny_llama
-from nbguard.watcher import NanWatch, WatchSettings
+from nbguard.watcher import NanWatch
 
 torch.set_num_threads(1)
 
@@ -171,10 +171,10 @@ def test_history_and_document_follow_the_data_contract():
     assert any(w is watch for w in nbguard.session.SESSION.watches)
 
 
-def test_grad_spike_is_an_event_without_a_replay():
+def test_a_gradient_spike_is_one_divergence_event_without_a_replay():
+    """One judgement of spikes: the run checks' divergence (no ratio-only grad-spike beside it)."""
     model, opt, _ = _setup()
-    # run_checks=False: the divergence check (which supersedes this ratio test) would name the same step
-    watch = NanWatch(model, optimizer=opt, settings=WatchSettings(spike_min_history=3), run_checks=False).attach()
+    watch = NanWatch(model, optimizer=opt).attach()
     for i, batch in enumerate(batches(6)):
         loss = model(**batch).loss * (1e4 if i == 5 else 1.0)
         loss.backward()
@@ -182,7 +182,8 @@ def test_grad_spike_is_an_event_without_a_replay():
         opt.zero_grad()
     watch.detach()
     [event] = watch.events
-    assert event.kind == "grad-spike" and event.step == 5 and event.evidence["ratio"] > 100
+    assert event.kind == "divergence" and event.step == 5 and event.evidence["ratio"] > 100
+    assert "replay_seconds" not in event.evidence and not event.origins
     Event.from_dict(event.to_dict())
 
 

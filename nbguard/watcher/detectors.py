@@ -1,10 +1,7 @@
 """Host-side detectors over the numbers the sentinel already read (no device work)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-
-from .rolling import RollingMedian
 
 
 @dataclass
@@ -13,9 +10,6 @@ class WatchSettings:
 
     skip_streak: int = 8  # consecutive skipped steps that make an event
     min_loss_scale: float = 1.0  # a scale halved below this has collapsed
-    spike_factor: float = 10.0  # total grad norm over this many times the recent median
-    spike_window: int = 50
-    spike_min_history: int = 10
     frozen_check_every: int = 10  # optimizer steps between weight fingerprints
     frozen_after: int = 20  # unchanged over this many optimizer steps is an event
     frozen_eval_repeats: int = 1  # bit-identical eval losses in a row (beyond the first): an event
@@ -55,23 +49,6 @@ class SkipStreak:
         self.reported = True
         return {"consecutive_skipped": self.streak, "skipped_total": self.total, "streak_start": self.start,
                 "scale_trend": list(self.scales[-12:]), "scale_collapsed": collapsed}
-
-
-class SpikeDetector:
-    def __init__(self, settings: WatchSettings):
-        self.settings = settings
-        self.recent = RollingMedian(settings.spike_window)
-
-    def update(self, total: float) -> dict | None:
-        if not math.isfinite(total):
-            return None
-        evidence = None
-        if len(self.recent) >= self.settings.spike_min_history:
-            median = self.recent.median()
-            if median > 0 and total > self.settings.spike_factor * median:
-                evidence = {"total_grad_norm": total, "recent_median": median, "ratio": total / median}
-        self.recent.append(total)
-        return evidence
 
 
 class FrozenDetector:

@@ -1,6 +1,6 @@
 """The median of the last N values, kept sorted as they arrive.
 
-The detectors compare each step with a recent median (of 50 gradient norms, 256 token counts):
+The detectors compare each step with a recent median (of 15 log gradient-norm changes, 256 token counts):
 ``statistics.median`` over a deque sorts the whole window on every step, inside the user's
 training step. Kept sorted, a step costs one binary insertion and one removal.
 """
