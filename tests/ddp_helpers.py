@@ -109,7 +109,7 @@ def _loop(model, opt, scaler, accelerator, rank: int, scenario: str,
                 accelerator.backward(loss / 2)  # a loop that accumulates without no_sync: DDP reduces each
                 if steps % 2 == 1:
                     opt.step()
-                    opt.zero_grad()
+                    opt.zero_grad(set_to_none=True)  # as accelerate loops write it: the signature is read
                 steps += 1
                 continue
             if scaler is not None:
@@ -119,7 +119,7 @@ def _loop(model, opt, scaler, accelerator, rank: int, scenario: str,
             else:
                 accelerator.backward(loss)
                 opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=True)  # AcceleratedOptimizer reads the wrapped zero_grad's signature
             steps += 1
     except NonFiniteError as err:
         if scenario == "uncaught":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .instance_wrap import InstanceWrap
+
 
 def unwrap_optimizer(optimizer):
     """The torch optimizer inside wrappers such as accelerate's ``AcceleratedOptimizer``, whose
@@ -18,38 +20,34 @@ def unwrap_optimizer(optimizer):
 
 
 class OptimizerBinding:
-    """The optimizer's step pre/post hooks and its ``zero_grad`` (an instance attribute, removed on
-    detach): clearing gradients mid-step tells the watch that an interrupted step was abandoned."""
+    """The optimizer's step pre/post hooks and its ``zero_grad`` (an invisible instance wrapper,
+    removed on detach): clearing gradients mid-step tells the watch that an interrupted step was
+    abandoned."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, pre, post, zero_grad=None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.optimizer = optimizer
         self.handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
-        self._had_own = "zero_grad" in vars(optimizer)
-        self._own = vars(optimizer).get("zero_grad")
+        self._zero_grad: InstanceWrap | None = None
         if zero_grad is not None:
-            original = optimizer.zero_grad
-
-            def cleared(*args, **kwargs):
+            def cleared(original, *args, **kwargs):
                 zero_grad()
                 return original(*args, **kwargs)
 
-            cleared.__nbguard__ = True  # type: ignore[attr-defined]
-            optimizer.zero_grad = cleared  # type: ignore[method-assign]
+            self._zero_grad = InstanceWrap(optimizer, "zero_grad", cleared)
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
-        if self._had_own:
-            self.optimizer.zero_grad = self._own  # type: ignore[method-assign,assignment]
-        else:
-            vars(self.optimizer).pop("zero_grad", None)
+        if self._zero_grad is not None:
+            self._zero_grad.remove()
+            self._zero_grad = None
 
 
 class ScalerBinding:
-    """Wraps one GradScaler instance's ``update`` (an instance attribute, removed on detach): the step's
+    """Wraps one GradScaler instance's ``update`` (an invisible instance wrapper, removed on detach): the step's
     read before it, the step's end after it. The gradients are read wherever they are then (still
     scaled, or unscaled by ``unscale_``); ``grads_scaled`` tells the read which."""
 
@@ -57,17 +55,14 @@ class ScalerBinding:
         if not callable(getattr(scaler, "update", None)) or not hasattr(scaler, "step"):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         self.scaler = scaler
-        self._own = {"update": ("update" in vars(scaler), vars(scaler).get("update"))}
-        original = scaler.update
 
-        def update(*args, **kwargs):
+        def update(original, *args, **kwargs):
             before()
             result = original(*args, **kwargs)
             after()
             return result
 
-        update.__nbguard__ = True
-        scaler.update = update
+        self._update = InstanceWrap(scaler, "update", update)
 
     def grads_scaled(self, optimizer) -> bool:
         """Whether ``optimizer``'s gradients are still multiplied by the loss scale (the scaler has
@@ -102,8 +97,4 @@ class ScalerBinding:
         return torch.stack([t.to(device).float().reshape(()) for t in flags]).sum()
 
     def remove(self) -> None:
-        for name, (had_own, own) in self._own.items():
-            if had_own:
-                setattr(self.scaler, name, own)
-            else:
-                vars(self.scaler).pop(name, None)
+        self._update.remove()

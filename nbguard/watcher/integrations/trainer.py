@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from .instance_wrap import InstanceWrap
+
 
 def trainer_scaler(trainer):
     accelerator = getattr(trainer, "accelerator", None)
@@ -15,21 +17,17 @@ def trainer_scaler(trainer):
 
 
 class _MethodTap:
-    """Replaces ``trainer.<method>`` by an instance attribute wrapping it; ``remove`` puts back what
-    the instance had (a method the user set on it, or none: the class's own shows through again)."""
+    """Wraps ``trainer.<method>`` with an invisible instance wrapper (its signature and name are the
+    method's); ``remove`` puts back what the instance had."""
 
     method = ""
 
-    def __init__(self, trainer, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]):
+    def __init__(self, trainer, around: Callable[..., Any]):
         self.trainer = trainer
-        self._own = vars(trainer).get(self.method)
-        setattr(trainer, self.method, wrap(getattr(trainer, self.method)))
+        self._wrap = InstanceWrap(trainer, self.method, around)
 
     def remove(self) -> None:
-        if self._own is not None:
-            setattr(self.trainer, self.method, self._own)
-        else:
-            vars(self.trainer).pop(self.method, None)
+        self._wrap.remove()
 
 
 class LabelsTap(_MethodTap):
@@ -45,14 +43,12 @@ class LabelsTap(_MethodTap):
     def __init__(self, trainer):
         self.labels: torch.Tensor | None = None
 
-        def wrap(original):
-            def compute_loss(model, inputs, *args, **kwargs):
-                labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
-                self.labels = labels if isinstance(labels, torch.Tensor) else None
-                return original(model, inputs, *args, **kwargs)
-            return compute_loss
+        def compute_loss(original, model, inputs, *args, **kwargs):
+            labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
+            self.labels = labels if isinstance(labels, torch.Tensor) else None
+            return original(model, inputs, *args, **kwargs)
 
-        super().__init__(trainer, wrap)
+        super().__init__(trainer, compute_loss)
 
     def take(self) -> torch.Tensor | None:
         """The labels of the forward about to run; each set is handed out once."""
@@ -80,15 +76,13 @@ class TrainingLossTap(_MethodTap):
     method = "training_step"
 
     def __init__(self, trainer, on_loss: Callable[[torch.Tensor], None]):
-        def wrap(original):
-            def training_step(model, inputs, *args, **kwargs):
-                loss = original(model, inputs, *args, **kwargs)
-                if isinstance(loss, torch.Tensor):
-                    on_loss(loss)
-                return loss
-            return training_step
+        def training_step(original, model, inputs, *args, **kwargs):
+            loss = original(model, inputs, *args, **kwargs)
+            if isinstance(loss, torch.Tensor):
+                on_loss(loss)
+            return loss
 
-        super().__init__(trainer, wrap)
+        super().__init__(trainer, training_step)
 
 
 class WatchCallback(TrainerCallback):
