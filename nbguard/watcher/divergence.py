@@ -12,6 +12,9 @@ steadily over three decades has small steps, not a wide spread). An explosion is
 noise AND at least ``min_decades`` above the level, so neither a quiet run's small noise nor a noisy
 run's wide swings fire it. A learning rate of 1000 jumps 8-13 decades in one step.
 
+The loss is the context: while it is still below its recent median (the run is learning), a jump
+must also pass ``falling_loss_decades``, which no learning-rate explosion misses.
+
 A step whose fp32 gradient norm overflowed over finite gradients (the sentinel's ``norm_overflow``:
 elements past ~1e19) is an explosion whatever the history: no healthy run gets there.
 """
@@ -39,6 +42,7 @@ class DivergenceSettings:
     early_steps: int = 5  # until this many healthy steps, only a jump of early_decades counts
     early_decades: float = 3.0  # 1000x the level: no healthy run jumps that far, even at its start
     min_decades: float = 2.0  # with a full baseline, never less than a 100x jump
+    falling_loss_decades: float = 3.0  # ... and 1000x while the loss is below its recent median
     robust_z: float = 6.0  # ... and this many robust standard deviations of the run's own steps
     dead_after: int = 4  # consecutive dead steps (zero gradient or bit-identical loss) that make an event
 
@@ -76,14 +80,15 @@ class DivergenceDetector:
             return None
         return sorted_median(sorted(itertools.islice(reversed(self.recent), self.settings.level_steps)))
 
-    def threshold(self) -> float | None:
+    def threshold(self, loss_falling: bool = False) -> float | None:
         """Decades above the level that count as an explosion (None: not enough history)."""
         s = self.settings
         if len(self.recent) < s.warmup:
             return None
         if len(self.recent) < s.early_steps:
-            return s.early_decades
-        return max(s.min_decades, s.robust_z * MAD_TO_STD * self.changes.median())
+            return max(s.early_decades, s.falling_loss_decades) if loss_falling else s.early_decades
+        floor = max(s.min_decades, s.falling_loss_decades) if loss_falling else s.min_decades
+        return max(floor, s.robust_z * MAD_TO_STD * self.changes.median())
 
     def update(self, step: int, loss: float | None, total: float, groups: Sequence[str],
                norms: Sequence[float], overflow: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -93,7 +98,16 @@ class DivergenceDetector:
         if value is None:
             return None  # 0 is the dead-run detector's, a non-finite norm the NaN watch's
         limit, median = self.threshold(), self.level()
-        exploded = overflow is not None or (limit is not None and median is not None and value - median > limit)
+        jumped = limit is not None and median is not None and value - median > limit
+        loss_median: float | None = None
+        loss_falling = False
+        if jumped or overflow is not None:  # (the loss's median only where it can matter: a step in the user's loop)
+            loss_median = statistics.median(self.recent_loss) if self.recent_loss else None
+            loss_falling = loss is not None and loss_median is not None and loss < loss_median
+        if jumped and loss_falling:
+            limit = self.threshold(loss_falling=True)
+            jumped = limit is not None and median is not None and value - median > limit
+        exploded = jumped or overflow is not None
         if not exploded:
             self._remember(value, loss, norms)
             self.exploding = False
@@ -106,12 +120,11 @@ class DivergenceDetector:
             return None
         self.exploding, self.last_explosion = True, step
         above = value - median if median is not None else None
-        loss_median = statistics.median(self.recent_loss) if self.recent_loss else None
         self.evidence = {
             "total_grad_norm": total, "recent_level": 10 ** median if median is not None else None,
             "ratio": 10 ** above if above is not None else None, "decades_above_level": above,
             "threshold_decades": limit, "healthy_steps_seen": len(self.recent), "loss": loss,
-            "recent_loss_median": loss_median, "peak_grad_norm": total, "peak_step": step,
+            "recent_loss_median": loss_median, "loss_falling": loss_falling, "peak_grad_norm": total, "peak_step": step,
             "exploded_groups": self._exploded_groups(groups, norms, limit if limit is not None else 0.0)}
         if overflow is not None:
             self.evidence["fp32_norm_overflow"] = {"step": step, **overflow}
