@@ -98,6 +98,12 @@ class TimelineEntry:
 @dataclass
 class SessionRecord:
     timeline: list[TimelineEntry] = field(default_factory=list)
+    # The hardware the user named to an audit (None: none named, the detected machine is the target):
+    # the watch verifies what that target would run, so a verdict speaks of the cell the user will run.
+    target_hardware: Any = None
+    # The user's variable names for fix cells ({"trainer": "trainer"}), as the notebook last resolved
+    # them: verified cells and applied cells are rendered with the same names, so their texts compare.
+    names: dict[str, str] = field(default_factory=dict)
 
     # -- the timeline -------------------------------------------------------------------------
     def entries(self, kind: str) -> list[TimelineEntry]:
@@ -122,6 +128,14 @@ class SessionRecord:
 
     def clear(self) -> None:
         self.timeline.clear()
+        self.target_hardware = None
+        self.names = {}
+
+    def fix_names(self, target: str) -> dict[str, str]:
+        """The names a fix cell for ``target`` ("trainer" or "model") is written with: the user's, as
+        the notebook knows them, else the usual variable name."""
+        known = {k: v for k, v in self.names.items() if k in (target, "args", "tokenizer")}
+        return {target: target, **known}
 
     # -- the earlier list API, derived from the timeline (reporting still reads these) ----------
     @property
@@ -223,11 +237,19 @@ def record_verification(verification: Any) -> None:
     SESSION._add(TimelineEntry("verification", time.time(), _snapshot=snapshot))
 
 
-def latest_verdict(fix_id: str) -> Verdict | None:
-    """The most recent verdict this session holds for ``fix_id`` (from a watch's, an audit's or a
-    diagnosis' verification), or None when the fix was never run on a failing step."""
+def latest_verdict(fix_id: str, code: str) -> Verdict | None:
+    """The most recent verdict this session holds for exactly this cell of ``fix_id`` (from a watch's,
+    an audit's or a diagnosis' verification), or None when that cell never ran on a failing step: a
+    verdict never travels to another variant of the fix (other options, other names)."""
     for doc in reversed(SESSION.documents()):
-        found = fix_verdicts(doc).get(fix_id)
+        found = fix_verdicts(doc).get((fix_id, code))
         if found is not None:
             return found
     return None
+
+
+def verified_variants(fix_id: str) -> list[str]:
+    """The cells of ``fix_id`` this session verified, newest first (to say which one ran when another did not)."""
+    cells = [code for doc in reversed(SESSION.documents()) for (fid, code), v in fix_verdicts(doc).items()
+             if fid == fix_id and v.status == "verified"]
+    return list(dict.fromkeys(cells))

@@ -271,7 +271,9 @@ def test_every_verification_reaches_the_session_timeline():
     _, _, watch = fp16_overflow_run()
     # the automatic verification travels in the watch's own entry (its event's evidence), once
     assert SESSION.verifications == []
-    assert latest_verdict("switch-precision").label == watch.verification.verdict("switch-precision").verdict
+    verdict = watch.verification.verdict("switch-precision")
+    assert latest_verdict("switch-precision", verdict.code).label == verdict.verdict
+    assert latest_verdict("switch-precision", verdict.code + "\n") is None  # another text: no verdict borrowed
     v = nbguard.verify(watch.events[0], fix_id="enable-grad-clipping")  # an explicit one is an entry of its own
     [doc] = SESSION.verifications
     assert doc["verification"]["subject"] == v.subject

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..findings import Finding, Severity
 from ..hardware import resolve_hardware
 from ..introspect.inputs import check_batch, is_trainer
-from ..session import record_audit
+from ..session import SESSION, record_audit
 from ..step.targets import resolve_targets
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .context import AuditContext
@@ -91,6 +91,8 @@ def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None,
     if not isinstance(probe, bool):
         raise TypeError(f"probe must be True or False; got {type(probe).__name__}")
     hw = resolve_hardware(hardware)
+    if hardware is not None:  # the user named the machine the run is for: fixes are chosen and verified for it
+        SESSION.target_hardware = hw
 
     ctx = AuditContext(model=model, trainer=trainer, args=args, batch=batch, hardware=hw)
     extra: list[Finding] = []

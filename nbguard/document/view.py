@@ -260,8 +260,37 @@ def _story(doc: dict) -> list[Section]:
         not events and findings[0].get("severity") == "error") else ""
     return [Section(kind="story", title="What happened", facts=[
         Fact(f"What went wrong: {what}", tone), Fact(f"Where: {where}"),
-        Fact(f"Fix: {how}", "good" if fix and fix.verdict and fix.verdict.status == "verified" else "")],
-        charts=charts)]
+        Fact(f"Fix: {how}", "good" if fix and fix.verdict and fix.verdict.status == "verified" else ""),
+        *_applied_facts(doc)], charts=charts)]
+
+
+def _applied_facts(doc: dict) -> list[Fact]:
+    """The rest of the story once a fix was applied: that cell and its own verdict (never another
+    variant's), then the first watch after it, or that none ran yet."""
+    entries = _entries(doc)
+    applied = [(i, f) for i, e in enumerate(entries) if e.get("kind") == "fix"
+               for f in e.get("fixes_applied") or [] if isinstance(f, dict)]
+    if not applied:
+        return []
+    at, last = applied[-1]
+    verdicts: dict[tuple[str, str], Verdict] = {}
+    for entry in [doc, *entries]:
+        verdicts.update(fix_verdicts(entry))
+    fix_id = str(last.get("fix"))
+    verdict = verdicts.get((fix_id, str(last.get("code"))))
+    proof = (f"this cell {verdict.label} on the failing step" + (f" ({verdict.detail})" if verdict.detail else "")
+             if verdict is not None else "this cell was not run on a failing step: not verified")
+    facts = [Fact(f"Applied: {fix_id}: {proof}", "good" if verdict and verdict.status == "verified" else "")]
+    after = [w for e in entries[at + 1:] for w in watch_sections(e)]
+    if not after:
+        return [*facts, Fact("Run after the fix: none yet")]
+    steps = history_overview(after[0]["history"]).get("n_steps") or 0
+    events = [e for e in after[0]["events"] if isinstance(e, dict)]
+    if events:
+        first = events[0]
+        return [*facts, Fact(f"Run after the fix: {plural(steps, 'step')}, {plural(len(events), 'event')}; first: "
+                             f"step {first.get('step')}: {first.get('message', first.get('kind'))}", "bad")]
+    return [*facts, Fact(f"Run after the fix: {plural(steps, 'step')}, no events", "good")]
 
 
 def _entries(doc: dict) -> list[dict]:
@@ -480,30 +509,31 @@ def _verdict_lists(doc: dict) -> Iterator[list]:
             yield [v for v in owner["verdicts"] if isinstance(v, dict)]
 
 
-def fix_verdicts(doc: dict) -> dict[str, Verdict]:
-    """The best verdict per fix id over the document's verifications (verified beats not enough)."""
-    best: dict[str, Verdict] = {}
-    found = [(str(v.get("fix")), _status(v.get("verdict")), str(v.get("reason") or ""))
-             for verdicts in _verdict_lists(doc) for v in verdicts]
-    for finding in doc.get("findings") or []:  # an audit run with verify=True marks its findings' fixes
-        marks = ((finding or {}).get("evidence") or {}).get("verdicts")
-        found += [(str(k), _status(v), "") for k, v in marks.items()] if isinstance(marks, dict) else []
-    for fix_id, status, reason in found:
+def fix_verdicts(doc: dict) -> dict[tuple[str, str], Verdict]:
+    """The best verdict per verified cell over the document's verifications (verified beats not
+    enough), keyed by (fix id, the exact code that ran): a cell shows a verdict only when it is the
+    text that ran, never another variant of the same fix."""
+    best: dict[tuple[str, str], Verdict] = {}
+    found = [((str(v.get("fix")), str(v.get("code"))), _status(v.get("verdict")), str(v.get("reason") or ""))
+             for verdicts in _verdict_lists(doc) for v in verdicts if isinstance(v.get("code"), str)]
+    for key, status, reason in found:
         if status not in VERDICT_ORDER:
             continue
-        if fix_id not in best or VERDICT_ORDER.index(status) < VERDICT_ORDER.index(best[fix_id].status) or (
-                status == best[fix_id].status and reason and not best[fix_id].detail):
-            best[fix_id] = Verdict(status=status, label=status.replace("-", " "), detail=reason)
+        if key not in best or VERDICT_ORDER.index(status) < VERDICT_ORDER.index(best[key].status) or (
+                status == best[key].status and reason and not best[key].detail):
+            best[key] = Verdict(status=status, label=status.replace("-", " "), detail=reason)
     return best
 
 
 VERDICT_ORDER = ("verified", "not-enough", "not-checked")
 
 
-def _fix_views(fix_ids: Any, cells: dict[str, dict], verdicts: dict[str, Verdict]) -> list[FixView]:
-    fixes = [FixView(id=str(fid), title=str(cells.get(str(fid), {}).get("title") or ""),
-                     code=str(cells.get(str(fid), {}).get("code") or ""), verdict=verdicts.get(str(fid)))
-             for fid in fix_ids or []]
+def _fix_views(fix_ids: Any, cells: dict[str, dict], verdicts: dict[tuple[str, str], Verdict]) -> list[FixView]:
+    fixes = []
+    for fid in fix_ids or []:
+        code = str(cells.get(str(fid), {}).get("code") or "")
+        fixes.append(FixView(id=str(fid), title=str(cells.get(str(fid), {}).get("title") or ""), code=code,
+                             verdict=verdicts.get((str(fid), code))))  # the verdict of this very text, or none
     return ranked(fixes)
 
 
@@ -673,7 +703,8 @@ def overview_facts(overview: dict) -> list[Fact]:
     return facts
 
 
-def event_card(event: dict, cells: dict[str, dict] | None = None, verdicts: dict[str, Verdict] | None = None) -> Card:
+def event_card(event: dict, cells: dict[str, dict] | None = None,
+               verdicts: dict[tuple[str, str], Verdict] | None = None) -> Card:
     """One watch event as a card: step, kind, cause, message, its origins and evidence."""
     kind = str(event.get("kind", ""))
     rank = f"rank {event['rank']} · " if event.get("rank") is not None else ""
@@ -717,7 +748,7 @@ def fold_skips(events: list[dict]) -> list[dict]:
     return out
 
 
-def _event_cards(event: dict, cells: dict[str, dict], verdicts: dict[str, Verdict]) -> list[Card]:
+def _event_cards(event: dict, cells: dict[str, dict], verdicts: dict[tuple[str, str], Verdict]) -> list[Card]:
     """An event's card, followed by the card of the verification the watch made on its step."""
     cards = [event_card(event, cells, verdicts)]
     if event.get("_folded"):

@@ -19,10 +19,12 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Enum, TraitError, Unicode
 
+from ..document.redact import redact
 from ..errors import NbguardError
-from ..session import latest_verdict as session_verdict
+from ..session import SESSION
 from . import resolve as R
 from .resolve import MagicError
+from .verdicts import cell_verdict_line
 
 POLICIES = ("warn", "skip", "stop")
 NBGUARD_COMMANDS = ("fix", "report", "explain")
@@ -174,8 +176,9 @@ class NbguardMagics(Magics):
             batch = R.checked_batch(R.lookup(self.ns, opts.batch), opts.batch, model)
             names["batch"] = opts.batch
         hardware = self._hardware(opts.hardware or self.hardware_profile or None)
-        result = api.audit(**targets, batch=batch, hardware=hardware, probe=opts.probe, verify=opts.verify)
         self.state.last_names = {k: v for k, v in names.items() if k != "batch"}
+        SESSION.names = dict(self.state.last_names)  # the audit's verified cells are written in these names
+        result = api.audit(**targets, batch=batch, hardware=hardware, probe=opts.probe, verify=opts.verify)
         self.state.last_audit = result
         held = _WeakObjects(self.ns, dict(targets, batch=batch), names)
         fix_names = dict(self.state.last_names)
@@ -340,11 +343,15 @@ class NbguardMagics(Magics):
             self.state.watches.append(live)
             return live
         if opts.target:
-            target = R.lookup(self.ns, opts.target)
+            target, name = R.lookup(self.ns, opts.target), opts.target
             if not (R.is_trainer(target) or R.is_model(target)):
                 raise MagicError(f"{opts.target!r} is a {R.describe(target)}; %nanwatch takes a Trainer or a torch.nn.Module")
         else:
-            _kind, _name, target = self._find_target("%nanwatch")
+            _kind, name, target = self._find_target("%nanwatch")
+        # the cells the watch verifies are written with the name the user watches it by
+        kind = "trainer" if R.is_trainer(target) else "model"
+        SESSION.names = {**{k: v for k, v in self.state.names_for_fixes().items() if k not in ("trainer", "model")},
+                         kind: name}
         optimizer = scaler = None
         if R.is_model(target):
             optimizer = self._optimizer_for(target, opts.optimizer)
@@ -446,21 +453,20 @@ class NbguardMagics(Magics):
             raise MagicError(str(err.args[0] if err.args else err)) from None
         names = self.state.names_for_fixes()
         audit = self.state.last_audit
-        options = audit.fix_options(fix_id) if audit is not None else {}
+        # the variant for the session's target (the hardware named to the audit), never another one
+        options = audit.fix_options(fix_id) if audit is not None else fix.options_for(SESSION.target_hardware)
         objects = self._fix_objects(fix, names) if apply_now else {}
         try:
             code = fixes.code(fix_id, **names, **options)
         except ValueError as err:  # the cell needs a name the notebook does not have
             raise MagicError(f"{err.args[0]}; no such variable in the notebook") from None
-        verdict = session_verdict(fix_id)
-        if verdict is not None:  # the watch or the audit ran this fix on the failing step already
-            print(f"nbguard: {fix_id} {verdict.label} on the failing step" + (f": {verdict.detail}" if verdict.detail else ""))
+        print(cell_verdict_line(fix_id, options, code, names))
         if apply_now:
             try:
                 applied = fixes.apply(fix_id, **objects, names=names, **options)
             except (TypeError, ValueError) as err:  # the fix's own checks of the objects it was given
                 raise MagicError(f"{fix_id} cannot apply here: {err}") from None
-            print(f"nbguard: applied {fix_id}: {applied.changed or 'nothing to change'}")
+            print(redact(f"nbguard: applied {fix_id}: {applied.changed or 'nothing to change'}"))
         self.ip.set_next_input(code, replace=False)
 
     def _fix_objects(self, fix, names: dict[str, str]) -> dict[str, Any]:

@@ -72,8 +72,11 @@ def verify(subject: Any, fix_id: str | None = None, *, model: Any = None, batch:
     """Verify the fixes of a watch event (on its captured step) or an audit finding (on ``batch``).
 
     ``fix_id`` checks one fix only; ``options`` gives a fix's options ({"switch-precision": {"to": "fp32"}});
-    ``memory_budget`` (bytes) caps the step-level check (default: half the free memory of the model's device).
+    ``hardware`` the target the fixes are chosen for (default: the one named to the last audit, else this
+    machine); ``memory_budget`` (bytes) caps the step-level check (default: half the free memory of the
+    model's device). Each verdict records the exact cell that ran, in the session's variable names.
     """
+    hardware = hardware if hardware is not None else SESSION.target_hardware
     if fix_id is not None:
         fix_registry.get(fix_id)  # an unknown id: the error lists the valid ones
     if options is not None and not isinstance(options, dict):
@@ -93,7 +96,7 @@ def verify(subject: Any, fix_id: str | None = None, *, model: Any = None, batch:
                              f"nbguard.verify(finding, model=model, batch=batch)")
         fix_ids = [fix_id] if fix_id else list(CAUSE_FIXES.get(subject.cause or "", []))
         candidates = with_options(fix_ids, step, options, hardware)
-        names = {"trainer": "trainer"} if getattr(watch, "trainer", None) is not None else {"model": "model"}
+        names = SESSION.fix_names("trainer" if getattr(watch, "trainer", None) is not None else "model")
         return _recorded(verify_step(step, candidates, _subject_of_event(subject), memory_budget=memory_budget,
                                      names=names))
     if isinstance(subject, Finding):
@@ -103,7 +106,7 @@ def verify(subject: Any, fix_id: str | None = None, *, model: Any = None, batch:
                              "(batch=; without it the probe's synthetic batch is used)")
         step = step_from_batch(model, batch, args)
         fix_ids = [fix_id] if fix_id else list(subject.fixes)
-        names = {"trainer": "trainer"} if trainer is not None else {"model": "model"}
+        names = SESSION.fix_names("trainer" if trainer is not None else "model")
         return _recorded(verify_step(step, with_options(fix_ids, step, options, hardware), f"finding {subject.rule}",
                                      memory_budget=memory_budget, names=names))
     raise TypeError(f"verify() takes a watch Event or an audit Finding, got {type(subject).__name__}")
@@ -128,8 +131,9 @@ def auto_verify(watch: Any, event: Any) -> None:
         step = step_from_event(event, watch.model, list(watch.micro_batches))
         step.args = watch.trainer.args if watch.trainer is not None else None
         watch.keep_step(event, step)
-        candidates = for_event(event, step)
-        names = {"trainer": "trainer"} if watch.trainer is not None else {"model": "model"}
+        # the fixes the target would run (the hardware named to the audit: fp32 for a T4, never bf16)
+        candidates = for_event(event, step, hardware=SESSION.target_hardware)
+        names = SESSION.fix_names("trainer" if watch.trainer is not None else "model")
         result = verify_step(step, candidates, _subject_of_event(event), max_step_runs=AUTO_MAX_STEP_RUNS,
                              baseline=False, names=names)
         watch.verification = result

@@ -5,6 +5,7 @@ from typing import Any
 
 from ..auditor.sampling import sample_trainer_batches
 from ..findings import Finding, Severity
+from ..session import SESSION
 from ..step.targets import resolve_targets
 from . import step_from_batch
 from .candidates import with_options
@@ -29,9 +30,9 @@ def verify_audit(result: Any, model: Any, trainer: Any, args: Any, batch: dict |
                 batch, source = sample.batches[0], "a batch from the trainer's dataloader"
         step = step_from_batch(model, batch, args)
         options = {fix_id: result.fix_options(fix_id) for fix_id in fix_ids}
-        names = {"trainer": "trainer"} if trainer is not None else {"model": "model"}
+        names = SESSION.fix_names("trainer" if trainer is not None else "model")
         if trainer is None and args is not None:
-            names["args"] = "args"
+            names.setdefault("args", "args")
         subject = f"audit on {source}"
         verification = verify_step(step, with_options(fix_ids, step, options, result.hardware), subject,
                                    memory_budget=memory_budget, names=names)
