@@ -419,9 +419,10 @@ class GradNormCollector:
         loss_scale = rest.pop(0) if scale is not None else None
         inf_flags = rest.pop(0) if found_inf is not None else None
         overflow = None
-        # rare: a second read, on this step only (not where the GradScaler already found an inf, nor
-        # on DDP's reduced gradients, which are no longer the ones the norms were taken of)
-        if host_grouped and not self.bucketed and not inf_flags and not all_finite(norms):
+        # rare: more reads, on this step only; not where the loss is already non-finite or the GradScaler
+        # found an inf, nor on DDP's reduced gradients (no longer the ones the norms were taken of)
+        if host_grouped and not self.bucketed and not inf_flags and (loss is None or math.isfinite(loss)) \
+                and not all_finite(norms):
             norms, overflow = self.norm_overflow(norms)
         acts_values, rest = (rest[:n_acts], rest[n_acts:]) if activations is not None else (None, rest)
         if loss_scale and self.norms_scaled:
@@ -436,43 +437,40 @@ class GradNormCollector:
         gradients whose fp32 norm overflowed (the sum of squares passes 3.4e38 once elements pass
         ~1e19). The second is an explosion, not a non-finite gradient: its groups get a finite norm.
 
-        Runs only where a norm was not finite, with a second host read on that step. Each tensor of
-        those groups is measured scaled by its own max |g| (no overflow, and no fp64, which some
-        devices lack). Where the norms were read before a clip, the clip has scaled the gradients
-        since: ``clip_grad_norm_`` multiplied them by max_norm / inf = 0, which leaves a finite
-        gradient at exactly 0 and turns an inf into NaN; such a group gets the least norm that
-        overflows (a lower bound), and any other gradient a clip left stays non-finite (a value clip
-        clamps an inf to a finite number). Returns the norms and what was found (None: nothing
-        overflowed).
+        Runs only where a norm was not finite, with at most two more host reads on that step: each
+        tensor's max |g| (a non-finite one settles its group), then the other tensors of the groups
+        left, each scaled by its max |g| (no overflow, and no fp64, which some devices lack). Where
+        the norms were read before a clip, the clip has scaled the gradients since:
+        ``clip_grad_norm_`` multiplied them by max_norm / inf = 0, which leaves a finite gradient at
+        exactly 0 and turns an inf into NaN; such a group gets the least norm that overflows (a lower
+        bound), and any other gradient a clip left stays non-finite (a value clip clamps an inf to a
+        finite number). Returns the norms and what was found (None: nothing overflowed).
         """
         suspect = {g for g, v in enumerate(norms) if not math.isfinite(v)}
         grads = [(p.grad, g) for p, g in zip(self.params, self._index) if g in suspect and p.grad is not None]
         if not grads:
             return norms, None
+        device = grads[0][0].device
         with torch.no_grad():
-            device = grads[0][0].device
-            measured = []
-            for grad, _ in grads:
-                amax = torch.linalg.vector_norm(grad, float("inf"), dtype=torch.float32)
-                scaled = torch.linalg.vector_norm(grad / amax.clamp_min(torch.finfo(torch.float32).tiny),
-                                                  dtype=torch.float32)
-                measured.append(torch.stack([amax, scaled]).to(device))
-            rows = torch.stack(measured).tolist()
+            amaxes = torch.stack([torch.linalg.vector_norm(grad, float("inf"), dtype=torch.float32).to(device)
+                                  for grad, _ in grads]).tolist()
+            suspect -= {g for (_, g), amax in zip(grads, amaxes) if not math.isfinite(amax)}  # a real inf/NaN
+            measured = [(grad, g, amax) for (grad, g), amax in zip(grads, amaxes) if g in suspect and amax > 0]
+            scaled = torch.stack([torch.linalg.vector_norm(grad / amax, dtype=torch.float32).to(device)
+                                  for grad, _, amax in measured]).tolist() if measured else []
         squares: dict[int, float] = dict.fromkeys(suspect, 0.0)
         largest: dict[int, float] = dict.fromkeys(suspect, 0.0)
-        for (_, group), (amax, scaled) in zip(grads, rows):
-            squares[group] += (amax * scaled) ** 2  # on the host, in fp64: no overflow below 1e154
+        for (_, group, amax), norm in zip(measured, scaled):
+            squares[group] += (amax * norm) ** 2  # on the host, in fp64: no overflow below 1e154
             largest[group] = max(largest[group], amax)
         fixed = list(norms)
         for group, square in squares.items():
-            if not math.isfinite(square):
-                continue  # a non-finite gradient: the norm stays as the read gave it
             if not self._at_clip:
                 fixed[group] = math.sqrt(square)
             elif square == 0.0:  # finite gradients the clip zeroed
                 fixed[group] = FP32_NORM_OVERFLOW
             # else: a clip left a finite nonzero gradient, and nothing tells what it was before
-        overflowed = sorted(g for g in suspect if math.isfinite(fixed[g]))
+        overflowed = sorted(g for g in suspect if math.isfinite(fixed[g]))  # (not the ones a clip left unknown)
         if not overflowed:
             return norms, None
         return fixed, {"groups": [self.groups[g] for g in overflowed], "lower_bound": self._at_clip,
