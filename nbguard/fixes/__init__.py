@@ -13,7 +13,7 @@ from typing import Any
 
 from ..session import record_fix
 from ..step.targets import resolve_targets
-from . import config_fixes, data_fixes, model_fixes, rl_fixes, setup_fixes, trainer_fixes, unsloth_fixes  # noqa: F401  (registers the fixes)
+from . import config_fixes, data_fixes, export_fixes, model_fixes, rl_fixes, setup_fixes, trainer_fixes, unsloth_fixes  # noqa: F401  (registers the fixes)
 from .registry import FIXES, Fix, Names, Target
 from .result import FixResult
 

@@ -9,6 +9,7 @@ from . import (  # noqa: F401  (registers them)
     ddp_checkpointing,
     dry_forward,
     embeddings,
+    export,
     known_bugs,
     labels,
     mistral_regex,
