@@ -27,7 +27,7 @@ def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, pro
 
 
 def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, activations=False, verify=True,
-          detectors=(), run_checks=True, log_to=None, log_every=10):
+          detectors=(), run_checks=True, log_to="auto", log_every=10):
     """Attach a NaN/Inf watch to a model (with its optimizer) or a Trainer; returns a ``NanWatch``.
 
     ``activations=True`` also records each module group's output abs-max per step (fp16 headroom).
@@ -38,7 +38,9 @@ def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, 
     preference signals.
     ``log_to`` sends the per-group gradient norms, loss scale, skipped steps and events to a tracker
     (a SummaryWriter, a wandb/trackio/MLflow run, an accelerate.Accelerator) every ``log_every``
-    steps, events at once; ``log_to="report_to"`` adds them to a Trainer's own logs.
+    steps, events at once; ``log_to="report_to"`` adds them to a Trainer's own logs, which is what the
+    default ``log_to="auto"`` does for a Trainer whose ``report_to`` names integrations; ``log_to=None``
+    sends nothing.
     """
     from .verifier import auto_verify
     from .watcher import NanWatch

@@ -119,7 +119,10 @@ def test_cell_nanwatch_log_to_names_the_writer(shell, tmp_path):
     assert "no variable named 'no_such_writer'" in bad.stdout + bad.stderr
 
 
-def test_trl_sft_trainer_report_to_tensorboard_matches_the_history(tmp_path, monkeypatch):
+@pytest.mark.parametrize("log_to", ["default", None])
+def test_trl_sft_trainer_report_to_tensorboard_matches_the_history(tmp_path, monkeypatch, log_to):
+    """With no extra code (the default log_to) a watched SFT run's TensorBoard holds nbguard's scalars;
+    log_to=None turns that off and the Trainer's own logs stay as they were."""
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     from data_helpers import word_tokenizer
@@ -134,8 +137,13 @@ def test_trl_sft_trainer_report_to_tensorboard_matches_the_history(tmp_path, mon
                            max_length=16)
     trainer = trl.SFTTrainer(model=tiny_llama(), args=config, processing_class=word_tokenizer(),
                              train_dataset=datasets.Dataset.from_dict({"text": texts}))
-    watch = nbguard.watch(trainer, verify=False, log_to="report_to")
+    watch = nbguard.watch(trainer, verify=False) if log_to == "default" else nbguard.watch(trainer, verify=False,
+                                                                                            log_to=None)
     trainer.train()
     watch.detach()
+    acc = _read(tmp_path / "tb")
+    if log_to is None:
+        assert _scalars(acc, "train/") == {} and "train/loss" in acc.Tags()["scalars"]
+        return
     # the Trainer logs global_step g after the watch's step g - 1
-    assert_matches_history(_scalars(_read(tmp_path / "tb"), "train/"), watch, step_offset=1)
+    assert_matches_history(_scalars(acc, "train/"), watch, step_offset=1)

@@ -48,7 +48,7 @@ def test_many_groups_are_capped_with_other_in_the_step_scalars():
 
 @pytest.mark.parametrize("log_to, message", [
     (object(), "log_to must be a TensorBoard SummaryWriter"),
-    ("wandb", "the only name log_to takes is 'report_to'"),
+    ("wandb", "the names log_to takes are 'report_to' .* and 'auto'"),
     ("report_to", "log_to='report_to' needs a watched Trainer"),
 ])
 def test_bad_log_to_is_refused_before_any_hook(log_to, message):

@@ -261,9 +261,10 @@ class NbguardMagics(Magics):
               help="the torch.amp.GradScaler of a plain loop (default: the one GradScaler, if any)")
     @argument("--activations", action="store_true",
               help="also record each module group's activation abs-max per step (fp16 headroom heatmap)")
-    @argument("--log-to", metavar="NAME", default=None,
+    @argument("--log-to", metavar="NAME", default="auto",
               help="also send gradient norms, loss scale, skipped steps and events to a tracker: the name of a "
-                   "SummaryWriter, a wandb/trackio/MLflow run or an Accelerator, or report_to (a Trainer's integrations)")
+                   "SummaryWriter, a wandb/trackio/MLflow run or an Accelerator, or report_to (a Trainer's "
+                   "integrations); default auto (a Trainer's report_to, when it names any); none: no tracker")
     @argument("--ranks", action="store_true",
               help="the ranks a notebook_launcher in this cell forks: one dashboard with a row per rank "
                    "(implied when the cell calls notebook_launcher and names no object)")
@@ -361,7 +362,8 @@ class NbguardMagics(Magics):
             option = "--optimizer" if opts.optimizer else "--scaler"
             raise MagicError(f"{option} is for a model; a Trainer brings its own optimizer and scaler")
         self.state.stop_watches()  # one %nanwatch at a time: never two watches on the same run
-        log_to = opts.log_to if opts.log_to in (None, "report_to") else R.lookup(self.ns, opts.log_to)
+        log_to = None if opts.log_to == "none" else opts.log_to if opts.log_to in ("auto", "report_to") \
+            else R.lookup(self.ns, opts.log_to)
         watch = api.watch(target, optimizer=optimizer, scaler=scaler, policy=opts.policy or self.default_policy,
                           activations=opts.activations or self.dashboard_activations, verify=self.verify_fixes,
                           log_to=log_to)

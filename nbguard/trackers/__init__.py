@@ -7,16 +7,30 @@ from typing import Any
 from .listener import DEFAULT_EVERY, TrackerLog, check_every
 
 REPORT_TO = "report_to"
+AUTO = "auto"  # the default: a watched Trainer that reports somewhere carries nbguard there too
+
+
+def reports_somewhere(trainer: Any) -> bool:
+    """Whether the Trainer sends its logs to an integration (``report_to`` other than "none")."""
+    from .trainer import is_reporting
+
+    handler = getattr(trainer, "callback_handler", None)
+    return any(is_reporting(cb) for cb in getattr(handler, "callbacks", []))
 
 
 def connect(watch: Any, log_to: Any, every: int = DEFAULT_EVERY, max_series: int = 16) -> Any:
     """Send ``watch``'s scalars and events to ``log_to``: a tracker object (see ``sinks.sink_for``),
-    or ``"report_to"`` for a watched Trainer (its logs carry them to every integration it reports to)."""
+    ``"report_to"`` for a watched Trainer (its logs carry them to every integration it reports to), or
+    ``"auto"``: "report_to" for a watched Trainer that reports somewhere, else nothing (returns None)."""
     check_every(every)
+    if log_to == AUTO:
+        if watch.trainer is None or not reports_somewhere(watch.trainer):
+            return None
+        log_to = REPORT_TO
     if isinstance(log_to, str):
         if log_to != REPORT_TO:
-            raise ValueError(f"log_to={log_to!r}: the only name log_to takes is {REPORT_TO!r} (a watched Trainer's "
-                             f"integrations); otherwise pass the tracker object itself")
+            raise ValueError(f"log_to={log_to!r}: the names log_to takes are {REPORT_TO!r} (a watched Trainer's "
+                             f"integrations) and {AUTO!r}; otherwise pass the tracker object itself, or None")
         if watch.trainer is None:
             raise ValueError("log_to='report_to' needs a watched Trainer; for a plain loop pass the tracker object "
                              "(a SummaryWriter, a wandb/trackio/MLflow run or an accelerate.Accelerator)")
@@ -28,4 +42,4 @@ def connect(watch: Any, log_to: Any, every: int = DEFAULT_EVERY, max_series: int
     return TrackerLog(watch, sink_for(log_to), every, max_series)
 
 
-__all__ = ["DEFAULT_EVERY", "REPORT_TO", "TrackerLog", "connect"]
+__all__ = ["AUTO", "DEFAULT_EVERY", "REPORT_TO", "TrackerLog", "connect", "reports_somewhere"]

@@ -17,7 +17,8 @@ REPORT_FILE = "nbguard-report.html"
 FIRST_EVENT_TAG = "nbguard.first_event"
 
 
-def _reporting(callback: Any) -> bool:
+def is_reporting(callback: Any) -> bool:
+    """A Trainer callback that sends logs to a tracker (transformers' integrations)."""
     return type(callback).__module__.startswith("transformers.integrations")
 
 
@@ -48,7 +49,7 @@ class ReportToCallback(TrainerCallback):
         for old in [cb for cb in callbacks if isinstance(cb, cls)]:  # never two on one Trainer
             old.close()
         callback = cls(watch, max_series)
-        first = next((i for i, cb in enumerate(callbacks) if _reporting(cb)), len(callbacks))
+        first = next((i for i, cb in enumerate(callbacks) if is_reporting(cb)), len(callbacks))
         callbacks.insert(first, callback)
         return callback
 
