@@ -27,7 +27,7 @@ def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, pro
 
 
 def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, activations=False, verify=True,
-          detectors=(), run_checks=True, log_to="auto", log_every=10):
+          detectors=(), run_checks=True, log_to="auto", log_every=10, rewind=None, scheduler=None):
     """Attach a NaN/Inf watch to a model (with its optimizer) or a Trainer; returns a ``NanWatch``.
 
     ``activations=True`` also records each module group's output abs-max per step (fp16 headroom).
@@ -41,6 +41,11 @@ def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, 
     steps, events at once; ``log_to="report_to"`` adds them to a Trainer's own logs, which is what the
     default ``log_to="auto"`` does for a Trainer whose ``report_to`` names integrations; ``log_to=None``
     sends nothing.
+    ``policy="rewind"`` restores the last good snapshot on a NaN/Inf or divergence instead of losing the
+    run (``rewind=nbguard.watcher.RewindSettings(every=50, budget_bytes=..., lr_factor=0.5,
+    max_rewinds=3)``); pass ``scheduler=`` (a plain loop's LR scheduler) so a divergence's LR cut
+    reaches it too. A bad step's event names its rows by dataset index (a Trainer's own loader; a
+    plain loop's with ``watch.track_rows(loader)``).
     """
     from .verifier import auto_verify
     from .watcher import NanWatch
@@ -49,7 +54,7 @@ def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, 
         raise TypeError(f"verify must be True or False, got {type(verify).__name__}")
     watch = NanWatch(target, optimizer=optimizer, scaler=scaler, policy=policy, localize=localize,
                      activations=activations, verifier=auto_verify if verify else None, detectors=detectors,
-                     run_checks=run_checks)
+                     run_checks=run_checks, rewind=rewind, scheduler=scheduler)
     if log_to is not None:  # checked before attaching: a bad log_to leaves no hooks behind
         from .trackers import connect
 

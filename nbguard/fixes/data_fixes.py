@@ -12,6 +12,7 @@ import torch
 
 from ..step.capture import supervised_rows
 from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
+from . import drop_rows  # noqa: F401  (registers drop-rows: the rows a watch event named, by dataset index)
 from .registry import Fix, Names, Target, register
 
 PAD_TOKEN = "<|pad|>"  # added only when the tokenizer has no distinct special token to pad with

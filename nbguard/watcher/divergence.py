@@ -44,6 +44,10 @@ class DivergenceSettings:
     min_decades: float = 2.0  # with a full baseline, never less than a 100x jump
     falling_loss_decades: float = 3.0  # ... and 1000x while the loss is below its recent median
     robust_z: float = 6.0  # ... and this many robust standard deviations of the run's own steps
+    # ... but 10x is enough while the loss has more than doubled past its recent median (an LR blow-up
+    # under AdamW: the update is bounded by the LR, so the gradient norm rises ~10-50x, the loss 10x)
+    rising_loss_decades: float = 1.0
+    rising_loss_factor: float = 2.0
     dead_after: int = 4  # consecutive dead steps (zero gradient or bit-identical loss) that make an event
 
 
@@ -99,14 +103,20 @@ class DivergenceDetector:
             return None  # 0 is the dead-run detector's, a non-finite norm the NaN watch's
         limit, median = self.threshold(), self.level()
         jumped = limit is not None and median is not None and value - median > limit
+        s = self.settings
+        rising = not jumped and median is not None and len(self.recent) >= s.early_steps \
+            and value - median > s.rising_loss_decades
         loss_median: float | None = None
         loss_falling = False
-        if jumped or overflow is not None:  # (the loss's median only where it can matter: a step in the user's loop)
+        if jumped or rising or overflow is not None:  # (the loss's median only where it can matter)
             loss_median = statistics.median(self.recent_loss) if self.recent_loss else None
             loss_falling = loss is not None and loss_median is not None and loss < loss_median
         if jumped and loss_falling:
             limit = self.threshold(loss_falling=True)
             jumped = limit is not None and median is not None and value - median > limit
+        if rising and loss is not None and loss_median is not None and loss_median > 0 \
+                and loss > s.rising_loss_factor * loss_median:
+            jumped, limit = True, s.rising_loss_decades
         exploded = jumped or overflow is not None
         if not exploded:
             self._remember(value, loss, norms)

@@ -39,6 +39,7 @@ class GradHistory:
         self._total: deque[float | None] = deque(maxlen=capacity)
         self._scale: deque[float | None] = deque(maxlen=capacity)
         self._skipped: deque[bool] = deque(maxlen=capacity)
+        self.rewinds: list[dict[str, Any]] = []  # policy rewind: one entry per rewind (step, restored_after_step, ...)
 
     def add_groups(self, groups: list[str]) -> None:
         """Groups that appeared after attach (a module swapped in): earlier steps have no value for them."""
@@ -54,6 +55,10 @@ class GradHistory:
         self._total.append(total)
         self._scale.append(scale)
         self._skipped.append(bool(skipped))
+
+    def record_rewind(self, entry: dict[str, Any]) -> None:
+        """A rewind at ``entry["step"]`` back to the state after ``entry["restored_after_step"]``."""
+        self.rewinds.append(dict(entry))
 
     @property
     def steps(self) -> list[int]:
@@ -85,7 +90,8 @@ class GradHistory:
     def to_dict(self) -> dict[str, Any]:
         """The "history" section of the payload document (groups x steps)."""
         rows = [[encode_float(row[i]) for row in self._norms] for i in range(len(self.groups))]
-        return {
+        rewinds = {"rewinds": [dict(r) for r in self.rewinds]} if self.rewinds else {}
+        return {**rewinds,
             "groups": list(self.groups),
             "steps": self.steps,
             "grad_norm": rows,

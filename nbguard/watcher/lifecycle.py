@@ -79,6 +79,9 @@ class WatchLifecycle(WatchSteps):
             self._labels_tap = LabelsTap(self.trainer)
             if self._run_checks is not None:
                 self._run_checks.bind()
+            self._rows.bind_trainer(self.trainer)  # the dataset indices of each row it trains on
+            if self._rows not in self._board.detectors:
+                self._board.add(self._rows)
             self.attached = True
             self.bind_trainer_step()
         self.attached = True
@@ -141,6 +144,7 @@ class WatchLifecycle(WatchSteps):
         self._labels_tap = self._loss_tap = None
         if self._run_checks is not None:
             self._run_checks.unbind()
+        self._rows.unbind()
         if self._deepspeed is not None:
             self._deepspeed.detach()
             self._deepspeed = None

@@ -6,7 +6,7 @@ import torch
 from ..findings import Event
 from .pipeline import Detector
 
-POLICIES = ("warn", "skip", "stop")
+POLICIES = ("warn", "skip", "stop", "rewind")  # rewind: see .rewind
 
 
 def check_policy(policy: str) -> str:
@@ -36,7 +36,7 @@ def drop_update(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module 
 
 
 def update_dropper(policy: str, found: list[tuple[Detector, Event]], across_ranks: bool) -> Event | None:
-    """Before the optimizer moves: the event whose update the policy drops (skip and stop), if any.
+    """Before the optimizer moves: the event whose update the policy drops (skip, stop and rewind), if any.
 
     The first event ``before_update`` returned whose detector asks for the drop. Across ranks only
     an ``agreed`` detector's events count: every rank must apply the same update."""

@@ -32,6 +32,7 @@ from .guard import guarded_call
 from .history import ActivationHistory, GradHistory
 from .integrations.loop import OptimizerBinding, ScalerBinding
 from .pipeline import DetectorBoard, StepView
+from .rows import name_rows
 from .run_checks import RunChecks
 from .sentinel import GradNormCollector, StepStats
 
@@ -84,6 +85,9 @@ class WatchRecord(ABC):
     _deepspeed: Any  # DeepSpeed's skip lines, read when deepspeed is imported
     _trainer_control: Any
     _stop_requested: bool
+    _rewinder: Any  # policy rewind: its snapshots (rewind.Rewinder), else None
+    _rows: Any  # the dataset indices of each captured micro-batch (rows.RowTracker), else None
+    _rows_named: int  # bad steps whose rows were named (a budget like the replays')
     _broken: bool
     _replaying: bool
     # ---- the current step -------------------------------------------------------------------
@@ -195,9 +199,22 @@ class WatchRecord(ABC):
                                          budget, replay=replay and self.localize)
 
         if self._ranks is None or self._verdict is None:
-            return make()
+            event = make()
+            if kind in ("nonfinite-loss", "nonfinite-grad", "scaler-skip") and self.localize:
+                guarded_call(lambda exc: event.evidence.update(rows_error=f"{type(exc).__name__}: {exc}"),
+                             self._name_rows, event)
+            return event
         sync = self._ranks
         return ranks.agreed_event(sync, self._verdict, self.step, lambda: make(replay=not sync.sharded))
+
+    def _name_rows(self, event: Event) -> None:
+        """The rows that broke this step, by dataset index where the loader is followed (:mod:`.rows`)."""
+        if not self._micro_batches or self._rows_named >= self.settings.max_replays \
+                or event.cause == "no-supervised-tokens":
+            return
+        self._rows_named += 1
+        with self.paused():
+            name_rows(event, self.model, self._micro_batches, self._rows)
 
     # ---- results -------------------------------------------------------------------------------------
     def summary(self) -> str:

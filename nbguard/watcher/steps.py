@@ -219,11 +219,13 @@ class WatchSteps(WatchRecord):
             event = next((e for e in reversed(self.events) if e.kind in ("nonfinite-loss", "nonfinite-grad")), None)
             if event is not None:
                 event.evidence["consecutive_bad_steps"] = self._bad_streak
-        if self.policy in ("skip", "stop"):
+        if self.policy in ("skip", "stop", "rewind"):
             drop_update(self.optimizer, self.model)
             self._step_dropped = True
         if self.policy == "stop":
             self._stop(event)
+        if self.policy == "rewind" and self._rewinder is not None:
+            self._rewinder.respond(self, event, self.step)
 
     def _before_update(self, stats: StepStats) -> None:
         """The detectors see the finite update before the optimizer applies it; one may have it dropped
@@ -238,6 +240,8 @@ class WatchSteps(WatchRecord):
         dropper.evidence["update_dropped"] = True
         if self.policy == "stop":
             self._stop(dropper)
+        if self.policy == "rewind" and self._rewinder is not None:
+            self._rewinder.respond(self, dropper, self.step)
 
     def _view(self, stats: StepStats, skipped: bool, scaler_skipped: bool) -> StepView:
         """The step as the detectors see it; the view ``before_update`` got again at the step's end
@@ -287,6 +291,8 @@ class WatchSteps(WatchRecord):
             if activations is not None and self.activation_history is not None:
                 payload["activation_absmax"] = dict(zip(self.activation_history.groups, activations))
             self._notify("step", payload)
+        if self._rewinder is not None:  # policy rewind: a snapshot, or a rewind judged at the step's end
+            self._rewinder.step_ended(self, step, skipped, found)
         if stop_event is not None:
             self._stop(stop_event, step_ended=True)
 

@@ -27,6 +27,8 @@ from .integrations.loop import unwrap_optimizer
 from .lifecycle import WatchLifecycle, attached_watch, attached_watches
 from .pipeline import Detector, DetectorBoard
 from .policies import check_policy
+from .rewind import Rewinder, RewindSettings
+from .rows import RowTracker
 from .run_checks import RunChecks
 from .scaler_skips import ScalerSkips
 from .sentinel import GradNormCollector
@@ -54,7 +56,8 @@ class NanWatch(WatchLifecycle, Displayable):
     def __init__(self, target, *, optimizer=None, scaler=None, policy: str = "warn", localize: bool = True,
                  settings: WatchSettings | None = None, activations: bool = False,
                  verifier: Callable[[NanWatch, Event], None] | None = None,
-                 detectors: list[Detector] | tuple[Detector, ...] = (), run_checks: bool = True):
+                 detectors: list[Detector] | tuple[Detector, ...] = (), run_checks: bool = True,
+                 rewind: RewindSettings | None = None, scheduler: Any = None):
         if not isinstance(detectors, (list, tuple)):
             raise TypeError(f"detectors must be a list of Detector instances, got {type(detectors).__name__}")
         if not isinstance(activations, bool):
@@ -69,6 +72,11 @@ class NanWatch(WatchLifecycle, Displayable):
         self.verification = None  # the Verification it left
         self._kept_step = None  # (event, CapturedStep) that nbguard.verify(event) reuses
         self.policy = check_policy(policy)
+        if rewind is not None and not isinstance(rewind, RewindSettings):
+            raise TypeError(f"rewind must be a nbguard.watcher.RewindSettings, got {type(rewind).__name__}")
+        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+            raise TypeError(f"scheduler must be the LR scheduler your loop steps (torch.optim.lr_scheduler), "
+                            f"got {type(scheduler).__name__}")
         # Stable identity across displays: merged notebook outputs keep only the latest view.
         self.watch_id = uuid.uuid4().hex
         self.localize = bool(localize)
@@ -144,7 +152,16 @@ class NanWatch(WatchLifecycle, Displayable):
         self._micro_batches = []
         self._losses = []
         self._stats = None
+        # policy rewind (rewind.py): snapshots every few steps, restored on trouble; it says at once
+        # where they do not fit (and the watch skips instead)
+        self._rows = RowTracker()
+        self._rows_named = 0
+        self._rewinder = Rewinder(rewind or RewindSettings(), scheduler) if self.policy == "rewind" else None
         self._release_step()
+        if self._rewinder is not None:
+            why = self._rewinder.check_budget(self)
+            if why is not None:
+                self._rewinder.turn_off(self, why)
 
     @property
     def stop_requested(self) -> bool:
@@ -162,6 +179,22 @@ class NanWatch(WatchLifecycle, Displayable):
         for detector in self._board.detectors:  # the run checks (last) read TRL's rewards, margins, ratios
             for event in detector.on_log(step, dict(logs)):
                 self._emit(event)
+
+    def track_rows(self, loader: Any) -> bool:
+        """Record the dataset indices ``loader`` (a DataLoader over a map-style dataset) yields, so a bad
+        step's event names its rows by dataset index (a Trainer's train dataloader is followed by
+        itself). False where the loader has no sampler to follow; the rows are then named by
+        micro-batch and position."""
+        if not self._rows.follow(loader):
+            return False
+        if self._rows not in self._board.detectors:
+            self._board.add(self._rows)
+        return True
+
+    @property
+    def rewinds(self) -> list[dict[str, Any]]:
+        """Policy rewind: one entry per rewind (the step, the step restored to, the batches skipped, the LR factor)."""
+        return list(self.history.rewinds)
 
     @property
     def detectors(self) -> list[Detector]:

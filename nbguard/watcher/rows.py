@@ -1,0 +1,238 @@
+"""Which rows broke the step: dataset indices recorded as the loader draws them, and each row's loss
+on the failing step.
+
+Recording costs nothing measurable: the sampler inside the loader's batch sampler (the Trainer's
+``SeedableRandomSampler``/``RandomSampler``, a plain ``DataLoader``'s sampler over a map-style
+dataset) is wrapped so each index it yields is appended to a queue; every captured training
+micro-batch takes as many indices off the front as it has rows. Indices are drawn in the main
+process even with worker processes, and in the order the batches arrive, so prefetching does not
+misalign them. Where the loader is not known, rows are named by micro-batch and position.
+
+On a bad step (:func:`row_losses`) the step's micro-batches are run once more, without gradients,
+with the RNG and autocast they were captured with: each row's loss is the token loss with
+``reduction="none"`` averaged over its supervised tokens. Rows whose loss is not finite are the ones
+that broke it; where every row is finite, the highest losses are listed as suspects.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..findings import Event
+from ..step.capture import MicroBatch, capture_rng, restore_rng
+from ..step.eager import eager_everywhere, unwrap_compiled
+from ..step.precision import autocast_as
+from .integrations.instance_wrap import InstanceWrap
+from .pipeline import Detector
+
+IGNORE = -100
+MOST_ROWS = 8  # rows listed in an event
+
+
+class RecordingSampler:
+    """A sampler that yields what the wrapped one yields and appends each index to ``queue``."""
+
+    def __init__(self, sampler: Any, queue: deque):
+        self.nbguard_wrapped = sampler
+        self._queue = queue
+
+    def __iter__(self) -> Iterator[Any]:
+        append = self._queue.append
+        for index in self.nbguard_wrapped:
+            append(index)
+            yield index
+
+    def __len__(self) -> int:
+        return len(self.nbguard_wrapped)
+
+    def __getattr__(self, name: str) -> Any:  # set_epoch, generator, data_source...: the wrapped sampler's
+        if name in ("nbguard_wrapped", "_queue"):
+            raise AttributeError(name)
+        return getattr(self.nbguard_wrapped, name)
+
+
+def micro_batch_rows(mb: MicroBatch) -> int | None:
+    """How many rows the micro-batch has (its first batched tensor's first dimension)."""
+    for value in (mb.kwargs.get("input_ids"), mb.labels(), *mb.args, *mb.kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            return int(value.shape[0])
+    return None
+
+
+class RowTracker(Detector):
+    """Dataset indices per captured micro-batch (a detector: it only listens to captures)."""
+
+    name = "row-tracker"
+
+    def __init__(self) -> None:
+        self.queue: deque = deque()
+        self.step_rows: dict[int, list[Any] | None] = {}  # micro-batch index -> its dataset indices
+        self.loaders: list[tuple[Any, RecordingSampler, Any]] = []  # (batch sampler, wrapper, original)
+        self._tap: InstanceWrap | None = None
+        self.misaligned = False
+
+    # ---- where the indices come from ----------------------------------------------------------------
+    def follow(self, loader: Any) -> bool:
+        """Record the indices ``loader`` (a DataLoader over a map-style dataset) draws; False where it has
+        no sampler to wrap (an iterable dataset, ``batch_size=None``)."""
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        sampler = getattr(batch_sampler, "sampler", None)
+        if batch_sampler is None or sampler is None:
+            return False
+        if isinstance(sampler, RecordingSampler):
+            if sampler._queue is self.queue:
+                return True
+            sampler = sampler.nbguard_wrapped  # another watch's: take it over
+        wrapper = RecordingSampler(sampler, self.queue)
+        batch_sampler.sampler = wrapper
+        self.loaders.append((batch_sampler, wrapper, sampler))
+        self.queue.clear()  # a new loader: whatever an older one drew ahead will not be trained on
+        return True
+
+    def bind_trainer(self, trainer: Any) -> None:
+        """Follow every train dataloader the Trainer builds (inside ``train()``)."""
+        def get_train_dataloader(original, *args, **kwargs):
+            loader = original(*args, **kwargs)
+            try:
+                self.follow(loader)
+            except Exception:  # rows stay unnamed by index; never the user's run
+                pass
+            return loader
+
+        self._tap = InstanceWrap(trainer, "get_train_dataloader", get_train_dataloader)
+
+    def unbind(self) -> None:
+        if self._tap is not None:
+            self._tap.remove()
+            self._tap = None
+        for batch_sampler, wrapper, original in self.loaders:
+            if getattr(batch_sampler, "sampler", None) is wrapper:
+                batch_sampler.sampler = original
+        self.loaders = []
+        self.queue.clear()
+
+    # ---- per step ----------------------------------------------------------------------------------
+    def on_micro_batch(self, micro_batch: MicroBatch) -> None:
+        if not self.loaders:
+            return
+        rows = micro_batch_rows(micro_batch)
+        if rows is None or len(self.queue) < rows:
+            self.misaligned = self.misaligned or rows is not None
+            self.step_rows[micro_batch.index] = None
+            return
+        self.step_rows[micro_batch.index] = [self.queue.popleft() for _ in range(rows)]
+
+    def reset_step(self) -> None:
+        self.step_rows = {}
+
+    def indices(self, micro_batch: int) -> list[Any] | None:
+        return self.step_rows.get(micro_batch)
+
+
+def _per_row(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(loss, supervised tokens) per row: the token loss averaged over the row's supervised tokens."""
+    if logits.dim() == 3 and labels.dim() == 2 and labels.shape == logits.shape[:2]:
+        logits, labels = logits[:, :-1], labels[:, 1:]  # a causal LM's labels are shifted inside the model
+    elif not (logits.dim() == 2 and labels.dim() == 1 and labels.shape[0] == logits.shape[0]):
+        return None
+    token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).long(),
+                            reduction="none", ignore_index=IGNORE).reshape(labels.shape)
+    supervised = (labels != IGNORE)
+    if token.dim() == 1:
+        return token, supervised.long()
+    counts = supervised.sum(dim=1)
+    # a NaN/inf on a supervised token stays in the sum (masking with where keeps ignored tokens out)
+    total = torch.where(supervised, token, torch.zeros_like(token)).sum(dim=1)
+    return total / counts.clamp_min(1), counts
+
+
+def row_losses(model: torch.nn.Module, micro_batches: list[MicroBatch]) -> list[dict[str, Any]]:
+    """Each row's loss on these micro-batches, replayed eagerly without gradients (the RNG and the
+    modules' train flags are put back afterwards)."""
+    eager, _ = unwrap_compiled(model)
+    rng = capture_rng()
+    modes = [(m, m.training) for m in eager.modules()]
+    found: list[dict[str, Any]] = []
+    try:
+        with eager_everywhere(), torch.no_grad():
+            eager.train()
+            for mb in micro_batches:
+                labels = mb.labels()
+                if labels is None:
+                    continue
+                kwargs = {k: v for k, v in mb.kwargs.items() if k not in ("labels", "num_items_in_batch")}
+                restore_rng(mb.rng)
+                with autocast_as(mb.autocast):
+                    output = eager(*mb.args, **kwargs)
+                logits = getattr(output, "logits", None)
+                if logits is None and isinstance(output, (tuple, list)) and output:
+                    logits = output[0]
+                if not isinstance(logits, torch.Tensor):
+                    continue
+                per_row = _per_row(logits, labels.to(logits.device))
+                if per_row is None:
+                    continue
+                losses, counts = (t.tolist() for t in per_row)
+                found += [{"micro_batch": mb.index, "row": r, "loss": float(v), "tokens": int(n)}
+                          for r, (v, n) in enumerate(zip(losses, counts))]
+    finally:
+        for module, training in modes:
+            module.training = training
+        restore_rng(rng)
+    return found
+
+
+def name_rows(event: Event, model: torch.nn.Module, micro_batches: list[MicroBatch],
+              tracker: RowTracker | None) -> None:
+    """Put the rows that broke ``event``'s step into its evidence and message."""
+    rows = row_losses(model, micro_batches)
+    if not rows:
+        return
+    for row in rows:
+        indices = tracker.indices(row["micro_batch"]) if tracker is not None else None
+        row["dataset_index"] = _plain(indices[row["row"]]) if indices is not None and row["row"] < len(indices) \
+            else None
+    bad = [r for r in rows if not math.isfinite(r["loss"])]
+    suspects = bad or sorted(rows, key=lambda r: -r["loss"])[:3]
+    evidence: dict[str, Any] = {"nonfinite": bool(bad), "rows": suspects[:MOST_ROWS], "rows_checked": len(rows)}
+    indices = [r["dataset_index"] for r in suspects if r["dataset_index"] is not None]
+    if bad and len(indices) == len(bad):
+        evidence["dataset_indices"] = indices
+        evidence["fix"] = "drop-rows"
+    event.evidence["rows"] = evidence
+    if bad:
+        event.message += f"; {len(bad)} of {len(rows)} rows have a non-finite loss: " + ", ".join(
+            _row_text(r) for r in bad[:MOST_ROWS]) + ("" if len(bad) <= MOST_ROWS else ", ...")
+
+
+def _row_text(row: dict[str, Any]) -> str:
+    if row.get("dataset_index") is not None:
+        return f"dataset index {row['dataset_index']}"
+    return f"micro-batch {row['micro_batch']} row {row['row']}"
+
+
+def _plain(index: Any) -> Any:
+    return int(index) if isinstance(index, (int, torch.Tensor)) or hasattr(index, "__index__") else index
+
+
+def bad_row_indices(event: Event) -> list[Any]:
+    """The dataset indices of the rows that broke ``event``'s step (empty where none were named)."""
+    return list((event.evidence.get("rows") or {}).get("dataset_indices") or [])
+
+
+def save_rows(event: Event, path: str | Path) -> Path:
+    """Write the rows ``event`` names as JSON: ``{"step", "kind", "dataset_indices", "rows"}``."""
+    rows = event.evidence.get("rows") or {}
+    data = {"step": event.step, "kind": event.kind, "dataset_indices": bad_row_indices(event),
+            "rows": [{**r, "loss": r["loss"] if math.isfinite(r["loss"]) else str(r["loss"])}
+                     for r in rows.get("rows", [])]}
+    out = Path(path)
+    out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return out

@@ -1,0 +1,196 @@
+"""policy="rewind": snapshots every few steps, restored in place on trouble (tiny models, CPU)."""
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from watch_helpers import PoisonedSiLU
+
+import nbguard
+from nbguard.errors import NonFiniteError
+from nbguard.testing import tiny_batch, tiny_llama
+from nbguard.watcher import RewindSettings
+
+torch.set_num_threads(1)
+
+LR = 1e-3
+DATA = [tiny_batch(4, 16, seed=i) for i in range(16)]
+
+
+def _spiked_loop(policy=None, spike=True, steps=100, every=5):
+    """A plain loop whose LambdaLR schedule puts the LR at 1.0 for steps 20-22; the mean loss of its last
+    10 steps, and the watch."""
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (1.0 / LR) if spike and 20 <= s < 23 else 1.0)
+    watch = nbguard.watch(model, optimizer=opt, policy=policy, scheduler=sched, verify=False,
+                          rewind=RewindSettings(every=every)) if policy else None
+    losses = []
+    for i in range(steps):
+        loss = model(**DATA[i % len(DATA)]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(loss.item())
+    if watch is not None:
+        watch.detach()
+    return sum(losses[-10:]) / 10, watch, (model, opt, sched)
+
+
+def test_rewind_recovers_a_run_an_lr_spike_ruined():
+    healthy, _, _ = _spiked_loop(spike=False)
+    ruined, _, _ = _spiked_loop()
+    skipped, _, _ = _spiked_loop(policy="skip")
+    rewound, watch, (model, opt, sched) = _spiked_loop(policy="rewind")
+    assert ruined > 1.25 * healthy and skipped > 1.25 * healthy  # the spike ruins the run, skip does not save it
+    assert math.isfinite(rewound) and abs(rewound - healthy) <= 0.25 * healthy
+    rewinds = [e for e in watch.events if e.kind == "rewind"]
+    assert rewinds and all(e.evidence["restored"] for e in rewinds)
+    first = rewinds[0].evidence
+    assert first["trigger"] == "divergence" and first["trigger_step"] >= 21
+    assert first["restored_after_step"] <= 19  # before the first update at LR 1.0 (step 20)
+    assert first["batches_skipped"] == rewinds[0].step - first["restored_after_step"]
+    assert first["lr_after"] == [pytest.approx(lr * 0.5) for lr in first["lr_before"]]
+    assert sched.base_lrs[0] == pytest.approx(LR * 0.5 ** len(rewinds))  # the cut reached the schedule
+    assert "rewound to the state after step" in rewinds[0].message and "lr x0.5" in rewinds[0].message
+    # the history records them, and the watch's document carries them
+    assert [r["step"] for r in watch.rewinds] == [e.step for e in rewinds]
+    assert watch.to_document()["history"]["rewinds"] == watch.rewinds
+
+
+def _poisoned_weights_loop(policy, bad_after=12, steps=20, every=5, **settings):
+    """Weights turn inf after step ``bad_after``'s update (a loop bug, a kernel writing inf); records the
+    weights and optimizer state after every update."""
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    held = model.model.layers[0].mlp.up_proj.weight  # a reference the user holds
+    watch = nbguard.watch(model, optimizer=opt, policy=policy, verify=False,
+                          rewind=RewindSettings(every=every, **settings))
+    states = {}
+    for i in range(steps):
+        model(**DATA[i % len(DATA)]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if i == bad_after:
+            with torch.no_grad():
+                held[0, 0] = float("inf")
+        states[i] = ({k: v.detach().clone() for k, v in model.named_parameters()},
+                     copy.deepcopy(opt.state[held]))
+    watch.detach()
+    return watch, model, opt, held, states
+
+
+def test_rewind_restores_weights_and_optimizer_state_in_place():
+    watch, model, opt, held, states = _poisoned_weights_loop("rewind")
+    [bad] = [e for e in watch.events if e.kind == "nonfinite-loss"]
+    [rewind] = [e for e in watch.events if e.kind == "rewind"]
+    assert bad.step == 13 and bad.cause == "nonfinite-parameter"
+    assert rewind.evidence["restored_after_step"] == 10 and rewind.evidence["batches_skipped"] == 3
+    assert rewind.evidence["lr_after"] == rewind.evidence["lr_before"]  # not a divergence: the LR stays
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert model.model.layers[0].mlp.up_proj.weight is held  # the same tensors, restored in place
+    # right after the rewind the weights and moments were those after step 10; step 13's update was
+    # dropped, and steps 14-19 trained on from there: replay that from the recorded state
+    params, moments = states[10]
+    after_13 = states[13]
+    assert all(torch.equal(after_13[0][k], v) for k, v in params.items())
+    assert torch.equal(after_13[1]["exp_avg"], moments["exp_avg"])
+    assert torch.equal(after_13[1]["exp_avg_sq"], moments["exp_avg_sq"])
+    assert float(after_13[1]["step"]) == float(moments["step"]) == 11.0
+    assert watch.step == 20 and watch.history.skipped_steps == [13]
+
+
+def test_skip_cannot_save_weights_that_are_already_inf():
+    watch, model, *_ = _poisoned_weights_loop("skip")
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+    assert not [e for e in watch.events if e.kind == "rewind"]
+
+
+def test_rewinds_stop_after_the_most_allowed():
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    watch = nbguard.watch(model, optimizer=opt, policy="rewind", verify=False,
+                          rewind=RewindSettings(every=2, max_rewinds=1))
+    with pytest.raises(NonFiniteError, match=r"rewound 1 time\(s\), the most allowed"):
+        for i in range(30):
+            model(**DATA[i % len(DATA)]).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if i in (6, 12):
+                with torch.no_grad():
+                    model.lm_head.weight[0, 0] = float("nan")
+    watch.detach()
+    kinds = [(e.step, e.kind) for e in watch.events]
+    assert kinds[:2] == [(7, "nonfinite-loss"), (7, "rewind")] and (13, "rewind") in kinds
+    assert watch.stop_requested and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_blip_the_replay_cannot_reproduce_is_skipped_not_rewound():
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    class OneShot(PoisonedSiLU):  # NaN in the backward of one training forward, never again (nor in the replay)
+        def forward(self, x):
+            out = super().forward(x)
+            self.armed = False
+            return out
+
+    act = model.model.layers[0].mlp.act_fn = OneShot(armed=False)
+    watch = nbguard.watch(model, optimizer=opt, policy="rewind", verify=False, rewind=RewindSettings(every=2))
+    for i in range(10):
+        act.armed = i == 6
+        model(**DATA[i]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    watch.detach()
+    [bad] = [e for e in watch.events if e.kind == "nonfinite-grad"]
+    assert bad.step == 6 and bad.cause == "not-reproducible"
+    assert bad.evidence["rewind"]["restored"] is False and "blip" in bad.evidence["rewind"]["reason"]
+    assert not [e for e in watch.events if e.kind == "rewind"] and watch.history.skipped_steps == [6]
+
+
+def test_rewind_that_does_not_fit_the_budget_says_so_and_skips():
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    with pytest.warns(RuntimeWarning, match="policy rewind is off"):
+        watch = nbguard.watch(model, optimizer=opt, policy="rewind", verify=False,
+                              rewind=RewindSettings(budget_bytes=100_000))
+    [event] = watch.events
+    assert event.kind == "rewind" and event.evidence["available"] is False and "GiB" in event.message
+    assert watch.policy == "skip"
+    watch.detach()
+
+
+def test_rewind_settings_refuse_nonsense():
+    with pytest.raises(ValueError, match="lr_factor"):
+        RewindSettings(lr_factor=2.0)
+    with pytest.raises(ValueError, match="every"):
+        RewindSettings(every=0)
+    with pytest.raises(ValueError, match="schedule"):
+        RewindSettings(schedule="later")
+    with pytest.raises(TypeError, match="RewindSettings"):
+        nbguard.watch(tiny_llama(), optimizer=torch.optim.SGD(tiny_llama().parameters(), lr=0.1),
+                      policy="rewind", rewind={"every": 5})
+
+
+def test_a_failing_snapshot_never_breaks_the_run(monkeypatch):
+    from nbguard.watcher import rewind
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(rewind.Snapshot, "fill", broken)
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        watch = nbguard.watch(model, optimizer=opt, policy="rewind", verify=False)
+        for i in range(3):
+            model(**DATA[i]).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert [e.kind for e in watch.events] == ["watch-error"] and "planted" in watch.events[0].message
+    assert not watch.active
+    watch.detach()
