@@ -21,6 +21,7 @@ from . import (  # noqa: F401  (registers them)
     prompt_boundary,
     quantization,
     rl,
+    serving_template,
     tied,
     tokens,
     train_mode,
