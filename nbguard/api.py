@@ -6,19 +6,25 @@ Each function imports its part of nbguard when called: ``import nbguard`` must n
 from __future__ import annotations
 
 
-def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False, verify=False):
+def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False, verify=False,
+          resume_from_checkpoint=None, optimizer=None, scaler=None):
     """Audit a fine-tuning setup's precision against the hardware; returns an ``AuditResult``.
 
     The batch rules read ``batch`` (a dict of tensors, or a tokenizer's BatchEncoding) when given, else a few
     batches drawn from ``trainer.get_train_dataloader()`` with every RNG put back, so training is unchanged.
     ``verify=True`` runs every fix the findings offer on a shadow of one training step on ``batch``
     (the probe's synthetic batch when none is given): ``result.verification``.
+    ``resume_from_checkpoint=PATH`` (or True: the last checkpoint in output_dir) checks, before
+    ``trainer.train(resume_from_checkpoint=PATH)``, that the checkpoint resumes the run as it was.
+    A plain loop passes its ``optimizer=`` (and ``scaler=``, a GradScaler): the optimizer rules read them
+    (Adam's eps and update size against half-precision weights) and their fix cells act on them.
     """
     from .auditor import run_audit
 
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be True or False; got {type(verify).__name__}")
-    result = run_audit(model=model, trainer=trainer, args=args, batch=batch, hardware=hardware, probe=probe)
+    result = run_audit(model=model, trainer=trainer, args=args, batch=batch, hardware=hardware, probe=probe,
+                       resume_from_checkpoint=resume_from_checkpoint, optimizer=optimizer, scaler=scaler)
     if verify:
         from .verifier.audit import verify_audit
 

@@ -15,8 +15,10 @@ from . import rules as _rules  # noqa: F401  (registers every rule)
 from .context import AuditContext
 from .memory_offer import memory_facts, memory_note
 from .probe import ProbeResult, run_probe
+from .loop_objects import check_loop_objects
 from .registry import RULES, Rule, rule
 from .result import AuditResult
+from .resume import read_checkpoint, resolve_checkpoint
 
 
 def _run_rules(ctx: AuditContext) -> list[Finding]:
@@ -78,7 +80,8 @@ def _unsloth_fixes(findings: list[Finding]) -> None:
             f.fixes = ["unsloth-precision" if x == "switch-precision" else x for x in f.fixes]
 
 
-def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False) -> AuditResult:
+def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False,
+              resume_from_checkpoint=None, optimizer=None, scaler=None) -> AuditResult:
     """Audit a fine-tuning setup; see ``nbguard.audit``."""
     if trainer is None and is_trainer(model):  # nbguard.audit(trainer), as nbguard.watch(trainer) takes it
         model, trainer = None, model
@@ -90,11 +93,15 @@ def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None,
         batch = dict(batch)  # a tokenizer's BatchEncoding is a mapping, not a dict
     if not isinstance(probe, bool):
         raise TypeError(f"probe must be True or False; got {type(probe).__name__}")
+    check_loop_objects(optimizer, scaler)
     hw = resolve_hardware(hardware)
     if hardware is not None:  # the user named the machine the run is for: fixes are chosen and verified for it
         SESSION.target_hardware = hw
 
-    ctx = AuditContext(model=model, trainer=trainer, args=args, batch=batch, hardware=hw)
+    ctx = AuditContext(model=model, trainer=trainer, args=args, batch=batch, hardware=hw, optimizer=optimizer,
+                       scaler=scaler)
+    if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
+        ctx.resume = read_checkpoint(resolve_checkpoint(resume_from_checkpoint, args), args, hw)  # type: ignore[attr-defined]
     extra: list[Finding] = []
     if probe:
         try:
@@ -113,7 +120,7 @@ def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None,
         _unsloth_fixes(findings)
     result = AuditResult(findings=findings, hardware=hw, probe=ctx.probe,
                          target="trainer" if trainer is not None else "model", with_args=args is not None,
-                         stack=stack)
+                         stack=stack, with_optimizer=optimizer is not None)
     record_audit(result)
     return result
 

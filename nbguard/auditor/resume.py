@@ -1,0 +1,131 @@
+"""What a checkpoint holds for ``trainer.train(resume_from_checkpoint=...)``, read before training resumes.
+
+The Trainer resumes whatever it finds: without optimizer.pt it starts fresh AdamW moments (the loss jumps),
+without rng_state.pth the data order and dropout differ, and the scheduler's lambdas are rebuilt from the
+*new* arguments while its state (step, base learning rates) comes from scheduler.pt, so a changed
+max_steps or warmup moves the learning rate at the resume step. :func:`read_checkpoint` collects the facts;
+``rules/resume.py`` judges them.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+OPTIMIZER, SCHEDULER, SCALER, STATE, ARGS = "optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin"
+WEIGHTS = ("model.safetensors", "adapter_model.safetensors", "pytorch_model.bin", "adapter_model.bin",
+           "model.safetensors.index.json")
+
+
+@dataclass
+class CheckpointFacts:
+    path: str
+    files: list[str]
+    missing: list[str] = field(default_factory=list)  # files a resume needs that are not there
+    unreadable: dict[str, str] = field(default_factory=dict)  # file -> the error loading it gave
+    state: dict[str, Any] = field(default_factory=dict)  # trainer_state.json without its log
+    saved_args: Any = None  # the TrainingArguments in training_args.bin
+    scheduler: dict[str, Any] = field(default_factory=dict)  # base_lrs, last_epoch, _last_lr
+    optimizer_params: int | None = None  # parameters the saved optimizer state covers
+    last_lr_logged: tuple[int, float] | None = None  # (step, learning_rate) of the last log entry with one
+
+
+def resolve_checkpoint(value: Any, args: Any) -> str:
+    """The checkpoint folder: the path given, or (True) the last checkpoint in args.output_dir, as Trainer does."""
+    if value is True:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        out = getattr(args, "output_dir", None)
+        found = get_last_checkpoint(out) if out and os.path.isdir(out) else None
+        if found is None:
+            raise ValueError(f"resume_from_checkpoint=True, but output_dir {out!r} has no checkpoint-* folder: pass "
+                             "the checkpoint's path")
+        return found
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"resume_from_checkpoint must be a checkpoint folder (or True for the last one in "
+                        f"output_dir); got {type(value).__name__}")
+    path = os.fspath(value)
+    if not os.path.isdir(path):
+        raise ValueError(f"resume_from_checkpoint folder {path!r} does not exist: pass a checkpoint-N folder the "
+                         "Trainer wrote under output_dir")
+    return path
+
+
+def _uses_scaler(args: Any, hardware: Any) -> bool:
+    on_cpu = bool(getattr(args, "use_cpu", False)) or getattr(hardware, "device_type", None) == "cpu"
+    return bool(getattr(args, "fp16", False)) and not on_cpu
+
+
+def read_checkpoint(path: str, args: Any, hardware: Any = None) -> CheckpointFacts:
+    files = sorted(os.listdir(path))
+    facts = CheckpointFacts(path=path, files=files)
+    needed = [STATE, OPTIMIZER, SCHEDULER]
+    if _uses_scaler(args, hardware):
+        needed.append(SCALER)
+    facts.missing = [f for f in needed if f not in files]
+    if not any(f.startswith("rng_state") for f in files):
+        facts.missing.append("rng_state.pth")
+    if not any(f in files for f in WEIGHTS):
+        facts.missing.append("model weights (model.safetensors or adapter_model.safetensors)")
+    if STATE in files:
+        try:
+            with open(os.path.join(path, STATE), encoding="utf-8") as fh:
+                state = json.load(fh)
+            logged = [(e["step"], e["learning_rate"]) for e in state.get("log_history", [])
+                      if "learning_rate" in e and "step" in e]
+            facts.last_lr_logged = (int(logged[-1][0]), float(logged[-1][1])) if logged else None
+            facts.state = {k: v for k, v in state.items() if k != "log_history"}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            facts.unreadable[STATE] = f"{type(exc).__name__}: {exc}"
+    for name in (OPTIMIZER, SCHEDULER, SCALER):
+        if name not in files:
+            continue
+        try:
+            loaded = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+        except Exception as exc:  # a truncated or corrupt file: resume would crash or start fresh
+            facts.unreadable[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            continue
+        if name == OPTIMIZER and isinstance(loaded, dict):
+            groups = loaded.get("param_groups") or []
+            facts.optimizer_params = sum(len(g.get("params", [])) for g in groups)
+        if name == SCHEDULER and isinstance(loaded, dict):
+            facts.scheduler = {k: loaded.get(k) for k in ("base_lrs", "last_epoch", "_last_lr")}
+    if ARGS in files:
+        try:  # the Trainer pickles its TrainingArguments here; this is the user's own checkpoint
+            facts.saved_args = torch.load(os.path.join(path, ARGS), map_location="cpu", weights_only=False)
+        except Exception as exc:
+            facts.unreadable[ARGS] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return facts
+
+
+def planned_max_steps(trainer: Any, args: Any) -> int | None:
+    """The number of optimizer steps the new run's scheduler is built for (Trainer's arithmetic, approximately)."""
+    if getattr(args, "max_steps", -1) and args.max_steps > 0:
+        return int(args.max_steps)
+    dataset = getattr(trainer, "train_dataset", None)
+    try:
+        rows = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    batches = rows / max(1, args.train_batch_size * max(1, getattr(args, "world_size", 1)))
+    batches = math.floor(batches) if getattr(args, "dataloader_drop_last", False) else math.ceil(batches)
+    per_epoch = max(1, math.ceil(batches / max(1, args.gradient_accumulation_steps)))
+    return int(math.ceil(args.num_train_epochs * per_epoch))
+
+
+def lr_after(args: Any, steps: int, max_steps: int, base_lr: float) -> float:
+    """The learning rate the new arguments' schedule gives after ``steps`` scheduler steps from ``base_lr``."""
+    from transformers import get_scheduler
+
+    dummy = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([dummy], lr=base_lr)
+    sched = get_scheduler(args.lr_scheduler_type, optimizer=opt, num_warmup_steps=args.get_warmup_steps(max_steps),
+                          num_training_steps=max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
+    for _ in range(steps):
+        opt.step()
+        sched.step()
+    return float(sched.get_last_lr()[0])

@@ -1,0 +1,111 @@
+"""Resumes that continue: ``nbguard.audit(trainer=..., resume_from_checkpoint=PATH)`` reads the checkpoint
+(``ctx.resume``, a CheckpointFacts) before ``trainer.train(resume_from_checkpoint=PATH)`` runs."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..registry import finding, rule
+from ..resume import CheckpointFacts, lr_after, planned_max_steps
+
+CONSEQUENCE = {
+    "optimizer.pt": "the Trainer silently starts fresh AdamW moments: the first steps after the resume take "
+                    "full-size, unwarmed updates and the loss jumps",
+    "scheduler.pt": "the learning-rate schedule restarts from step 0 (warmup again, or the peak LR at once)",
+    "scaler.pt": "the GradScaler restarts at its initial scale: the first fp16 steps after the resume overflow "
+                 "and are skipped",
+    "rng_state.pth": "data order and dropout after the resume differ from the run that would have continued",
+    "trainer_state.json": "the Trainer cannot tell the step to resume from",
+}
+
+
+def _facts(ctx: Any) -> CheckpointFacts | None:
+    facts = getattr(ctx, "resume", None)
+    return facts if isinstance(facts, CheckpointFacts) else None
+
+
+def _trainable_count(ctx: Any) -> int:
+    return sum(1 for _, p in ctx.named_params if p.requires_grad)
+
+
+@rule("resume-checkpoint-incomplete", "error")
+def resume_checkpoint_incomplete(ctx):
+    """The checkpoint to resume from lacks (or cannot load) optimizer.pt, scheduler.pt, scaler.pt, rng_state.pth or its state."""
+    facts = _facts(ctx)
+    if facts is None:
+        return None
+    problems = {name: CONSEQUENCE.get(name, "the resume cannot load it") for name in facts.missing}
+    problems.update({name: f"it does not load ({error})" for name, error in facts.unreadable.items()})
+    trainable = _trainable_count(ctx)
+    if facts.optimizer_params is not None and trainable and facts.optimizer_params != trainable:
+        problems["optimizer.pt"] = (f"its state covers {facts.optimizer_params} parameters, this model trains "
+                                    f"{trainable}: load_state_dict raises (another LoRA config, or other parameters "
+                                    "frozen)")
+    if not problems:
+        return None
+    names = ", ".join(problems)
+    return finding(
+        "resume-checkpoint-incomplete", f"the checkpoint cannot resume the run as it was: {names}",
+        f"{facts.path}: " + "; ".join(f"{name}: {why}" for name, why in problems.items()) + ". Resume from a complete "
+        "checkpoint (the one before, or save_only_model=False so the Trainer writes the optimizer, scheduler and RNG "
+        "state), or accept a restart and say so.",
+        {"checkpoint": facts.path, "missing": facts.missing, "unreadable": facts.unreadable, "files": facts.files,
+         "optimizer_params": facts.optimizer_params, "trainable_params": trainable})
+
+
+@rule("resume-batch-changed", "warning")
+def resume_batch_changed(ctx):
+    """The batch size or gradient accumulation of the resumed run differ from the checkpoint's run."""
+    facts = _facts(ctx)
+    if facts is None or ctx.args is None:
+        return None
+    changed = {}
+    saved = facts.saved_args
+    for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "world_size"):
+        old, new = getattr(saved, key, None), getattr(ctx.args, key, None)
+        if old is not None and new is not None and old != new:
+            changed[key] = [old, new]
+    old_batch = facts.state.get("train_batch_size")
+    if old_batch is not None and "per_device_train_batch_size" not in changed and old_batch != ctx.args.train_batch_size:
+        changed["train_batch_size"] = [old_batch, ctx.args.train_batch_size]
+    if not changed:
+        return None
+    return finding(
+        "resume-batch-changed", "the resumed run uses another batch: " + ", ".join(
+            f"{k} {v[0]} -> {v[1]}" for k, v in changed.items()),
+        "The checkpoint's step count, epoch position and learning-rate schedule were computed for the old batch: "
+        "resuming skips the wrong number of batches into the epoch, and the effective batch (and so the gradient "
+        "noise the learning rate was tuned for) changes mid-run. Resume with the checkpoint's batch size and "
+        "accumulation.", {"checkpoint": facts.path, "changed": changed})
+
+
+@rule("resume-lr-jump", "warning")
+def resume_lr_jump(ctx):
+    """The new arguments' schedule gives another learning rate at the resume step than the checkpoint's run had."""
+    facts = _facts(ctx)
+    if facts is None or ctx.args is None:
+        return None
+    max_steps = planned_max_steps(ctx.trainer, ctx.args)
+    if not max_steps:
+        return None
+    sched = facts.scheduler
+    if sched.get("_last_lr") and sched.get("base_lrs") and isinstance(sched.get("last_epoch"), int):
+        step, base, expected = sched["last_epoch"], float(sched["base_lrs"][0]), float(sched["_last_lr"][0])
+        source = "scheduler.pt"
+    elif facts.last_lr_logged is not None:
+        logged_step, expected = facts.last_lr_logged
+        step, base, source = max(0, logged_step - 1), float(ctx.args.learning_rate), "the checkpoint's last logged LR"
+    else:
+        return None
+    new = lr_after(ctx.args, step, max_steps, base)
+    if abs(new - expected) <= 0.01 * max(abs(new), abs(expected), 1e-12):
+        return None
+    old_max = facts.state.get("max_steps")
+    why = (f"max_steps is {max_steps} now, {old_max} in the checkpoint: " if old_max and old_max != max_steps else "")
+    return finding(
+        "resume-lr-jump", f"the learning rate jumps at the resume: {expected:.3g} -> {new:.3g}",
+        f"{why}the Trainer rebuilds the schedule from the new arguments and restores only its step and base "
+        f"learning rate from scheduler.pt, so after step {step} the LR becomes {new:.3g} where the run was at "
+        f"{expected:.3g} ({source}). Keep max_steps / num_train_epochs, warmup and lr_scheduler_type as they were "
+        "when resuming, or start a new run.",
+        {"checkpoint": facts.path, "step": step, "checkpoint_lr": expected, "resumed_lr": new, "max_steps": max_steps,
+         "checkpoint_max_steps": old_max, "lr_scheduler_type": str(ctx.args.lr_scheduler_type)})
