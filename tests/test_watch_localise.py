@@ -130,9 +130,11 @@ def test_overflow_under_torch_compile_is_named_in_eager_terms():
         train(compiled, opt, data, autocast=torch.float16)
     event = _one_event(watch)
     origin = event.origin("forward")
-    # names as compiled.named_modules() gives them, and never CompiledFunctionBackward
-    assert origin.module == "_orig_mod.model.layers.1.self_attn.o_proj"
-    assert compiled.get_submodule(origin.module) is model.model.layers[1].self_attn.o_proj
+    # the user's names (no torch.compile prefix, never CompiledFunctionBackward), in the event and the heatmap
+    assert origin.module == "model.layers.1.self_attn.o_proj"
+    assert model.get_submodule(origin.module) is model.model.layers[1].self_attn.o_proj
+    assert watch.history.groups and not any("_orig_mod" in g for g in watch.history.groups)
+    assert "model.layers.1.self_attn" in watch.history.groups
     assert event.cause == "overflow"
 
 

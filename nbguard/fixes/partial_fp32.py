@@ -16,6 +16,7 @@ import torch
 
 from ..introspect.dtypes import QUANTIZED_PARAM_CLASSES, dtype_name
 from ..introspect.quantization import is_bnb_4bit_layer, set_compute_dtype
+from ..step.eager import unwrap_compiled
 
 MARK = "_nbguard_fp32_forward"  # set on a module whose forward runs in fp32: keeps apply idempotent
 
@@ -48,8 +49,9 @@ def apply_partial_fp32(model: torch.nn.Module, modules: list[str]) -> dict[str, 
                 and type(p).__name__ not in QUANTIZED_PARAM_CLASSES:
             casts[name] = f"{dtype_name(p.dtype)} -> float32"
             p.data = p.data.float()
+    root = unwrap_compiled(model)[0]  # module names are the user's (no torch.compile prefix)
     for name in modules:
-        module = model.get_submodule(name)
+        module = root.get_submodule(name)
         four_bit = {f"{name}.{n}" if n else name for n, m in module.named_modules() if is_bnb_4bit_layer(m)}
         if four_bit:
             changed.update(set_compute_dtype(model, torch.float32, only=four_bit))
@@ -84,7 +86,7 @@ for _name, _param in {model}.named_parameters():
     if _param.requires_grad and _param.is_floating_point() and _param.dtype != torch.float32:
         _param.data = _param.data.float()
 for _layer_name in _fp32_layers:
-    _layer = {model}.get_submodule(_layer_name)
+    _layer = getattr({model}, "_orig_mod", {model}).get_submodule(_layer_name)  # (torch.compile's wrapper holds it)
     _4bit = [m for m in _layer.modules() if type(m).__module__.startswith("bitsandbytes") and hasattr(m, "compute_dtype")]
     for _m in _4bit:  # bitsandbytes 4-bit: storage stays 4-bit, only the matmul moves to fp32
         _m.compute_dtype, _m.compute_type_is_set = torch.float32, True

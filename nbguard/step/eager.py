@@ -15,6 +15,15 @@ def unwrap_compiled(module: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     return module, prefix
 
 
+def eager_name(name: str) -> str:
+    """A module or parameter name as the user wrote the model: ``torch.compile``'s ``_orig_mod.`` prefix
+    dropped (``_orig_mod.model.layers.1`` -> ``model.layers.1``), so events, cells, the heatmap and
+    reports speak of the model the user built; look such a name up on ``unwrap_compiled(model)[0]``."""
+    while name == "_orig_mod" or name.startswith("_orig_mod."):
+        name = name[len("_orig_mod."):]
+    return name
+
+
 @contextlib.contextmanager
 def eager_everywhere():
     """Functions compiled with ``torch.compile`` and called inside ``forward`` run eagerly too, not

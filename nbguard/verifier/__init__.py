@@ -14,6 +14,7 @@ from ..introspect.inputs import check_batch
 from ..session import SESSION, record_verification
 from ..step.batch import forward_kwargs, model_device, synthetic_batch
 from ..step.capture import MicroBatch, capture_rng
+from ..step.eager import eager_name
 from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
 from ..step.precision import PrecisionUnavailable, args_mixed_precision, trainer_autocast
 from ..step.targets import resolve_targets
@@ -36,7 +37,7 @@ def step_from_event(event: Any, model: Any, micro_batches: list, args: Any = Non
     """The captured step of ``event`` (its origin named in eager terms: torch.compile's prefix dropped);
     ``args``: the Trainer's TrainingArguments when a Trainer ran it."""
     origin = event.origins[0] if event.origins else None
-    name = origin.module.replace("_orig_mod.", "") if origin is not None else None
+    name = eager_name(origin.module) if origin is not None else None
     return CapturedStep(model, list(micro_batches), name, origin.phase if origin else None,
                         (origin.micro_batch or 0) if origin else 0, event.cause != "not-reproducible", args)
 

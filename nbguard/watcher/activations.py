@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..step.eager import unwrap_compiled
 from ..step.tensors import iter_tensors
 from .guard import guarded
 
@@ -18,7 +19,9 @@ NOT_SEEN = -1.0  # an abs-max is never negative: marks a group that ran no train
 
 
 def group_modules(model: torch.nn.Module, groups: list[str]) -> list[tuple[str, torch.nn.Module]]:
-    """(group, module) for every group that names a submodule (a parameter on the root has none)."""
+    """(group, module) for every group that names a submodule (a parameter on the root has none).
+    Group names are eager names (no torch.compile prefix): looked up on the eager module."""
+    model = unwrap_compiled(model)[0]
     found = []
     for group in groups:
         try:

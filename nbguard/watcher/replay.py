@@ -217,9 +217,8 @@ class Replayer:
     """Replays captured micro-batches on the eager model without leaving any trace on it."""
 
     def __init__(self, model: torch.nn.Module):
-        self.eager, prefix = unwrap_compiled(model)
-        self.names = {m: (prefix + n) if n else (prefix.rstrip(".") if prefix else n)
-                      for n, m in self.eager.named_modules()}
+        self.eager, _ = unwrap_compiled(model)
+        self.names = {m: n for n, m in self.eager.named_modules()}  # the user's names: no compile prefix
 
     @contextlib.contextmanager
     def _preserved(self):

@@ -20,6 +20,7 @@ import torch
 from ..errors import NonFiniteError
 from ..findings import Event
 from ..step.capture import MicroBatch, capture_rng, find_loss
+from ..step.eager import eager_name
 from ..step.precision import capture_autocast
 from . import distributed as ranks
 from .activations import host_values
@@ -66,7 +67,7 @@ class WatchSteps(WatchRecord):
         self._coverage_stale = False
         if self._ranks is not None:
             return  # every rank's read has the same shape, agreed at attach: a swap under DDP is not followed
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        named = [(eager_name(n), p) for n, p in self.model.named_parameters() if p.requires_grad]
         if [id(p) for _, p in named] == [id(p) for p in self._collector.params]:
             return
         new_groups = self._collector.cover(named)
