@@ -14,7 +14,6 @@ from . import (  # noqa: F401  (registers them)
     labels,
     mistral_regex,
     moe,
-    optimizer,
     packing,
     padding,
     pooling,
