@@ -7,6 +7,7 @@ Event text and localisation are in :mod:`.events`, the detectors in :mod:`.pipel
 """
 from __future__ import annotations
 
+import sys
 import uuid
 import weakref
 from collections.abc import Callable
@@ -16,7 +17,6 @@ import torch
 
 from ..findings import Displayable, Event
 from ..step.capture import MicroBatch
-from ..step.eager import eager_name
 from . import distributed as ranks
 from .activations import FP16_LIMIT, ActivationProbe
 from .builtin import builtin_detectors
@@ -38,11 +38,11 @@ __all__ = ["NanWatch", "attached_watch", "attached_watches", "fold_skip_streaks"
 
 
 def _is_trainer(obj) -> bool:
-    try:
-        from transformers import Trainer
-    except ImportError:
-        return False
-    return isinstance(obj, Trainer)
+    # A Trainer exists only once transformers.trainer is imported: asking sys.modules keeps a plain
+    # torch model's watch from importing transformers (and, through it, peft and accelerate).
+    module = sys.modules.get("transformers.trainer")
+    trainer = getattr(module, "Trainer", None)
+    return trainer is not None and isinstance(obj, trainer)
 
 
 class NanWatch(WatchLifecycle, Displayable):
@@ -104,7 +104,7 @@ class NanWatch(WatchLifecycle, Displayable):
         self.target = target
         self.optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
         self.scaler = scaler
-        named = [(eager_name(n), p) for n, p in self.model.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._collector = GradNormCollector(named, lambda exc: self._fail(exc, safe=False), self._grads_scaled)
         self.history = GradHistory(self._collector.groups, self.settings.history_capacity)
         # multi-rank runs: one small collective per step, folded into the read
