@@ -17,6 +17,7 @@ import torch
 
 from ..findings import Displayable, Event
 from ..step.capture import MicroBatch
+from ..step.eager import eager_name
 from . import distributed as ranks
 from .activations import FP16_LIMIT, ActivationProbe
 from .builtin import builtin_detectors
@@ -104,7 +105,7 @@ class NanWatch(WatchLifecycle, Displayable):
         self.target = target
         self.optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
         self.scaler = scaler
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        named = [(eager_name(n), p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._collector = GradNormCollector(named, lambda exc: self._fail(exc, safe=False), self._grads_scaled)
         self.history = GradHistory(self._collector.groups, self.settings.history_capacity)
         # multi-rank runs: one small collective per step, folded into the read
