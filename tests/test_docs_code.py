@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from notebook_helpers import shell  # noqa: F401  (the fixture)
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -60,3 +62,44 @@ def test_a_trainer_is_still_recognised_without_importing_transformers_for_plain_
             pass
 
     assert _is_trainer(Sub()) and not _is_trainer(object())
+
+
+# -- %nanwatch off: what its manual says ---------------------------------------------------------
+PLAIN_LOOP_SETUP = """
+import torch
+net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+"""
+PLAIN_STEPS = """
+for _ in range(2):
+    opt.zero_grad()
+    net(torch.randn(3, 4)).pow(2).mean().backward()
+    opt.step()
+"""
+
+
+def _hooks(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+
+
+def test_nanwatch_off_detaches_the_line_magics_watch_and_a_cell_detaches_its_own(shell):
+    """The manual: "'off' (line magic only) detaches the watch a line %nanwatch started (a %%nanwatch cell
+    detaches its own when the cell ends)"."""
+    from notebook_helpers import run, usage_line
+
+    from nbguard.notebook.magics import NbguardMagics
+    from nbguard.watcher.watch import attached_watches
+
+    assert "a %%nanwatch cell detaches its own when the cell ends" in " ".join(NbguardMagics.nanwatch.__doc__.split())
+    run(shell, PLAIN_LOOP_SETUP)
+    net = shell.user_ns["net"]
+    before = _hooks(net)
+    cell = run(shell, "%%nanwatch net\n" + PLAIN_STEPS)
+    assert cell.error is None, cell.stderr
+    assert _hooks(net) == before and attached_watches() == []  # the cell's watch is gone with the cell
+    assert usage_line(run(shell, "%nanwatch off")).startswith("nbguard: no watch")  # nothing left for off
+    run(shell, "%nanwatch net")
+    assert _hooks(net) > before and len(attached_watches()) == 1
+    run(shell, PLAIN_STEPS)
+    cell = run(shell, "%nanwatch off")
+    assert cell.error is None and _hooks(net) == before and attached_watches() == []

@@ -250,7 +250,8 @@ class NbguardMagics(Magics):
     @magic_arguments()
     @argument("target", nargs="?", metavar="OBJ",
               help="the Trainer or model to watch, by its notebook name (default: the one Trainer, else the "
-                   "one top-level model); 'off' (line magic only) detaches the watch %%nanwatch started")
+                   "one top-level model); 'off' (line magic only) detaches the watch a line %%nanwatch started "
+                   "(a %%%%nanwatch cell detaches its own when the cell ends)")
     @argument("--policy", choices=POLICIES, default=None,
               help="on a non-finite step: warn (record and go on), skip (drop that update), "
                    "stop (stop training; a plain loop gets nbguard.NonFiniteError); default: "
