@@ -21,6 +21,7 @@ event and a row in the history.
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -263,12 +264,14 @@ class Rewinder:
         self.next_due = step + self.settings.every
 
     # ---- on trouble ------------------------------------------------------------------------------------
-    def choose(self, bad_step: int) -> Snapshot | None:
+    def choose(self, bad_step: int, history: Any = None) -> Snapshot | None:
         """The newest snapshot taken at least one step before the bad step (the update just before it may
-        be the one that did the damage) whose values are finite."""
+        be the one that did the damage) whose values are finite and whose weights gave a loss in line
+        with the steps before it (a damaging update can show a step or two before an event)."""
         usable = sorted((s for s in self.slots if s.after_step is not None and s.after_step <= bad_step - 2),
                         key=lambda s: -(s.after_step or 0))
-        return next((s for s in usable if s.is_finite()), None)
+        losses = dict(zip(history.steps, history.loss)) if history is not None else {}
+        return next((s for s in usable if s.is_finite() and not _loss_rose_after(losses, s.after_step or 0)), None)
 
     def respond(self, watch: Any, event: Event | None, step: int, step_ended: bool = False) -> None:
         """The update of ``step`` is already dropped (or, at a step's end, applied): rewind if it helps."""
@@ -280,7 +283,7 @@ class Rewinder:
                                         "skipped without rewinding"}
             return
         if self.rewinds >= self.settings.max_rewinds:
-            last = self.choose(step)
+            last = self.choose(step, watch.history)
             if last is not None:  # training ends on the last good state, not on the damaged one
                 self.restore(watch, last)
             kept = f"the state after step {last.after_step} restored" if last is not None else \
@@ -294,7 +297,7 @@ class Rewinder:
             watch._emit(stop)
             watch._stop(stop, step_ended=step_ended)
             return
-        snapshot = self.choose(step)
+        snapshot = self.choose(step, watch.history)
         if snapshot is None:
             event.evidence["rewind"] = {"restored": False, "reason": "no finite snapshot from before the trouble "
                                         "yet: the update was skipped"}
@@ -380,6 +383,20 @@ class Rewinder:
         last = getattr(scheduler, "_last_lr", None)
         if isinstance(last, list):  # what get_last_lr() says: what the groups now hold
             scheduler._last_lr = [g["lr"] for g in watch.optimizer.param_groups]
+
+
+SUSPECT_LOSS_FACTOR = 1.5  # a snapshot whose next loss is this far over the losses before it is not trusted
+
+
+def _loss_rose_after(losses: dict[int, float | None], after_step: int, window: int = 8) -> bool:
+    """Whether the loss of the step computed on the snapshot's weights (the next one) was non-finite or
+    over 1.5x the median of the losses before it: the update just before the snapshot did damage."""
+    following = losses.get(after_step + 1)
+    before = sorted(v for step, v in losses.items()
+                    if after_step - window < step <= after_step and v is not None and math.isfinite(v))
+    if following is None or not before:
+        return False
+    return not math.isfinite(following) or following > SUSPECT_LOSS_FACTOR * before[len(before) // 2]
 
 
 def p_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict | None:
