@@ -145,6 +145,13 @@ def kinds(watch) -> list[tuple[str, int]]:
     return [(e.kind, e.step) for e in watch.events]
 
 
+def story(watch) -> list[str]:
+    """The report's first screen, line by line."""
+    section = view(watch.to_document()).section("story")
+    assert section is not None
+    return [fact.text for fact in section.facts]
+
+
 # ---- the loss, wherever the model returns it ---------------------------------------------------------
 def planted_nan_run(returns: str):
     model = GPT(returns=returns)
@@ -168,6 +175,8 @@ def test_a_planted_nan_is_a_nonfinite_loss_read_from_any_output(returns):
     history = watch.history.loss
     assert history[:4] == pytest.approx(losses[:4], rel=1e-6) and all(3.5 < v < 5 for v in history[:4])
     assert math.isnan(history[4]) and math.isnan(losses[4])
+    assert story(watch)[:2] == ["What went wrong: step 4: non-finite loss (invalid-op)",
+                                "Where: transformer.h.0.ln_2 (forward, float32)"]
 
 
 def test_the_loss_is_the_scalar_a_backward_can_start_from_wherever_the_tuple_holds_it():
@@ -197,10 +206,11 @@ def test_learning_rate_1000_is_an_explosion_not_a_nonfinite_gradient():
     assert overflow["step"] == 2 and overflow["lower_bound"] is False
     assert overflow["max_abs_grad"] == measured[2]["max"]
     assert watch.history.total_grad_norm[2] == pytest.approx(measured[2]["norm"], rel=1e-5)
-    # the real NaN at step 3 is reproduced by the replay and leads the report's story
+    # the real NaN at step 3 is reproduced by the replay; the explosion before it leads the report's story
     assert nonfinite.cause == "overflow" and nonfinite.origin("backward") is not None
-    story = view(watch.to_document()).section("story")
-    assert story is not None and story.facts[0].text.startswith("What went wrong: step 3: non-finite grad")
+    assert story(watch)[:3] == ["What went wrong: step 1: divergence",
+                                f"Where: {diverged.evidence['exploded_groups'][0]['group']} (its gradient norm jumped most)",
+                                "Fix: lower-learning-rate"]
 
 
 @pytest.mark.parametrize("clip", [None, 1.0])

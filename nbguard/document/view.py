@@ -211,14 +211,20 @@ def view(doc: dict) -> View:
     return View(title=heading(doc), meta=meta, summary=_summary(doc), sections=sections)
 
 
+# watch events that break a run: the first of them leads the story (a gradient explosion before a NaN
+# is where the run broke, and its fix is the learning rate, not the NaN's module)
+BROKE_THE_RUN = ("nonfinite-loss", "nonfinite-grad", "divergence")
+
+
 def _story(doc: dict) -> list[Section]:
     """The first screen: what went wrong, where, and the fix to make (verified first), one line each.
 
-    The first non-finite watch event wins (it is what broke the run), else the latest audit's worst finding."""
+    The first watch event that broke the run wins (``BROKE_THE_RUN``), else the first event, else the
+    latest audit's worst finding."""
     docs = [(doc, []), *((entry, ["entries", i]) for i, entry in enumerate(_entries(doc)))]
     watched = [(d, [*at, *w["path"]], w, e) for d, at in docs for w in watch_sections(d)
                for e in w["events"] if isinstance(e, dict)]
-    watched.sort(key=lambda dwe: (not str(dwe[3].get("kind", "")).startswith("nonfinite"),))
+    watched.sort(key=lambda dwe: dwe[3].get("kind") not in BROKE_THE_RUN)
     events = [(d, e) for d, _, _, e in watched]
     charts = []
     if watched:  # the run's heatmap beside the story: healthy steps, then the turn
@@ -237,9 +243,11 @@ def _story(doc: dict) -> list[Section]:
         kind = str(event.get("kind", "")).replace("-", " ").replace("nonfinite", "non-finite")
         what = f"step {event.get('step')}: {kind}" + (f" ({event['cause']})" if event.get("cause") else "")
         origins = [o for o in event.get("origins") or [] if isinstance(o, dict)]
+        jumps = [g for g in (event.get("evidence") or {}).get("exploded_groups") or [] if isinstance(g, dict)]
         where = (f"{origins[0].get('module')} ({origins[0].get('phase')}"
                  + (f", {origins[0].get('dtype')}" if origins[0].get("dtype") else "") + ")") if origins else (
-            f"no module: {event['cause']}" if event.get("cause") else "not localised to a module")
+            f"no module: {event['cause']}" if event.get("cause") else
+            f"{jumps[0].get('group')} (its gradient norm jumped most)" if jumps else "not localised to a module")
     elif findings:
         owner, f = audits[-1], findings[0]
         card = Card(tone="", title="", fixes=_fix_views(f.get("fixes"), fix_cells(owner), fix_verdicts(owner)))
@@ -256,7 +264,7 @@ def _story(doc: dict) -> list[Section]:
     else:
         how = (f"none verified on the failing step ({plural(len(card.fixes), 'fix', 'es')} tried: "
                + ", ".join(f"{f.id} {f.verdict.label}" for f in card.fixes if f.verdict) + ")")
-    tone = "bad" if (events and str(events[0][1].get("kind", "")).startswith("nonfinite")) or (
+    tone = "bad" if (events and events[0][1].get("kind") in BROKE_THE_RUN) or (
         not events and findings[0].get("severity") == "error") else ""
     return [Section(kind="story", title="What happened", facts=[
         Fact(f"What went wrong: {what}", tone), Fact(f"Where: {where}"),
@@ -722,7 +730,8 @@ def event_card(event: dict, cells: dict[str, dict] | None = None,
     evidence = {k: v for k, v in (event.get("evidence") or {}).items() if k != "verification"}
     if evidence:
         folds.append(_evidence_fold("evidence", evidence))
-    fixes = _fix_views(event.get("fixes"), cells or {}, verdicts or {})
+    # (the run checks put the fixes they offer in the evidence)
+    fixes = _fix_views(event.get("fixes") or (event.get("evidence") or {}).get("fixes"), cells or {}, verdicts or {})
     verification = (event.get("evidence") or {}).get("verification")
     if isinstance(verification, dict):  # the fixes the watch ran on this very step, verified first
         fixes = ranked(verification_card(verification, "").fixes)
