@@ -32,6 +32,8 @@ def test_frozen_and_eval_detectors():
     assert frozen.update(0, [1.0, 2.0]) is None and frozen.update(10, [1.0, 2.0]) is None
     assert frozen.update(20, [1.0, 2.0])["steps_unchanged"] == 20
     assert frozen.update(30, [1.0, 2.5]) is None  # moved again
+    overflowed = FrozenDetector(WatchSettings(frozen_after=20))  # weights whose fp32 norm overflows
+    assert [overflowed.update(step, [float("inf"), 2.0]) for step in (0, 10, 20, 30)] == [None] * 4
     evals = EvalLossDetector(WatchSettings())
     assert evals.update(2.5) is None and evals.update(2.4) is None
     assert evals.update(2.4)["evaluations"] == 2

@@ -1,6 +1,7 @@
 """Host-side detectors over the numbers the sentinel already read (no device work)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -64,7 +65,8 @@ class FrozenDetector:
         return step % self.settings.frozen_check_every == 0
 
     def update(self, step: int, fingerprint: list[float]) -> dict | None:
-        if self.last is None or fingerprint != self.last:
+        # an inf fingerprint (weights past fp32's norm range) equals the next one while the weights move
+        if self.last is None or fingerprint != self.last or not all(map(math.isfinite, fingerprint)):
             self.last, self.since, self.reported = fingerprint, step, False
             return None
         if self.reported or step - self.since < self.settings.frozen_after:
