@@ -179,7 +179,8 @@ for _kind, _description, _evidence in (
     ("frozen-params", "trainable weights stayed bit-identical over many optimizer steps",
      ("unchanged_since_step", "checked_at_step", "steps_unchanged")),
     ("frozen-eval-loss", "the eval loss is bit-identical across evaluations", ("eval_loss", "evaluations")),
-    ("grad-spike", "the total gradient norm spiked far above its recent median",
+    ("grad-spike", "the total gradient norm spiked far above its recent median (older documents: the "
+                   "watch now judges spikes as divergence events)",
      ("total_grad_norm", "recent_median", "ratio", "largest_group")),
     ("few-supervised-tokens", "a micro-batch's loss rests on few (or no) supervised tokens",
      ("micro_batch", "supervised_tokens", "recent_median", "occurrences", "steps")),
