@@ -27,7 +27,7 @@ from .resolve import MagicError
 from .verdicts import cell_verdict_line
 
 POLICIES = ("warn", "skip", "stop")
-NBGUARD_COMMANDS = ("fix", "report", "explain")
+NBGUARD_COMMANDS = ("fix", "report", "explain", "export-check")
 ISSUES_HINT = "this is a bug in nbguard, not in your notebook: please report it with the traceback below"
 
 
@@ -399,9 +399,13 @@ class NbguardMagics(Magics):
     @magic_arguments()
     @argument("command", choices=NBGUARD_COMMANDS,
               help="fix: put a fix's cell below (with your variable names); report: write everything this "
-                   "session recorded to a file; explain: diagnose the last exception again")
+                   "session recorded to a file; explain: diagnose the last exception again; export-check: "
+                   "compare the trained model with what you saved or merged")
     @argument("value", nargs="?", metavar="ID_OR_PATH",
-              help="fix: the fix id (nbguard.fixes.available()); report: the file, ending .html, .md or .json")
+              help="fix: the fix id (nbguard.fixes.available()); report: the file, ending .html, .md or .json; "
+                   "export-check: the trained model or Trainer, by its notebook name")
+    @argument("exported", nargs="?", metavar="EXPORTED",
+              help="export-check only: the folder save_pretrained wrote, or the name of a model object (a merge)")
     @argument("--apply", action="store_true",
               help="fix only: also run the fix now, on the objects your notebook names")
     @line_magic
@@ -414,6 +418,7 @@ class NbguardMagics(Magics):
             %nbguard fix disable-use-cache --apply      # ...and applied now
             %nbguard report nbguard-report.html
             %nbguard explain
+            %nbguard export-check model out/adapter     # is the saved adapter the model you trained?
         """
         return self._guarded("nbguard", self._nbguard, line)
 
@@ -421,6 +426,8 @@ class NbguardMagics(Magics):
         opts = _parse(self.nbguard, line)
         if opts.apply and opts.command != "fix":
             raise MagicError("--apply goes with %nbguard fix ID")
+        if opts.exported and opts.command != "export-check":
+            raise MagicError(f"%nbguard {opts.command} takes one argument (got {opts.exported!r} too)")
         if opts.command == "fix":
             if not opts.value:
                 raise MagicError("which fix? %nbguard fix ID [--apply]; ids: nbguard.fixes.available()")
@@ -429,10 +436,37 @@ class NbguardMagics(Magics):
             if not opts.value:
                 raise MagicError("where to? %nbguard report PATH (.html, .md or .json)")
             self._report(opts.value)
+        elif opts.command == "export-check":
+            if not (opts.value and opts.exported):
+                raise MagicError("%nbguard export-check MODEL EXPORTED: the trained model (or Trainer) and the folder "
+                                 "save_pretrained wrote, or the name of the merged model")
+            self._export_check(opts.value, opts.exported)
         else:
             if opts.value:
                 raise MagicError(f"%nbguard explain takes no argument (got {opts.value!r})")
             self._explain_last()
+
+    def _export_check(self, name: str, exported_name: str) -> None:
+        import os
+
+        from IPython.display import display
+
+        from .. import api
+
+        target = R.lookup(self.ns, name)
+        if not (R.is_trainer(target) or R.is_model(target)):
+            raise MagicError(f"{name!r} is a {R.describe(target)}; export-check takes the trained model or its Trainer")
+        trainer = target if R.is_trainer(target) else None
+        exported: Any = self.ns[exported_name] if exported_name.isidentifier() and exported_name in self.ns \
+            else os.path.expanduser(exported_name)
+        if isinstance(exported, str) and not os.path.isdir(exported):
+            raise MagicError(f"{exported_name!r} is neither a folder nor a variable of this notebook: give the folder "
+                             "save_pretrained wrote, or the name of the merged model")
+        try:
+            result = api.check_export(trainer.model if trainer is not None else target, exported, trainer=trainer)
+        except (TypeError, ValueError) as err:
+            raise MagicError(str(err)) from None
+        display(result)
 
     def _report(self, path: str) -> None:
         from .. import api
