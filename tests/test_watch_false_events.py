@@ -253,24 +253,33 @@ def test_a_100x_jump_while_the_loss_still_falls_is_a_swing_and_with_the_loss_up_
     assert falling_far is not None and falling_far["loss_falling"] is True
 
 
-def test_a_memorising_run_whose_gradient_norm_swings_10x_while_its_loss_falls_stays_quiet():
-    """One repeated batch, AdamW: the loss falls from 4.9 to under 1 while the gradient norm swings
-    (the issue's 24-layer LoRA run at 1e-4 swung 10.6x at step 147; tiny LoRA runs here stay under
-    6x, so a tiny Llama at a high learning rate makes the same swing in 40 steps)."""
+def memorise(seed: int, steps: int = 40):
+    """A tiny Llama memorising one batch with AdamW at 0.05: its losses and its watch."""
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-    batch = tiny_batch(4, 16, seed=1)
+    batch = tiny_batch(4, 16, seed=seed)
     losses = []
     with nbguard.watch(model, optimizer=opt, verify=False) as watch:
-        for _ in range(40):
+        for _ in range(steps):
             loss = model(**batch).loss
             loss.backward()
             losses.append(loss.item())
             opt.step()
             opt.zero_grad()
-    norms = watch.history.total_grad_norm
-    # the ratio the old grad-spike check used: the norm over the median of the last 50, after 10 steps
-    swings = [i for i in range(10, len(norms))
-              if norms[i] > 10 * statistics.median(norms[max(0, i - 50):i]) and losses[i] < losses[i - 1]]
-    assert swings and losses[-1] < losses[0] / 4
-    assert watch.events == [], watch.summary()
+    return watch, losses
+
+
+def test_memorising_runs_whose_gradient_norm_swings_10x_while_their_loss_falls_stay_quiet():
+    """One repeated batch: the loss falls from 4.9 to about 1 while the gradient norm swings (the
+    issue's 24-layer LoRA run at 1e-4 swung 10.6x at step 147; tiny LoRA runs here stay under 6x, so
+    a tiny Llama at a high learning rate makes the same swing in 40 steps, on one batch of three)."""
+    swung = 0
+    for seed in (1, 0, 2):
+        watch, losses = memorise(seed)
+        norms = watch.history.total_grad_norm
+        # the ratio the old grad-spike check used: the norm over the median of the last 50, after 10 steps
+        swung += any(norms[i] > 10 * statistics.median(norms[max(0, i - 50):i]) and losses[i] < losses[i - 1]
+                     for i in range(10, len(norms)))
+        assert losses[-1] < losses[0] / 2  # it learns
+        assert watch.events == [], watch.summary()
+    assert swung
