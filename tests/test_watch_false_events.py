@@ -283,3 +283,18 @@ def test_memorising_runs_whose_gradient_norm_swings_10x_while_their_loss_falls_s
         assert losses[-1] < losses[0] / 2  # it learns
         assert watch.events == [], watch.summary()
     assert swung
+
+
+def test_the_overflow_read_costs_two_more_reads_on_its_step_and_none_on_the_others(monkeypatch):
+    reads: list[int] = []
+    tolist = torch.Tensor.tolist
+
+    def counted(self, *args, **kwargs):
+        reads[-1] += 1
+        return tolist(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    watch, _ = train(GPT(), lr=1e-3, steps=7, scale_loss=lambda step: 1e22 if step == 5 else 1.0,
+                     before=lambda step: reads.append(0))
+    assert kinds(watch) == [("divergence", 5)]
+    assert reads == [1, 1, 1, 1, 1, 3, 1]  # the step's one read; on step 5 each tensor's max |g|, then the scaled norms
