@@ -19,6 +19,11 @@ the culprit). Two ways to take them:
 - per parameter (FSDP, DeepSpeed, DDP with another communication hook): a
   ``register_post_accumulate_grad_hook`` per parameter, which fires before the reduction, and
   before DeepSpeed moves the gradients into its own buffers.
+
+The norms are fp32, and an fp32 2-norm overflows once a gradient's elements pass ~1e19 while every one
+of them is still finite. Only on a step where a group's norm comes back inf or NaN, the fused read
+looks again (``norm_overflow``): finite gradients get their true norm (an explosion, which the
+divergence check reports), a non-finite one keeps the step non-finite.
 """
 from __future__ import annotations
 
@@ -62,7 +67,7 @@ class StepStats:
     activations: list[float] | None = None  # per probed group output abs-max (NOT_SEEN: no forward)
     extra: list[float] | None = None  # the detectors' scalars, flattened (pipeline.DetectorBoard splits them)
     exchanged: list[float] | None = None  # across ranks: what the step's one collective returned
-    # finite gradients whose fp32 norm overflowed (a second read on that step only): see ``norm_overflow``
+    # finite gradients whose fp32 norm overflowed (found with more reads, on that step only): see ``norm_overflow``
     norm_overflow: dict | None = None
 
     @property  # (not cached: settle() replaces grad_norm across ranks)
