@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False, verify=False,
-          resume_from_checkpoint=None):
+          resume_from_checkpoint=None, optimizer=None, scaler=None):
     """Audit a fine-tuning setup's precision against the hardware; returns an ``AuditResult``.
 
     The batch rules read ``batch`` (a dict of tensors, or a tokenizer's BatchEncoding) when given, else a few
@@ -16,13 +16,15 @@ def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, pro
     (the probe's synthetic batch when none is given): ``result.verification``.
     ``resume_from_checkpoint=PATH`` (or True: the last checkpoint in output_dir) checks, before
     ``trainer.train(resume_from_checkpoint=PATH)``, that the checkpoint resumes the run as it was.
+    A plain loop passes its ``optimizer=`` (and ``scaler=``, a GradScaler): the optimizer rules read them
+    (Adam's eps and update size against half-precision weights) and their fix cells act on them.
     """
     from .auditor import run_audit
 
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be True or False; got {type(verify).__name__}")
     result = run_audit(model=model, trainer=trainer, args=args, batch=batch, hardware=hardware, probe=probe,
-                       resume_from_checkpoint=resume_from_checkpoint)
+                       resume_from_checkpoint=resume_from_checkpoint, optimizer=optimizer, scaler=scaler)
     if verify:
         from .verifier.audit import verify_audit
 

@@ -134,7 +134,8 @@ class SessionRecord:
     def fix_names(self, target: str) -> dict[str, str]:
         """The names a fix cell for ``target`` ("trainer" or "model") is written with: the user's, as
         the notebook knows them, else the usual variable name."""
-        known = {k: v for k, v in self.names.items() if k in (target, "args", "tokenizer")}
+        loop = ("optimizer", "scaler") if target == "model" else ()  # a plain loop's cells name its optimizer
+        known = {k: v for k, v in self.names.items() if k in (target, "args", "tokenizer", *loop)}
         return {target: target, **known}
 
     # -- the earlier list API, derived from the timeline (reporting still reads these) ----------

@@ -13,6 +13,7 @@ from ..session import SESSION, record_audit
 from ..step.targets import resolve_targets
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .context import AuditContext
+from .loop_objects import check_loop_objects
 from .memory_offer import memory_facts, memory_note
 from .probe import ProbeResult, run_probe
 from .registry import RULES, Rule, rule
@@ -80,7 +81,7 @@ def _unsloth_fixes(findings: list[Finding]) -> None:
 
 
 def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, probe=False,
-              resume_from_checkpoint=None) -> AuditResult:
+              resume_from_checkpoint=None, optimizer=None, scaler=None) -> AuditResult:
     """Audit a fine-tuning setup; see ``nbguard.audit``."""
     if trainer is None and is_trainer(model):  # nbguard.audit(trainer), as nbguard.watch(trainer) takes it
         model, trainer = None, model
@@ -92,11 +93,13 @@ def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None,
         batch = dict(batch)  # a tokenizer's BatchEncoding is a mapping, not a dict
     if not isinstance(probe, bool):
         raise TypeError(f"probe must be True or False; got {type(probe).__name__}")
+    check_loop_objects(optimizer, scaler)
     hw = resolve_hardware(hardware)
     if hardware is not None:  # the user named the machine the run is for: fixes are chosen and verified for it
         SESSION.target_hardware = hw
 
-    ctx = AuditContext(model=model, trainer=trainer, args=args, batch=batch, hardware=hw)
+    ctx = AuditContext(model=model, trainer=trainer, args=args, batch=batch, hardware=hw, optimizer=optimizer,
+                       scaler=scaler)
     if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
         ctx.resume = read_checkpoint(resolve_checkpoint(resume_from_checkpoint, args), args, hw)  # type: ignore[attr-defined]
     extra: list[Finding] = []
@@ -117,7 +120,7 @@ def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None,
         _unsloth_fixes(findings)
     result = AuditResult(findings=findings, hardware=hw, probe=ctx.probe,
                          target="trainer" if trainer is not None else "model", with_args=args is not None,
-                         stack=stack)
+                         stack=stack, with_optimizer=optimizer is not None)
     record_audit(result)
     return result
 

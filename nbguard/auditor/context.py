@@ -20,9 +20,13 @@ from ..introspect.unsloth import float32_forced_without_autocast, read_unsloth
 
 
 class AuditContext:
-    def __init__(self, model=None, trainer=None, args=None, batch=None, hardware: Hardware | None = None, probe=None):
+    def __init__(self, model=None, trainer=None, args=None, batch=None, hardware: Hardware | None = None, probe=None,
+                 optimizer=None, scaler=None):
         self.model = model
         self.trainer = trainer
+        # a plain loop's optimizer and GradScaler (else the optimizer a Trainer already built)
+        self.optimizer = optimizer if optimizer is not None else getattr(trainer, "optimizer", None)
+        self.scaler = scaler
         self.args = args
         self.batch = batch
         self.hardware = hardware

@@ -17,6 +17,7 @@ class AuditResult(Displayable):
     probe: Any = None  # ProbeResult when the audit ran with probe=True
     target: str = "model"  # "trainer" when the audit was given a trainer: fix cells then use it
     with_args: bool = False  # TrainingArguments were audited: fix cells may change them
+    with_optimizer: bool = False  # a plain loop's optimizer was audited: fix cells act on it
     environment: dict = field(default_factory=dict)
     verification: Any = None  # a Verification when the audit ran with verify=True
     stack: dict = field(default_factory=dict)  # quantization / unsloth / memory facts, as data
@@ -79,6 +80,8 @@ class AuditResult(Displayable):
             names.setdefault("model", "model")
             if self.with_args:
                 names.setdefault("args", "args")
+            if self.with_optimizer:
+                names.setdefault("optimizer", "optimizer")
         cells = {}
         for fix_id in self.fix_ids:
             fix = fixes.get(fix_id)

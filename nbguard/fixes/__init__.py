@@ -13,11 +13,21 @@ from typing import Any
 
 from ..session import record_fix
 from ..step.targets import resolve_targets
-from . import config_fixes, data_fixes, export_fixes, model_fixes, rl_fixes, setup_fixes, trainer_fixes, unsloth_fixes  # noqa: F401  (registers the fixes)
+from . import (  # noqa: F401  (registers the fixes)
+    config_fixes,
+    data_fixes,
+    export_fixes,
+    model_fixes,
+    optimizer_fixes,
+    rl_fixes,
+    setup_fixes,
+    trainer_fixes,
+    unsloth_fixes,
+)
 from .registry import FIXES, Fix, Names, Target
 from .result import FixResult
 
-_NAME_KEYS = ("model", "trainer", "args", "tokenizer")
+_NAME_KEYS = ("model", "trainer", "args", "tokenizer", "optimizer", "scaler")
 
 
 def available() -> list[str]:
@@ -56,6 +66,8 @@ def _names(names: dict[str, Any]) -> Names:
         trainer=trainer,
         args=names.get("args") or (f"{trainer}.args" if trainer else None),
         tokenizer=names.get("tokenizer") or (f"{trainer}.processing_class" if trainer else "tokenizer"),
+        optimizer=names.get("optimizer") or (f"{trainer}.optimizer" if trainer else None),
+        scaler=names.get("scaler"),
     )
 
 
@@ -69,6 +81,11 @@ def code(fix_id: str, **names_and_options: Any) -> str:
         raise ValueError(f"fix {fix_id!r} changes TrainingArguments: pass trainer= or args= with your variable name")
     if fix.needs == "trainer" and resolved.trainer is None:
         raise ValueError(f"fix {fix_id!r} changes the Trainer: pass trainer= with your variable name")
+    if fix.needs == "optimizer" and resolved.optimizer is None:
+        raise ValueError(f"fix {fix_id!r} changes the optimizer: pass optimizer= with your variable name")
+    if fix.needs == "args-or-optimizer" and resolved.args is None and resolved.optimizer is None:
+        raise ValueError(f"fix {fix_id!r} changes TrainingArguments or a plain loop's optimizer: pass trainer=, "
+                         "args= or optimizer= with your variable name")
     return fix.code(resolved, **options)
 
 
@@ -77,17 +94,22 @@ def _trainer_tokenizer(trainer) -> Any:
     return getattr(tok, "tokenizer", tok)  # a multimodal processor carries its tokenizer
 
 
-def _target(fix: Fix, model, trainer, args, tokenizer=None) -> Target:
+def _target(fix: Fix, model, trainer, args, tokenizer=None, optimizer=None, scaler=None) -> Target:
     model, args, _ = resolve_targets(trainer, model, args)
     if tokenizer is None and trainer is not None:
         tokenizer = _trainer_tokenizer(trainer)
-    given = {key for key, value in (("model", model), ("args", args), ("trainer", trainer)) if value is not None}
+    if optimizer is None and trainer is not None:
+        optimizer = getattr(trainer, "optimizer", None)
+    if optimizer is not None and not callable(getattr(optimizer, "step", None)):
+        raise TypeError(f"optimizer= must be a torch optimizer (torch.optim.Optimizer); got {type(optimizer).__name__}")
+    given = {key for key, value in (("model", model), ("args", args), ("trainer", trainer), ("optimizer", optimizer))
+             if value is not None}
     if fix.needs == "tokenizer":  # a trainer reaches one only through its processing_class, resolved above
         given = {"tokenizer"} if hasattr(tokenizer, "pad_token_id") else set()
     if not fix.reached_by(given):
         got = f"; got {type(tokenizer).__name__}" if fix.needs == "tokenizer" and tokenizer is not None else ""
         raise ValueError(f"fix {fix.id!r} needs {fix.need.keywords}{got}")
-    return Target(model=model, trainer=trainer, args=args, tokenizer=tokenizer)
+    return Target(model=model, trainer=trainer, args=args, tokenizer=tokenizer, optimizer=optimizer, scaler=scaler)
 
 
 def apply(fix_id: str, *, model=None, trainer=None, names: dict[str, str] | None = None,
@@ -100,9 +122,11 @@ def apply(fix_id: str, *, model=None, trainer=None, names: dict[str, str] | None
     fix = get(fix_id)
     args = options.pop("args", None)
     tokenizer = options.pop("tokenizer", None)
-    target = _target(fix, model, trainer, args, tokenizer)
+    optimizer, scaler = options.pop("optimizer", None), options.pop("scaler", None)
+    target = _target(fix, model, trainer, args, tokenizer, optimizer, scaler)
     given = {key: value for key, value in (("model", model), ("trainer", trainer), ("args", args),
-                                           ("tokenizer", tokenizer)) if value is not None}
+                                           ("tokenizer", tokenizer), ("optimizer", optimizer), ("scaler", scaler))
+             if value is not None}
     if names is not None and not isinstance(names, dict):
         raise TypeError(f"names must be a dict such as {{'model': 'my_model'}}, got {type(names).__name__}")
     users = {key: name for key, name in (names or {}).items() if key in given}
@@ -111,7 +135,7 @@ def apply(fix_id: str, *, model=None, trainer=None, names: dict[str, str] | None
     if trainer is not None:
         names = {"trainer": users.get("trainer", "trainer")}
     else:
-        names = {key: users.get(key, key) for key in ("model", "args") if key in given}
+        names = {key: users.get(key, key) for key in ("model", "args", "optimizer", "scaler") if key in given}
     if tokenizer is not None:
         names["tokenizer"] = users.get("tokenizer", "tokenizer")
     cell = code(fix_id, **names, **options)

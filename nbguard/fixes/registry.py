@@ -20,6 +20,8 @@ class Target:
     trainer: Any = None
     args: Any = None
     tokenizer: Any = None  # the tokenizer given, else the trainer's processing_class (data fixes)
+    optimizer: Any = None  # a plain loop's optimizer (else the trainer's, once it built one)
+    scaler: Any = None  # a plain loop's torch.amp.GradScaler, when it has one
 
 
 @dataclass
@@ -30,6 +32,13 @@ class Names:
     trainer: str | None = None
     args: str | None = None  # None: no TrainingArguments in reach, so cells leave the args alone
     tokenizer: str = "tokenizer"
+    optimizer: str | None = None  # a plain loop's optimizer: its cells act on it, never on args/trainer
+    scaler: str | None = None  # a plain loop's GradScaler
+
+    @property
+    def loop(self) -> bool:
+        """A plain PyTorch loop: no Trainer and no TrainingArguments to write a cell against."""
+        return self.trainer is None and self.args is None
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,12 @@ NEEDS = {
                  frozenset({"args", "trainer"})),
     "model-or-args": Need("a model, TrainingArguments or a Trainer", "model=, trainer= or args=",
                           frozenset({"model", "args", "trainer"})),
+    "args-or-optimizer": Need("TrainingArguments, a Trainer, or a plain loop's optimizer",
+                              "trainer=, args= (a TrainingArguments) or optimizer= (a torch optimizer)",
+                              frozenset({"args", "trainer", "optimizer"})),
+    "optimizer": Need("an optimizer (torch.optim.Optimizer) or a Trainer that built one",
+                      "optimizer= (a torch.optim.Optimizer), or trainer= once it built its optimizer",
+                      frozenset({"optimizer"})),
     "trainer": Need("a Trainer", "trainer= (a transformers Trainer)", frozenset({"trainer"})),
     "tokenizer": Need("a tokenizer or a Trainer", "tokenizer= (a transformers tokenizer), or trainer= with a "
                       "processing_class", frozenset({"tokenizer", "trainer"})),
@@ -70,6 +85,9 @@ class Fix:
     # automatic verification runs only the first few)
     treats: tuple[str, ...] = ()
     rank: int = 50
+    # holds(step: CapturedStep, **options) -> why the run already does what the fix would do, else None:
+    # a fix that already holds is not offered (a loop that clips at max_norm <= 1 gets no clipping fix)
+    holds: Callable[..., str | None] | None = None
 
     def __post_init__(self) -> None:
         if self.needs not in NEEDS:

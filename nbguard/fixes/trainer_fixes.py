@@ -14,12 +14,16 @@ from ..introspect.unsloth import read_unsloth
 from ..step.batch import model_device
 from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
 from ..step.precision import PrecisionUnavailable, args_mixed_precision, autocast_text, trainer_autocast
+from ..watcher.clip_tap import clip_limit
+from .loop_cells import loop_clip, loop_clip_code, loop_lower_lr, loop_lower_lr_code, loop_precision_code
 from .partial_fp32 import apply_partial_fp32, partial_fp32_code
 from .registry import Fix, register
 
 
 # ---- enable-grad-clipping --------------------------------------------------------------------
 def _clip(target, max_norm: float = 1.0, **_):
+    if target.args is None:  # a plain loop: its optimizer clips before every step
+        return loop_clip(target.optimizer, max_norm)
     old = getattr(target.args, "max_grad_norm", None)
     if old == max_norm:
         return {}
@@ -28,6 +32,8 @@ def _clip(target, max_norm: float = 1.0, **_):
 
 
 def _clip_code(names, max_norm: float = 1.0, **_):
+    if names.args is None:
+        return loop_clip_code(names, max_norm)
     # The Trainer reads args.max_grad_norm at every step, so changing it on a built Trainer is enough.
     return f"""# Clip the total gradient norm: one outlier gradient can no longer blow the weights up.
 {names.args}.max_grad_norm = {max_norm!r}
@@ -39,9 +45,20 @@ def _clip_plan(step: CapturedStep, max_norm: float = 1.0, **_: Any) -> ShadowPla
                       note="clipping scales this step's gradients; it cannot make a non-finite one finite")
 
 
-register(Fix("enable-grad-clipping", "Clip gradients to norm 1.0", "Set args.max_grad_norm = 1.0.",
-             _clip, _clip_code, needs="args", plan=_clip_plan,
-             treats=("overflow", "invalid-op", "nonfinite-parameter"), rank=40))
+def _clip_holds(step: CapturedStep, max_norm: float = 1.0, **_: Any) -> str | None:
+    """The run clips already: the Trainer's args at max_norm or below, or a watched loop's own clip_grad_norm_."""
+    if step.args is not None:
+        old = getattr(step.args, "max_grad_norm", None)
+        return f"args.max_grad_norm is {old!r} already" if old and 0 < old <= max_norm else None
+    limit = clip_limit(step.eager.parameters())
+    return (f"the loop already calls clip_grad_norm_ with max_norm={limit!r}"
+            if limit is not None and limit <= max_norm else None)
+
+
+register(Fix("enable-grad-clipping", "Clip gradients to norm 1.0",
+             "Set args.max_grad_norm = 1.0 (a plain loop: clip before every optimizer.step()).",
+             _clip, _clip_code, needs="args-or-optimizer", plan=_clip_plan,
+             treats=("overflow", "invalid-op", "nonfinite-parameter"), rank=40, holds=_clip_holds))
 
 
 # ---- lower-learning-rate ---------------------------------------------------------------------
@@ -51,6 +68,8 @@ _BASE_LR = "_nbguard_base_learning_rate"  # the LR before the first lowering: ke
 def _lower_lr(target, factor: float = 0.1, **_):
     if not (isinstance(factor, (int, float)) and 0 < factor < 1):
         raise ValueError(f"factor must be a number between 0 and 1; got {factor!r}")
+    if target.args is None:  # a plain loop: its optimizer's groups
+        return loop_lower_lr(target.optimizer, factor)
     args = target.args
     base = getattr(args, _BASE_LR, None) or args.learning_rate
     wanted = base * factor
@@ -76,6 +95,8 @@ def _lower_lr(target, factor: float = 0.1, **_):
 
 
 def _lower_lr_code(names, factor: float = 0.1, **_):
+    if names.args is None:
+        return loop_lower_lr_code(names, factor)
     a = names.args
     code = f"""# A smaller learning rate: the updates that overflowed (or diverged) shrink by {factor!r}x.
 _factor = {factor!r}
@@ -102,7 +123,7 @@ def _lower_lr_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
 
 register(Fix("lower-learning-rate", "Lower the learning rate",
              "Multiply the learning rate by factor (default 0.1), in the args and any optimizer already built.",
-             _lower_lr, _lower_lr_code, needs="args", plan=_lower_lr_plan,
+             _lower_lr, _lower_lr_code, needs="args-or-optimizer", plan=_lower_lr_plan,
              treats=("overflow", "invalid-op", "nonfinite-parameter"), rank=50))
 
 
@@ -213,18 +234,18 @@ def _switch(target, to=None, hardware=None, only=None, **_):
                 p.data = p.data.to(dtype)
         if casts:
             changed["parameters"] = casts
-            if target.trainer is not None:
-                _follow_optimizer_state(target.trainer, changed)
+            if target.trainer is not None or target.optimizer is not None:
+                _follow_optimizer_state(target.optimizer if target.optimizer is not None else target.trainer.optimizer,
+                                        changed)
         compute = set_compute_dtype(target.model, torch.float32 if to == "fp32" else torch.bfloat16)
         if compute:
             changed["4bit_compute_dtype"] = compute
     return {"to": to, **changed} if changed else {}
 
 
-def _follow_optimizer_state(trainer, changed) -> None:
-    """A trainer that already trained keeps its optimizer, whose moments are still in the old dtype: the
-    next step's fused update refuses mixed dtypes. Each state tensor follows its weight's new dtype."""
-    optimizer = getattr(trainer, "optimizer", None)
+def _follow_optimizer_state(optimizer, changed) -> None:
+    """A trainer (or loop) that already trained keeps its optimizer, whose moments are still in the old dtype:
+    the next step's fused update refuses mixed dtypes. Each state tensor follows its weight's new dtype."""
     moved = 0
     for param, state in (optimizer.state.items() if optimizer is not None else ()):
         for key, value in state.items():
@@ -292,6 +313,8 @@ if {t}.optimizer is not None:
             if torch.is_tensor(_value) and _value.is_floating_point() and _key != "step":
                 _state[_key] = _value.to(_param.dtype)
 """
+    if not a and not t:  # a plain loop: its optimizer, and its own autocast / GradScaler lines
+        code += loop_precision_code(names, to)
     compute = "torch.float32" if to == "fp32" else "torch.bfloat16"
     code += f"""
 # bitsandbytes 4-bit layers cast their input to their own compute_dtype: move them too (the 4-bit

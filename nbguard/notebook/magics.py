@@ -139,8 +139,9 @@ class NbguardMagics(Magics):
     # -- %precision_check ------------------------------------------------------------------------
     @magic_arguments()
     @argument("objects", nargs="*", metavar="OBJ",
-              help="the Trainer, model and/or TrainingArguments to audit, by their notebook names "
-                   "(default: the one Trainer in the notebook, else the one top-level model)")
+              help="the Trainer, model and/or TrainingArguments to audit, by their notebook names (a plain "
+                   "loop adds its optimizer and GradScaler) (default: the one Trainer in the notebook, else the "
+                   "one top-level model)")
     @argument("--hardware", metavar="NAME", default=None,
               help="audit for this GPU instead of this machine: cpu, t4, v100, a10g, l4, a100, rtx3090, "
                    "rtx4090, h100, h200")
@@ -160,6 +161,7 @@ class NbguardMagics(Magics):
             %precision_check                       # the one trainer (or model) in the notebook
             %precision_check trainer --hardware t4 # as it would run on a Colab T4
             %precision_check model args --probe --batch batch
+            %precision_check model optimizer scaler  # a plain loop: its optimizer's eps and updates too
 
         Configuration: ``%config NbguardMagics.hardware_profile = "t4"`` audits for that GPU by default.
         """
@@ -191,7 +193,8 @@ class NbguardMagics(Magics):
             objects = held.get()
             options = result.fix_options(fix_id)
             applied = fixes.apply(fix_id, model=objects.get("model"), trainer=objects.get("trainer"),
-                                  args=objects.get("args"), names=fix_names, **options)
+                                  args=objects.get("args"), optimizer=objects.get("optimizer"),
+                                  scaler=objects.get("scaler"), names=fix_names, **options)
             return applied.changed, applied.code
 
         from .present import show_audit
@@ -215,13 +218,21 @@ class NbguardMagics(Magics):
         for name in given:
             obj = R.lookup(self.ns, name)
             kind = ("trainer" if R.is_trainer(obj) else "model" if R.is_model(obj)
-                    else "args" if R.is_training_args(obj) else None)
+                    else "args" if R.is_training_args(obj) else "optimizer" if R.is_optimizer(obj)
+                    else "scaler" if R.is_scaler(obj) else None)
             if kind is None:
                 raise MagicError(f"{name!r} is a {R.describe(obj)}; %precision_check takes a Trainer, "
-                                 "a torch.nn.Module or TrainingArguments")
+                                 "a torch.nn.Module, TrainingArguments, or a plain loop's optimizer and GradScaler")
             if kind in targets:
                 raise MagicError(f"two {kind}s given ({names[kind]} and {name}); audit one at a time")
             targets[kind], names[kind] = obj, name
+        if targets and "model" not in targets and "trainer" not in targets and "args" not in targets:
+            found = self._find_target("%precision_check")  # an optimizer alone: its model is the notebook's one
+            targets[found[0]], names[found[0]] = found[2], found[1]
+        model = targets.get("model") or getattr(targets.get("trainer"), "model", None)
+        if "optimizer" in targets and model is not None and not R.optimizes(targets["optimizer"], model):
+            raise MagicError(f"{names['optimizer']!r} updates none of the parameters of {names.get('model') or names.get('trainer')!r}; "
+                             "name the optimizer built over this model's parameters")
         if not targets:
             found = self._find_target("%precision_check")
             targets[found[0]], names[found[0]] = found[2], found[1]
@@ -359,6 +370,10 @@ class NbguardMagics(Magics):
             optimizer = self._optimizer_for(target, opts.optimizer)
             scaler = self._named(opts.scaler, R.is_scaler, "a torch.amp.GradScaler") if opts.scaler else \
                 self._unique_optional(R.is_scaler, "GradScalers", "name it: --scaler NAME")
+            # a plain loop's cells act on its optimizer (and name its GradScaler) by the notebook's names
+            SESSION.names["optimizer"] = opts.optimizer or R.name_of(self.ns, optimizer, "optimizer")
+            if scaler is not None:
+                SESSION.names["scaler"] = opts.scaler or R.name_of(self.ns, scaler, "scaler")
         elif opts.optimizer or opts.scaler:
             option = "--optimizer" if opts.optimizer else "--scaler"
             raise MagicError(f"{option} is for a model; a Trainer brings its own optimizer and scaler")

@@ -97,7 +97,7 @@ def verify(subject: Any, fix_id: str | None = None, *, model: Any = None, batch:
                              f"nbguard.verify(finding, model=model, batch=batch)")
         fix_ids = [fix_id] if fix_id else list(CAUSE_FIXES.get(subject.cause or "", []))
         candidates = with_options(fix_ids, step, options, hardware)
-        names = SESSION.fix_names("trainer" if getattr(watch, "trainer", None) is not None else "model")
+        names = loop_names(watch, SESSION.fix_names("trainer" if getattr(watch, "trainer", None) is not None else "model"))
         return _recorded(verify_step(step, candidates, _subject_of_event(subject), memory_budget=memory_budget,
                                      names=names))
     if isinstance(subject, Finding):
@@ -111,6 +111,13 @@ def verify(subject: Any, fix_id: str | None = None, *, model: Any = None, batch:
         return _recorded(verify_step(step, with_options(fix_ids, step, options, hardware), f"finding {subject.rule}",
                                      memory_budget=memory_budget, names=names))
     raise TypeError(f"verify() takes a watch Event or an audit Finding, got {type(subject).__name__}")
+
+
+def loop_names(watch: Any, names: dict[str, str]) -> dict[str, str]:
+    """A plain loop's watch: its cells name its optimizer (the usual variable name when the notebook did not say)."""
+    if getattr(watch, "trainer", None) is None and getattr(watch, "optimizer", None) is not None:
+        names.setdefault("optimizer", "optimizer")
+    return names
 
 
 def _recorded(verification: Verification) -> Verification:
@@ -134,7 +141,7 @@ def auto_verify(watch: Any, event: Any) -> None:
         watch.keep_step(event, step)
         # the fixes the target would run (the hardware named to the audit: fp32 for a T4, never bf16)
         candidates = for_event(event, step, hardware=SESSION.target_hardware)
-        names = SESSION.fix_names("trainer" if watch.trainer is not None else "model")
+        names = loop_names(watch, SESSION.fix_names("trainer" if watch.trainer is not None else "model"))
         result = verify_step(step, candidates, _subject_of_event(event), max_step_runs=AUTO_MAX_STEP_RUNS,
                              baseline=False, names=names)
         watch.verification = result

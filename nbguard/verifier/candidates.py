@@ -28,4 +28,14 @@ def with_options(fix_ids: list[str], step: CapturedStep, options: dict[str, dict
 
 
 def for_event(event: Any, step: CapturedStep, hardware: Any = None) -> list[FixOffer]:
-    return with_options(list(CAUSE_FIXES.get(event.cause or "", [])), step, hardware=hardware)
+    """The fixes for the event's cause that fit this run: none that only changes TrainingArguments in a plain loop
+    (``step.args`` None), and none that already holds (a loop that clips at max_norm <= 1 gets no clipping fix)."""
+    offers = with_options(list(CAUSE_FIXES.get(event.cause or "", [])), step, hardware=hardware)
+    return [offer for offer in offers if fits_run(offer, step)]
+
+
+def fits_run(offer: FixOffer, step: CapturedStep) -> bool:
+    fix = fixes.get(offer.id)
+    if step.args is None and fix.needs == "args":  # a loop has no TrainingArguments for the cell to change
+        return False
+    return fix.holds is None or fix.holds(step, **offer.options) is None

@@ -28,11 +28,16 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def fix_code(fix_id: str, options: dict[str, Any], names: dict[str, str] | None = None) -> tuple[str, str | None]:
-    """(title, the cell that was verified) from the fix registry."""
+def fix_code(fix_id: str, options: dict[str, Any], names: dict[str, str] | None = None,
+             loop: bool = False) -> tuple[str, str | None]:
+    """(title, the cell that was verified) from the fix registry; ``loop``: a plain loop's step (no Trainer, no
+    TrainingArguments), whose cells act on its optimizer and never name ``args.`` or ``trainer.``."""
     names = dict(names or {"model": "model"})
     fix = fixes.get(fix_id)
-    if fix.needs in ("args", "model-or-args") and not (names.get("args") or names.get("trainer")):
+    if loop and not (names.get("args") or names.get("trainer")):
+        if fix.needs == "args-or-optimizer":
+            names.setdefault("optimizer", "optimizer")
+    elif fix.needs in ("args", "model-or-args", "args-or-optimizer") and not (names.get("args") or names.get("trainer")):
         names["args"] = "args"
     if fix.needs in ("tokenizer", "trainer"):
         names.setdefault(fix.needs, fix.needs)  # the usual variable name; the cell says what it changes
@@ -105,7 +110,7 @@ def verify_step(step: CapturedStep, candidates: list[FixOffer], subject: str, *,
 
     verdicts = []
     for fix_id, options, plan in plans:
-        title, code = fix_code(fix_id, options, names)
+        title, code = fix_code(fix_id, options, names, loop=step.args is None)
         verdict = FixVerdict(fix_id, NOT_CHECKED, "", options, title, code)
         if isinstance(plan, str):
             verdict.reason = plan

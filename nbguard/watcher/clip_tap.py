@@ -82,6 +82,31 @@ def _max_norm_if_shareable(args: tuple, kwargs: dict) -> Any:
     return bound["max_norm"]
 
 
+# id(parameter) -> (a weak reference to it, the max_norm it was last clipped to) for every norm clip seen while
+# a watch is attached: "the loop already clips" is read here (a fix that already holds is not offered)
+_CLIPPED: dict[int, tuple[weakref.ref, float]] = {}
+
+
+def _note_clip(parameters: list[Any], args: tuple, kwargs: dict) -> None:
+    """Remember the max_norm of a norm clip over ``parameters`` by its first tensor (one dict store a step)."""
+    max_norm = args[0] if args else kwargs.get("max_norm")
+    # a plain number only: float() of a device tensor would sync inside the user's step
+    if not parameters or not isinstance(parameters[0], torch.Tensor) or isinstance(max_norm, bool) \
+            or not isinstance(max_norm, (int, float)):
+        return
+    _CLIPPED[id(parameters[0])] = (weakref.ref(parameters[0]), float(max_norm))
+
+
+def clip_limit(parameters: Any) -> float | None:
+    """The largest max_norm a watched loop clipped any of ``parameters`` to (None: never seen clipped)."""
+    limits = []
+    for p in parameters:
+        seen = _CLIPPED.get(id(p))
+        if seen is not None and seen[0]() is p:
+            limits.append(seen[1])
+    return max(limits) if limits else None
+
+
 def _clip_norms(parameters: list[torch.Tensor]) -> tuple[list[torch.Tensor], Kinds, torch.Tensor, torch.Tensor] | None:
     """What torch's ``clip_grad_norm_(parameters)`` computes before it scales anything: the parameters
     with a gradient in the order of their stacked 2-norms, the norms' groups (``Kinds``), the stacked
@@ -109,13 +134,15 @@ def _clip_norms(parameters: list[torch.Tensor]) -> tuple[list[torch.Tensor], Kin
     return [with_grad[i] for i in order], tuple(kinds), stacked, total_norm
 
 
-def _tapped(original: Callable[..., Any], shares: bool) -> Callable[..., Any]:
+def _tapped(original: Callable[..., Any], shares: bool, by_norm: bool = False) -> Callable[..., Any]:
     @functools.wraps(original)
     def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         if _READERS:
             # a generator can be walked once: hand the same list to the readers and to torch
             listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
             parameters = listed
+            if by_norm:
+                _note_clip(listed, args, kwargs)
             readers = _live_readers()
             max_norm: Any = None
             if shares:  # (the Trainer's and most loops' call, clip_grad_norm_(parameters, max_norm), first)
@@ -155,7 +182,8 @@ def tap(reader: ClipReader) -> None:
     for module, name in _TARGETS:
         current = getattr(module, name, None)
         if current is not None and not hasattr(current, _MARK):
-            setattr(module, name, _tapped(current, shares=current is _TORCH_NORM_CLIP and _clip_with_norm is not None))
+            setattr(module, name, _tapped(current, shares=current is _TORCH_NORM_CLIP and _clip_with_norm is not None,
+                                          by_norm="norm" in name))
 
 
 def untap(reader: ClipReader) -> None:

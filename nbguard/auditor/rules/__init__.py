@@ -14,6 +14,7 @@ from . import (  # noqa: F401  (registers them)
     labels,
     mistral_regex,
     moe,
+    optimizer,
     packing,
     padding,
     pooling,
