@@ -103,3 +103,49 @@ def test_nanwatch_off_detaches_the_line_magics_watch_and_a_cell_detaches_its_own
     run(shell, PLAIN_STEPS)
     cell = run(shell, "%nanwatch off")
     assert cell.error is None and _hooks(net) == before and attached_watches() == []
+
+
+# -- the views say only what is true: names as written, each cell once, no pointer to an unwritten file ----------
+def _folds(view, label):
+    return [fold for section in view.sections for card in section.cards for fold in card.folds if fold.label == label]
+
+
+def test_what_a_real_fix_changed_keeps_parameter_names_and_points_at_the_document(tmp_path):
+    import torch
+
+    import nbguard
+    from nbguard.document.view import MAX_EVIDENCE_ROWS, view
+    from nbguard.testing import tiny_llama
+
+    applied = nbguard.fixes.apply("upcast-trainable-fp32", model=tiny_llama(dtype=torch.float16))
+    assert "model.embed_tokens.weight" in applied.changed and len(applied.changed) > MAX_EVIDENCE_ROWS
+    report = nbguard.report()
+    [fold] = _folds(view(report.to_document()), "what changed")
+    names = [name for name, _ in fold.table.rows]
+    assert names[0] == "model.embed_tokens.weight" and set(names) <= set(applied.changed)
+    more = len(applied.changed) - MAX_EVIDENCE_ROWS
+    assert fold.table.note == f"{more} more not shown; all of them are in the document (to_document())."
+    [entry] = [e for e in report.to_document()["entries"] for a in e.get("fixes_applied") or [] if a["changed"]]
+    assert entry["fixes_applied"][0]["changed"].keys() == applied.changed.keys()  # where the note says they are
+    saved = [report.save(tmp_path / f"r.{ext}").read_text(encoding="utf-8") for ext in ("html", "md")]
+    for text in [str(report), *saved]:
+        assert "embed tokens" not in text and "JSON report" not in text
+    assert "model.embed_tokens.weight" in str(report) and "model.embed_tokens.weight" in saved[0]
+
+
+def test_the_text_view_of_a_watch_prints_each_fix_cell_once():
+    """An event's card and the card of the verification on its step offer the same verified cells: printed once."""
+    from verify_helpers import fp16_overflow_run
+
+    _, _, watch = fp16_overflow_run()
+    verdicts = watch.verification.verdicts
+    assert len(verdicts) >= 3 and all(v.code.strip() for v in verdicts)
+    text = str(watch)
+    for verdict in verdicts:
+        # a line of the cell that only it has: the cell, indented, appears exactly once
+        marker = next(line for line in verdict.code.splitlines()
+                      if line.strip() and sum(line in v.code for v in verdicts) == 1)
+        assert text.count(marker) == 1, (verdict.fix, marker)
+        assert f"fix {verdict.fix}: {verdict.title} [{verdict.verdict}]  (its cell is printed above)" in text
+    assert "[verified: the failing step is healthy" in text  # the first mention keeps its verdict's reason
+    assert len(text) < 12_000

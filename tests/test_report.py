@@ -130,7 +130,7 @@ def test_markdown_of_a_huge_run_stays_under_the_issue_limit():
     event = watch["events"][0]
     watch["events"] = [dict(event, step=i, message="x" * 400) for i in range(2000)]
     text = Report.from_dict(watch).to_markdown()
-    assert len(text) < GITHUB_BODY_LIMIT and "more events in the JSON report" in text
+    assert len(text) < GITHUB_BODY_LIMIT and "more events not shown here; all of them are in the report's document" in text
 
 
 def test_markdown_without_images_says_so():

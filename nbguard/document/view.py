@@ -398,7 +398,7 @@ def _evidence_rows(value: dict, prefix: str = "") -> list[list[str]]:
     for key, item in value.items():
         name = f"{prefix}{key}"
         nested = isinstance(item, dict) and item and not (set(item) == {"first", "count"}) and not prefix
-        rows += _evidence_rows(item, f"{name} › ") if nested else [[name.replace("_", " "), _cell(str(key), item)]]
+        rows += _evidence_rows(item, f"{name} › ") if nested else [[name, _cell(str(key), item)]]  # names as written
     return rows
 
 
@@ -409,7 +409,7 @@ def _evidence_fold(label: str, value: Any) -> Fold:
     rows = _evidence_rows(value)
     more = len(rows) - MAX_EVIDENCE_ROWS
     rows = [[k, _clip(v)] for k, v in rows[:MAX_EVIDENCE_ROWS]]
-    note = f"{more} more in the JSON report." if more > 0 else ""
+    note = f"{more} more not shown; all of them are in the document (to_document())." if more > 0 else ""
     width = max((len(k) for k, _ in rows), default=0)
     text = "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows) + (f"\n{note}" if note else "")
     return Fold(label=label, text=text, short=_clip("; ".join(f"{k} {v}" for k, v in rows)), kind="text",
@@ -789,7 +789,8 @@ def _watch(doc: dict, path: list[Any]) -> list[Section]:
         if isinstance(acts, dict) and acts.get("steps") and acts.get("groups"):
             charts.append(Chart("activations", "activation abs-max heatmap", [*at, "activations"]))
         shown = fold_skips([e for e in events if isinstance(e, dict)])[:MAX_EVENTS]
-        notes = [f"{len(events) - MAX_EVENTS} more events not shown (all are in the JSON)."] if len(events) > MAX_EVENTS else []
+        notes = [f"{len(events) - MAX_EVENTS} more events not shown; all of them are in the document (to_document())."
+                 ] if len(events) > MAX_EVENTS else []
         title = watch["title"] or (doc.get("title") if path else None)  # an entry of a report names its watch
         out.append(Section(
             kind="watch", title="Watch" + (f": {title}" if title else ""), facts=facts,

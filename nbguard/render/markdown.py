@@ -85,7 +85,8 @@ def _table(table: Table, max_rows: int | None = None) -> str:
             cells[-1] = f"**{cells[-1]}**"
         lines.append("| " + " | ".join(cells) + " |")
     more = len(table.rows) - len(rows)
-    note = table.note or (f"{more} more rows in the JSON report." if more > 0 else "")
+    note = table.note or (f"{more} more rows not shown; all of them are in the document (to_document())."
+                          if more > 0 else "")
     return "\n".join(lines) + (f"\n\n{md_text(note)}" if note else "")
 
 
@@ -138,7 +139,7 @@ def _section(section: Section, images: dict[str, str], counters: dict[str, int],
         out.extend(_card(card, compact, limit))
     if len(section.cards) > len(cards):
         out.append(f"{len(section.cards) - len(cards)} more {'events' if section.kind == 'watch' else 'items'} "
-                   "in the JSON report.")
+                   "not shown here; all of them are in the report's document (to_document(), or save it as .json).")
     out.extend(md_text(note) for note in section.notes)
     for chart in section.charts:
         if section.kind == "story":

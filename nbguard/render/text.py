@@ -24,8 +24,9 @@ def format_view(v: View) -> str:
     lines = [f"{v.title}  ({v.meta})"]
     if v.summary:
         lines.append(v.summary)
+    printed: dict[tuple[str, str], str] = {}  # each fix cell once: an event's card and its verification share them
     for section in v.sections:
-        lines.extend(section_lines(section))
+        lines.extend(section_lines(section, printed))
     return "\n".join(line.rstrip() for line in lines).rstrip() + "\n"
 
 
@@ -36,7 +37,7 @@ def _wrap(text: Any, indent: str) -> list[str]:
     return out
 
 
-def section_lines(section: Section) -> list[str]:
+def section_lines(section: Section, printed: dict[tuple[str, str], str] | None = None) -> list[str]:
     if section.kind == "notes":
         return [f"Note: {note}" for note in section.notes]
     if section.kind == "entry":
@@ -50,7 +51,7 @@ def section_lines(section: Section) -> list[str]:
     if section.cards_title:
         lines.append(f"  {section.cards_title}:")
     for card in section.cards[:MAX_CARDS]:
-        lines.extend(card_lines(card, "  "))
+        lines.extend(card_lines(card, "  ", printed))
     if len(section.cards) > MAX_CARDS:
         lines.append(f"  … {len(section.cards) - MAX_CARDS} more")
     lines.extend(f"  {chart.alt}: {chart.empty}" for chart in section.charts if chart.empty)
@@ -58,7 +59,9 @@ def section_lines(section: Section) -> list[str]:
     return lines
 
 
-def card_lines(card: Card, indent: str) -> list[str]:
+def card_lines(card: Card, indent: str, printed: dict[tuple[str, str], str] | None = None) -> list[str]:
+    """A card's lines. A fix cell already in ``printed`` (the same fix, the same code: cell -> the verdict
+    printed with it) is named, not repeated, and so is its verdict's reason when it is the same."""
     head = f"[{card.badge}] " if card.badge else ""
     lines = [f"{indent}{head}{card.title}" + (f"  ({card.tag})" if card.tag else "")]
     inner = indent + "    "
@@ -70,9 +73,16 @@ def card_lines(card: Card, indent: str) -> list[str]:
         lines.extend(table_lines(card.table, inner))
     lines.extend(f"{inner}{fold.label}: {fold.short}" for fold in card.folds if fold.kind != "text" or fold.table)
     for fix in card.fixes:
-        verdict = f" [{fix.verdict.label}{': ' + fix.verdict.detail if fix.verdict.detail else ''}]" if fix.verdict else ""
-        lines.append(f"{inner}fix {fix.id}{': ' + fix.title if fix.title else ''}{verdict}")
-        lines.extend(f"{inner}    {row}" for row in fix.code.splitlines())
+        said = f"{fix.verdict.label}: {fix.verdict.detail}" if fix.verdict else ""
+        seen = printed is not None and (fix.id, fix.code) in printed and bool(fix.code.strip())
+        detail = fix.verdict.detail if fix.verdict and not (seen and printed[fix.id, fix.code] == said) else ""
+        verdict = f" [{fix.verdict.label}{': ' + detail if detail else ''}]" if fix.verdict else ""
+        lines.append(f"{inner}fix {fix.id}{': ' + fix.title if fix.title else ''}{verdict}"
+                     + ("  (its cell is printed above)" if seen else ""))
+        if not seen:
+            lines.extend(f"{inner}    {row}" for row in fix.code.splitlines())
+            if printed is not None:
+                printed[fix.id, fix.code] = said
     lines.extend(f"{inner}{row}" for row in card.code.splitlines())
     return lines
 
