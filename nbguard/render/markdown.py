@@ -55,12 +55,13 @@ def render_markdown(doc: dict, *, images: dict[str, str] | None = None) -> str:
     if len(body) > GITHUB_BODY_LIMIT - 1000:
         body = _render(v, images or {}, compact=True)
     if len(body) > GITHUB_BODY_LIMIT - 200:
-        body = body[: GITHUB_BODY_LIMIT - 400] + "\n\n> Cut to fit a GitHub issue; attach the JSON report for the rest.\n"
+        body = body[: GITHUB_BODY_LIMIT - 400] + ("\n\n> Cut to fit a GitHub issue; for the rest, save the report as .json "
+                                                 "(`report.save('nbguard-report.json')`) and attach that.\n")
     return body
 
 
 def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit] + "\n… (cut; the JSON report has all of it)"
+    return text if len(text) <= limit else text[:limit] + "\n… (cut; the document has all of it: to_document())"
 
 
 def _render(v: View, images: dict[str, str], compact: bool) -> str:
