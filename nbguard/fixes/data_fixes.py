@@ -85,31 +85,48 @@ def _set_model_pad_id(model: Any, pad_id: int, changed: dict) -> None:
 
 def _distinct_pad(target: Target, **_: Any) -> dict:
     tok, model = target.tokenizer, target.model
-    if tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id:
-        return {}
     changed: dict[str, Any] = {}
-    old = tok.pad_token
-    if tok.unk_token is not None and tok.unk_token_id != tok.eos_token_id:
-        tok.pad_token = tok.unk_token
-    else:
-        if model is None:
-            raise ValueError("fix 'distinct-pad-token' adds a pad token to the vocabulary and must resize the "
-                             "embeddings: pass model= (or trainer=) with the tokenizer")
-        tok.add_special_tokens({"pad_token": PAD_TOKEN})
-        rows = model.get_input_embeddings().weight.shape[0]
-        if len(tok) > rows:
-            model.resize_token_embeddings(len(tok))
-            changed["embeddings"] = f"{rows} -> {len(tok)} rows"
-    changed["tokenizer.pad_token"] = f"{old!r} -> {tok.pad_token!r}"
+    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
+        old = tok.pad_token
+        if tok.unk_token is not None and tok.unk_token_id != tok.eos_token_id:
+            tok.pad_token = tok.unk_token
+        else:
+            if model is None:
+                raise ValueError("fix 'distinct-pad-token' adds a pad token to the vocabulary and must resize the "
+                                 "embeddings: pass model= (or trainer=) with the tokenizer")
+            tok.add_special_tokens({"pad_token": PAD_TOKEN})
+            rows = model.get_input_embeddings().weight.shape[0]
+            if len(tok) > rows:
+                model.resize_token_embeddings(len(tok))
+                changed["embeddings"] = f"{rows} -> {len(tok)} rows"
+        changed["tokenizer.pad_token"] = f"{old!r} -> {tok.pad_token!r}"
+    # the tokenizer's pad is distinct from EOS (now, or already): the config and the collator follow it
     if model is not None:
         _set_model_pad_id(model, tok.pad_token_id, changed)
+    _set_collator_pad_id(target.trainer, tok.pad_token_id, changed)
     return changed
+
+
+def _set_collator_pad_id(trainer: Any, pad_id: int, changed: dict) -> None:
+    """A collator that took the pad id when the trainer was built (TRL's DataCollatorForPreference and
+    DataCollatorForLanguageModeling) keeps padding with the old one: it gets the new id too."""
+    collator = getattr(trainer, "data_collator", None)
+    old = getattr(collator, "pad_token_id", None)
+    if isinstance(old, int) and old != pad_id:
+        collator.pad_token_id = pad_id
+        changed["trainer.data_collator.pad_token_id"] = f"{old} -> {pad_id}"
 
 
 def _distinct_pad_code(names: Names, **_: Any) -> str:
     t, m = names.tokenizer, names.model
-    return f"""# A pad token distinct from EOS: the collator sets the labels of pad tokens to -100, and with
-# pad == EOS that masked every EOS too, so the model never learned to stop.
+    collator = "" if names.trainer is None else f"""
+# the trainer's collator took the pad id when the trainer was built: it pads with the new one too
+if isinstance(getattr({names.trainer}.data_collator, "pad_token_id", None), int):
+    {names.trainer}.data_collator.pad_token_id = {t}.pad_token_id
+"""
+    return f"""# A pad token distinct from EOS. With pad == EOS, a language-modelling collator masks every EOS
+# label (the model never learns to stop), and a classification / reward head, which scores the last
+# token that is not padding, reads each row one token before its final EOS (or a padding EOS).
 if {t}.unk_token is not None and {t}.unk_token_id != {t}.eos_token_id:
     {t}.pad_token = {t}.unk_token
 else:
@@ -119,7 +136,7 @@ else:
 {m}.config.pad_token_id = {t}.pad_token_id
 if getattr({m}, "generation_config", None) is not None:
     {m}.generation_config.pad_token_id = {t}.pad_token_id
-"""
+""" + collator
 
 
 register(Fix("distinct-pad-token", "Use a pad token distinct from EOS",

@@ -62,26 +62,30 @@ def classifier_pools_wrong_token(ctx):
             "model.config.pad_token_id to the tokenizer's pad id (a pad token distinct from EOS).",
             {"pad_token_id_in_training": None, "tokenizer_pad_token_id": tok_pad, "batch_size": batch_size},
             fixes=["sync-pad-token-id"])
-    wrong, rows = [], 0
+    wrong, rows, padded_with = [], 0, set()
     for b, batch in enumerate(ctx.batches):
         ids, mask = batch.get("input_ids"), batch.get("attention_mask")
         if not isinstance(ids, torch.Tensor) or not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
             continue
         rows += ids.shape[0]
+        padded_with |= set(ids[mask == 0].tolist())  # what the trainer's own collator pads with
         off = (pooled_positions(ids, pad) != last_attended(mask)) & mask.bool().any(dim=1)
         wrong += [[b, r] for r in off.nonzero().flatten().tolist()]
     if not wrong:
         return None
     eos = getattr(ctx.tokenizer, "eos_token_id", None) or getattr(ctx.text_config, "eos_token_id", None)
+    # pad == EOS in the config, or batches padded with another id than the config's: the pad token must change
+    # where the batches are made (tokenizer, config and the collator built with them)
+    padding_wrong = pad == eos or bool(padded_with - {pad})
     return finding(
         "classifier-pools-wrong-token", f"{len(wrong)} of {rows} sampled rows are scored at the wrong token",
         f"The head pools the rightmost token that is not pad_token_id={pad}, but in these rows that is not the last "
         "token the attention mask keeps"
         + (": pad_token_id is the EOS id, so a final EOS counts as padding and the score is read one token early. "
-           if pad == eos else f" (the tokenizer pads with id {tok_pad}). ")
+           if pad == eos else f" (the batches are padded with id {', '.join(map(str, sorted(padded_with)))}). ")
         + "The reward / class is learned from the wrong position. Give the tokenizer a pad token distinct from EOS "
           "and set model.config.pad_token_id to it.",
         {"pad_token_id_in_training": pad, "set_by_trainer_from_tokenizer": aligned, "tokenizer_pad_token_id": tok_pad,
-         "eos_token_id": eos, "rows": capped(wrong),
+         "eos_token_id": eos, "batches_padded_with": sorted(padded_with), "rows": capped(wrong),
          **ctx.sample.to_evidence()},
-        fixes=["distinct-pad-token"] if pad == eos else ["sync-pad-token-id"])
+        fixes=["distinct-pad-token"] if padding_wrong else ["sync-pad-token-id"])
