@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from notebook_helpers import shell  # noqa: F401  (the fixture)
 from watch_helpers import PoisonedSiLU
 
 import nbguard
@@ -194,3 +195,56 @@ def test_a_failing_snapshot_never_breaks_the_run(monkeypatch):
     assert [e.kind for e in watch.events] == ["watch-error"] and "planted" in watch.events[0].message
     assert not watch.active
     watch.detach()
+
+
+def test_nanwatch_cell_with_policy_rewind_restores_the_weights(shell):  # noqa: F811
+    from notebook_helpers import run
+
+    run(shell, "import torch\nfrom nbguard.testing import tiny_llama, tiny_batch\nnet = tiny_llama()\n"
+               "opt = torch.optim.AdamW(net.parameters(), lr=1e-3)\nbatch = tiny_batch()\n"
+               "%config NbguardMagics.verify_fixes = False\n")
+    loop = "for i in range(8):\n    opt.zero_grad()\n    net(**batch).loss.backward()\n    opt.step()\n" \
+           "    if i == 4:\n        with torch.no_grad():\n            net.lm_head.weight[0, 0] = float('nan')\n"
+    cell = run(shell, "%%nanwatch net --policy rewind\n" + loop)
+    assert "policy=rewind" in cell.stdout and "[rewind] rewound to the state after step 0" in cell.stdout
+    net = shell.user_ns["net"]
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
+def test_rewinds_reach_the_document_and_its_views():
+    jsonschema = pytest.importorskip("jsonschema")
+    from nbguard.document.schema import schema
+
+    watch, *_ = _poisoned_weights_loop("rewind")
+    bundle = watch._repr_mimebundle_()
+    data = bundle["application/vnd.nbguard.v1+json"]
+    jsonschema.Draft202012Validator(schema()).validate(data)
+    [entry] = data["history"]["rewinds"] if "history" in data else data["watch"]["history"]["rewinds"]
+    assert entry["step"] == 13 and entry["restored_after_step"] == 10 and entry["batches_skipped"] == 3
+    assert "rewound to the state after step 10" in bundle["text/plain"]
+    assert "rewound to the state after step 10" in bundle["text/html"]
+
+
+def test_schedule_restore_puts_the_scheduler_back_too():
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    watch = nbguard.watch(model, optimizer=opt, scheduler=sched, policy="rewind", verify=False,
+                          rewind=RewindSettings(every=5, schedule="restore"))
+    for i in range(14):
+        model(**DATA[i]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        if i == 12:
+            with torch.no_grad():
+                model.lm_head.weight[0, 0] = float("inf")
+            epoch_then = sched.last_epoch
+    watch.detach()
+    [rewind] = [e for e in watch.events if e.kind == "rewind"]
+    assert rewind.evidence["restored_after_step"] == 10 and "LR scheduler" in rewind.evidence["what"]
+    # restored to where it was at step 10's update (last_epoch 10: the snapshot is taken inside
+    # optimizer.step, before the loop's scheduler.step()), then stepped by the loop after step 13: the
+    # LR of step 11, the step that follows the restored weights
+    assert epoch_then == 13 and sched.last_epoch == 11
+    assert opt.param_groups[0]["lr"] == pytest.approx(LR / (1 + 11))

@@ -26,7 +26,7 @@ from . import resolve as R
 from .resolve import MagicError
 from .verdicts import cell_verdict_line
 
-POLICIES = ("warn", "skip", "stop")
+POLICIES = ("warn", "skip", "stop", "rewind")
 NBGUARD_COMMANDS = ("fix", "report", "explain", "export-check")
 ISSUES_HINT = "this is a bug in nbguard, not in your notebook: please report it with the traceback below"
 
@@ -100,7 +100,7 @@ class NbguardMagics(Magics):
     # The configuration surface: ``%config NbguardMagics.default_policy = "skip"`` (or in
     # ipython_config.py: ``c.NbguardMagics.default_policy = "skip"``). A magic's own option wins.
     default_policy = Enum(POLICIES, default_value="warn", config=True,
-                          help="%nanwatch's policy when --policy is not given: warn, skip or stop")
+                          help="%nanwatch's policy when --policy is not given: warn, skip, stop or rewind")
     verify_fixes = Bool(True, config=True,
                         help="%nanwatch verifies the first NaN/Inf's fixes on a shadow of its step (False: off)")
     hardware_profile = Unicode("", config=True,
@@ -265,7 +265,8 @@ class NbguardMagics(Magics):
                    "(a %%%%nanwatch cell detaches its own when the cell ends)")
     @argument("--policy", choices=POLICIES, default=None,
               help="on a non-finite step: warn (record and go on), skip (drop that update), "
-                   "stop (stop training; a plain loop gets nbguard.NonFiniteError); default: "
+                   "stop (stop training; a plain loop gets nbguard.NonFiniteError), rewind (restore the "
+                   "last good snapshot, docs/guides/rewind.md); default: "
                    "%%config NbguardMagics.default_policy (warn)")
     @argument("--optimizer", metavar="NAME", default=None,
               help="the optimizer of a plain PyTorch loop (default: the one optimizer over the model)")

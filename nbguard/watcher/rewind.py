@@ -75,14 +75,17 @@ def unwrap_scheduler(scheduler: Any) -> Any:
 
 
 def _trainable(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """The tensors an update moves: the optimizer's parameters, then the model's other trainable ones."""
+    """The tensors an update moves: the optimizer's parameters (without one, the model's trainable ones;
+    walking a PEFT model's modules costs more than copying its adapters)."""
+    if optimizer is None:
+        return [p for p in model.parameters() if p.requires_grad] if model is not None else []
     seen: set[int] = set()
     out: list[torch.Tensor] = []
-    groups = optimizer.param_groups if optimizer is not None else []
-    for p in [p for g in groups for p in g["params"]] + (list(model.parameters()) if model is not None else []):
-        if id(p) not in seen and p.requires_grad:
-            seen.add(id(p))
-            out.append(p)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
     return out
 
 
@@ -129,6 +132,8 @@ class Snapshot:
 
     def __init__(self) -> None:
         self.buffers: dict[tuple, torch.Tensor] = {}
+        self.layout: list[tuple] = []  # (key, shape, dtype, device) of each live tensor, in order
+        self.by_device: dict[torch.device, list[torch.Tensor]] = {}
         self.plain: dict[tuple, Any] = {}
         self.after_step: int | None = None  # the state after this step's update
         self.scheduler: dict | None = None
@@ -141,22 +146,35 @@ class Snapshot:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
     def fits(self, tensors: dict[tuple, torch.Tensor]) -> bool:
-        return self.buffers.keys() == tensors.keys() and all(
-            b.shape == t.shape and b.dtype == t.dtype for b, t in ((self.buffers[k], t) for k, t in tensors.items()))
+        return self.layout == [(k, t.shape, t.dtype, t.device) for k, t in tensors.items()]
 
     def allocate(self, tensors: dict[tuple, torch.Tensor]) -> None:
         pin = torch.cuda.is_available() and any(t.is_cuda for t in tensors.values())
         self.buffers = {k: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin and t.is_cuda)
                         for k, t in tensors.items()}
+        self.layout = [(k, t.shape, t.dtype, t.device) for k, t in tensors.items()]
+        # the buffers in the order of the live tensors, by device: one fused copy per device
+        self.by_device = {}
+        for key, live in tensors.items():
+            self.by_device.setdefault(live.device, []).append(self.buffers[key])
 
     def fill(self, tensors: dict[tuple, torch.Tensor], plain: dict[tuple, Any], after_step: int,
              scheduler: Any, options: RewindSettings) -> None:
+        """Copy ``tensors`` (laid out as at ``allocate``) into the buffers; on CUDA without waiting."""
         self.wait()  # the previous copy into these buffers must be done before they are overwritten
         cuda = False
         with torch.no_grad():
-            for key, live in tensors.items():
-                self.buffers[key].copy_(live.detach(), non_blocking=live.is_cuda)
-                cuda = cuda or live.is_cuda
+            if len(self.by_device) == 1:
+                [(device, buffers)] = self.by_device.items()
+                sources_of = {device: list(tensors.values())}
+            else:
+                sources_of = {}
+                for live in tensors.values():
+                    sources_of.setdefault(live.device, []).append(live)
+            for device, buffers in self.by_device.items():
+                cuda = cuda or device.type == "cuda"
+                # one fused call per device; under no_grad a parameter needs no detach
+                torch._foreach_copy_(buffers, sources_of[device], non_blocking=device.type == "cuda")
         if cuda:
             self.ready = torch.cuda.Event()
             self.ready.record()
@@ -217,7 +235,7 @@ class Rewinder:
         """Fall back to skip, saying so once."""
         self.unavailable = why
         for slot in self.slots:
-            slot.buffers = {}
+            slot.buffers, slot.layout, slot.by_device = {}, [], {}
         watch.policy = "skip"
         event = Event("rewind", watch.step, f"policy rewind is off, the watch skips bad updates instead: {why}",
                       evidence={"available": False, "reason": why})
