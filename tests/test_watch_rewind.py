@@ -56,6 +56,10 @@ def test_rewind_recovers_a_run_an_lr_spike_ruined():
     assert first["lr_after"] == [pytest.approx(lr * 0.5) for lr in first["lr_before"]]
     assert sched.base_lrs[0] == pytest.approx(LR * 0.5 ** len(rewinds))  # the cut reached the schedule
     assert "rewound to the state after step" in rewinds[0].message and "lr x0.5" in rewinds[0].message
+    [divergence] = [e for e in watch.events if e.kind == "divergence" and e.step == first["trigger_step"]]
+    rows = divergence.evidence["rows"]  # the step's rows by loss, highest first (all finite: suspects only)
+    assert rows["nonfinite"] is False and rows["rows_checked"] == 4 and len(rows["rows"]) == 3
+    assert rows["rows"][0]["loss"] >= rows["rows"][-1]["loss"] > 2 * healthy
     # the history records them, and the watch's document carries them
     assert [r["step"] for r in watch.rewinds] == [e.step for e in rewinds]
     assert watch.to_document()["history"]["rewinds"] == watch.rewinds

@@ -30,6 +30,7 @@ import torch
 
 from ..findings import Event, register_event_kind
 from ..step.capture import capture_rng, restore_rng
+from .guard import guarded_call
 
 register_event_kind("rewind", "policy rewind restored the last good snapshot (or could not, and said why)",
                     ("restored_after_step", "batches_skipped", "lr_before", "lr_after", "rewinds"))
@@ -159,7 +160,7 @@ class Snapshot:
             self.by_device.setdefault(live.device, []).append(self.buffers[key])
 
     def fill(self, tensors: dict[tuple, torch.Tensor], plain: dict[tuple, Any], after_step: int,
-             scheduler: Any, options: RewindSettings) -> None:
+             scheduler: Any) -> None:
         """Copy ``tensors`` (laid out as at ``allocate``) into the buffers; on CUDA without waiting."""
         self.wait()  # the previous copy into these buffers must be done before they are overwritten
         cuda = False
@@ -277,7 +278,7 @@ class Rewinder:
                                      f"the budget of {self.settings.budget_bytes / GIB:.2f} GiB")
                 return
             slot.allocate(tensors)
-        slot.fill(tensors, plain, step, self.current_scheduler(watch), self.settings)
+        slot.fill(tensors, plain, step, self.current_scheduler(watch))
         self.taken += 1
         self.next_due = step + self.settings.every
 
@@ -295,6 +296,11 @@ class Rewinder:
         """The update of ``step`` is already dropped (or, at a step's end, applied): rewind if it helps."""
         if self.unavailable is not None or event is None:
             return
+        if event.kind == "divergence" and "rows" not in event.evidence and not step_ended:
+            # the rows with the highest losses, while the step's batches are kept (a failure there costs
+            # the rows, never the rewind)
+            guarded_call(lambda exc: event.evidence.update(rows_error=f"{type(exc).__name__}: {exc}"),
+                         watch._name_rows, event)
         watch._bad_streak = 0  # after a rewind the next bad step is trouble of its own
         if event.kind in ("nonfinite-loss", "nonfinite-grad") and event.cause == "not-reproducible":
             event.evidence["rewind"] = {"restored": False, "reason": "the replay did not reproduce it: a blip, "
