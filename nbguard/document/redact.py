@@ -256,6 +256,8 @@ def _named_value(match: re.Match) -> str:
     if not is_secret_key(name.rsplit(".", 1)[-1]):
         return match.group(0)
     value = match.group("value")
+    if _PLACEHOLDER.fullmatch(value):  # already "[REDACTED:NAME]" (an env value hidden first), or a literal
+        return match.group(0)
     if value.startswith("["):
         shown = _hidden_list(value)
     elif _unquote(value)[0]:
