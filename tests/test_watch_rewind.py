@@ -19,19 +19,24 @@ LR = 1e-3
 DATA = [tiny_batch(4, 16, seed=i) for i in range(16)]
 
 
-def _spiked_loop(policy=None, spike=True, steps=100, every=5):
+def _spiked_loop(policy=None, spike=True, steps=100, every=5, scaler=None):
     """A plain loop whose LambdaLR schedule puts the LR at 1.0 for steps 20-22; the mean loss of its last
     10 steps, and the watch."""
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (1.0 / LR) if spike and 20 <= s < 23 else 1.0)
-    watch = nbguard.watch(model, optimizer=opt, policy=policy, scheduler=sched, verify=False,
+    watch = nbguard.watch(model, optimizer=opt, policy=policy, scheduler=sched, scaler=scaler, verify=False,
                           rewind=RewindSettings(every=every)) if policy else None
     losses = []
     for i in range(steps):
         loss = model(**DATA[i % len(DATA)]).loss
-        loss.backward()
-        opt.step()
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
         opt.zero_grad()
         sched.step()
         losses.append(loss.item())
@@ -252,3 +257,15 @@ def test_schedule_restore_puts_the_scheduler_back_too():
     # LR of step 11, the step that follows the restored weights
     assert epoch_then == 13 and sched.last_epoch == 11
     assert opt.param_groups[0]["lr"] == pytest.approx(LR / (1 + 11))
+
+
+def test_under_a_gradscaler_rewind_acts_at_the_steps_end():
+    """An enabled GradScaler decides on non-finite updates itself, so the divergence is judged after the
+    update was applied: the rewind then restores over it, the scaler's scale included."""
+    healthy, _, _ = _spiked_loop(spike=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    rewound, watch, _ = _spiked_loop(policy="rewind", scaler=scaler)
+    assert abs(rewound - healthy) <= 0.25 * healthy
+    [rewind, *_] = [e for e in watch.events if e.kind == "rewind"]
+    assert rewind.evidence["trigger"] == "divergence" and "GradScaler scale" in rewind.evidence["what"]
+    assert rewind.evidence["restored_after_step"] <= 19 and scaler.get_scale() == 2.0 ** 8
