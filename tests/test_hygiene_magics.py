@@ -230,7 +230,7 @@ def test_fix_apply_names_what_is_missing(shell):
     run(shell, SETUP)
     cell = run(shell, "%nbguard fix lower-learning-rate --apply")
     line = usage_line(cell)
-    assert "'lower-learning-rate' acts on TrainingArguments or a Trainer" in line
+    assert "'lower-learning-rate' acts on TrainingArguments, a Trainer, or a plain loop's optimizer" in line
     assert SESSION.fixes_applied == []
 
 

@@ -271,3 +271,45 @@ def test_nanwatch_writes_loop_cells_with_the_notebook_optimizer_name(shell):
         assert "opt_gpt.param_groups" in code and "args." not in code
     finally:
         run(shell, "%nanwatch off")
+
+
+def test_nbguard_fix_applies_the_loop_clip_cell_the_watch_verified(shell):
+    run(shell, "import torch\nfrom nbguard.testing import tiny_llama, plant_fp16_overflow_token\n"
+               "torch.manual_seed(0)\nnet = tiny_llama()\nplant_fp16_overflow_token(net, 7)\n"
+               "opt_gpt = torch.optim.AdamW(net.parameters(), lr=1e-3)\n"
+               "ids = torch.randint(8, net.config.vocab_size, (2, 16))")
+    cell = run(shell, "%%nanwatch net --optimizer opt_gpt --policy skip\n"
+                      "for step in range(3):\n"
+                      "    batch = ids.clone()\n"
+                      "    if step == 1:\n"
+                      "        batch[0, 3] = 7\n"
+                      "    with torch.autocast('cpu', dtype=torch.float16):\n"
+                      "        loss = net(input_ids=batch, labels=batch).loss\n"
+                      "    loss.backward()\n"
+                      "    opt_gpt.step()\n"
+                      "    opt_gpt.zero_grad()\n")
+    assert cell.error is None, cell.stderr
+    cell = run(shell, "%nbguard fix enable-grad-clipping --apply")
+    assert cell.error is None, cell.stderr
+    assert "applied enable-grad-clipping" in cell.stdout and "args." not in cell.stdout
+    # the cell is the one the watch ran on the failing step (same text, same names): its verdict is shown
+    assert "nbguard: enable-grad-clipping not enough on the failing step" in cell.stdout, cell.stdout
+    assert getattr(shell.user_ns["opt_gpt"], "_clip_max_norm", None) == 1.0
+    assert len(shell.user_ns["opt_gpt"]._optimizer_step_pre_hooks) == 1
+
+
+def test_a_loop_gradscaler_over_fp16_weights_is_the_unscale_error_and_really_raises():
+    model = tiny_llama(dtype=torch.float16)
+    opt = torch.optim.AdamW(model.parameters(), eps=1e-4)
+    scaler = torch.amp.GradScaler("cpu")
+    [finding] = [f for f in nbguard.audit(model, optimizer=opt, scaler=scaler).findings
+                 if f.rule == "fp16-unscale-error"]
+    assert finding.detail.startswith("Your loop's GradScaler") and finding.fixes == ["upcast-trainable-fp32"]
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    scaler.scale(model(input_ids=ids, labels=ids).loss).backward()
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        scaler.step(opt)
+    quiet = {f.rule for f in nbguard.audit(model, optimizer=opt, scaler=torch.amp.GradScaler("cpu", enabled=False)).findings}
+    assert "fp16-unscale-error" not in quiet
+    exec(nbguard.fixes.code("upcast-trainable-fp32", model="model"), {"model": model})
+    assert "fp16-unscale-error" not in {f.rule for f in nbguard.audit(model, optimizer=opt, scaler=scaler).findings}

@@ -39,7 +39,7 @@ BAD_LINES = [
     ("%precision_check my_model --batch numbers", "--batch 'numbers' is a list"),
     ("%precision_check my_model --batch b.nope", "'b' has no attribute 'nope'"),
     ("%precision_check my_model --batch 3", "'3' is not a variable name"),
-    ("%precision_check my_model my_opt", "'my_opt' is a AdamW; %precision_check takes a Trainer"),
+    ("%precision_check my_model other_opt", "'other_opt' updates none of the parameters of 'my_model'"),
     ("%precision_check my_model other_model", "two models given"),
     ("%precision_check my_model --hardware ''", "--hardware: "),
     ("%precision_check my_model --probe=yes", "%precision_check: argument --probe: ignored explicit argument 'yes'"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from ..session import SESSION
 from . import present
 from . import resolve as R
 from .cellwarnings import WarningExplainer
@@ -47,6 +48,10 @@ class ExtensionState:
             if "args" not in names:
                 self._find_name(names, "args", R.is_training_args, "TrainingArguments")
             self._find_name(names, "tokenizer", R.is_tokenizer, "tokenizers")
+        if "trainer" not in names and "args" not in names:  # a plain loop: the optimizer the last magic named
+            for key in ("optimizer", "scaler"):
+                if key not in names and SESSION.names.get(key, "").split(".")[0] in ns:
+                    names[key] = SESSION.names[key]
         return names
 
     def _find_name(self, names: dict[str, str], key: str, predicate, what: str, top_level: bool = False) -> None:
@@ -69,7 +74,7 @@ class ExtensionState:
 
             # looked up at click time: the view keeps names, never the user's objects
             targets = {k: R.lookup(self.shell.user_ns, v) for k, v in names.items()
-                       if k in ("model", "trainer", "args", "tokenizer")}
+                       if k in ("model", "trainer", "args", "tokenizer", "optimizer", "scaler")}
             if not targets:
                 raise R.MagicError("no model, trainer or TrainingArguments variable found to apply the fix to")
             options = diagnosis.fix_options.get(fix_id, {})

@@ -525,7 +525,7 @@ class NbguardMagics(Magics):
     def _fix_objects(self, fix, names: dict[str, str]) -> dict[str, Any]:
         """Every object the fix acts on, looked up by the notebook's names; a missing one is named."""
         objects = {key: R.lookup(self.ns, name) for key, name in names.items()
-                   if key in ("model", "trainer", "args", "tokenizer")}
+                   if key in ("model", "trainer", "args", "tokenizer", "optimizer", "scaler")}
         if not fix.reached_by(objects):
             raise MagicError(f"fix {fix.id!r} acts on {fix.need.wanted}, and the notebook has no single variable "
                              "holding one; create it, or run %precision_check NAME first so nbguard knows its name")

@@ -213,7 +213,8 @@ def trainable_low_precision(ctx):
 @rule("fp16-unscale-error", "error")
 def fp16_unscale_error(ctx):
     """fp16 mixed precision with half-precision trainable parameters: GradScaler raises on the first step."""
-    if ctx.mixed_precision != "fp16":  # the effective precision: fp16 on the CPU has no GradScaler
+    loop_scaler = ctx.scaler is not None and ctx.scaler.is_enabled()  # a plain loop's own GradScaler
+    if ctx.mixed_precision != "fp16" and not loop_scaler:  # the effective precision: fp16 on the CPU has no GradScaler
         return None
     fp16 = [(n, p) for n, p in ctx.trainable if p.dtype == torch.float16]
     # The CUDA unscale kernel has no bfloat16 version (aten/src/ATen/native/cuda/AmpKernels.cu dispatches
@@ -230,7 +231,9 @@ def fp16_unscale_error(ctx):
     return finding(
         "fp16-unscale-error",
         "fp16 mixed precision with half-precision trainable weights",
-        "With fp16=True the Trainer uses a GradScaler, which unscales the gradients of the trainable parameters "
+        ("Your loop's GradScaler" if loop_scaler and ctx.mixed_precision != "fp16" else
+         "With fp16=True the Trainer uses a GradScaler, which")
+        + " unscales the gradients of the trainable parameters "
         f"in place at the first optimizer step: {'; '.join(errors)}. Trainable parameters must be float32 under "
         "fp16 mixed precision (autocast still runs the matmuls in fp16)"
         + (", or train bf16 weights with bf16=True where the GPU has native bf16." if bf16 else "."),
