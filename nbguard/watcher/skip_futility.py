@@ -3,8 +3,8 @@
 Policy skip drops a bad update so the weights stay as they were. That saves a run only while the
 weights are finite: once an update that looked finite (Adam dividing by an eps that rounded to 0 in
 float16, a huge learning rate) made a weight inf, every later forward is non-finite and every step is
-skipped for ever. On a skipped step this detector looks at the trainable weights (host work, on the
-bad path only, until it has spoken) and says once what can still help: restore a checkpoint (or
+skipped for ever. On skipped steps 1, 2, 4, 8... this detector looks at the trainable weights (host work,
+on the bad path only, until it has spoken) and says once what can still help: restore a checkpoint (or
 ``policy="rewind"``), then the fix that keeps it from happening again.
 """
 from __future__ import annotations
@@ -65,6 +65,8 @@ class SkipCannotSave(Detector):
         if watch is None or getattr(watch, "policy", None) != "skip":
             return []
         self.skipped += 1
+        if self.skipped & (self.skipped - 1):  # skipped steps 1, 2, 4, 8...: a long streak pays for few scans
+            return []
         bad = nonfinite_weights(watch.model)
         if not bad:
             return []
