@@ -4,12 +4,17 @@ the notebooks they list are those in notebooks/, and the install guide's "import
 watch their objects" holds in a fresh interpreter."""
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+from docs_runner import FENCE, python_blocks
 from notebook_helpers import shell  # noqa: F401  (the fixture)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -149,3 +154,166 @@ def test_the_text_view_of_a_watch_prints_each_fix_cell_once():
         assert f"fix {verdict.fix}: {verdict.title} [{verdict.verdict}]  (its cell is printed above)" in text
     assert "[verified: the failing step is healthy" in text  # the first mention keeps its verdict's reason
     assert len(text) < 12_000
+
+
+# -- every Python block of the docs runs ----------------------------------------------------------------------
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+MAX_EXCERPTS = 5  # blocks that cannot run here: a GPU, an account, a hub download, a fragment of a larger set-up
+
+
+def _name(page: Path) -> str:
+    return str(page.relative_to(REPO))
+
+
+def _runnable(page: Path) -> list[int]:
+    return [line for line, _, excerpt in python_blocks(page.read_text(encoding="utf-8")) if excerpt is None]
+
+
+def _runner(page: Path, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
+           "TRACKIO_DIR": str(cwd / "trackio"), "PYTHONPATH": str(REPO)}
+    env.pop("MLFLOW_TRACKING_URI", None)  # MLflow's default store, in cwd
+    return subprocess.run([sys.executable, str(REPO / "tests" / "docs_runner.py"), str(page)], cwd=cwd,
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", [p for p in PAGES if _runnable(p)], ids=_name)
+def test_every_python_block_of_the_page_runs(page, tmp_path):
+    """The page's blocks, in order, in one fresh shell with tiny real objects for the names they use."""
+    result = _runner(page, tmp_path)
+    ran = [int(n) for n in re.findall(r"^BLOCK (\d+) ok$", result.stdout, re.M)]
+    assert result.returncode == 0 and ran == _runnable(page), (result.stdout[-4000:], result.stderr[-3000:])
+
+
+def test_the_runner_fails_on_a_broken_block_and_skips_only_marked_excerpts(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# t\n\n<!-- excerpt: a fragment -->\n```python\nraise SystemExit(3)\n```\n\n"
+                    "```python\nx = model.config.vocab_size\n```\n\n```python\nassert x == 0, 'the block is wrong'\n```\n")
+    result = _runner(page, tmp_path)
+    assert result.returncode == 1 and "BLOCK 8 ok" in result.stdout  # the excerpt skipped, model supplied
+    assert "BLOCK 12 failed: AssertionError: the block is wrong" in result.stdout
+
+
+def test_every_python_fence_is_read_and_excerpts_are_few_and_say_why():
+    excerpts = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        blocks = python_blocks(text)
+        assert len(blocks) == sum(bool(FENCE.match(line)) for line in text.splitlines()), _name(page)
+        excerpts += [(_name(page), line, why) for line, _, why in blocks if why is not None]
+        assert "<!-- excerpt" not in re.sub(r"<!--\s*excerpt\b.*-->\n\s*```python", "", text), \
+            f"{_name(page)}: an excerpt marker that is not right before a ```python block"
+    assert all(why for _, _, why in excerpts), f"an excerpt without its reason: {excerpts}"
+    assert 0 < len(excerpts) <= MAX_EXCERPTS, excerpts
+
+
+# -- the API calls the docs quote name real parameters ----------------------------------------------------------
+CALL = re.compile(r"\bnbguard((?:\.[A-Za-z_]\w*)+)\(")
+# a public function that forwards **kwargs: its keywords are those of the function it forwards to
+FORWARDS = {"nbguard.verify": "nbguard.verifier.verify"}
+
+
+def _args(text: str, start: int) -> str | None:
+    """The text between the parenthesis at ``start`` and its match, or None when the quote is cut."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + 1:i]
+    return None
+
+
+def _split(args: str) -> list[str]:
+    parts, depth, current, quote = [], 0, "", ""
+    for ch in args:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(current.strip())
+            current = ""
+            continue
+        current += ch
+    return [p for p in [*parts, current.strip()] if p]
+
+
+def _resolve(dotted: str):
+    module_name, _, attr = dotted.rpartition(".")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def quoted_calls() -> list[tuple[str, str, list[str]]]:
+    """(where, nbguard.<name>, its arguments) for every call or signature quoted in README.md and docs/."""
+    calls = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for match in CALL.finditer(text):
+            args = _args(text, match.end() - 1)
+            if args is not None and "\n\n" not in args:
+                line = text.count("\n", 0, match.start()) + 1
+                calls.append((f"{_name(page)}:{line}", "nbguard" + match.group(1), _split(args)))
+    return calls
+
+
+def wrong_parameters(where: str, name: str, args: list[str]) -> tuple[int, list[str]]:
+    """(how many names were checked, what is wrong) for one quoted call or signature of ``name``."""
+    target = _resolve(FORWARDS.get(name, name))
+    if inspect.isclass(target) or not callable(target):
+        return 0, []
+    params = inspect.signature(target).parameters
+    wrong = []
+    if name in FORWARDS and not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(_resolve(name)).parameters.values()):
+        wrong.append(f"{name} no longer forwards **kwargs to {FORWARDS[name]}: update FORWARDS")
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    signature_quote = any(a == "*" or a.endswith("=") for a in args)  # `f(x, *, model=, batch=)`
+    positional = [p.name for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    checked = 0
+    for index, arg in enumerate(args):
+        keyword = re.match(r"^([A-Za-z_]\w*)\s*=(?!=)", arg)
+        if keyword:
+            checked += 1
+            if keyword.group(1) not in params and not takes_any:
+                wrong.append(f"{where}: {name}() has no parameter {keyword.group(1)!r}")
+        elif signature_quote and re.fullmatch(r"[A-Za-z_]\w*", arg):
+            checked += 1
+            if index >= len(positional) or positional[index] != arg:
+                wrong.append(f"{where}: {name}()'s parameter {index + 1} is {positional[index:index + 1]}, not {arg!r}")
+    return checked, wrong
+
+
+def test_quoted_api_calls_name_parameters_the_functions_have():
+    results = [wrong_parameters(*call) for call in quoted_calls()]
+    assert [w for _, wrong in results for w in wrong] == []
+    assert sum(checked for checked, _ in results) >= 20  # the check reads the docs' calls at all
+
+
+def test_the_signature_check_catches_a_wrong_name():
+    assert wrong_parameters("x.md:1", "nbguard.verify", _split("event_or_finding, fix_id=None, *, model=")) == (
+        3, ["x.md:1: nbguard.verify()'s parameter 1 is ['subject'], not 'event_or_finding'"])
+    assert wrong_parameters("x.md:2", "nbguard.watch", _split("model, optimiser=opt, policy='skip'"))[1] == [
+        "x.md:2: nbguard.watch() has no parameter 'optimiser'"]
+    assert wrong_parameters("x.md:3", "nbguard.verify", _split("event, memory_budgett=1"))[1] == [
+        "x.md:3: nbguard.verify() has no parameter 'memory_budgett'"]
+
+
+# -- the notebooks the docs list are the notebooks there are ---------------------------------------------------
+def test_the_notebooks_guide_lists_every_notebook_and_no_other():
+    text = (REPO / "docs" / "guides" / "notebooks.md").read_text(encoding="utf-8")
+    section = text.split("## The notebooks", 1)[1]
+    listed = set(re.findall(r"`(\d\d_[a-z0-9_]+)`", section))
+    assert listed == {path.stem for path in (REPO / "notebooks").glob("*.ipynb")}
+
+
+def test_every_file_the_docs_point_to_exists():
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for path in re.findall(r"`((?:notebooks|tests|benchmarks|docs|constraints)/[\w./-]+\.(?:ipynb|py|md|txt|sh))`", text):
+            assert (REPO / path).exists(), f"{_name(page)} names {path}, which does not exist"
+
