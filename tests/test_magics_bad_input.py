@@ -50,7 +50,7 @@ BAD_LINES = [
     ("%nanwatch b", "'b' is a dict; %nanwatch takes a Trainer or a torch.nn.Module"),
     ("%nanwatch my_model extra", "unrecognized arguments: extra"),
     ("%nbguard fix nope", "unknown fix id 'nope'"),
-    ("%nbguard fix disable-use-cache more", "unrecognized arguments: more"),
+    ("%nbguard fix disable-use-cache more", "%nbguard fix takes one argument (got 'more' too)"),
     ("%nbguard report out", "cannot tell the report format from 'out'"),
 ]
 

@@ -29,7 +29,7 @@ USER_SECRETS_ENV = "NBGUARD_REDACT"
 # purpose: $PWD is the working directory.
 SECRET_ENV_PARTS = frozenset({"TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "PAT", "APIKEY", "CREDENTIALS",
                               "CREDENTIAL", "DSN"})
-SECRET_ENV_SUFFIXES = ("PASSWORD", "PASSWD", "PASSPHRASE")  # libpq's PGPASSWORD has no "_" before it
+SECRET_ENV_ENDINGS = ("PASSWORD", "PASSWD", "PASSPHRASE")  # libpq's PGPASSWORD has no "_" before it
 SECRET_ENV_NAMES = frozenset({"DATABASE_URL", "MYSQL_PWD"})
 MIN_SECRET_LENGTH = 6  # shorter values ("1", "true") would erase ordinary text everywhere
 
@@ -218,7 +218,7 @@ def is_secret_env_name(name: str) -> bool:
     upper = name.upper()
     parts = upper.split("_")
     return (upper in SECRET_ENV_NAMES or any(part in SECRET_ENV_PARTS for part in parts)
-            or any(part.endswith(SECRET_ENV_SUFFIXES) for part in parts))
+            or any(part.endswith(SECRET_ENV_ENDINGS) for part in parts))
 
 
 def _unquote(value: str) -> tuple[str, str, str]:
@@ -390,7 +390,7 @@ def spec_markdown() -> str:
     lines += [f"- {context}: `{example}`" for context, example in NAMED_CONTEXTS]
     lines += ["", "Removed, by environment: the value of every environment variable whose `_`-separated name has a "
               "part " + ", ".join(f"`{p}`" for p in sorted(SECRET_ENV_PARTS)) + " or a part ending in "
-              + ", ".join(f"`{s}`" for s in SECRET_ENV_SUFFIXES) + ", and "
+              + ", ".join(f"`{s}`" for s in SECRET_ENV_ENDINGS) + ", and "
               + ", ".join(f"`{n}`" for n in sorted(SECRET_ENV_NAMES)) + f", and the values listed in `{USER_SECRETS_ENV}`.",
               "", "Replaced by `~`: home directories, " + ", ".join(f"`{h}`" for h in HOME_EXAMPLES) + ".",
               "", "Kept byte-identical, so the evidence survives:", ""]
