@@ -89,6 +89,9 @@ def test_trainer_event_names_the_poisoned_rows_dataset_index_and_drop_rows_remov
     trainer.train()
     watch.detach()
     [bad] = [e for e in watch.events if e.kind == "nonfinite-loss"]  # one epoch: the row is drawn once
+    # the weights stayed finite (the row's batch was bad, not the state): skipped, no progress thrown away
+    assert bad.evidence["rewind"]["restored"] is False and "nothing to undo" in bad.evidence["rewind"]["reason"]
+    assert not [e for e in watch.events if e.kind == "rewind"] and watch.history.skipped_steps == [bad.step]
     assert bad.evidence["rows"]["nonfinite"] is True
     assert bad_row_indices(bad) == [POISONED]
     assert f"dataset index {POISONED}" in bad.message
@@ -151,3 +154,28 @@ def test_without_a_followed_loader_rows_are_named_by_position():
     assert bad_row_indices(bad) == []
     assert [(r["micro_batch"], r["row"]) for r in bad.evidence["rows"]["rows"]] == [(0, POISONED - 34)]
     assert "micro-batch 0 row 3" in bad.message
+
+
+def test_bad_batches_in_a_row_rewind_even_with_finite_weights():
+    """One bad batch is skipped; a second bad step in a row means skipping is not enough: rewind."""
+    model = tiny_llama()
+    plant_fp16_overflow_token(model, HOT)
+    rows = _poisoned_data(40).rows
+    clean = [r for i, r in enumerate(rows) if i != POISONED]
+    batches = [{k: torch.stack([r[k] for r in clean[4 * b:4 * b + 4]]) for k in ("input_ids", "labels")}
+               for b in range(9)]
+    for b in (6, 7):
+        batches[b] = {k: v.clone() for k, v in batches[b].items()}
+        batches[b]["input_ids"][1, 5] = HOT
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with nbguard.watch(model, optimizer=opt, policy="rewind", verify=False, rewind=RewindSettings(every=2)) as watch:
+        for batch in batches:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    [bad] = [e for e in watch.events if e.kind == "nonfinite-loss"]
+    [rewind] = [e for e in watch.events if e.kind == "rewind"]
+    assert bad.step == 6 and bad.evidence["consecutive_bad_steps"] == 2
+    assert rewind.step == 7 and rewind.evidence["restored_after_step"] == 4

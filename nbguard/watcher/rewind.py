@@ -14,9 +14,10 @@ may be the damaging one) is restored IN PLACE (``copy_``: every tensor the user 
 Divergence also scales the LR (``lr_factor``, on every param group and the scheduler's
 ``base_lrs``). The data stream moves forward: the batches in between are skipped, not replayed, and
 the scheduler keeps its place in the schedule (``schedule="restore"`` puts it back too). A
-non-finite step that the replay cannot reproduce is a blip: skipped, not rewound. After
-``max_rewinds`` rewinds the next one stops training with a message. Each rewind is a ``rewind``
-event and a row in the history.
+non-finite step that the replay cannot reproduce is a blip: skipped, not rewound; so is one whose
+weights and optimizer state are still finite (its batch was bad: dropping the update undid it), unless
+it is the second bad step in a row. After ``max_rewinds`` rewinds the next one stops training with a
+message. Each rewind is a ``rewind`` event and a row in the history.
 """
 from __future__ import annotations
 
@@ -301,11 +302,18 @@ class Rewinder:
             # the rows, never the rewind)
             guarded_call(lambda exc: event.evidence.update(rows_error=f"{type(exc).__name__}: {exc}"),
                          watch._name_rows, event)
-        watch._bad_streak = 0  # after a rewind the next bad step is trouble of its own
-        if event.kind in ("nonfinite-loss", "nonfinite-grad") and event.cause == "not-reproducible":
+        nonfinite = event.kind in ("nonfinite-loss", "nonfinite-grad")
+        if nonfinite and event.cause == "not-reproducible":
             event.evidence["rewind"] = {"restored": False, "reason": "the replay did not reproduce it: a blip, "
                                         "skipped without rewinding"}
             return
+        if nonfinite and watch._bad_streak < 2 and event.cause != "nonfinite-parameter" and _state_finite(watch):
+            # the bad values came from this step's batch: dropping its update left nothing to undo, and a
+            # rewind would throw away the good steps since the snapshot (a second bad step in a row rewinds)
+            event.evidence["rewind"] = {"restored": False, "reason": "the weights and optimizer state are still "
+                                        "finite: the update was skipped, nothing to undo"}
+            return
+        watch._bad_streak = 0  # after a rewind the next bad step is trouble of its own
         if self.rewinds >= self.settings.max_rewinds:
             last = self.choose(step, watch.history)
             if last is not None:  # training ends on the last good state, not on the damaged one
@@ -407,6 +415,18 @@ class Rewinder:
         last = getattr(scheduler, "_last_lr", None)
         if isinstance(last, list):  # what get_last_lr() says: what the groups now hold
             scheduler._last_lr = [g["lr"] for g in watch.optimizer.param_groups]
+
+
+def _state_finite(watch: Any) -> bool:
+    """Whether every trainable tensor and optimizer state tensor is finite: one stacked reduction per
+    device, one host read each (a bad step's path only)."""
+    tensors, _ = _live_tensors(watch.model, watch.optimizer, None)
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    with torch.no_grad():
+        for t in tensors.values():
+            if t.is_floating_point():
+                flags.setdefault(t.device, []).append(torch.isfinite(t).all())
+        return all(bool(torch.stack(found).all()) for found in flags.values())
 
 
 SUSPECT_LOSS_FACTOR = 1.5  # a snapshot whose next loss is this far over the losses before it is not trusted
