@@ -179,3 +179,34 @@ def test_bad_batches_in_a_row_rewind_even_with_finite_weights():
     [rewind] = [e for e in watch.events if e.kind == "rewind"]
     assert bad.step == 6 and bad.evidence["consecutive_bad_steps"] == 2
     assert rewind.step == 7 and rewind.evidence["restored_after_step"] == 4
+
+
+def test_a_collator_that_drops_rows_leaves_rows_named_by_position_only():
+    """Micro-batches that stop matching the indices drawn (packing, dropped rows) must never be named by
+    an index that may be another row's."""
+    model = tiny_llama()
+    plant_fp16_overflow_token(model, HOT)
+    data = _poisoned_data(40)
+
+    def drop_last_row(rows):  # 4 drawn, 3 trained on: the queue of drawn indices runs ahead
+        batch = torch.utils.data.default_collate(rows)
+        return {k: v[:-1] for k, v in batch.items()}
+
+    order = list(range(40))
+    order.remove(POISONED)
+    order.append(POISONED)  # the poisoned row comes last, long after the indices fell out of step
+    loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=order, collate_fn=drop_last_row)
+    order[-4:] = [POISONED, *order[-4:-1]]  # ... and first in its batch, so the collator keeps it
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    watch = nbguard.watch(model, optimizer=opt, policy="skip", verify=False)
+    watch.track_rows(loader)
+    for batch in loader:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    watch.detach()
+    [bad] = [e for e in watch.events if e.kind == "nonfinite-loss"]
+    assert bad_row_indices(bad) == [] and "dataset_indices_unknown" in bad.evidence["rows"]
+    assert [(r["micro_batch"], r["row"], r["dataset_index"]) for r in bad.evidence["rows"]["rows"]] == [(0, 0, None)]

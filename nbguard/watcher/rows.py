@@ -6,7 +6,9 @@ Recording costs nothing measurable: the sampler inside the loader's batch sample
 dataset) is wrapped so each index it yields is appended to a queue; every captured training
 micro-batch takes as many indices off the front as it has rows. Indices are drawn in the main
 process even with worker processes, and in the order the batches arrive, so prefetching does not
-misalign them. Where the loader is not known, rows are named by micro-batch and position.
+misalign them. Where the loader is not known, rows are named by micro-batch and position; so they
+are where a named row's tokens are not ``dataset[index]``'s (a collator that packs or drops rows):
+an index is never given for a row it may not be.
 
 On a bad step (:func:`row_losses`) the step's micro-batches are run once more, without gradients,
 with the RNG and autocast they were captured with: each row's loss is the token loss with
@@ -76,7 +78,11 @@ class RowTracker(Detector):
         self.step_rows: dict[int, list[Any] | None] = {}  # micro-batch index -> its dataset indices
         self.loaders: list[tuple[Any, RecordingSampler, Any]] = []  # (batch sampler, wrapper, original)
         self._tap: InstanceWrap | None = None
+        # the micro-batches stopped matching the indices drawn (a collator that packs or drops rows): from
+        # then on rows are named by position only, never by an index that may be another row's
         self.misaligned = False
+        self.slack = 64
+        self.dataset: Any = None
 
     # ---- where the indices come from ----------------------------------------------------------------
     def follow(self, loader: Any) -> bool:
@@ -93,7 +99,13 @@ class RowTracker(Detector):
         wrapper = RecordingSampler(sampler, self.queue)
         batch_sampler.sampler = wrapper
         self.loaders.append((batch_sampler, wrapper, sampler))
+        self.dataset = getattr(loader, "dataset", None)  # to check a named row against (see ``matches``)
         self.queue.clear()  # a new loader: whatever an older one drew ahead will not be trained on
+        self.misaligned = False
+        # the most indices the loader can draw ahead of the forwards: its prefetched batches, and a few more
+        workers = getattr(loader, "num_workers", 0) or 0
+        ahead = workers * (getattr(loader, "prefetch_factor", None) or 2) + 4
+        self.slack = ahead * max(int(getattr(batch_sampler, "batch_size", 1) or 1), 1)
         return True
 
     def bind_trainer(self, trainer: Any) -> None:
@@ -120,20 +132,46 @@ class RowTracker(Detector):
 
     # ---- per step ----------------------------------------------------------------------------------
     def on_micro_batch(self, micro_batch: MicroBatch) -> None:
-        if not self.loaders:
+        if not self.loaders or self.misaligned:
             return
         rows = micro_batch_rows(micro_batch)
-        if rows is None or len(self.queue) < rows:
-            self.misaligned = self.misaligned or rows is not None
-            self.step_rows[micro_batch.index] = None
+        if rows is None:
+            return
+        if len(self.queue) < rows:  # fewer drawn than trained on: these rows did not come from the sampler
+            self._lose_alignment()
             return
         self.step_rows[micro_batch.index] = [self.queue.popleft() for _ in range(rows)]
+        if len(self.queue) > self.slack:  # far more drawn than trained on: rows are packed or dropped
+            self.step_rows[micro_batch.index] = None
+            self._lose_alignment()
+
+    def _lose_alignment(self) -> None:
+        self.misaligned = True
+        self.queue.clear()
 
     def reset_step(self) -> None:
         self.step_rows = {}
 
     def indices(self, micro_batch: int) -> list[Any] | None:
         return self.step_rows.get(micro_batch)
+
+    def matches(self, index: Any, mb: MicroBatch, row: int) -> bool:
+        """Whether row ``row`` of ``mb`` holds the tokens of ``dataset[index]`` (padded on either side);
+        True where nothing can be compared (no dataset, no ``input_ids``). Read on a bad step only."""
+        ids = mb.kwargs.get("input_ids")
+        if ids is None and mb.args and isinstance(mb.args[0], torch.Tensor):
+            ids = mb.args[0]
+        if self.dataset is None or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            return True
+        try:
+            item = self.dataset[index]
+            expected = torch.as_tensor(item["input_ids"]).reshape(-1).to(ids.device)
+        except Exception:  # not a mapping with input_ids (or not indexable): nothing to compare
+            return True
+        got, n = ids[row], expected.numel()
+        if n > got.numel():
+            return False
+        return bool(torch.equal(got[:n], expected)) or bool(torch.equal(got[got.numel() - n:], expected))
 
 
 def _per_row(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -201,7 +239,19 @@ def name_rows(event: Event, model: torch.nn.Module, micro_batches: list[MicroBat
             else None
     bad = [r for r in rows if not math.isfinite(r["loss"])]
     suspects = bad or sorted(rows, key=lambda r: -r["loss"])[:3]
+    by_index = {mb.index: mb for mb in micro_batches}
+    for row in suspects:  # an index is named only if that dataset row holds the tokens trained on
+        if row["dataset_index"] is not None and tracker is not None \
+                and not tracker.matches(row["dataset_index"], by_index[row["micro_batch"]], row["row"]):
+            tracker.misaligned = True
+    if tracker is not None and tracker.misaligned:
+        for row in rows:
+            row["dataset_index"] = None
     evidence: dict[str, Any] = {"nonfinite": bool(bad), "rows": suspects[:MOST_ROWS], "rows_checked": len(rows)}
+    if tracker is not None and tracker.misaligned:
+        evidence["dataset_indices_unknown"] = ("the training micro-batches do not match the rows the sampler drew "
+                                               "(a collator that packs or drops rows, batches from elsewhere): rows "
+                                               "are named by position")
     indices = [r["dataset_index"] for r in suspects if r["dataset_index"] is not None]
     if bad and len(indices) == len(bad):
         evidence["dataset_indices"] = indices
