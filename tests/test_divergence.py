@@ -146,3 +146,31 @@ def test_stop_ends_the_loop_at_the_explosion():
 
     with pytest.raises(NonFiniteError, match="nbguard stopped training at step 5: gradient norm exploded"):
         outlier_run("stop")
+
+
+# The quickstart's pure-fp16 Gemma 3 under AdamW as the Colab profile (transformers 5.9) trained it before
+# its overflow was moved earlier: (grad norm, loss) per step, read from trainer.state.log_history.
+COLAB_RAMP = [(3.059, 4.587), (3.246, 4.557), (28.02, 6.971), (106.7, 5.397), (178.0, 8.687), (78.06, 7.713),
+              (79.75, 7.108), (68.31, 10.3)]
+
+
+def _judge(steps) -> list[tuple[int, dict]]:
+    from nbguard.watcher.divergence import DivergenceDetector
+
+    detector = DivergenceDetector()
+    return [(i, e) for i, (norm, loss) in enumerate(steps) if (e := detector.update(i, loss, norm, ["g"], [norm]))]
+
+
+def test_a_ramp_each_step_absorbs_is_one_event_when_the_loss_rises_with_it():
+    """x58 in four steps with the loss x1.9: no single step is far from the one before, so each entered the
+    baseline; the ramp is judged from its lowest step."""
+    [(step, evidence)] = _judge(COLAB_RAMP)
+    assert step == 4 and evidence["ramp"]["from_step"] == 0
+    assert evidence["ramp"]["grad_norm_ratio"] == pytest.approx(178.0 / 3.059)
+    assert evidence["ramp"]["loss_ratio"] == pytest.approx(8.687 / 4.587)
+
+
+def test_the_same_ramp_with_a_falling_loss_is_quiet():
+    """A run that memorises can raise its gradient norm as much while its loss falls: no event."""
+    falling = [(norm, 5.0 - 0.1 * i) for i, (norm, _) in enumerate(COLAB_RAMP)]
+    assert _judge(falling) == []

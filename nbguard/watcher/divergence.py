@@ -48,6 +48,12 @@ class DivergenceSettings:
     # under AdamW: the update is bounded by the LR, so the gradient norm rises ~10-50x, the loss 10x)
     rising_loss_decades: float = 1.0
     rising_loss_factor: float = 2.0
+    # a ramp that each step's judgement absorbs (every step enters the baseline): over the last
+    # ramp_steps steps the gradient norm rose ramp_decades (30x) from its lowest AND the loss rose
+    # ramp_loss_factor from that step's; a learning run's loss falls, so it never fires there
+    ramp_steps: int = 4
+    ramp_decades: float = 1.5
+    ramp_loss_factor: float = 1.5
     dead_after: int = 4  # consecutive dead steps (zero gradient or bit-identical loss) that make an event
 
 
@@ -74,6 +80,8 @@ class DivergenceDetector:
         # the last healthy steps' per-group norms, raw (in the order of the groups then known): logs are
         # taken only when an explosion is named
         self.group_recent: deque[Sequence[float]] = deque(maxlen=self.settings.level_steps)
+        # (step, log norm, loss) of the last ramp_steps + 1 steps with a finite norm, judged or not
+        self.trail: deque[tuple[int, float, float | None]] = deque(maxlen=self.settings.ramp_steps + 1)
         self.exploding = False
         self.last_explosion: int | None = None  # the step of the last explosion reported
         self.evidence: dict[str, Any] | None = None  # the last explosion's: its later steps update its peak
@@ -117,6 +125,10 @@ class DivergenceDetector:
         if rising and loss is not None and loss_median is not None and loss_median > 0 \
                 and loss > s.rising_loss_factor * loss_median:
             jumped, limit = True, s.rising_loss_decades
+        ramp = None if jumped else self._ramp(value, loss)
+        if ramp is not None:
+            jumped, limit = True, s.ramp_decades
+        self.trail.append((step, value, loss))
         exploded = jumped or overflow is not None
         if not exploded:
             self._remember(value, loss, norms)
@@ -138,7 +150,21 @@ class DivergenceDetector:
             "exploded_groups": self._exploded_groups(groups, norms, limit if limit is not None else 0.0)}
         if overflow is not None:
             self.evidence["fp32_norm_overflow"] = {"step": step, **overflow}
+        if ramp is not None:
+            self.evidence["ramp"] = ramp
         return self.evidence
+
+    def _ramp(self, value: float, loss: float | None) -> dict[str, Any] | None:
+        """The gradient norm's rise over the last few steps from its lowest, when the loss rose with it."""
+        s = self.settings
+        if loss is None or not math.isfinite(loss) or not self.trail:
+            return None
+        start, low, start_loss = min(self.trail, key=lambda t: t[1])
+        if value - low < s.ramp_decades or start_loss is None or not math.isfinite(start_loss) or start_loss <= 0 \
+                or loss < s.ramp_loss_factor * start_loss:
+            return None
+        return {"from_step": start, "grad_norm_ratio": 10 ** (value - low), "loss_ratio": loss / start_loss,
+                "over_steps": len(self.trail)}
 
     def _remember(self, value: float, loss: float | None, norms: Sequence[float]) -> None:
         if self.recent:
