@@ -144,7 +144,8 @@ def test_double_bos_from_template_plus_tokenizer_is_flagged(tmp_path):
     assert (batch["input_ids"][:, :2] == BOS_ID).all()  # TRL tokenised the templated text with the BOS added
     (f,) = rule_findings(nbguard.audit(trainer=trainer), "double-bos")
     assert f.evidence["template_renders_bos_and_tokenizer_adds_one"] is True
-    assert f.evidence["rows"]["count"] == 4 and f.fixes == ["tokenizer-no-bos"]
+    assert f.evidence["rows"]["count"] == 4 and f.fixes == ["drop-doubled-bos", "tokenizer-no-bos"]
+    assert "dataset_kwargs={'add_special_tokens'" not in f.detail  # TRL 1.16 tokenizes the text field regardless
     # The step differs: the same answer scored after one BOS or two.
     model, ids = tiny_llama(), batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
     assert first_token_loss(model, ids) != pytest.approx(first_token_loss(model, ids[1:]), rel=1e-4)
@@ -153,6 +154,40 @@ def test_double_bos_from_template_plus_tokenizer_is_flagged(tmp_path):
     assert result.changed and tok(text_rows(tok, 1)[0]["text"])["input_ids"][:2] == [BOS_ID, 3]
     rebuilt = sft_trainer(tmp_path, tok, text_rows(tok))
     assert not rule_findings(nbguard.audit(trainer=rebuilt), "double-bos")
+
+
+def test_drop_doubled_bos_fixes_the_trainer_as_built_and_its_cell_does_the_same(tmp_path):
+    """The fix acts on TRL's prepared rows, so the trainer the user already built is repaired: re-audited on
+    its own dataloader's batches, quiet; the cell, run as written on a second trainer, does the same."""
+    tok = chat_tokenizer(WITH_GENERATION, add_bos=True)
+    trainer = sft_trainer(tmp_path, tok, text_rows(tok))
+    before = [list(r) for r in trainer.train_dataset["input_ids"]]
+    applied = nbguard.fixes.apply("drop-doubled-bos", trainer=trainer)
+    assert applied.changed == {"trainer.train_dataset": "4 of 4 rows start with one BOS instead of two"}
+    after = [list(r) for r in trainer.train_dataset["input_ids"]]
+    assert after == [r[1:] for r in before] and all(r[0] == BOS_ID != r[1] for r in after)
+    assert not rule_findings(nbguard.audit(trainer=trainer), "double-bos")
+    trainer.train()  # the repaired rows train (the aligned columns kept their lengths)
+
+    other = sft_trainer(tmp_path / "cell", tok, text_rows(tok))
+    code = nbguard.fixes.code("drop-doubled-bos", trainer="other")
+    exec(compile(code, "<fix cell>", "exec"), {"other": other})
+    assert not rule_findings(nbguard.audit(trainer=other), "double-bos")
+
+
+def test_tokenizer_no_bos_reads_what_the_tokenizer_does_not_its_flag():
+    """A Llama-3-style tokenizer adds BOS in its post-processor with add_bos_token False: the fix still stops it
+    (the flag's setter rebuilds the post-processor), and says what changed instead of returning nothing."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = chat_tokenizer(WITH_GENERATION, add_bos=False)
+    tok._tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS_ID)])
+    assert tok("w9")["input_ids"] == [BOS_ID, 9] and tok.add_bos_token is False
+    applied = nbguard.fixes.apply("tokenizer-no-bos", tokenizer=tok)
+    assert applied.changed == {"tokenizer.add_bos_token":
+                               "False -> False: encoding no longer adds BOS (the chat template writes it)"}
+    assert tok("w9")["input_ids"] == [9]
+    assert nbguard.fixes.apply("tokenizer-no-bos", tokenizer=tok).changed == {}  # holds now: nothing to do
 
 
 def test_single_bos_from_the_template_stays_quiet(tmp_path):

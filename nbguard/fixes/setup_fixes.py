@@ -14,24 +14,99 @@ PACKING_MARK = "drops_mask_for_packing"  # set on the wrapping collator by apply
 
 
 # ---- tokenizer-no-bos ------------------------------------------------------------------------
+def adds_bos(tok: Any) -> bool:
+    """Whether encoding text adds the BOS token: read from what the tokenizer does, not from
+    ``add_bos_token`` (a Llama-3-style tokenizer adds it in its post-processor with the flag False)."""
+    bos = getattr(tok, "bos_token_id", None)
+    return bos is not None and tok("")["input_ids"][:1] == [bos]
+
+
+def bos_switchable(tok: Any) -> bool:
+    """Whether ``add_bos_token = False`` stops this tokenizer adding BOS (tried on a copy)."""
+    import copy
+
+    if not adds_bos(tok):
+        return False
+    trial = copy.deepcopy(tok)
+    try:
+        trial.add_bos_token = False
+    except (AttributeError, ValueError):
+        return False
+    return not adds_bos(trial)
+
+
 def _no_bos(target: Target, **_: Any) -> dict:
     tok = target.tokenizer
-    if not getattr(tok, "add_bos_token", False):
+    if not adds_bos(tok):
         return {}
+    before = getattr(tok, "add_bos_token", None)
     tok.add_bos_token = False
-    return {"tokenizer.add_bos_token": "True -> False (the chat template writes the BOS)"}
+    if adds_bos(tok):
+        tok.add_bos_token = before
+        raise ValueError("fix 'tokenizer-no-bos' cannot stop this tokenizer adding BOS (its post-processor adds it "
+                         "whatever add_bos_token says): use 'drop-doubled-bos' on the trainer, or strip the BOS from "
+                         "the text before it is tokenized")
+    return {"tokenizer.add_bos_token": f"{before} -> False: encoding no longer adds BOS (the chat template writes it)"}
 
 
 def _no_bos_code(names: Names, **_: Any) -> str:
+    t = names.tokenizer
     return f"""# The chat template already writes the BOS token: stop the tokenizer adding a second one, then
 # rebuild the dataset / trainer (examples tokenised before this keep their two BOS tokens).
-{names.tokenizer}.add_bos_token = False
+{t}.add_bos_token = False
+assert {t}("")["input_ids"][:1] != [{t}.bos_token_id], "this tokenizer still adds BOS: strip it from the text instead"
 """
 
 
 register(Fix("tokenizer-no-bos", "Stop the tokenizer adding a second BOS",
              "Set tokenizer.add_bos_token = False when the chat template renders BOS itself (rebuild the dataset after).",
              _no_bos, _no_bos_code, needs="tokenizer"))
+
+
+# ---- drop-doubled-bos ------------------------------------------------------------------------
+# The fix's cell carries this function's own source: no annotations, no names from this module.
+def drop_first_bos(row, bos):
+    """A prepared row that starts with two BOS tokens, without the first: input_ids and every column aligned
+    with it (attention_mask, completion_mask, assistant_masks, labels) lose their first element."""
+    ids = row["input_ids"]
+    if list(ids[:2]) != [bos, bos]:
+        return row
+    return {k: v[1:] for k, v in row.items() if isinstance(v, list) and len(v) == len(ids)}
+
+
+def _doubled_rows(dataset: Any, bos: int) -> int:
+    return sum(1 for ids in dataset["input_ids"] if list(ids[:2]) == [bos, bos])
+
+
+def _drop_doubled_bos(target: Target, **_: Any) -> dict:
+    trainer, tok = target.trainer, target.tokenizer
+    dataset = getattr(trainer, "train_dataset", None)
+    if not callable(getattr(dataset, "map", None)) or "input_ids" not in (getattr(dataset, "column_names", None) or []):
+        raise ValueError("fix 'drop-doubled-bos' edits the trainer's tokenized rows: its train_dataset must be a "
+                         "datasets.Dataset with input_ids (as TRL's SFTTrainer prepares it); otherwise strip the BOS "
+                         "from the text before tokenizing")
+    bos = tok.bos_token_id
+    doubled = _doubled_rows(dataset, bos)
+    if not doubled:
+        return {}
+    trainer.train_dataset = dataset.map(drop_first_bos, fn_kwargs={"bos": bos})
+    return {"trainer.train_dataset": f"{doubled} of {len(dataset)} rows start with one BOS instead of two"}
+
+
+def _drop_doubled_bos_code(names: Names, **_: Any) -> str:
+    t = names.trainer
+    return f"""# The text already held the BOS its chat template wrote, and tokenizing it added another. The trainer's
+# prepared rows lose the first of the two (with every column aligned with input_ids); for new data, strip
+# the BOS from the text (text.removeprefix(tokenizer.bos_token)) or pass the messages and let TRL template them.
+{inspect.getsource(drop_first_bos)}
+
+{t}.train_dataset = {t}.train_dataset.map(drop_first_bos, fn_kwargs={{"bos": {t}.processing_class.bos_token_id}})
+"""
+
+
+register(Fix("drop-doubled-bos", "Drop the second BOS from the trainer's rows",
+             "Remove the first of two leading BOS tokens from the trainer's tokenized rows (TRL's prepared dataset).",
+             _drop_doubled_bos, _drop_doubled_bos_code, needs="trainer"))
 
 
 # ---- drop-mask-for-packing -------------------------------------------------------------------

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ...fixes.setup_fixes import bos_switchable
 from ..registry import capped, finding, rule
 from .chat_loss import PROBE, training_template
 
@@ -50,9 +51,11 @@ def double_bos(ctx):
          "encoded (apply_chat_template(tokenize=False), then tokenizer(text)). " if cause else
          "The text already held a BOS token when the tokenizer added its own. ")
         + "The model was pre-trained with one BOS: every example now starts out of distribution, and at inference "
-          "(one BOS) the fine-tuned model sees a different prefix than it trained on. Encode templated text with "
-          "add_special_tokens=False (TRL: dataset_kwargs={'add_special_tokens': False}), or turn the tokenizer's "
-          "BOS off before building the dataset.",
+          "(one BOS) the fine-tuned model sees a different prefix than it trained on. Drop the second BOS from the "
+          "rows already tokenized, and for new data strip the BOS from the text before it is tokenized (or pass the "
+          "messages and let the trainer apply the template). TRL's SFTTrainer tokenizes a text field with the "
+          "tokenizer's special tokens whatever dataset_kwargs says.",
         {"bos_token_id": bos, "rows": capped([[b, r] for b, p in enumerate(per_batch) for r in p.nonzero().flatten().tolist()]),
          "template_renders_bos_and_tokenizer_adds_one": cause, **ctx.sample.to_evidence()},
-        fixes=["tokenizer-no-bos"] if hasattr(tok, "add_bos_token") else [])
+        fixes=(["drop-doubled-bos"] if ctx.trainer is not None else [])
+        + (["tokenizer-no-bos"] if tok is not None and bos_switchable(tok) else []))
