@@ -110,7 +110,7 @@ def _distinct_pad(target: Target, **_: Any) -> dict:
 def _set_collator_pad_id(trainer: Any, pad_id: int, changed: dict) -> None:
     """A collator that took the pad id when the trainer was built (TRL's DataCollatorForPreference and
     DataCollatorForLanguageModeling) keeps padding with the old one: it gets the new id too."""
-    collator = getattr(trainer, "data_collator", None)
+    collator: Any = getattr(trainer, "data_collator", None)
     old = getattr(collator, "pad_token_id", None)
     if isinstance(old, int) and old != pad_id:
         collator.pad_token_id = pad_id

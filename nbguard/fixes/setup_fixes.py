@@ -80,7 +80,7 @@ def _doubled_rows(dataset: Any, bos: int) -> int:
 
 def _drop_doubled_bos(target: Target, **_: Any) -> dict:
     trainer, tok = target.trainer, target.tokenizer
-    dataset = getattr(trainer, "train_dataset", None)
+    dataset: Any = getattr(trainer, "train_dataset", None)
     if not callable(getattr(dataset, "map", None)) or "input_ids" not in (getattr(dataset, "column_names", None) or []):
         raise ValueError("fix 'drop-doubled-bos' edits the trainer's tokenized rows: its train_dataset must be a "
                          "datasets.Dataset with input_ids (as TRL's SFTTrainer prepares it); otherwise strip the BOS "

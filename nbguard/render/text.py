@@ -74,8 +74,9 @@ def card_lines(card: Card, indent: str, printed: dict[tuple[str, str], str] | No
     lines.extend(f"{inner}{fold.label}: {fold.short}" for fold in card.folds if fold.kind != "text" or fold.table)
     for fix in card.fixes:
         said = f"{fix.verdict.label}: {fix.verdict.detail}" if fix.verdict else ""
-        seen = printed is not None and (fix.id, fix.code) in printed and bool(fix.code.strip())
-        detail = fix.verdict.detail if fix.verdict and not (seen and printed[fix.id, fix.code] == said) else ""
+        earlier = printed.get((fix.id, fix.code)) if printed is not None and fix.code.strip() else None
+        seen = earlier is not None
+        detail = fix.verdict.detail if fix.verdict and not (seen and earlier == said) else ""
         verdict = f" [{fix.verdict.label}{': ' + detail if detail else ''}]" if fix.verdict else ""
         lines.append(f"{inner}fix {fix.id}{': ' + fix.title if fix.title else ''}{verdict}"
                      + ("  (its cell is printed above)" if seen else ""))
