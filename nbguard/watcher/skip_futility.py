@@ -3,8 +3,9 @@
 Policy skip drops a bad update so the weights stay as they were. That saves a run only while the
 weights are finite: once an update that looked finite (Adam dividing by an eps that rounded to 0 in
 float16, a huge learning rate) made a weight inf, every later forward is non-finite and every step is
-skipped for ever. On skipped steps 1, 2, 4, 8... this detector looks at the trainable weights (host work,
-on the bad path only, until it has spoken) and says once what can still help: restore a checkpoint (or
+skipped for ever. On the 2nd, 4th, 8th... skipped step in a row this detector looks at the trainable weights
+(host work, on the bad path only, until it has spoken; one skipped step is no streak: a NaN row of an
+embedding poisons only the batches that use its token) and says once what can still help: restore a checkpoint (or
 ``policy="rewind"``), then the fix that keeps it from happening again.
 """
 from __future__ import annotations
@@ -59,13 +60,17 @@ class SkipCannotSave(Detector):
         return {}
 
     def update(self, view: StepView) -> list[Event]:
-        if self.event is not None or not view.skipped:
+        if self.event is not None:
             return []
+        if not view.skipped:
+            self.skipped = 0  # a step trained: whatever is inf did not stop it (a NaN row of an embedding
+            return []         # poisons only the batches that use that token)
         watch = self._watch() if self._watch is not None else None
         if watch is None or getattr(watch, "policy", None) != "skip":
             return []
         self.skipped += 1
-        if self.skipped & (self.skipped - 1):  # skipped steps 1, 2, 4, 8...: a long streak pays for few scans
+        # only a streak says the run cannot go on: skipped steps 2, 4, 8... in a row (few scans on a long one)
+        if self.skipped < 2 or self.skipped & (self.skipped - 1):
             return []
         bad = nonfinite_weights(watch.model)
         if not bad:
@@ -80,8 +85,9 @@ class SkipCannotSave(Detector):
                     "skipped_steps": self.skipped, "restore": restore, "fixes": fixes}
         self.event = Event(
             KIND, view.step,
-            f"skipping cannot save this run: {len(names)} trainable weight tensor(s) are already inf/NaN (e.g. "
-            f"{names[0]}), so every forward from them is non-finite and every later step will be skipped. Restore "
-            f"a checkpoint from before (or use policy='rewind'), then apply {fixes[0]} to keep the weights finite",
+            f"skipping cannot save this run: {self.skipped} steps in a row were skipped and {len(names)} trainable "
+            f"weight tensor(s) are already inf/NaN (e.g. {names[0]}), so the forwards that use them stay non-finite. "
+            f"Restore a checkpoint from before (or use policy='rewind'), then apply {fixes[0]} to keep the weights "
+            "finite",
             evidence=evidence)
         return [self.event]
