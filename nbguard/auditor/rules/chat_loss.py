@@ -12,15 +12,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..chat_render import PROBE  # one probe conversation for every template rule
 from ..registry import finding, rule
 
-PROBE = [
-    {"role": "system", "content": "You are a helpful assistant."},
-    {"role": "user", "content": "What is two plus three?"},
-    {"role": "assistant", "content": "Two plus three is five."},
-    {"role": "user", "content": "And times four?"},
-    {"role": "assistant", "content": "Five times four is twenty."},
-]
 _EMPTY_THINK = re.compile(r"<think>\s*</think>")
 SAMPLED_CONVERSATIONS = 8
 
