@@ -254,6 +254,29 @@ register(Fix("dropout-train-mode", "Put dropout layers back in training mode",
              _dropout_train, _dropout_train_code))
 
 
+# ---- model-train-mode ------------------------------------------------------------------------
+def _model_train(target: Target, **_: Any) -> dict:
+    model = target.model
+    off = [name or "(the model)" for name, module in model.named_modules() if not module.training]
+    if model.training or not off:
+        return {}
+    model.train()
+    return {"back_in_train_mode": off[:10], "modules": len(off)}
+
+
+def _model_train_code(names: Names, **_: Any) -> str:
+    return f"""# model.eval() for a validation pass left dropout off (and batch-norm statistics frozen) for training:
+# put the model back in training mode, and in the loop call {names.model}.train() after every evaluation.
+{names.model}.train()
+"""
+
+
+register(Fix("model-train-mode", "Put the model back in training mode after evaluation",
+             "model.train() on a model left in eval mode by an evaluation pass (or by from_pretrained), so "
+             "dropout and batch-norm train as configured.",
+             _model_train, _model_train_code))
+
+
 # ---- disable-cudnn-sdp -----------------------------------------------------------------------
 def _no_cudnn_sdp(target: Target, **_: Any) -> dict:
     if not torch.backends.cuda.cudnn_sdp_enabled():
