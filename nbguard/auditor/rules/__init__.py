@@ -12,6 +12,7 @@ from . import (  # noqa: F401  (registers them)
     export,
     known_bugs,
     labels,
+    loading,
     mistral_regex,
     moe,
     optimizer,
