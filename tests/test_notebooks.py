@@ -276,6 +276,45 @@ def test_grpo_broken_reward(execute):
     assert (out / "08_grpo_broken_reward.html").is_file()
 
 
+def _number_after(text: str, label: str) -> float:
+    return float(text.split(label)[1].split()[0])
+
+
+def test_rewind_lr_blowup(execute):
+    """Issue 32: an LR spike that skip cannot save, rewound to the snapshot before it (the final loss near a
+    healthy run's); a poisoned row named by its dataset index, dropped by the drop-rows cell, the run clean."""
+    _not_in_tf450_lane()
+    nb, out = execute("09_rewind_lr_blowup.ipynb")
+    _no_errors(nb)
+    healthy = _number_after(_text(nb, "healthy"), "healthy final loss:")
+    # skip: the divergence is caught at step 61 (the LR is 1.0 from step 60) and comes back: the run is ruined
+    skip_events = _events(_docs(nb, "before-fix", "watch", "lr-spike"))
+    assert [e["kind"] for e in skip_events][:1] == ["divergence"] and skip_events[0]["step"] == 61
+    assert "rewind" not in {e["kind"] for e in skip_events} and len(skip_events) >= 2
+    skipped = _number_after(_text(nb, "before-fix", "loss", "lr-spike"), "final loss under skip:")
+    assert skipped > 2 * healthy
+    # rewind: back to the snapshot taken after step 50 (every=50, the newest before the spike), LR halved
+    (rewound_doc,) = _docs(nb, "after-fix", "watch", "lr-spike")
+    rewinds = [e for e in _events([rewound_doc]) if e["kind"] == "rewind"]
+    assert rewinds and rewinds[0]["step"] == 61 and rewinds[0]["evidence"]["trigger"] == "divergence"
+    assert all(e["evidence"]["restored"] and e["evidence"]["restored_after_step"] == 50 for e in rewinds)
+    assert [r["restored_after_step"] for r in rewound_doc["history"]["rewinds"]] == [50] * len(rewinds)
+    text = _text(nb, "after-fix", "loss", "lr-spike")
+    assert "step 61: restored the state after step 50, 11 batches skipped" in text
+    rewound = _number_after(text, "final loss under rewind:")
+    assert math.isfinite(rewound) and abs(rewound - healthy) <= 0.25 * healthy
+    # the poisoned row: named by dataset index 37, skipped (the weights stayed finite: nothing to undo)
+    (bad,) = _events(_docs(nb, "before-fix", "watch", "rows"))
+    assert bad["kind"] == "nonfinite-loss" and bad["evidence"]["rows"]["dataset_indices"] == [37]
+    assert bad["evidence"]["rewind"]["restored"] is False and "dataset index 37" in bad["message"]
+    assert "rows named by dataset index [37]" in _text(nb, "before-fix", "rows-named")
+    fix = _text(nb, "fix", "rows")
+    assert "_bad_rows = {37}" in fix and "rows left: 63" in fix  # the drop-rows cell, with the named index
+    (after,) = _docs(nb, "after-fix", "watch", "rows")
+    assert _events([after]) == [] and all(math.isfinite(float(x)) for x in after["history"]["loss"])
+    assert (out / "09_rewind_lr_blowup.html").is_file()
+
+
 def test_committed_notebooks_have_no_outputs():
     import nbformat
 
