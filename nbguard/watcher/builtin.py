@@ -14,6 +14,7 @@ from ..findings import Event
 from .detectors import EvalLossDetector, FrozenDetector, WatchSettings
 from .eval_mode import TrainedInEvalMode
 from .pipeline import Detector, StepView, WatchedRun
+from .resume_check import ResumeCheck
 from .skip_futility import SkipCannotSave
 from .supervision import FewTokensDetector
 
@@ -103,5 +104,5 @@ class FewSupervisedTokens(Detector):
 def builtin_detectors(settings: WatchSettings) -> list[Detector]:
     # No ratio-only gradient spike check beside them: the run checks' divergence judges spikes against
     # the run's own noise (a memorising run's gradient norm swings 10x while its loss falls)
-    return [FewSupervisedTokens(), FrozenParams(settings), FrozenEvalLoss(settings), SkipCannotSave(),
+    return [FewSupervisedTokens(), FrozenParams(settings), FrozenEvalLoss(settings), SkipCannotSave(), ResumeCheck(),
             TrainedInEvalMode()]
