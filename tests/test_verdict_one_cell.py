@@ -125,3 +125,7 @@ def test_an_unverifiable_cell_says_so_instead_of_borrowing_a_verdict(shell, tmp_
     assert "nbguard: switch-precision (to=fp32) is not verified: this cell never ran on the failing step, " \
            "another variant of switch-precision did; the step the watch kept" in cell.stdout
     assert "verified on the failing step" not in cell.stdout
+    # the latest audit names the target: a T4 now, this machine once an audit names none
+    assert SESSION.target_hardware.name == "t4"
+    nbguard.audit(trainer=shell.user_ns["trainer"])
+    assert SESSION.target_hardware is None

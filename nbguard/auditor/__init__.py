@@ -95,8 +95,9 @@ def run_audit(model=None, trainer=None, *, args=None, batch=None, hardware=None,
         raise TypeError(f"probe must be True or False; got {type(probe).__name__}")
     check_loop_objects(optimizer, scaler)
     hw = resolve_hardware(hardware)
-    if hardware is not None:  # the user named the machine the run is for: fixes are chosen and verified for it
-        SESSION.target_hardware = hw
+    # the latest audit names the session's target: the machine the user named (fixes are chosen and verified
+    # for it), or none, and then this machine is the target
+    SESSION.target_hardware = hw if hardware is not None else None
 
     ctx = AuditContext(model=model, trainer=trainer, args=args, batch=batch, hardware=hw, optimizer=optimizer,
                        scaler=scaler)
