@@ -55,10 +55,11 @@ class Diagnosis(Displayable):
         cells = {}
         for fix_id in self.fixes:
             fix = fix_registry.get(fix_id)
-            if fix.needs == "args" and not (names.get("args") or names.get("trainer")):
+            try:
+                code = fix_registry.code(fix_id, **names, **self.fix_options.get(fix_id, {}))
+            except ValueError:  # it acts on an object the caller named no variable for (args, an optimizer)
                 continue
-            options = self.fix_options.get(fix_id, {})
-            cells[fix_id] = {"title": fix.title, "code": fix_registry.code(fix_id, **names, **options)}
+            cells[fix_id] = {"title": fix.title, "code": code}
         return cells
 
     def to_document(self, names: dict[str, str] | None = None) -> dict[str, Any]:
