@@ -8,10 +8,10 @@ import warnings
 
 import pytest
 import torch
+from chat_helpers import chat_tokenizer
 
 import nbguard
 from nbguard.testing import TINY_VOCAB, TinyDataset, tiny_llama
-from tests.chat_helpers import chat_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 TARGETS = ["q_proj", "v_proj"]
@@ -258,8 +258,7 @@ def test_nbguard_export_check_magic_names_the_zero_adapter_and_refuses_bad_input
     """%nbguard export-check MODEL PATH in a real InteractiveShell: the same finding as the API, shown under
     the cell; a path that is neither a folder nor a variable, or a non-model, is one usage line."""
     from IPython.core.interactiveshell import InteractiveShell
-
-    from tests.notebook_helpers import run
+    from notebook_helpers import run
 
     model = lora(load_base(tmp_path))
     model.save_pretrained(tmp_path / "adapter")  # saved before training: lora_B all zeros in the file
