@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from chat_helpers import chat_tokenizer
+from notebook_helpers import run, shell  # noqa: F401 - the fixture
 
 import nbguard
 from nbguard.testing import TINY_VOCAB, TinyDataset, tiny_llama
@@ -254,28 +255,20 @@ def test_an_adapter_whose_base_is_not_local_asks_for_base(tmp_path):
 
 
 # ---- the magic --------------------------------------------------------------------------------
-def test_nbguard_export_check_magic_names_the_zero_adapter_and_refuses_bad_input(tmp_path):
+def test_nbguard_export_check_magic_names_the_zero_adapter_and_refuses_bad_input(shell, tmp_path):  # noqa: F811
     """%nbguard export-check MODEL PATH in a real InteractiveShell: the same finding as the API, shown under
     the cell; a path that is neither a folder nor a variable, or a non-model, is one usage line."""
-    from IPython.core.interactiveshell import InteractiveShell
-    from notebook_helpers import run
-
     model = lora(load_base(tmp_path))
     model.save_pretrained(tmp_path / "adapter")  # saved before training: lora_B all zeros in the file
     train(model, tmp_path)
-    ip = InteractiveShell.instance()
-    run(ip, "%load_ext nbguard")
-    try:
-        ip.user_ns.update(model=model, folder=str(tmp_path / "adapter"), n=3)
-        cell = run(ip, f"%nbguard export-check model {tmp_path / 'adapter'}")
-        assert cell.error is None, cell.stdout
-        [doc] = cell.docs  # the result's own document, shown under the cell
-        assert [f["rule"] for f in doc["findings"]] == ["export-adapter-no-effect"]
-        missing = run(ip, f"%nbguard export-check model {tmp_path / 'nowhere'}")
-        assert "is neither a folder nor a variable of this notebook" in missing.stdout + missing.stderr
-        wrong = run(ip, f"%nbguard export-check n {tmp_path / 'adapter'}")
-        assert "export-check takes the trained model or its Trainer" in wrong.stdout + wrong.stderr
-        alone = run(ip, "%nbguard export-check model")
-        assert "%nbguard export-check MODEL EXPORTED" in alone.stdout + alone.stderr
-    finally:
-        run(ip, "%unload_ext nbguard")
+    shell.user_ns.update(model=model, n=3)
+    cell = run(shell, f"%nbguard export-check model {tmp_path / 'adapter'}")
+    assert cell.error is None, cell.stdout
+    [doc] = cell.docs  # the result's own document, shown under the cell
+    assert [f["rule"] for f in doc["findings"]] == ["export-adapter-no-effect"]
+    missing = run(shell, f"%nbguard export-check model {tmp_path / 'nowhere'}")
+    assert "is neither a folder nor a variable of this notebook" in missing.stdout + missing.stderr
+    wrong = run(shell, f"%nbguard export-check n {tmp_path / 'adapter'}")
+    assert "export-check takes the trained model or its Trainer" in wrong.stdout + wrong.stderr
+    alone = run(shell, "%nbguard export-check model")
+    assert "%nbguard export-check MODEL EXPORTED" in alone.stdout + alone.stderr
