@@ -1,9 +1,10 @@
 # Everything a fresh machine (Python 3.11, no GPU) needs, from two commands:
 #   make demo   run the quickstart notebook headless; executed copies and reports land in build/
 #   make test   every test lane: the pinned releases (constraints/main.txt; the docs build and the wheel check
-#               included), the multi-rank tests with both cores busy, the Colab profile, transformers 4.50
+#               included), the Colab profile, transformers 4.50
 # Also: make docs (the site, strictly, into build/site/), make wheel (dist/, with the prebuilt Lab extension),
-# make test-newest (the newest releases, unpinned: reports drift, gates nothing), make lock (re-pin main).
+# make test-newest (the newest releases, unpinned: reports drift, gates nothing), make lock (re-pin main),
+# make test-loaded RUNS=3 (the multi-rank tests with both cores busy).
 SHELL := /bin/bash
 PYTHON ?= python3
 # Every lane's versions live in the repository: main is a lock of a known-good set, colab and tf450 the
@@ -80,14 +81,15 @@ docs: demo
 wheel: $(VENV)/.stamp
 	$(VENV)/bin/pip wheel . --no-deps $(PIP_QUIET) -w dist/
 
-test: test-main test-loaded test-labextension test-colab test-tf450
+test: test-main test-labextension test-colab test-tf450
 
-# The multi-rank tests run in test-loaded instead, with both cores busy.
+# Every test of the main lane, the multi-rank ones included (on an idle machine).
 test-main: $(VENV)/.stamp lint
-	$(VENV)/bin/python -m pytest -m "not tf450 and not multirank"
+	$(VENV)/bin/python -m pytest -m "not tf450"
 
 # Multi-rank verdicts must not depend on timing: two burners keep both cores busy while the multi-rank
-# tests (and notebook 07) run RUNS times in a row; the burners stop however the run ends.
+# tests (and notebook 07) run RUNS times in a row; the burners stop however the run ends. Not yet a gate:
+# CI runs it after make test and prints its result (see docs/contributing.md).
 test-loaded: $(VENV)/.stamp
 	$(VENV)/bin/python tests/lanes/loaded.py --runs $(RUNS) -- $(VENV)/bin/python -m pytest -m "multirank and not tf450" -q
 
