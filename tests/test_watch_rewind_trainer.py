@@ -116,12 +116,9 @@ def test_trainer_event_names_the_poisoned_rows_dataset_index_and_drop_rows_remov
     assert not nbguard.fixes.apply("drop-rows", trainer=trainer, indices=[POISONED]).changed
 
 
-def test_a_plain_loader_names_rows_by_dataset_index():
-    model = tiny_llama()
-    plant_fp16_overflow_token(model, HOT)
-    data = _poisoned_data(40)
-    torch.manual_seed(3)
-    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+def _fp16_loop_watched(model, loader):
+    """A plain fp16-autocast loop over ``loader`` under a skip watch that follows it; (the watch, the
+    input_ids of each step's batch, in order)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     watch = nbguard.watch(model, optimizer=opt, policy="skip", verify=False)
     assert watch.track_rows(loader)
@@ -134,6 +131,16 @@ def test_a_plain_loader_names_rows_by_dataset_index():
         opt.step()
         opt.zero_grad()
     watch.detach()
+    return watch, order
+
+
+def test_a_plain_loader_names_rows_by_dataset_index():
+    model = tiny_llama()
+    plant_fp16_overflow_token(model, HOT)
+    data = _poisoned_data(40)
+    torch.manual_seed(3)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+    watch, order = _fp16_loop_watched(model, loader)
     [bad] = [e for e in watch.events if e.kind == "nonfinite-loss"]
     assert bad_row_indices(bad) == [POISONED]
     [row] = bad.evidence["rows"]["rows"]
@@ -197,16 +204,7 @@ def test_a_collator_that_drops_rows_leaves_rows_named_by_position_only():
     order.append(POISONED)  # the poisoned row comes last, long after the indices fell out of step
     loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=order, collate_fn=drop_last_row)
     order[-4:] = [POISONED, *order[-4:-1]]  # ... and first in its batch, so the collator keeps it
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    watch = nbguard.watch(model, optimizer=opt, policy="skip", verify=False)
-    watch.track_rows(loader)
-    for batch in loader:
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    watch.detach()
+    watch, _ = _fp16_loop_watched(model, loader)
     [bad] = [e for e in watch.events if e.kind == "nonfinite-loss"]
     assert bad_row_indices(bad) == [] and "dataset_indices_unknown" in bad.evidence["rows"]
     assert [(r["micro_batch"], r["row"], r["dataset_index"]) for r in bad.evidence["rows"]["rows"]] == [(0, 0, None)]
