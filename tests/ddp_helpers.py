@@ -4,8 +4,8 @@
 with ``nbguard.watch`` inside it. Each rank writes what it saw to ``out_dir/rank{N}.json``; the
 tests read those files. ``launch_notebook`` / ``launch_torchrun`` run it through accelerate's
 ``notebook_launcher`` (forked workers, as in a notebook) and through ``torchrun``, each in a new
-session that is killed as a whole (``os.killpg``) when it outlives its timeout: a hang fails the
-test instead of hanging it.
+session whose process tree is stopped when it hangs (its processes stop using the CPU; a run that is
+only slow on a busy machine goes on): a hang fails the test instead of hanging it.
 
 Scenarios (faults on rank 1 only; rank 0's batches are healthy):
   healthy   - nothing planted
@@ -321,29 +321,66 @@ def train_fsdp_rank(scenario: str, policy: str, out_dir: str) -> None:
 INFRASTRUCTURE_FAILURES = ("address already in use", "terminate called without an active exception")
 
 
-def _run(make_cmd: Callable[[int], list[str]], timeout: float) -> subprocess.CompletedProcess:
-    """Run the launcher on a free port; once more if it failed for one of INFRASTRUCTURE_FAILURES."""
+def _run(make_cmd: Callable[[int], list[str]], stall: float) -> subprocess.CompletedProcess:
+    """Run the launcher on a free port; once more if it failed for one of INFRASTRUCTURE_FAILURES.
+
+    ``stall``: how long the launch may make no progress at all before it counts as hung (``_run_once``)."""
     for _attempt in range(2):
-        done = _run_once(make_cmd(free_port()), timeout)
+        done = _run_once(make_cmd(free_port()), stall)
         if done.returncode == 0 or not any(text in done.stdout.lower() for text in INFRASTRUCTURE_FAILURES):
             break
     return done
 
 
-def _run_once(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+# A hang is a launch whose processes stop using the CPU: ranks waiting in a collective for a peer that
+# will not come sleep in the kernel. A run that is only slow (both cores busy with other work: burners, a
+# second lane) keeps using what CPU it gets. So the guard judges progress, not wall time: it fails the test
+# once the launch's processes together used less than STALL_CPU_SECONDS of CPU over ``stall`` seconds, and
+# stops a launch that still runs after HARD_LIMIT_FACTOR times ``stall`` whatever it does.
+STALL_CPU_SECONDS = 1.0
+HARD_LIMIT_FACTOR = 6
+POLL_SECONDS = 5.0
+
+
+def tree_cpu_seconds(root: psutil.Process) -> float:
+    """CPU time (user + system) used so far by ``root`` and every process under it that is alive."""
+    total = 0.0
+    for process in (root, *root.children(recursive=True)):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def _run_once(cmd: list[str], stall: float) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONFAULTHANDLER"] = "1"  # a rank that gets SIGABRT prints every thread's stack first
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _stop_tree(proc.pid)
-        out, _ = proc.communicate(timeout=60)
-        raise AssertionError(f"the two-rank run hung (killed after {timeout:.0f}s):\n{out[-12000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+    root = psutil.Process(proc.pid)
+    started = last_progress = time.monotonic()
+    used = 0.0
+    while True:
+        try:
+            out, _ = proc.communicate(timeout=POLL_SECONDS)  # (a retry after a timeout loses no output)
+            return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            cpu = tree_cpu_seconds(root)
+            if cpu - used >= STALL_CPU_SECONDS:
+                used, last_progress = cpu, now
+        stalled = now - last_progress > stall
+        if stalled or now - started > HARD_LIMIT_FACTOR * stall:
+            break
+    _stop_tree(proc.pid)
+    out, _ = proc.communicate(timeout=60)
+    why = (f"its processes used under {STALL_CPU_SECONDS:.0f} s of CPU in {stall:.0f} s" if stalled
+           else f"still running after {now - started:.0f} s")
+    raise AssertionError(f"the two-rank run hung ({why}; killed):\n{out[-12000:]}") from None
 
 
 def _stop_tree(pid: int) -> None:
@@ -366,7 +403,7 @@ def read_ranks(out_dir: Path, world_size: int = 2) -> list[dict[str, Any]]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
-def launch_notebook(scenario: str, policy: str, out_dir: Path, timeout: float = 150,
+def launch_notebook(scenario: str, policy: str, out_dir: Path, stall: float = 150,
                     trainer: bool = False) -> subprocess.CompletedProcess:
     """accelerate.notebook_launcher(train_rank, num_processes=2): forked workers, DDP over gloo."""
     fn = "train_trainer_rank" if trainer else "train_rank"
@@ -375,10 +412,10 @@ def launch_notebook(scenario: str, policy: str, out_dir: Path, timeout: float = 
                 f"notebook_launcher({fn}, args=({scenario!r}, {policy!r}, {str(out_dir)!r}), num_processes=2, "
                 f"use_port='{port}')"]
 
-    return _run(cmd, timeout)
+    return _run(cmd, stall)
 
 
-def launch_streamed(scenario: str, policy: str, out_dir: Path, timeout: float = 150) -> subprocess.CompletedProcess:
+def launch_streamed(scenario: str, policy: str, out_dir: Path, stall: float = 150) -> subprocess.CompletedProcess:
     """notebook_launcher with the kernel side open, as ``%%nanwatch`` opens it: the parent process
     writes what it received from the forked ranks to ``out_dir/parent.json``."""
     def cmd(port: int) -> list[str]:
@@ -399,16 +436,16 @@ json.dump({{"document": watches.to_document(), "rows": watches.rank_rows(), "see
           open({str(out_dir / "parent.json")!r}, "w"))
 """]
 
-    return _run(cmd, timeout)
+    return _run(cmd, stall)
 
 
-def launch_torchrun(scenario: str, policy: str, out_dir: Path, timeout: float = 150,
+def launch_torchrun(scenario: str, policy: str, out_dir: Path, stall: float = 150,
                     trainer: bool = False, fsdp: bool = False) -> subprocess.CompletedProcess:
     """torchrun --nproc_per_node 2 on this file: separate (not forked) processes."""
     entry = "trainer" if trainer else "fsdp" if fsdp else "loop"
     return _run(lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                               "127.0.0.1", "--master_port", str(port), __file__, entry, scenario, policy, str(out_dir)],
-                timeout)
+                stall)
 
 
 ENTRIES = {"loop": train_rank, "trainer": train_trainer_rank, "fsdp": train_fsdp_rank}
