@@ -37,7 +37,7 @@ EXTRAS := hf,test,browser,trackers,docs
 RUNS ?= 1
 # pytest workers per lane (pytest-xdist; 0: one process). A test file stays on one worker.
 WORKERS ?= 2
-PYTEST_PARALLEL = -n $(WORKERS) --dist loadgroup
+PYTEST_PARALLEL = -n $(WORKERS) --dist loadfile
 
 .PHONY: demo docs wheel test test-main test-loaded test-labextension test-colab test-tf450 test-newest lock \
 	install clean lint

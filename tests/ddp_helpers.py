@@ -260,20 +260,26 @@ def train_trainer_rank(scenario: str, policy: str, out_dir: str) -> None:
 def train_fsdp_rank(scenario: str, policy: str, out_dir: str) -> None:
     """FSDP2 (``fully_shard`` per decoder layer and the root) in a plain loop; records, per step,
     each group's norm of the WHOLE averaged gradient (gathered with ``full_tensor``) next to the
-    watch's, which come from the shards."""
+    watch's, which come from the shards. ``backward-unread``: as ``backward``, on a torch whose FSDP
+    internals the pre-reduce read needs are absent (made to raise here): the watch reads as before."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     import nbguard
     from nbguard.errors import NonFiniteError
     from nbguard.testing import tiny_llama
-    from nbguard.watcher import group_name
+    from nbguard.watcher import fsdp_grads, group_name
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = tiny_llama()
-    if scenario == "backward":
+    if scenario == "backward-unread":
+        def absent(model):
+            raise AttributeError("'FSDPState' object has no attribute '_fsdp_param_groups'")
+
+        fsdp_grads.fsdp_params = absent
+    if scenario.startswith("backward"):
         from watch_helpers import PoisonedSiLU
 
         model.model.layers[1].mlp.act_fn = PoisonedSiLU(armed=rank == 1)
@@ -281,7 +287,10 @@ def train_fsdp_rank(scenario: str, policy: str, out_dir: str) -> None:
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    watch = nbguard.watch(model, optimizer=opt, policy=policy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        watch = nbguard.watch(model, optimizer=opt, policy=policy)
+    pre_reduce = watch._ranks.pre_reduce
     reference: list[dict[str, float]] = []
     stopped, steps = None, 0
     losses_finite: list[bool] = []
@@ -307,6 +316,8 @@ def train_fsdp_rank(scenario: str, policy: str, out_dir: str) -> None:
               "groups": watch.history.groups,
               "watch_norms": {g: watch.history.grad_norm(g) for g in watch.history.groups},
               "reference_norms": reference, "sharded": watch._ranks.sharded,
+              "pre_reduce": {"available": pre_reduce.available, "missing": pre_reduce.missing},
+              "warned": [str(w.message) for w in caught if "nbguard" in str(w.message)],
               "weights_finite": bool(torch.isfinite(full).all()), "weights_sum": float(full.double().sum()),
               "distributed_type": "FSDP2"}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))

@@ -9,9 +9,11 @@ Why the flags are "pre-reduce": under DDP the sentinel reads each gradient bucke
 communication hook, before it is reduced (:mod:`.ddp_buckets`); where it cannot register that hook,
 its ``register_post_accumulate_grad_hook`` runs inside ``AccumulateGrad`` before DDP's reducer hook
 (a post-hook of that node) copies the gradient into its bucket. Either way the norm is this rank's
-own gradient, before the all-reduce averages a NaN into every rank. (Under FSDP2 the hook runs after
-the reduce-scatter, on the reduced shard: there only the local loss tells which rank was bad; see
-``RankSync.sharded``.)
+own gradient, before the all-reduce averages a NaN into every rank. Under FSDP2 the per-parameter
+hook runs after the reduce-scatter, on the reduced shard (the whole gradient's norms, summed across
+ranks); each rank's own gradient is read before it on FSDP's unsharded parameters
+(:mod:`.fsdp_grads`, ``RankSync.pre_reduce``). Where this torch's FSDP does not allow that, the flag
+is the reduced shard's, and a non-finite gradient is caught without naming its rank.
 
 On a bad step the bad ranks localise their own micro-batches on the unwrapped module (no DDP
 forward, so no collective inside the replay); then ``all_gather_object`` (bad steps only) gives
@@ -29,7 +31,7 @@ import torch
 
 LOSS, GRADS, LEAVING = 0, 1, 2
 # evidence an agreed event carries (a later event built from it, e.g. a skip streak's alarm, keeps them)
-RANK_EVIDENCE = ("world_size", "bad_ranks", "loss_bad_ranks", "grads_bad_ranks", "by_rank", "note")
+RANK_EVIDENCE = ("world_size", "bad_ranks", "loss_bad_ranks", "grads_bad_ranks", "by_rank", "note", "own_gradient")
 FLAGS = 3  # floats per rank in the exchanged vector
 
 
@@ -99,6 +101,8 @@ class RankVerdict:
     loss_bad: list[int] = field(default_factory=list)
     grads_bad: list[int] = field(default_factory=list)
     leaving: list[int] = field(default_factory=list)
+    # FSDP2: the gradient flags are of the reduced shards (every rank's alike), not each rank's own
+    grads_after_reduce: bool = False
 
     @property
     def bad_ranks(self) -> list[int]:
@@ -121,6 +125,12 @@ class RankSync:
         self.step_exchanged = False  # this step's collective is done (reset at each step's end)
         self.serial = 0  # set by announce()
         self._store: Any = None
+        self.pre_reduce: Any = None  # FSDP2: a fsdp_grads.PreReduceGrads, this rank's own gradients
+
+    @property
+    def reads_own_grads(self) -> bool:
+        """The GRADS flag is this rank's own gradient (DDP's buckets or hooks; FSDP2's unsharded ones)."""
+        return not self.sharded or (self.pre_reduce is not None and self.pre_reduce.available)
 
     @classmethod
     def detect(cls, params: Sequence[torch.Tensor], n_groups: int) -> RankSync | None:
@@ -161,7 +171,10 @@ class RankSync:
         at = FLAGS * self.rank
         if loss is not None:
             vec[at + LOSS] = (~torch.isfinite(loss)).any().float()
-        vec[at + GRADS] = (~torch.isfinite(norms)).any().float()
+        if self.sharded and self.reads_own_grads and not leaving:
+            vec[at + GRADS] = self.pre_reduce.flag(norms.device)  # before the reduce-scatter
+        else:
+            vec[at + GRADS] = (~torch.isfinite(norms)).any().float()
         vec[at + LEAVING] = float(leaving)
         if self.sharded:
             vec[FLAGS * self.world_size:] = norms.square()
@@ -184,10 +197,16 @@ class RankSync:
     def settle(self, stats: Any) -> RankVerdict:
         """Read the exchange out of a step's ``StepStats``; sharded runs get whole-gradient norms."""
         values = stats.exchanged
+        verdict = self.verdict(values)
         if self.sharded:
             reduced = [math.sqrt(v) if v >= 0 else math.nan for v in values[FLAGS * self.world_size:]]
             stats.grad_norm = [v / stats.loss_scale for v in reduced] if stats.loss_scale else reduced
-        return self.verdict(values)
+            verdict.grads_after_reduce = not self.reads_own_grads
+            if not verdict.bad_ranks and not all(math.isfinite(v) for v in reduced):
+                # every rank's own gradient read finite, the reduced one is not (a parameter the read
+                # does not see, or the sum overflowed): still a bad step, of no one rank
+                verdict.grads_bad, verdict.grads_after_reduce = list(range(self.world_size)), True
+        return verdict
 
     def gather(self, local: dict[str, Any] | None) -> list[dict[str, Any] | None]:
         """Every rank's localisation (bad steps only): one object collective, same order on all ranks."""
@@ -200,7 +219,7 @@ def _origin_rank(verdict: RankVerdict, found: list[dict[str, Any] | None]) -> in
     """The rank a bad step is about: of the ranks that localised a module, one whose own loss was
     non-finite, then one whose origin is in forward (a forward overflow comes before any backward
     one it causes), then the lowest; else the first whose own loss was non-finite, else the first
-    whose own gradients were (None when every rank's were: FSDP reduces before the watch looks)."""
+    whose own gradients were (None when every rank's were, or the flags are of FSDP's reduced shards)."""
     def forward_first(r: int) -> tuple[bool, bool, int]:
         phase = (found[r] or {}).get("origins", [{}])[0].get("phase")
         return r not in verdict.loss_bad, phase != "forward", r
@@ -231,6 +250,8 @@ def agreed_event(sync: RankSync, verdict: RankVerdict, step: int, localise: Call
             local = {"kind": "nonfinite-loss" if sync.rank in verdict.loss_bad else "nonfinite-grad",
                      "step": step, "message": "non-finite values (this rank's localisation failed)",
                      "evidence": {"replay_error": f"{type(exc).__name__}: {exc}"}}
+        if sync.pre_reduce is not None and sync.rank in verdict.grads_bad and not verdict.grads_after_reduce:
+            _add_own_gradient(local, sync.pre_reduce)
     found = sync.gather(local)
     origin = _origin_rank(verdict, found)
     made = [f for f in found if f]  # at least one: the bad ranks, or rank 0, always make one
@@ -240,8 +261,9 @@ def agreed_event(sync: RankSync, verdict: RankVerdict, step: int, localise: Call
     event.rank = origin
     if origin is not None:
         event.message = f"rank {origin}: {event.message}"
-    elif verdict.bad_ranks:
-        event.message = f"ranks {verdict.bad_ranks} (after the reduction): {event.message}"
+    elif verdict.bad_ranks:  # (FSDP2's own read: each of these ranks' own gradient was non-finite)
+        after = " (after the reduction)" if not sync.sharded or verdict.grads_after_reduce else ""
+        event.message = f"ranks {verdict.bad_ranks}{after}: {event.message}"
     event.evidence.update({
         "world_size": sync.world_size, "bad_ranks": verdict.bad_ranks, "loss_bad_ranks": verdict.loss_bad,
         "grads_bad_ranks": verdict.grads_bad, "reported_by_rank": sync.rank,
@@ -249,7 +271,27 @@ def agreed_event(sync: RankSync, verdict: RankVerdict, step: int, localise: Call
         "by_rank": {str(r): {k: f.get(k) for k in ("kind", "cause", "origins")}
                     for r, f in enumerate(found) if f and r != origin},
     })
-    if sync.sharded and origin is None:
-        event.evidence["note"] = ("FSDP reduces gradients before the watch sees them: every rank's shard "
-                                  "is non-finite, and no rank's own loss was, so the rank cannot be told")
+    if sync.sharded and origin is None and verdict.grads_after_reduce:
+        event.evidence["note"] = _reduced_note(sync)
     return event
+
+
+def _add_own_gradient(local: dict[str, Any], reader: Any) -> None:
+    """FSDP2 (no replay there): where this rank's own gradient went non-finite, read before the reduction."""
+    try:
+        found = reader.findings()
+    except Exception as exc:  # the gather must still happen
+        found = {"error": f"{type(exc).__name__}: {exc}"}
+    if found:
+        local.setdefault("evidence", {})["own_gradient"] = found
+
+
+def _reduced_note(sync: RankSync) -> str:
+    """Why a sharded run's bad gradient names no rank."""
+    missing = sync.pre_reduce.missing if sync.pre_reduce is not None else "no reader"
+    if missing is not None:
+        return (f"FSDP reduces gradients before the watch sees them, and each rank's own gradient could not "
+                f"be read first ({missing}): every rank's shard is non-finite, and no rank's own loss was, "
+                f"so the rank cannot be told")
+    return ("every rank's own gradient read finite before FSDP's reduce-scatter, the reduced one did not (a "
+            "parameter outside FSDP's groups, or an overflow in the reduction): the rank cannot be told")

@@ -17,8 +17,10 @@ the culprit). Two ways to take them:
   averaged a NaN into every rank; DDP's communication hook hands over each bucket before that
   (:mod:`.ddp_buckets`): one fused norm per bucket, in the same per-tensor form as the fused read.
 - per parameter (FSDP, DeepSpeed, DDP with another communication hook): a
-  ``register_post_accumulate_grad_hook`` per parameter, which fires before the reduction, and
-  before DeepSpeed moves the gradients into its own buffers.
+  ``register_post_accumulate_grad_hook`` per parameter, which fires before DDP's reduction, and
+  before DeepSpeed moves the gradients into its own buffers. Under FSDP2 it fires after the
+  reduce-scatter (the group norms of the whole gradient, summed from the shards across ranks); each
+  rank's own gradient is read before it by :mod:`.fsdp_grads` (``pre_reduce``).
 
 The norms are fp32, and an fp32 2-norm overflows once a gradient's elements pass ~1e19 while every one
 of them is still finite. Only on a step where a group's norm comes back inf or NaN, the fused read
@@ -31,6 +33,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +43,9 @@ from .distributed import is_sharded, local_tensor
 from .guard import guarded, guarded_call
 from .history import group_name
 from .pipeline import all_finite, total_norm
+
+if TYPE_CHECKING:
+    from .fsdp_grads import PreReduceGrads
 
 _WIDE = (torch.float32, torch.float64)  # gradients whose norms are taken in their own dtype (else in fp32)
 # The least 2-norm whose fp32 sum of squares overflows: what a finite gradient's overflowed norm is at least
@@ -92,6 +98,7 @@ class GradNormCollector:
         self.enabled = True
         self.per_parameter = False  # one hook per parameter (FSDP2, DeepSpeed, DDP without our hook), else fused
         self.bucketed = False  # DDP: this rank's own norms come from its communication hook (ddp_buckets)
+        self.pre_reduce: PreReduceGrads | None = None  # FSDP2: this rank's own gradients, before the reduce-scatter
         # DDP: this step's norms by bucket index. A loop that accumulates without no_sync reduces every
         # micro-batch; each bucket then holds the gradient accumulated so far: the last one is the step's
         self._bucket_norms: dict[int, list[tuple[torch.Tensor, Sequence[int]]]] = {}
@@ -137,11 +144,15 @@ class GradNormCollector:
             return
         for i, p in enumerate(self.params):
             self.handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+        if self.pre_reduce is not None:
+            self.pre_reduce.attach()
 
     def detach(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        if self.pre_reduce is not None:
+            self.pre_reduce.detach()
         self.release_clip()
 
     def release_clip(self) -> None:
@@ -300,6 +311,8 @@ class GradNormCollector:
         self._taken = None
         self._at_clip = False
         self._bucket_norms = {}
+        if self.pre_reduce is not None:
+            self.pre_reduce.reset()
 
     def device(self) -> torch.device:
         """Where this step's norms live (the device of the step's read and collective)."""

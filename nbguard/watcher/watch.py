@@ -23,6 +23,7 @@ from .activations import FP16_LIMIT, ActivationProbe
 from .builtin import builtin_detectors
 from .detectors import WatchSettings
 from .events import Localiser, fold_skip_streaks, skip_streaks
+from .fsdp_grads import read_before_reduce
 from .guard import watch_hook
 from .history import ActivationHistory, GradHistory
 from .integrations.loop import unwrap_optimizer
@@ -111,6 +112,8 @@ class NanWatch(WatchLifecycle, Displayable):
         # multi-rank runs: one small collective per step, folded into the read
         self._ranks = ranks.RankSync.detect(self._collector.params, len(self._collector.groups))
         self._collector.per_parameter = self._ranks is not None or ranks.needs_parameter_hooks(target, self._collector.params)
+        if self._ranks is not None and self._ranks.sharded:  # FSDP2: each rank's own gradient, before the reduction
+            self._ranks.pre_reduce = read_before_reduce(self.model, named, self._collector)
         self._bucket_reader = None  # DDP: its communication hook reads this rank's buckets (ddp_buckets)
         self._verdict = None
         self._streamer = None  # a forked rank's stream to the kernel (stream.RankStreamer)

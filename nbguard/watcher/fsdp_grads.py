@@ -1,0 +1,197 @@
+"""Under FSDP2, each rank's own gradient, read before the reduce-scatter averages it into every shard.
+
+FSDP2 (``fully_shard``) computes each parameter's whole gradient on every rank, in the module's
+unsharded parameter, then reduce-scatters it. From then on a NaN born on one rank is in every rank's
+shard, and the sentinel's hooks on the sharded parameters (FSDP calls them after the reduction) cannot
+tell which rank made it. This reader hooks the unsharded parameters themselves
+(``register_post_accumulate_grad_hook``): autograd calls the hook once it has accumulated this rank's
+own gradient there, before FSDP's post-backward takes that gradient away to reduce it. The hook takes
+one max |g| per gradient (non-finite exactly when an element is, and it cannot overflow as a 2-norm
+can); the step's exchange sends "this rank's own gradient was non-finite" as the rank's GRADS flag.
+The group norms still come from the reduced shards: they are the whole (averaged) gradient's.
+
+Why not a custom reduce-scatter (``FSDPModule.set_custom_reduce_scatter``, a public API): it takes the
+one slot a user's own reduce-scatter (or FSDP's symmetric-memory one) needs, and it sits inside the
+collective; these hooks only look. They need FSDP's private objects (each module's state, its
+parameter groups' ``FSDPParam``s and their ``_unsharded_param``): where this torch lacks them, the
+reader says why (``missing``) and stays inert, and the watch reads as before (reduced shards: a
+non-finite gradient is caught, its rank is not named).
+
+FSDP makes a group's unsharded parameters at its first all-gather, inside the first forward, and keeps
+the same objects after; a forward hook on the watched model hooks any it has not hooked yet.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .distributed import local_tensor
+from .guard import guarded, guarded_call
+from .history import group_name
+
+
+def fsdp_params(model: torch.nn.Module) -> list[Any]:
+    """Every ``FSDPParam`` of the model's FSDP2 modules, once each (FSDP's private objects: raises
+    where this torch does not have them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13: a module may have several
+        if groups is None:
+            group = state._fsdp_param_group  # earlier releases: one, or None
+            groups = [group] if group is not None else []
+        for group in groups:
+            for param in group.fsdp_params:
+                found.setdefault(id(param), param)
+    return list(found.values())
+
+
+class PreReduceGrads:
+    """This rank's own gradients under FSDP2: a hook on each unsharded parameter, read in the step's
+    exchange (``flag``) and, on a bad step, on the bad rank (``findings``)."""
+
+    def __init__(self, model: torch.nn.Module, named: Sequence[tuple[str, torch.Tensor]], collector: Any):
+        # (collector: the sentinel's GradNormCollector, which owns this reader: its enabled flag and on_error)
+        self._model = weakref.ref(model)
+        self._collector = weakref.ref(collector)  # the hooks must not keep the watch (and the model) alive
+        # (FSDPParam, the user's parameter name) for each watched parameter FSDP manages
+        self._pairs: list[tuple[Any, str]] = []
+        self.missing: str | None = None  # why this rank's own gradients cannot be read here
+        try:
+            self._pairs = self._find(model, named)
+        except Exception as exc:  # FSDP's private objects are absent or changed in this torch
+            self.missing = f"FSDP's internals are not what nbguard reads ({type(exc).__name__}: {exc})"
+        if not self._pairs and self.missing is None:
+            self.missing = "no watched parameter is managed by FSDP"
+        self._hooked: list[torch.Tensor | None] = [None] * len(self._pairs)  # the unsharded parameter hooked
+        self._handles: list[Any] = []
+        self._forward_handle: Any = None
+        self._amaxes: list[torch.Tensor] = []  # this step's max |g| per accumulation, in firing (backward) order
+        self._fired: list[int] = []  # which pair each of them is
+
+    @staticmethod
+    def _find(model: torch.nn.Module, named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[Any, str]]:
+        names = {id(p): n for n, p in named}
+        pairs = []
+        for param in fsdp_params(model):
+            name = names.get(id(param.sharded_param))
+            if name is not None:
+                if not callable(getattr(param, "init_unsharded_param", None)):  # what makes _unsharded_param
+                    raise AttributeError("FSDPParam.init_unsharded_param")
+                pairs.append((param, name))
+        return pairs
+
+    @property
+    def available(self) -> bool:
+        return self.missing is None
+
+    # ---- hooks -----------------------------------------------------------------------------------------
+    def attach(self) -> None:
+        model = self._model()
+        if self.available and model is not None and self._forward_handle is None:
+            reader = weakref.ref(self)
+
+            def adopt(module: torch.nn.Module, args: Any, output: Any) -> None:
+                live = reader()
+                if live is not None:
+                    live._adopt()
+
+            self._forward_handle = model.register_forward_hook(guarded(adopt, self._report))
+
+    def detach(self) -> None:
+        if self._forward_handle is not None:
+            self._forward_handle.remove()
+            self._forward_handle = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._hooked = [None] * len(self._pairs)
+        self.reset()
+
+    def _adopt(self) -> None:
+        """After a forward: hook the unsharded parameters FSDP made (its first all-gathers) or replaced."""
+        for k, (param, _) in enumerate(self._pairs):
+            unsharded = getattr(param, "_unsharded_param", None)
+            if unsharded is not None and unsharded is not self._hooked[k]:
+                self._handles.append(unsharded.register_post_accumulate_grad_hook(self._hook(k)))
+                self._hooked[k] = unsharded
+
+    def _hook(self, k: int) -> Callable[[torch.Tensor], None]:
+        reader = weakref.ref(self)  # weakly: the garbage collector does not see into a tensor's hooks
+
+        def hook(unsharded: torch.Tensor) -> None:
+            live = reader()
+            collector = live._collector() if live is not None else None
+            if live is None or collector is None or not collector.enabled or unsharded.grad is None:
+                return
+            grad = local_tensor(unsharded.grad.detach())
+            amax = torch.linalg.vector_norm(grad, float("inf"))
+            live._amaxes.append(amax if amax.dtype == torch.float32 else amax.float())
+            live._fired.append(k)
+
+        def on_error(exc: BaseException) -> None:
+            live = reader()
+            if live is not None:
+                live._report(exc)
+
+        return guarded(hook, on_error)  # never break the user's backward
+
+    def _report(self, exc: BaseException) -> None:
+        collector = self._collector()
+        if collector is not None:
+            collector._on_error(exc)
+
+    def reset(self) -> None:
+        self._amaxes = []
+        self._fired = []
+
+    # ---- reads -----------------------------------------------------------------------------------------
+    def flag(self, device: torch.device) -> torch.Tensor:
+        """1.0 where this step's own gradient had a non-finite element (0-d, on ``device``, not read)."""
+        if not self._amaxes:
+            return torch.zeros((), device=device)
+        return (~torch.isfinite(torch.stack(self._amaxes))).any().float().to(device)
+
+    def findings(self) -> dict[str, Any]:
+        """Where this rank's own gradient went non-finite (a bad step's one extra host read, on the bad
+        rank only): the first parameter whose gradient did in backward order, the last one before it
+        that stayed finite, and the groups."""
+        if not self._amaxes:
+            return {}
+        values = torch.stack(self._amaxes).tolist()
+        bad = [at for at, v in enumerate(values) if not math.isfinite(v)]
+        if not bad:
+            return {}
+        first = bad[0]
+        before = next((self._pairs[self._fired[at]][1] for at in range(first - 1, -1, -1)
+                       if math.isfinite(values[at])), None)
+        groups = list(dict.fromkeys(group_name(self._pairs[self._fired[at]][1]) for at in bad))
+        return {"read": "before FSDP's reduce-scatter", "first_nonfinite_parameter": self._pairs[self._fired[first]][1],
+                "last_finite_parameter_before": before, "nonfinite_groups": groups,
+                "note": "this rank's own gradients in backward order: the non-finite value was made in the "
+                        "backward between these two parameters' gradients (no replay under FSDP: a rank "
+                        "replaying alone would wait in FSDP's all-gathers)"}
+
+
+def read_before_reduce(model: torch.nn.Module, named: Sequence[tuple[str, torch.Tensor]],
+                       collector: Any) -> PreReduceGrads:
+    """The reader for this FSDP2 model, given to the collector (attach, detach, reset with it); one
+    that cannot read (``missing``) warns once and stays inert."""
+    reader = PreReduceGrads(model, named, collector)
+    if reader.missing is not None:
+        import warnings
+
+        guarded_call(lambda exc: None, warnings.warn,
+                     f"nbguard: under FSDP2 the watch reads gradients after the reduce-scatter here "
+                     f"({reader.missing}): a non-finite gradient is caught, but not the rank it came from",
+                     RuntimeWarning, stacklevel=3)
+    collector.pre_reduce = reader
+    return reader
