@@ -48,6 +48,17 @@ def _default_store() -> Any:
         return None
 
 
+def _stored(store: Any, key: str) -> bool:
+    """Set ``key`` and return once the store holds it. TCPStore's set only sends (no reply): under load
+    its server could answer a peer's check before reading the set, and that peer would watch alone while
+    this rank waits in the exchange. A check on the same connection is answered after the set."""
+    try:
+        store.set(key, "1")
+        return bool(store.check([key]))
+    except Exception:  # a store that fails: the ranks are trusted to all watch, as without one
+        return False
+
+
 def process_group_ready() -> bool:
     """True inside a multi-rank run whose default process group is initialised."""
     try:
@@ -152,7 +163,7 @@ class RankSync:
         self.serial = _SERIAL  # the n-th watch of each rank pairs with the n-th of the others
         self._store = _default_store()
         if self._store is not None:
-            self._store.set(self._store_key(self.rank), "1")
+            self._store = self._store if _stored(self._store, self._store_key(self.rank)) else None
 
     def all_ranks_watch(self) -> bool:
         """Checked once, at the first step's read: by then DDP's gradient all-reduce has made every
