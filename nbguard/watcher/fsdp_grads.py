@@ -106,7 +106,7 @@ class PreReduceGrads:
                 if live is not None:
                     live._adopt()
 
-            self._forward_handle = model.register_forward_hook(guarded(adopt, self._report))
+            self._forward_handle = model.register_forward_hook(guarded(adopt, self._weak_report()))
 
     def detach(self) -> None:
         if self._forward_handle is not None:
@@ -139,17 +139,19 @@ class PreReduceGrads:
                 live._extremes.extend(torch.aminmax(grad))
                 live._fired.append(k)
 
+        return guarded(hook, self._weak_report())  # never break the user's backward
+
+    def _weak_report(self) -> Callable[[BaseException], None]:
+        """A hook's error handler: the collector's (the watch records it and steps aside), held weakly."""
+        reader = weakref.ref(self)
+
         def on_error(exc: BaseException) -> None:
             live = reader()
-            if live is not None:
-                live._report(exc)
+            collector = live._collector() if live is not None else None
+            if collector is not None:
+                collector._on_error(exc)
 
-        return guarded(hook, on_error)  # never break the user's backward
-
-    def _report(self, exc: BaseException) -> None:
-        collector = self._collector()
-        if collector is not None:
-            collector._on_error(exc)
+        return on_error
 
     def reset(self) -> None:
         self._extremes = []
