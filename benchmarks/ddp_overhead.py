@@ -58,6 +58,29 @@ def timed_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict) 
     return time.perf_counter() - start
 
 
+def interleaved(variants: dict, args: argparse.Namespace, rank: int) -> tuple[dict, dict]:
+    """Warm each variant (name -> (model, optimizer, watch)) up, then time one step of each per round in a
+    rotating order, so drift on a shared machine hits them alike. Each step's time, and its ratio to the
+    first variant's step of the same round."""
+    batches = [make_batch(args, 1000 * rank + s) for s in range(4)]
+    for model, opt, _ in variants.values():
+        for w in range(args.warmup):
+            timed_step(model, opt, batches[w % len(batches)])
+    names = list(variants)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    ratios: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        this_round = {n: timed_step(*variants[n][:2], batches[r % len(batches)]) for n in order}
+        for n, t in this_round.items():
+            times[n].append(t)
+            ratios[n].append(t / this_round[names[0]])
+        if rank == 0:
+            print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {t * 1e3:.0f} ms" for k, t in this_round.items()),
+                  file=sys.stderr)
+    return times, ratios
+
+
 def overhead(args: argparse.Namespace, rank: int) -> dict:
     base = build_model(args)
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -72,22 +95,7 @@ def overhead(args: argparse.Namespace, rank: int) -> dict:
         if watch is not None:
             assert watch._collector.bucketed == (not name.endswith("per parameter"))
         variants[name] = (model, opt, watch)
-    batches = [make_batch(args, 1000 * rank + s) for s in range(4)]
-    for model, opt, _ in variants.values():
-        for w in range(args.warmup):
-            timed_step(model, opt, batches[w % len(batches)])
-    times: dict[str, list[float]] = {n: [] for n in variants}
-    ratios: dict[str, list[float]] = {n: [] for n in variants}
-    names = list(variants)
-    for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        this_round = {n: timed_step(*variants[n][:2], batches[r % len(batches)]) for n in order}
-        for n, t in this_round.items():
-            times[n].append(t)
-            ratios[n].append(t / this_round["baseline"])
-        if rank == 0:
-            print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {t * 1e3:.0f} ms" for k, t in this_round.items()),
-                  file=sys.stderr)
+    times, ratios = interleaved(variants, args, rank)
     for _, _, watch in variants.values():
         if watch is not None:
             assert watch.events == [], watch.summary()  # a healthy run raises no alarm
@@ -116,16 +124,21 @@ def localisation(args: argparse.Namespace, rank: int) -> dict:
             "cause": event.cause}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=20)
+def run_arguments(description: str, rounds: int) -> argparse.ArgumentParser:
+    """The options of a two-rank benchmark run: rounds, warm-up steps, the model's and the batch's shape."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = run_arguments(__doc__.split("\n\n")[0], rounds=20).parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -16,7 +16,6 @@ a loaded machine's wall-time spread can hide; the timers add their own small cos
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import gc
 import statistics
@@ -31,20 +30,12 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ddp_overhead import build_model, interleaved, run_arguments  # noqa: E402 - the DDP benchmark's model and step
+
 import nbguard  # noqa: E402
 from nbguard.watcher import fsdp_grads  # noqa: E402
 
 VARIANTS = ("unwatched", "watched, post-reduce read", "watched, pre-reduce read")
-
-
-def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=8,
-                         max_position_embeddings=args.seq_len, attn_implementation="sdpa")
-    return LlamaForCausalLM(config)
 
 
 def shard(model: torch.nn.Module) -> torch.nn.Module:
@@ -52,21 +43,6 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
         fully_shard(layer)
     fully_shard(model)
     return model
-
-
-def make_batch(args: argparse.Namespace, seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, args.vocab, (args.batch_size, args.seq_len), generator=gen)
-    return {"input_ids": ids, "labels": ids.clone()}
-
-
-def timed_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict) -> float:
-    dist.barrier()  # both ranks start the step together: the time is the step's, not the wait for a peer
-    start = time.perf_counter()
-    model(**batch).loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
 
 
 def watch_post_reduce(model: torch.nn.Module, opt: torch.optim.Optimizer):
@@ -117,14 +93,7 @@ def time_reader() -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
+    p = run_arguments(__doc__.split("\n\n")[0], rounds=30)
     p.add_argument("--time-hooks", action="store_true", help="also time the reader's own work directly")
     args = p.parse_args()
     spent = time_reader() if args.time_hooks else None
@@ -144,18 +113,7 @@ def main() -> None:
         if watch is not None:
             assert watch._ranks.pre_reduce.available == (name == VARIANTS[2])
         variants[name] = (model, opt, watch)
-    batches = [make_batch(args, 1000 * rank + s) for s in range(4)]
-    for model, opt, _ in variants.values():
-        for w in range(args.warmup):
-            timed_step(model, opt, batches[w % len(batches)])
-    times: dict[str, list[float]] = {n: [] for n in VARIANTS}
-    ratios: dict[str, list[float]] = {n: [] for n in VARIANTS}
-    for r in range(args.rounds):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
-        this_round = {n: timed_step(*variants[n][:2], batches[r % len(batches)]) for n in order}
-        for n, t in this_round.items():
-            times[n].append(t)
-            ratios[n].append(t / this_round[VARIANTS[0]])
+    times, ratios = interleaved(variants, args, rank)
     hooked = 0
     for _, _, watch in variants.values():
         if watch is not None:
