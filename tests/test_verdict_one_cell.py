@@ -42,6 +42,13 @@ def _setup(ip, tmp_path) -> None:
     ip.user_ns.update(model=model, args=args, trainer=Trainer(model=model, args=args, train_dataset=Stream()))
 
 
+def _verification(watch):
+    """The verification the watch left on its first failing step (what it saw, if it left none)."""
+    assert watch.verification is not None, [(e.kind, e.step, e.cause, e.evidence.get("verification_error"))
+                                            for e in watch.events]
+    return watch.verification
+
+
 def _shown_fixes(doc: dict) -> list:
     """Every fix the view of ``doc`` shows with a verdict (cards of every section)."""
     return [f for s in view(doc).sections for c in s.cards for f in c.fixes if f.verdict is not None]
@@ -59,7 +66,7 @@ def test_every_place_that_shows_a_fix_verified_shows_the_cell_that_ran(shell, tm
     assert run(shell, "%precision_check trainer --hardware t4").error is None
     assert run(shell, "%%nanwatch trainer --policy skip\ntrainer.train()").error is None
     watch = SESSION.watches[-1]
-    verdict = watch.verification.verdict("switch-precision")
+    verdict = _verification(watch).verdict("switch-precision")
     # the target is the T4 named to the audit: the fp32 cell is what was run, bf16 never was
     assert verdict.options == {"to": "fp32"} and verdict.verdict == "verified"
     assert "bf16" not in str(verdict.options) and verdict.code.startswith("import torch")
@@ -101,7 +108,7 @@ def test_a_verdict_never_travels_to_another_variant(shell, tmp_path):  # noqa: F
     _setup(shell, tmp_path)
     assert run(shell, "%%nanwatch trainer --policy skip\ntrainer.train()").error is None
     watch = SESSION.watches[-1]
-    bf16 = watch.verification.verdict("switch-precision")
+    bf16 = _verification(watch).verdict("switch-precision")
     assert bf16.options == {"to": "bf16"} and bf16.verdict == "verified"
     assert run(shell, "%precision_check trainer --hardware t4").error is None
     shell.rl_next_input = None
@@ -118,6 +125,7 @@ def test_an_unverifiable_cell_says_so_instead_of_borrowing_a_verdict(shell, tmp_
     """Once the weights moved, the kept step cannot be re-run: the fp32 cell is reported not verified."""
     _setup(shell, tmp_path)
     assert run(shell, "%%nanwatch trainer --policy skip\ntrainer.train()").error is None
+    assert _verification(SESSION.watches[-1]).verdict("switch-precision").options == {"to": "bf16"}
     with torch.no_grad():
         next(shell.user_ns["model"].parameters()).add_(1.0)  # an update after the failing step
     assert run(shell, "%precision_check trainer --hardware t4").error is None
