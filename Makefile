@@ -98,9 +98,11 @@ wheel: $(VENV)/.stamp
 
 test: test-main test-loaded test-labextension test-colab test-tf450
 
-# Every test of the main lane but the multi-rank ones (test-loaded runs those), on every core.
+# Every test of the main lane but the multi-rank ones (test-loaded runs those), on every core; the tests
+# that rewrite files others read (marked isolated: the wheel build) after them, alone.
 test-main: $(VENV)/.stamp lint
-	$(VENV)/bin/python -m pytest $(PYTEST_PARALLEL) -m "not tf450 and not multirank"
+	$(VENV)/bin/python -m pytest $(PYTEST_PARALLEL) -m "not tf450 and not multirank and not isolated"
+	$(VENV)/bin/python -m pytest -m "isolated and not tf450 and not multirank"
 
 # Multi-rank verdicts must not depend on timing: two burners keep both cores busy while the multi-rank
 # tests (and notebook 07) run RUNS times in a row; the burners stop however the run ends. A gate: make test

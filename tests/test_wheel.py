@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# isolated: building the wheel rebuilds nbguard/labextension in place, which the browser tests serve
+pytestmark = [pytest.mark.slow, pytest.mark.isolated]
 
 REPO = Path(__file__).resolve().parent.parent
 TORCH = "torch==2.13.0"
