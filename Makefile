@@ -98,11 +98,12 @@ wheel: $(VENV)/.stamp
 
 test: test-main test-loaded test-labextension test-colab test-tf450
 
-# Every test of the main lane but the multi-rank ones (test-loaded runs those), on every core; the tests
-# that rewrite files others read (marked isolated: the wheel build) after them, alone.
+# Every test of the main lane but the multi-rank ones (test-loaded runs those), on every core; after them,
+# in one process, the tests that rewrite files others read (isolated: the wheel build) and those marked
+# serial (see pyproject.toml).
 test-main: $(VENV)/.stamp lint
-	$(VENV)/bin/python -m pytest $(PYTEST_PARALLEL) -m "not tf450 and not multirank and not isolated"
-	$(VENV)/bin/python -m pytest -m "isolated and not tf450 and not multirank"
+	$(VENV)/bin/python -m pytest $(PYTEST_PARALLEL) -m "not tf450 and not multirank and not isolated and not serial"
+	$(VENV)/bin/python -m pytest -m "(isolated or serial) and not tf450 and not multirank"
 
 # Multi-rank verdicts must not depend on timing: two burners keep both cores busy while the multi-rank
 # tests (and notebook 07) run RUNS times in a row; the burners stop however the run ends. A gate: make test
@@ -138,7 +139,8 @@ test-labextension: $(VENV)/.stamp
 # The Colab profile: every notebook (07's two ranks included), the magics, widgets and integrations on its
 # releases. Colab runs one process per runtime: the other multi-rank tests stay on the main lane.
 test-colab: $(COLAB_VENV)/.stamp
-	$(COLAB_VENV)/bin/python -m pytest $(PYTEST_PARALLEL) -m "not tf450 and not browser and not slow and (notebooks or not multirank)"
+	$(COLAB_VENV)/bin/python -m pytest $(PYTEST_PARALLEL) -m "not tf450 and not browser and not slow and not serial and (notebooks or not multirank)"
+	$(COLAB_VENV)/bin/python -m pytest -m "serial and not tf450 and not browser and not slow and not multirank"
 
 test-tf450: $(TF450_VENV)/.stamp
 	$(TF450_VENV)/bin/python -m pytest -m tf450

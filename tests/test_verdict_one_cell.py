@@ -7,6 +7,7 @@ inserted cell, the applied record and the report all carry that very text, byte 
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from notebook_helpers import run, shell  # noqa: F401 - the fixture
 from transformers import Trainer, TrainingArguments
@@ -19,6 +20,9 @@ from nbguard.session import SESSION, latest_verdict
 from nbguard.testing import TinyDataset, plant_fp16_overflow_token, tiny_gemma3
 
 RARE = 127
+# On a pytest-xdist worker, after some other files, the watch here kept no failing step (open: the state
+# that leaks is not found yet); alone and in the serial order these pass. make test runs them alone.
+pytestmark = pytest.mark.serial
 
 
 class Stream(torch.utils.data.IterableDataset):
