@@ -80,7 +80,7 @@ $(TF450_VENV)/.stamp: pyproject.toml $(CONSTRAINTS)/transformers-4.50.txt | $(UV
 # The newest releases, unpinned, rebuilt each time: what a user who pip-installs today gets.
 $(NEWEST_VENV)/.stamp: pyproject.toml | $(UV)
 	$(call new_venv,$(NEWEST_VENV))
-	$(UV_INSTALL) -p $(NEWEST_VENV) -e ".[$(EXTRAS)]"
+	$(UV_INSTALL) -p $(NEWEST_VENV) -e ".[$(EXTRAS)]" -c $(CONSTRAINTS)/torch.txt
 	touch $@
 
 demo: $(VENV)/.stamp
