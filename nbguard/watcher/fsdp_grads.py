@@ -73,7 +73,7 @@ class PreReduceGrads:
         if not self._pairs and self.missing is None:
             self.missing = "no watched parameter is managed by FSDP"
         self._hooked: list[torch.Tensor | None] = [None] * len(self._pairs)  # the unsharded parameter hooked
-        self._handles: list[Any] = []
+        self._handles: dict[int, Any] = {}  # parameter index -> the hook on its current unsharded parameter
         self._forward_handle: Any = None
         # this step's (least, greatest) element of each accumulated gradient, in firing (backward) order
         self._extremes: list[torch.Tensor] = []  # two 0-d tensors per accumulation, in the gradient's dtype
@@ -112,7 +112,7 @@ class PreReduceGrads:
         if self._forward_handle is not None:
             self._forward_handle.remove()
             self._forward_handle = None
-        for handle in self._handles:
+        for handle in self._handles.values():
             handle.remove()
         self._handles.clear()
         self._hooked = [None] * len(self._pairs)
@@ -123,7 +123,9 @@ class PreReduceGrads:
         for k, (param, _) in enumerate(self._pairs):
             unsharded = getattr(param, "_unsharded_param", None)
             if unsharded is not None and unsharded is not self._hooked[k]:
-                self._handles.append(unsharded.register_post_accumulate_grad_hook(self._hook(k)))
+                if k in self._handles:  # FSDP replaced it: the old one's hook goes with it
+                    self._handles[k].remove()
+                self._handles[k] = unsharded.register_post_accumulate_grad_hook(self._hook(k))
                 self._hooked[k] = unsharded
 
     def _hook(self, k: int) -> Callable[[torch.Tensor], None]:
