@@ -136,11 +136,13 @@ test-labextension: $(VENV)/.stamp
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python labextension/scripts/make_fixtures.py
 	cd labextension && npm run typecheck && npm test
 
-# The Colab profile: every notebook (07's two ranks included), the magics, widgets and integrations on its
-# releases. Colab runs one process per runtime: the other multi-rank tests stay on the main lane.
+# The Colab profile: every notebook (07's two ranks included) and the tests marked colab (the magics,
+# widgets, comms, kernels, Trainer callback and fix cells: see tests/conftest.py) on its releases. Colab
+# runs one process per runtime: the other multi-rank tests stay on the main lane.
+COLAB_TESTS := (notebooks or colab) and not tf450 and not browser and not slow and (notebooks or not multirank)
 test-colab: $(COLAB_VENV)/.stamp
-	$(COLAB_VENV)/bin/python -m pytest $(PYTEST_PARALLEL) -m "not tf450 and not browser and not slow and not serial and (notebooks or not multirank)"
-	$(COLAB_VENV)/bin/python -m pytest -m "serial and not tf450 and not browser and not slow and not multirank"
+	$(COLAB_VENV)/bin/python -m pytest $(PYTEST_PARALLEL) -m "$(COLAB_TESTS) and not serial"
+	$(COLAB_VENV)/bin/python -m pytest -m "$(COLAB_TESTS) and serial"
 
 test-tf450: $(TF450_VENV)/.stamp
 	$(TF450_VENV)/bin/python -m pytest -m tf450

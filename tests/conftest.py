@@ -24,6 +24,21 @@ def _transformers_is_450() -> bool:
     return version is not None and (version.major, version.minor) == (4, 50)
 
 
+# The Colab lane (make test-colab) runs every notebook and these files: the surface Colab's pinned
+# IPython 7, ipywidgets 7, ipykernel 6 and transformers/peft/accelerate releases change (magics, widgets,
+# display and comms, nbclient kernels, the Trainer callback and the fix cells). The rest is release-
+# independent logic the main lane covers; running the whole suite twice did not fit CI's 90 minutes.
+COLAB_FILES = frozenset(
+    f"test_{name}.py"
+    for name in (
+        "magics", "magics_bad_input", "widgets", "hygiene_magics", "hygiene_memory", "hygiene_nbclient",
+        "hygiene_warnings", "notebook_comm", "notebook_static", "prompt_not_a_prefix", "report_nbconvert",
+        "fixes", "fix_on_trainer_as_built", "watch_trainer", "watch_config", "verdict_one_cell",
+        "verify_views", "export_check",
+    )
+)
+
+
 def pytest_collection_modifyitems(config, items):
     """tf450 tests only run where transformers 4.50.x is installed; browser tests need Chromium;
     cuda tests need a CUDA device (none in CI: they run on a GPU machine, benchmarks/on_gpu.sh).
@@ -35,6 +50,8 @@ def pytest_collection_modifyitems(config, items):
     in_ci = os.environ.get("CI") == "true"
     has_cuda = torch.cuda.is_available()
     for item in items:
+        if item.path.name in COLAB_FILES:
+            item.add_marker(pytest.mark.colab)
         if "tf450" in item.keywords and not on_450:
             item.add_marker(pytest.mark.skip(reason="needs transformers 4.50.x (make test-tf450)"))
         if "browser" in item.keywords and not has_chromium and not in_ci:

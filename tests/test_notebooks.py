@@ -39,7 +39,8 @@ def execute(tmp_path_factory):
             out = tmp_path_factory.mktemp(Path(name).stem)
             nb, _seconds, error = runner.execute_notebook(NOTEBOOKS / name, out)
             if error is not None:
-                pytest.fail(f"{name} failed:\n{_error_text(nb)}")
+                # The exception too: a kernel that died or timed out leaves no error output in any cell.
+                pytest.fail(f"{name} failed: {type(error).__name__}: {error}\n{_error_text(nb)}")
             cache[name] = (nb, out)
         return cache[name]
 
