@@ -92,7 +92,17 @@ class RankWatches(Displayable):
 
     # -- the stream -----------------------------------------------------------------------------
     def on_message(self, message: dict[str, Any]) -> None:
-        rank, kind, payload = int(message["rank"]), message["kind"], message["payload"]
+        """One message of a rank: "attach", an "event", or "steps" (a rank's coalesced step payloads,
+        each handed to the listeners as its own "step")."""
+        kind, payload = message["kind"], message["payload"]
+        if kind == "steps":
+            for step in payload:
+                self._receive(message, "step", step)
+        else:
+            self._receive(message, kind, payload)
+
+    def _receive(self, message: dict[str, Any], kind: str, payload: Any) -> None:
+        rank = int(message["rank"])
         with self._lock:
             watch = self.ranks.get(rank)
             if watch is None or (kind == "attach" and watch.watch_id != message["watch_id"]):

@@ -98,7 +98,7 @@ class WatchLifecycle(WatchSteps):
         if self._ranks is not None and self._streamer is None:
             from .stream import connect  # a forked rank of a %%nanwatch cell: the kernel shows it live
 
-            self._streamer = connect(self, self._ranks.rank, self._ranks.world_size)
+            connect(self, self._ranks.rank, self._ranks.world_size)
         return self
 
     def _watch_registrations(self) -> list:
@@ -148,6 +148,8 @@ class WatchLifecycle(WatchSteps):
         if self._deepspeed is not None:
             self._deepspeed.detach()
             self._deepspeed = None
+        if self._streamer is not None:
+            self._streamer.flush()  # the kernel's view gets the last steps now, not at the rank's exit
         self._release_step()
         was_attached, self.attached = self.attached, False
         if attached_watch(self.target) is self:

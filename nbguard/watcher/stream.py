@@ -7,17 +7,25 @@ rank finds the inherited channel and adds one listener that sends what every lis
 payloads and events — tagged with its rank. This is the notebook's view only: training decisions
 never wait on it (the ranks agree through torch.distributed, see ``distributed.py``), and a rank
 started any other way (torchrun, spawn) has no channel and sends nothing.
+
+Steps are coalesced on the rank: sent together at most every ``STEP_INTERVAL_S`` (an event, a detach
+or the rank's exit sends what is pending first, so the order holds and no step is lost). Eight ranks
+of a loop at hundreds of steps a second still send the kernel a few messages a second each.
 """
 from __future__ import annotations
 
+import math
 import multiprocessing
+import multiprocessing.util
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 _CHANNEL: RankChannel | None = None  # inherited by forked children; set only in the kernel process
 _STOP = "__nbguard_stream_end__"
+STEP_INTERVAL_S = 0.25  # a rank's steps reach the kernel at most this much later than they ended
 
 
 class RankChannel:
@@ -74,15 +82,43 @@ def inherited_channel() -> RankChannel | None:
 
 
 class RankStreamer:
-    """The watch listener a forked rank adds: every step payload and event, tagged with the rank."""
+    """The watch listener a forked rank adds: every step payload and event, tagged with the rank.
 
-    def __init__(self, channel: RankChannel, rank: int, world_size: int, watch_id: str):
+    Step payloads wait in ``pending`` and go as one "steps" message once ``interval`` has passed since
+    the last message; anything else (an event) first sends what is pending."""
+
+    def __init__(self, channel: RankChannel, rank: int, world_size: int, watch_id: str,
+                 interval: float = STEP_INTERVAL_S, clock: Callable[[], float] = time.monotonic):
         self.channel, self.rank, self.world_size, self.watch_id = channel, rank, world_size, watch_id
+        self.interval, self.clock = interval, clock
+        self.pending: list[Any] = []
+        self.messages = 0
+        self._last_sent = -math.inf
+        # A forked rank ends through multiprocessing's exit, which runs its finalizers (not atexit):
+        # the steps still pending then are sent before the process goes.
+        multiprocessing.util.Finalize(self, self.flush, exitpriority=10)
 
     def __call__(self, watch: Any, kind: str, payload: Any) -> None:
         data = payload.to_dict() if hasattr(payload, "to_dict") else payload
+        if kind == "step":
+            self.pending.append(data)
+            if self.clock() - self._last_sent >= self.interval:
+                self.flush()
+            return
+        self.flush()
+        self._send(kind, data)
+
+    def flush(self) -> None:
+        """Send the pending steps now (at an event, a detach, the rank's exit)."""
+        if self.pending:
+            steps, self.pending = self.pending, []
+            self._send("steps", steps)
+
+    def _send(self, kind: str, payload: Any) -> None:
         self.channel.send({"rank": self.rank, "world_size": self.world_size, "watch_id": self.watch_id,
-                           "kind": kind, "payload": data})
+                           "kind": kind, "payload": payload})
+        self.messages += 1
+        self._last_sent = self.clock()
 
 
 def connect(watch: Any, rank: int, world_size: int) -> RankStreamer | None:
@@ -91,6 +127,7 @@ def connect(watch: Any, rank: int, world_size: int) -> RankStreamer | None:
     if channel is None:
         return None
     streamer = RankStreamer(channel, rank, world_size, watch.watch_id)
+    watch._streamer = streamer  # its detach sends what is pending
     watch.add_listener(streamer)
     streamer(watch, "attach", {"groups": list(watch.history.groups), "policy": watch.policy})
     return streamer
