@@ -1,6 +1,7 @@
-"""DeepSpeed's loss-scaler skips, read from the lines it logs (DeepSpeed itself cannot run here:
-its fp16 engine needs an accelerator). The lines are emitted through the same logger, at the same
-level and with the same format strings as deepspeed 0.19.8's deepspeed/runtime/fp16/loss_scaler.py."""
+"""DeepSpeed's loss-scaler skips, read from the lines it logs (the fallback where the watch is given
+no engine), without deepspeed installed. The lines are emitted through the same logger, at the same
+level and with the same format strings as deepspeed 0.19.8's deepspeed/runtime/fp16/loss_scaler.py;
+tests/test_deepspeed_engine.py checks the parser against a real engine's lines."""
 import logging
 import sys
 import types

@@ -1,9 +1,11 @@
 """DeepSpeed's fp16 loss-scaler skips, read like a GradScaler's: from the messages it logs.
 
-DeepSpeed (not installed here: its fp16 engine needs an accelerator and does not run on this CPU
-set-up) skips ``optimizer.step`` itself on overflow, so the watch's optimizer hooks never see a
-skipped step. What it does emit, through the ``"DeepSpeed"`` logger, is one line per skip
-(deepspeed 0.19.8, ``deepspeed/runtime/fp16/loss_scaler.py``):
+The fallback where the watch was not given the engine (a Trainer or accelerate build it inside
+``train()``); given one, :mod:`.deepspeed_engine` reads the engine itself. DeepSpeed skips
+``optimizer.step`` itself on overflow, so the watch's optimizer hooks never see a skipped step. What it
+does emit, through the ``"DeepSpeed"`` logger, is one line per skip (deepspeed 0.19.8,
+``deepspeed/runtime/fp16/loss_scaler.py``; checked against a real fp16 ZeRO run in
+tests/test_deepspeed_engine.py):
 
 - ``DynamicLossScaler.update_scale``: ``[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss
   scale: 65536, reducing to 32768`` (or ``..., but hysteresis is 2. Reducing hysteresis to 1``);

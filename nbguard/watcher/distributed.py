@@ -100,9 +100,10 @@ def needs_parameter_hooks(target: Any, params: Sequence[torch.Tensor]) -> bool:
     boundary). Multi-rank DDP starts with them too (``RankSync``: the step boundary sees the averaged
     gradient, and each rank's own one only exists before the all-reduce) until the watch reads DDP's
     buckets instead (``ddp_buckets``)."""
+    from .deepspeed_engine import find_engine
+
     trainer_deepspeed = bool(getattr(target, "is_deepspeed_enabled", False))
-    engine = any(cls.__name__ == "DeepSpeedEngine" for cls in type(target).__mro__)
-    return trainer_deepspeed or engine or is_sharded(params)
+    return trainer_deepspeed or find_engine(target) is not None or is_sharded(params)
 
 
 @dataclass

@@ -90,9 +90,7 @@ class WatchLifecycle(WatchSteps):
 
         record_watch(self)
         if "deepspeed" in sys.modules and self._deepspeed is None:
-            from .deepspeed_skips import DeepSpeedSkips  # its engine skips steps itself: read its log lines
-
-            self._deepspeed = DeepSpeedSkips(self).attach()
+            self._deepspeed = self._read_deepspeed()
         if self._ranks is not None:
             self._ranks.announce()  # peers check at the first step that every rank watches
         if self._ranks is not None and self._streamer is None:
@@ -100,6 +98,17 @@ class WatchLifecycle(WatchSteps):
 
             connect(self, self._ranks.rank, self._ranks.world_size)
         return self
+
+    def _read_deepspeed(self) -> Any:
+        """Its engine skips steps itself: read them from the engine where the watch was given one,
+        else from DeepSpeed's log lines (a Trainer builds its engine inside ``train()``)."""
+        from .deepspeed_engine import DeepSpeedEngineReader, find_engine
+        from .deepspeed_skips import DeepSpeedSkips
+
+        engine = find_engine(self.target)
+        if engine is not None:
+            return DeepSpeedEngineReader(self, engine).attach()
+        return DeepSpeedSkips(self).attach()
 
     def _watch_registrations(self) -> list:
         """torch's global hooks on module/parameter assignment: a module swapped into this model after

@@ -82,7 +82,7 @@ class WatchRecord(ABC):
     _callback: Any  # WatchCallback, Trainer only
     _labels_tap: Any  # LabelsTap, Trainer only: labels the Trainer keeps from the model
     _loss_tap: Any  # TrainingLossTap: a Trainer whose loss is not its model's own
-    _deepspeed: Any  # DeepSpeed's skip lines, read when deepspeed is imported
+    _deepspeed: Any  # DeepSpeed's skips, from its engine or its log lines, read when deepspeed is imported
     _trainer_control: Any
     _stop_requested: bool
     _rewinder: Any  # policy rewind: its snapshots (rewind.Rewinder), else None

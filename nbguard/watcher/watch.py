@@ -118,7 +118,7 @@ class NanWatch(WatchLifecycle, Displayable):
         self._verdict = None
         self._streamer = None  # a forked rank's stream to the kernel (stream.RankStreamer)
         self._keep_farewell = False
-        self._deepspeed = None  # DeepSpeed's skip lines, read when deepspeed is imported
+        self._deepspeed = None  # DeepSpeed's skips, from its engine or its log lines (lifecycle._read_deepspeed)
         self._probe = None
         self.activation_history = None  # None unless activations=True
         if activations:
