@@ -128,8 +128,13 @@ SHAPES: tuple[Shape, ...] = (
           (("-----BEGIN RSA PRIVATE KEY-----\n", Chars(BASE64 + "\n", 64, 1600), "\n-----END RSA PRIVATE KEY-----"),
            ("-----BEGIN OPENSSH PRIVATE KEY-----\n", Chars(BASE64 + "\n", 64, 1600), "\n-----END OPENSSH PRIVATE KEY-----")),
           note="the body, to the END line or, if cut, to the end of the text", secret_group=2),
-    Shape("URL credentials", re.compile(r"([A-Za-z][A-Za-z0-9+.-]*(?:://|%3A%2F%2F))([^\s/@'\"<>]+?)(?:@|%40)"),
-          (("postgres://", Chars(ALNUM, 3, 12), ":", Chars(URLSAFE, 8, 40), "@db.internal:5432/app"),),
+    # To the literal "@" when there is one (a password may hold "%40", an encoded "@"); to the
+    # first "%40" in a URL that is itself encoded.
+    Shape("URL credentials", re.compile(r"([A-Za-z][A-Za-z0-9+.-]*(?:://|%3A%2F%2F))"
+                                        r"([^\s/@'\"<>]+(?=@)|[^\s/@'\"<>]+?(?=%40))(?:@|%40)"),
+          (("postgres://", Chars(ALNUM, 3, 12), ":", Chars(URLSAFE, 8, 40), "@db.internal:5432/app"),
+           ("postgres://", Chars(ALNUM, 3, 12), ":", Chars(URLSAFE, 4, 20), "%40", Chars(URLSAFE, 8, 20),
+            "@db.internal:5432/app")),
           note="the user and password before `@`", secret_group=2),
     Shape("Authorization header", re.compile(rf"(?i)(authorization['\"]?{_COLON}['\"]?(?:(?:bearer|token|basic|bot){_SPACE})?)"
                                              r"([^\s'\",;}\\]+)"),
@@ -154,6 +159,11 @@ AMBIGUOUS_NAMES = frozenset({"token"})  # "the BOS token: stop …" is prose: it
 
 _QUOTED = r"""(?:"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'|\\"(?:(?!\\").)*?\\"|\\'(?:(?!\\').)*?\\')"""
 _UNQUOTED = r"""[^\s'",;&)}\]\\]+"""
+# A list, tuple or dict value, also pretty-printed over several lines (json.dumps(indent=2)); bounded,
+# so an opening bracket that never closes costs a bounded scan, not one to the end of the text.
+_BRACKETED = (rf"""\[(?:{_QUOTED}|[^\]"']){{0,2000}}\]|\((?:{_QUOTED}|[^)"']){{0,2000}}\)"""
+              rf"""|\{{(?:{_QUOTED}|[^}}"']){{0,2000}}\}}""")
+_CLOSING = {"[": "]", "(": ")", "{": "}"}
 _NAME_START = rf"(?:(?<![\w.'\"\\-])|{_AFTER_ESCAPE})"  # not from the "n" of "\n"
 NAMED_VALUE = re.compile(rf"""
     (?: (?P<kq>\\?["'])(?P<qname>[\w.-]+)(?P=kq)\s*\]?\s*[:=]\s*           # 'name': …  ["NAME"] = …
@@ -161,8 +171,8 @@ NAMED_VALUE = re.compile(rf"""
         (?:\s*[:=]\s*|%3[DdAa])
       | (?:(?<![\w-])|{_AFTER_ESCAPE})--(?P<fname>[A-Za-z][\w-]*)(?:\s+|=)(?!-)  # --name …  --name=…
     )
-    (?P<value>{_QUOTED}|\[(?:{_QUOTED}|[^\]\n"'])*\]|{_UNQUOTED})""", re.X)
-_ITEM = re.compile(_QUOTED)
+    (?P<value>{_QUOTED}|{_BRACKETED}|{_UNQUOTED})""", re.X)
+_ITEM = re.compile(rf"(?P<key>{_QUOTED}\s*:)|{_QUOTED}")  # a dict's key is matched too, to be kept
 _PLACEHOLDER = re.compile(r"(?i)true|false|none|null|nil|undefined|<[^<>]*>|\$\{?\w+\}?|\*+|\.\.\.|…|\[REDACTED[^\]]*\]|")
 _CODE_REFERENCE = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+|[A-Za-z_][\w.]*[(\[]")
 
@@ -171,6 +181,7 @@ _CODE_REFERENCE = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+|[A-Za-z_][\w.]*[(
 NAMED_CONTEXTS: tuple[tuple[str, str], ...] = (
     ("code", 'api_key="…"'), ("code, multi-word", 'password="correct horse battery staple"'),
     ("a dict or JSON", '{"password": "…"}'), ("a list value", '{"password": ["…", "…"]}'),
+    ("a tuple or dict value, one level deep, also over several lines", '{"credentials": {"user": "…"}}'),
     ("a subscript", 'os.environ["HF_TOKEN"] = "…"'), ("YAML or a header", "X-Api-Key: …"),
     ("an env dump", "AWS_SECRET_ACCESS_KEY=…"), ("a CLI flag", "--password … / --hub-token=…"),
     ("a connection string", "AccountKey=…;"),
@@ -237,12 +248,13 @@ def _hidden(value: str) -> str:
     return opening + REDACTED + closing
 
 
-def _hidden_list(value: str) -> str:
-    """ '["a", "b"]' -> '["[REDACTED]", "[REDACTED]"]'; an unquoted flow list is hidden whole."""
-    inside = value[1:-1]
+def _hidden_items(value: str) -> str:
+    """ '["a", "b"]' -> '["[REDACTED]", "[REDACTED]"]', the same for a tuple; a dict keeps its keys
+    ('{"user": "[REDACTED]"}'); an unquoted flow list or map is hidden whole."""
+    opening, inside, closing = value[0], value[1:-1], value[-1]
     if _ITEM.search(inside):
-        return "[" + _ITEM.sub(lambda m: _hidden(m.group(0)), inside) + "]"
-    return value if _PLACEHOLDER.fullmatch(inside.strip()) else f"[{REDACTED}]"
+        return opening + _ITEM.sub(lambda m: m.group(0) if m.group("key") else _hidden(m.group(0)), inside) + closing
+    return value if _PLACEHOLDER.fullmatch(inside.strip()) else f"{opening}{REDACTED}{closing}"
 
 
 def _keeps_unquoted(name: str, value: str) -> bool:
@@ -258,8 +270,8 @@ def _named_value(match: re.Match) -> str:
     value = match.group("value")
     if _PLACEHOLDER.fullmatch(value):  # already "[REDACTED:NAME]" (an env value hidden first), or a literal
         return match.group(0)
-    if value.startswith("["):
-        shown = _hidden_list(value)
+    if len(value) > 1 and _CLOSING.get(value[0]) == value[-1]:
+        shown = _hidden_items(value)
     elif _unquote(value)[0]:
         shown = _hidden(value)
     else:
