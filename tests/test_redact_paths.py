@@ -1,7 +1,8 @@
 """Every path that produces text a user can share passes through the one redaction step: the
 renderers (text view, static HTML, the MIME bundle), ``str()`` and display of real result objects,
-a warning's first line cut to length, ``%nbguard explain`` on an error no rule knows, and the
-live card's Apply error and ``changed`` value."""
+``repr()`` of a finding or an event, a verification's ``str()``, a warning's first line cut to
+length, ``%nbguard explain`` on an error no rule knows, ``%%nanwatch``'s summary, and the live
+card's Apply error and ``changed`` value."""
 from __future__ import annotations
 
 import json
@@ -14,11 +15,12 @@ import nbguard.render
 from nbguard.auditor.result import AuditResult
 from nbguard.explainer import diagnose
 from nbguard.explainer.warnings import diagnose_warning
-from nbguard.findings import Finding, Severity
+from nbguard.findings import Event, Finding, Severity
 from nbguard.hardware import resolve_hardware
 from nbguard.notebook.widgets.cards import FindingsView
 from nbguard.notebook.widgets.fixrow import FixRow
 from nbguard.reporting import Report
+from nbguard.verifier.result import FixVerdict, Verification
 
 HF = "hf_" + "Zq8Wm3Kd9Lp2Xr7Tn4Bv6Hc1Jy5Fg0Su"  # built here, not a literal secret
 ANTHROPIC = "sk-ant-api03-" + "x_Y-" * 23 + "zAA"
@@ -123,3 +125,33 @@ def test_the_live_cards_apply_error_and_changed_value_are_redacted():
     view.fix_row("fp16-overflow-risk", "switch-precision").apply()
     assert "Applied <code>switch-precision</code>" in view.header.value
     assert_clean(view.header.value, "changed, in the card's header")
+
+
+def test_reprs_of_findings_and_events_are_redacted_before_they_are_cut():
+    # the 100-character cut falls inside the token: a repr that cut first would keep its prefix
+    detail = "x" * 90 + f" {HF} {PLANTED}"
+    finding = Finding("fp16-overflow-risk", Severity.ERROR, f"Overflow near {HF}", detail, {}, [])
+    event = Event("watch-error", 3, detail)
+    for shown in (repr(finding), repr(event), repr([finding, event])):
+        assert_clean(shown, "repr()")
+        assert not re.search(r"hf_[A-Za-z0-9]+", shown)
+
+
+def test_a_verifications_text_view_is_redacted():
+    # a reason quotes the exception the shadow step raised under the fix
+    verdict = FixVerdict("switch-precision", "not checked", f"the step raises under it: OSError: {PLANTED}")
+    verification = Verification("event step 0 nonfinite-grad", [verdict], notes=[f"module level: {PLANTED}"])
+    assert HF in verdict.reason  # really planted in the real object
+    assert_clean(str(verification), "str(Verification)")
+    assert "switch-precision" in str(verification)
+
+
+def test_nanwatchs_summary_in_the_cell_output_is_redacted(shell, monkeypatch):  # noqa: F811
+    import nbguard.notebook.present as present
+
+    # a watch event's message can quote an exception; the summary is printed into the saved cell
+    monkeypatch.setattr(present.LiveWatch, "summary", lambda self: f"nbguard watch: step 0 [watch-error] {PLANTED}")
+    run(shell, "import torch\nnet = torch.nn.Linear(2, 2)\nopt = torch.optim.SGD(net.parameters(), lr=0.1)")
+    cell = run(shell, "%%nanwatch net --optimizer opt\nnet(torch.ones(1, 2)).sum().backward()\nopt.step()")
+    assert "[watch-error]" in cell.stdout, cell.stdout + cell.stderr
+    assert_clean(cell.stdout, "%%nanwatch summary")

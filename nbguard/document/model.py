@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
 from .codec import decode_float, encode_float, jsonable
+from .redact import redact
 
 # The version every document is stamped with; nbguard/__init__.py and the build read it from here.
 __version__ = "0.1.0"
@@ -43,8 +44,9 @@ class FixOffer:
 
 
 def _clip(text: Any, width: int = 100) -> str:
-    """One line of at most ``width`` characters (reprs stay a few lines; to_dict() has everything)."""
-    line = " ".join(str(text).split())
+    """One line of at most ``width`` characters (reprs stay a few lines; to_dict() has everything),
+    redacted whole before it is cut: a repr in a cell's output is saved in the notebook."""
+    line = " ".join(redact(str(text)).split())
     return line if len(line) <= width else line[:width - 1] + "…"
 
 

@@ -334,7 +334,7 @@ class NbguardMagics(Magics):
             inner = self.ip.run_cell(cell, store_history=False)
         finally:
             self.state.stop_watch(live)
-            print(live.summary())
+            print(redact(live.summary()))  # saved as the cell's output; an event can quote an exception
         error = inner.error_before_exec or inner.error_in_exec
         if error is not None:
             # The inner cell already showed its traceback and diagnosis; make THIS cell fail with the

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..document.redact import redact
 from ..findings import Displayable, decode_float, document, encode_float, jsonable
 
 VERIFIED = "verified"
@@ -210,7 +211,7 @@ class Verification(Displayable):
                              f"{'finite' if v.module.finite else 'non-finite'}")
         for note in self.notes:
             lines.append(f"  note: {note}")
-        return "\n".join(lines)
+        return redact("\n".join(lines))  # a reason or note can quote an exception's message
 
 
 def _step_line(s: StepEvidence) -> str:
