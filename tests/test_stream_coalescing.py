@@ -22,6 +22,21 @@ class SteppedClock:
         return self.now
 
 
+def _stream_from_a_forked_rank(view: RankWatches, rank_main, *args) -> stream.RankChannel:
+    """Open the kernel's channel into ``view``, fork a rank running ``rank_main(*args)``, wait for it to
+    end cleanly, close the channel (what the rank sent is drawn first); the channel, for its counts."""
+    channel = stream.RankChannel(view.on_message).open()
+    try:
+        child = multiprocessing.get_context("fork").Process(target=rank_main, args=args)
+        child.start()
+        child.join(300)
+        assert child.exitcode == 0
+    finally:
+        channel.close()
+    assert channel.errors == []
+    return channel
+
+
 def _train(watch, model, opt, steps: int, clock: SteppedClock | None = None, nan_at: int | None = None) -> None:
     batch = tiny_batch()
     for step in range(steps):
@@ -53,15 +68,7 @@ def test_a_fast_loop_sends_a_message_per_interval_and_every_step_arrives():
     view = RankWatches(record=False)
     seen: list[tuple[str, int]] = []
     view.add_listener(lambda _w, kind, payload: seen.append((kind, payload.step if kind == "event" else payload["step"])))
-    channel = stream.RankChannel(view.on_message).open()
-    try:
-        child = multiprocessing.get_context("fork").Process(target=_fast_rank, args=(STEPS, 40))
-        child.start()
-        child.join(300)
-        assert child.exitcode == 0
-    finally:
-        channel.close()
-    assert channel.errors == []
+    channel = _stream_from_a_forked_rank(view, _fast_rank, STEPS, 40)
     rank = view.ranks[3]
     assert rank.history.steps == list(range(STEPS)) and rank.history.skipped_steps[0] == 40
     # the NaN in the weight stays: the bad step's event, then the skip that cannot save the run
@@ -103,14 +110,6 @@ def _rank_that_exits_without_detaching(steps: int) -> None:
 
 def test_steps_pending_when_a_forked_rank_exits_still_arrive():
     view = RankWatches(record=False)
-    channel = stream.RankChannel(view.on_message).open()
-    try:
-        child = multiprocessing.get_context("fork").Process(target=_rank_that_exits_without_detaching, args=(7,))
-        child.start()
-        child.join(120)
-        assert child.exitcode == 0
-    finally:
-        channel.close()
-    assert channel.errors == []
+    channel = _stream_from_a_forked_rank(view, _rank_that_exits_without_detaching, 7)
     assert view.ranks[1].history.steps == list(range(7))
     assert channel.received == 2  # attach, then the seven steps pending at the exit
