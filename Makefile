@@ -98,9 +98,11 @@ wheel: $(VENV)/.stamp
 
 # The loaded multi-rank run and the Colab lane run side by side: each is the other's load, and the burners,
 # at the lowest priority, fill whatever core the two leave idle. One after the other, with the burners
-# competing, the two took over 45 minutes of CI's 90; side by side the same work takes about 25.
+# competing, the loaded run alone passed 25 minutes; side by side both took 34 (a fresh clone's make test:
+# 66 minutes of CI's 90). Their lines interleave (each carries its elapsed seconds in CI): a run cut off
+# still shows both lanes' progress.
 test: test-main test-labextension test-tf450
-	$(MAKE) --no-print-directory -j2 --output-sync=line BURNER_NICE=19 test-loaded test-colab
+	$(MAKE) --no-print-directory -j2 BURNER_NICE=19 test-loaded test-colab
 
 # Every test of the main lane but the multi-rank ones (test-loaded runs those) and the notebooks (test-colab
 # runs every one, on the releases notebook users have; executing them twice did not fit CI's 90 minutes),
