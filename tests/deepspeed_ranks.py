@@ -8,6 +8,7 @@ Scenarios (rank 1's loss is multiplied by inf at the planted steps):
 """
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import sys
@@ -73,6 +74,11 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
         warnings.simplefilter("always")
         watch = nbguard.watch(engine, optimizer=engine.optimizer, policy=policy)
     watch.settings.skip_streak = STREAK  # (the readers share the watch's settings)
+    # the wrappers keep what user code sees (accelerate and the Trainer read these methods' signatures):
+    # the engine's own method, bound, against the watch's wrapper (deepspeed's decorators name theirs)
+    originals = {name: getattr(type(engine), name).__get__(engine) for name in ("step", "backward")}
+    signatures = {name: [str(inspect.signature(getattr(engine, name))), getattr(engine, name).__name__,
+                         str(inspect.signature(original)), original.__name__] for name, original in originals.items()}
     truth: list[dict] = []
     stopped = None
     try:
@@ -96,6 +102,7 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
               "reader": type(reader).__name__, "readings": list(reader.steps),
               "events": [e.to_dict() for e in watch.events], "watch_failed": watch._broken,
               "deepspeed_lines": lines.lines, "warned": [str(w.message) for w in caught if "nbguard" in str(w.message)],
+              "signatures": signatures,
               "weights_finite": all(bool(torch.isfinite(p.detach()).all()) for p in engine.module.parameters())}
     watch.detach()
     result["restored"] = "step" not in engine.__dict__ and "backward" not in engine.__dict__

@@ -67,6 +67,8 @@ def test_bf16_zero2_a_rank_non_finite_loss_is_the_skipped_step_the_engine_counte
         assert math.isinf(result["truth"][BAD_STEP]["grad_norm"])
         _readings_match_engine(result)
         assert result["weights_finite"] and result["restored"]
+        for wrapped, name, original, expected in result["signatures"].values():  # what user code sees: unchanged
+            assert (wrapped, name) == (original, expected)
         (event,) = result["events"]  # one event, for the one step the engine skipped, on each rank
         assert event["evidence"]["source"] == "deepspeed-engine"
         assert event["evidence"]["global_step"] == result["truth"][BAD_STEP]["global_steps"]
