@@ -99,7 +99,7 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
         stopped = {"message": str(err), "at_engine_step": len(truth)}
     reader = watch._deepspeed
     result = {"rank": rank, "world_size": dist.get_world_size(), "stopped": stopped, "truth": truth,
-              "reader": type(reader).__name__, "readings": list(reader.steps),
+              "reader": type(reader).__name__, "readings": reader.readings(),
               "events": [e.to_dict() for e in watch.events], "watch_failed": watch._broken,
               "deepspeed_lines": lines.lines, "warned": [str(w.message) for w in caught if "nbguard" in str(w.message)],
               "signatures": signatures,

@@ -101,6 +101,10 @@ class DeepSpeedEngineReader:
             self.watch._fail(exc, safe=True)
 
     # ---- the readings ---------------------------------------------------------------------------------
+    def readings(self) -> list[dict[str, Any]]:
+        """Every kept reading with its grad norm as a number (read now, off the training step's path)."""
+        return [dict(r, grad_norm=_number(r["grad_norm"])) for r in self.steps]
+
     def _before_backward(self, loss: Any = None, *_: Any) -> None:
         if isinstance(loss, torch.Tensor):
             self._losses.append(loss.detach())  # read only on a bad step (no device sync on a healthy one)
@@ -112,11 +116,16 @@ class DeepSpeedEngineReader:
         self._global_before = int(engine.global_steps)
         skipped = int(engine.skipped_steps) > self._skipped_before
         self._skipped_before = int(engine.skipped_steps)
+        norm = engine.get_global_grad_norm()
+        # A norm on the device is read only for a skipped step: reading it on every step would wait for the
+        # optimizer's kernels (a second host sync per step). An applied step's non-finite gradient is the
+        # watch's own read's to catch (the inner optimizer step ran, so its hooks did too).
         reading = {"global_step": int(engine.global_steps), "skipped": skipped,
-                   "skipped_steps": int(engine.skipped_steps), "grad_norm": _number(engine.get_global_grad_norm()),
+                   "skipped_steps": int(engine.skipped_steps),
+                   "grad_norm": norm if isinstance(norm, torch.Tensor) and not skipped else _number(norm),
                    "loss_scale": _number(getattr(engine.optimizer, "cur_scale", None)) if engine.fp16_enabled() else None}
         losses, self._losses = self._losses, []
-        norm_bad = reading["grad_norm"] is not None and not math.isfinite(reading["grad_norm"])
+        norm_bad = isinstance(reading["grad_norm"], float) and not math.isfinite(reading["grad_norm"])
         if skipped or norm_bad:
             reading["own_loss_finite"] = all(bool(torch.isfinite(x).all()) for x in losses)
         self.steps.append(reading)
