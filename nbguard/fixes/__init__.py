@@ -22,6 +22,7 @@ from . import (  # noqa: F401  (registers the fixes)
     rl_fixes,
     setup_fixes,
     trainer_fixes,
+    truncation_fixes,
     unsloth_fixes,
 )
 from .registry import FIXES, Fix, Names, Target

@@ -29,5 +29,6 @@ from . import (  # noqa: F401  (registers them)
     tokens,
     train_mode,
     training,
+    truncation,
     vlm,
 )
