@@ -22,6 +22,7 @@ Scenarios (faults on rank 1 only; rank 0's batches are healthy):
               skips every step on both ranks (the all-reduced grads are inf), a streak of 2 is an event
   fail      - rank 1's watch hits an internal error in its step read: it must step aside without
               leaving rank 0 blocked in the step's collective
+``train_rewind_rank``: an LR blow-up on every rank, for policy rewind across ranks.
 """
 from __future__ import annotations
 
@@ -257,6 +258,48 @@ def train_trainer_rank(scenario: str, policy: str, out_dir: str) -> None:
     dist.barrier()
 
 
+SPIKE_STEPS = range(6, 9)  # train_rewind_rank: the LR x1e30 on these optimizer steps (both ranks)
+REWIND_STEPS = 16
+
+
+def train_rewind_rank(scenario: str, policy: str, out_dir: str) -> None:
+    """An accelerate loop whose LambdaLR puts the LR at 1e27 for SPIKE_STEPS on every rank: the first
+    update there makes the weights huge (finite), the next steps' gradients NaN on both ranks. Under
+    ``policy="rewind"`` (snapshots every 2 steps) both ranks go back to the same state; records each
+    step's loss and the weights after training."""
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    import nbguard
+    from nbguard.testing import tiny_batch, tiny_llama
+    from nbguard.watcher import RewindSettings
+
+    torch.set_num_threads(1)
+    accelerator = Accelerator(cpu=True)
+    rank = accelerator.process_index
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1e30 if s in SPIKE_STEPS else 1.0)
+    model, opt = accelerator.prepare(model, opt)
+    watch = nbguard.watch(model, optimizer=opt, scheduler=sched, policy=policy, verify=False,
+                          rewind=RewindSettings(every=2))
+    losses: list[float] = []
+    for step in range(REWIND_STEPS):
+        loss = model(**tiny_batch(2, 12, seed=100 * rank + step % 4)).loss
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        losses.append(float(loss.detach()))
+    watch.detach()
+    weights = torch.cat([p.detach().flatten() for p in accelerator.unwrap_model(model).parameters()])
+    result = {"rank": rank, "losses": losses, "events": [e.to_dict() for e in watch.events],
+              "rewinds": watch.rewinds, "policy": watch.policy, "weights_finite": bool(torch.isfinite(weights).all()),
+              "weights_sum": float(weights.double().sum()), "weights_abs_sum": float(weights.double().abs().sum())}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+
+
 def train_fsdp_rank(scenario: str, policy: str, out_dir: str) -> None:
     """FSDP2 (``fully_shard`` per decoder layer and the root) in a plain loop; records, per step,
     each group's norm of the WHOLE averaged gradient (gathered with ``full_tensor``) next to the
@@ -415,9 +458,10 @@ def read_ranks(out_dir: Path, world_size: int = 2) -> list[dict[str, Any]]:
 
 
 def launch_notebook(scenario: str, policy: str, out_dir: Path, stall: float = 150,
-                    trainer: bool = False) -> subprocess.CompletedProcess:
-    """accelerate.notebook_launcher(train_rank, num_processes=2): forked workers, DDP over gloo."""
-    fn = "train_trainer_rank" if trainer else "train_rank"
+                    trainer: bool = False, fn: str | None = None) -> subprocess.CompletedProcess:
+    """accelerate.notebook_launcher(train_rank, num_processes=2): forked workers, DDP over gloo
+    (``fn``: another training function of this file)."""
+    fn = fn or ("train_trainer_rank" if trainer else "train_rank")
     def cmd(port: int) -> list[str]:
         return [sys.executable, "-c", f"from accelerate import notebook_launcher; from ddp_helpers import {fn}; "
                 f"notebook_launcher({fn}, args=({scenario!r}, {policy!r}, {str(out_dir)!r}), num_processes=2, "

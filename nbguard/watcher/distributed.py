@@ -220,6 +220,13 @@ class RankSync:
                 verdict.grads_bad, verdict.grads_after_reduce = list(range(self.world_size)), True
         return verdict
 
+    def smallest(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's ``value``: one small collective. Every rank must call it at the
+        same point (policy rewind: where to go back to, whether a snapshot is taken)."""
+        vec = torch.tensor([float(value)], device=device, dtype=torch.float64)
+        self.dist.all_reduce(vec, op=self.dist.ReduceOp.MIN)
+        return int(vec.item())
+
     def gather(self, local: dict[str, Any] | None) -> list[dict[str, Any] | None]:
         """Every rank's localisation (bad steps only): one object collective, same order on all ranks."""
         out: list[Any] = [None] * self.world_size

@@ -18,6 +18,11 @@ non-finite step that the replay cannot reproduce is a blip: skipped, not rewound
 weights and optimizer state are still finite (its batch was bad: dropping the update undid it), unless
 it is the second bad step in a row. After ``max_rewinds`` rewinds the next one stops training with a
 message. Each rewind is a ``rewind`` event and a row in the history.
+
+Across ranks (DDP) every rank rewinds alike: the non-finite verdict is already agreed, a snapshot is
+taken only where every rank's step was clean (one small collective every ``every`` steps), and the
+snapshot restored is the oldest of the ranks' choices (their losses differ). A divergence is one rank's
+own verdict there: it is reported, and rewinds nothing.
 """
 from __future__ import annotations
 
@@ -222,10 +227,16 @@ class Rewinder:
 
     # ---- at attach: does it fit? -----------------------------------------------------------------------
     def check_budget(self, watch: Any) -> str | None:
-        """Why rewinding cannot run for this watch (None: it can): the snapshots do not fit the budget,
-        or the run spans ranks (every rank would have to rewind alike)."""
-        if watch._ranks is not None:
-            return "rewinding across ranks is not supported: each rank would have to restore alike"
+        """Why rewinding cannot run for this watch (None: it can): the parameters live where a snapshot
+        cannot hold them all (FSDP shards, a DeepSpeed engine's own fp32 copies), or the snapshots do not
+        fit the budget."""
+        from .deepspeed_engine import find_engine
+
+        if watch._ranks is not None and watch._ranks.sharded:
+            return ("rewinding sharded (FSDP) parameters is not supported: each rank holds a shard of the weights and "
+                    "of the optimizer state")
+        if find_engine(watch.model) is not None or getattr(watch.trainer, "is_deepspeed_enabled", False):
+            return "rewinding a DeepSpeed engine is not supported: it keeps the fp32 weights in its own buffers"
         need = estimate_bytes(watch.model, watch.optimizer) * self.settings.slots
         if need > self.settings.budget_bytes:
             return (f"{self.settings.slots} snapshots of the trainable parameters and optimizer state need about "
@@ -257,16 +268,20 @@ class Rewinder:
     def step_ended(self, watch: Any, step: int, skipped: bool, found: list) -> None:
         if self.unavailable is not None or watch.policy != "rewind":
             return
+        sync = watch._ranks
         late = next((e for _, e in found if e.kind == "divergence" and not e.evidence.get("update_dropped")), None)
-        if late is not None:  # judged at the step's end (an enabled GradScaler): rewind now
+        if late is not None and sync is None:  # judged at the step's end (an enabled GradScaler): rewind now
             late.evidence["update_dropped"] = False
             self.respond(watch, late, step, step_ended=True)
             return
-        if skipped or found or step < self.next_due or watch.optimizer is None:
+        if skipped or step < self.next_due or watch.optimizer is None:
             return
-        if any(e.step == step and e.kind != "rewind" for e in watch.events[-4:]):
-            return  # anything seen on this step: not a state to come back to
-        self.take(watch, step)
+        # anything seen on this step: not a state to come back to
+        clean = not found and not any(e.step == step and e.kind != "rewind" for e in watch.events[-4:])
+        if sync is not None:  # every rank's step clean, or no rank keeps it: the ranks' snapshots stay alike
+            clean = bool(sync.smallest(int(clean), watch._collector.device()))
+        if clean:
+            self.take(watch, step)
 
     def take(self, watch: Any, step: int) -> None:
         tensors, plain = _live_tensors(watch.model, watch.optimizer, watch.scaler)
@@ -293,6 +308,18 @@ class Rewinder:
         losses = dict(zip(history.steps, history.loss)) if history is not None else {}
         return next((s for s in usable if s.is_finite() and not _loss_rose_after(losses, s.after_step or 0)), None)
 
+    def agreed(self, watch: Any, snapshot: Snapshot | None) -> Snapshot | None:
+        """Across ranks, the snapshot every rank goes back to: the oldest of the ranks' choices (each judged
+        its own losses; their snapshots were taken at the same steps, and hold the same weights)."""
+        sync = watch._ranks
+        if sync is None:
+            return snapshot
+        mine = snapshot.after_step if snapshot is not None and snapshot.after_step is not None else -1
+        after = sync.smallest(mine, watch._collector.device())
+        if after < 0:
+            return None
+        return next((s for s in self.slots if s.after_step == after), None)
+
     def respond(self, watch: Any, event: Event | None, step: int, step_ended: bool = False) -> None:
         """The update of ``step`` is already dropped (or, at a step's end, applied): rewind if it helps."""
         if self.unavailable is not None or event is None:
@@ -314,8 +341,10 @@ class Rewinder:
                                         "finite: the update was skipped, nothing to undo"}
             return
         watch._bad_streak = 0  # after a rewind the next bad step is trouble of its own
+        # where the trouble began: a streak's first bad step (its event), not the step that ended the patience
+        began = min(step, event.step)
         if self.rewinds >= self.settings.max_rewinds:
-            last = self.choose(step, watch.history)
+            last = self.agreed(watch, self.choose(began, watch.history))
             if last is not None:  # training ends on the last good state, not on the damaged one
                 self.restore(watch, last)
             kept = f"the state after step {last.after_step} restored" if last is not None else \
@@ -329,7 +358,7 @@ class Rewinder:
             watch._emit(stop)
             watch._stop(stop, step_ended=step_ended)
             return
-        snapshot = self.choose(step, watch.history)
+        snapshot = self.agreed(watch, self.choose(began, watch.history))
         if snapshot is None:
             event.evidence["rewind"] = {"restored": False, "reason": "no finite snapshot from before the trouble "
                                         "yet: the update was skipped"}
