@@ -39,7 +39,7 @@ RUNS ?= 1
 WORKERS ?= 2
 PYTEST_PARALLEL = -n $(WORKERS) --dist loadfile
 
-.PHONY: demo docs wheel test test-main test-loaded test-labextension test-colab test-tf450 test-newest lock \
+.PHONY: demo docs wheel test test-main test-main-parallel test-main-serial test-loaded test-labextension test-colab test-tf450 test-newest lock \
 	install clean lint
 
 install: $(VENV)/.stamp
@@ -96,12 +96,21 @@ docs: demo
 wheel: $(VENV)/.stamp
 	$(VENV)/bin/pip wheel . --no-deps $(PIP_QUIET) -w dist/
 
-# The loaded multi-rank run and the Colab lane run side by side: each is the other's load, and the burners,
-# at the lowest priority, fill whatever core the two leave idle. One after the other, with the burners
-# competing, the loaded run alone passed 25 minutes; side by side both took 34 (a fresh clone's make test:
-# 66 minutes of CI's 90). Their lines interleave (each carries its elapsed seconds in CI): a run cut off
-# still shows both lanes' progress.
-test: test-main test-labextension test-tf450
+# make test packs the lanes onto the two cores: whatever leaves a core idle runs beside something else.
+# 1. mypy (one core) while the Colab and transformers 4.50 venvs install (network and disk);
+# 2. the main lane on both cores;
+# 3. its serial step (one process: the wheel build, ~160 s) beside the transformers 4.50 lane, then the
+#    Lab extension's tests (not beside the wheel build: both run npm in labextension/);
+# 4. the loaded multi-rank run beside the Colab lane: each is the other's load, and the burners, at the
+#    lowest priority, fill whatever core the two leave idle.
+# One after the other these took 66 minutes of CI's 90 on a fresh clone (3956 s of make test); see
+# docs/contributing.md for the figures since. Lines of the side-by-side steps interleave (each carries its
+# elapsed seconds in CI): a run cut off still shows every lane's progress.
+test: $(VENV)/.stamp
+	$(MAKE) --no-print-directory -j3 lint $(COLAB_VENV)/.stamp $(TF450_VENV)/.stamp
+	$(MAKE) --no-print-directory test-main-parallel
+	$(MAKE) --no-print-directory -j2 test-main-serial test-tf450
+	$(MAKE) --no-print-directory test-labextension
 	$(MAKE) --no-print-directory -j2 BURNER_NICE=19 test-loaded test-colab
 
 # Every test of the main lane but the multi-rank ones (test-loaded runs those) and the notebooks (test-colab
@@ -109,18 +118,27 @@ test: test-main test-labextension test-tf450
 # on every core; after them, in one process, the tests that rewrite files others read (isolated: the wheel
 # build) and those marked serial (see pyproject.toml).
 MAIN_TESTS := not tf450 and not multirank and not notebooks
-test-main: $(VENV)/.stamp lint
+test-main: lint
+	$(MAKE) --no-print-directory test-main-parallel
+	$(MAKE) --no-print-directory test-main-serial
+
+test-main-parallel: $(VENV)/.stamp
 	$(VENV)/bin/python -m pytest $(PYTEST_PARALLEL) -m "$(MAIN_TESTS) and not isolated and not serial"
+
+test-main-serial: $(VENV)/.stamp
 	$(VENV)/bin/python -m pytest -m "$(MAIN_TESTS) and (isolated or serial)"
 
 # Multi-rank verdicts must not depend on timing: two burners keep both cores busy while the multi-rank
 # tests (and notebook 07) run RUNS times in a row; the burners stop however the run ends. A gate: make test
 # runs it once, beside the Colab lane (below), and three runs in a row come before each stop (see
 # docs/contributing.md). BURNER_NICE=19 makes the burners fill only what other work leaves idle.
+# The tests go to two workers one by one (--dist load: a two-rank launch leaves much of a core idle while
+# its ranks wait on each other, and test_ddp_watch.py alone holds most of them).
 BURNER_NICE ?= 0
+LOADED_WORKERS ?= 2
 test-loaded: $(VENV)/.stamp
 	$(VENV)/bin/python tests/lanes/loaded.py --runs $(RUNS) --nice $(BURNER_NICE) -- \
-		$(VENV)/bin/python -m pytest -m "multirank and not tf450" -q
+		$(VENV)/bin/python -m pytest -n $(LOADED_WORKERS) --dist load -m "multirank and not tf450" -q
 
 # Drift, not a gate: the newest releases against the suite. The summary (what changed against the lock,
 # what failed) lands in build/newest/summary.txt and is printed; the target exits 0 either way.
