@@ -11,16 +11,23 @@ import nbguard
 from nbguard.testing import TinyDataset, tiny_llama
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-RESUME_RULES = {"resume-checkpoint-incomplete", "resume-batch-changed", "resume-lr-jump"}
+RESUME_RULES = {"resume-checkpoint-incomplete", "resume-batch-changed", "resume-lr-jump", "resume-model-mismatch"}
 
 
-def trainer_for(out, **overrides):
+def trainer_for(out, model=None, **overrides):
     from transformers import Trainer, TrainingArguments
 
     options = dict(output_dir=str(out), use_cpu=True, report_to=[], save_strategy="steps", save_steps=2, max_steps=4,
                    per_device_train_batch_size=4, logging_steps=1, disable_tqdm=True, learning_rate=1e-3)
     options.update(overrides)
-    return Trainer(model=tiny_llama(), args=TrainingArguments(**options), train_dataset=TinyDataset(16, 16))
+    return Trainer(model=model if model is not None else tiny_llama(), args=TrainingArguments(**options),
+                   train_dataset=TinyDataset(16, 16))
+
+
+def _train(trainer):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
 
 
 @pytest.fixture
@@ -85,3 +92,91 @@ def test_bad_checkpoint_arguments_say_what_to_pass(tmp_path):
         nbguard.audit(trainer=trainer, resume_from_checkpoint=True)
     with pytest.raises(TypeError, match="must be a checkpoint folder"):
         nbguard.audit(trainer=trainer, resume_from_checkpoint=3)
+
+
+# ---- the model built for the resume (resume-model-mismatch) -------------------------------------------------
+
+def test_a_model_built_without_the_resized_embeddings_is_flagged_and_the_resume_really_fails(tmp_path):
+    """The first run resized the embeddings (new tokens); the resume builds the model from the base
+    config again: the saved embed_tokens and lm_head have another shape, and the Trainer's load raises."""
+    resized = tiny_llama()
+    resized.resize_token_embeddings(136)
+    _train(trainer_for(tmp_path, model=resized))
+    checkpoint = tmp_path / "checkpoint-2"
+    result = nbguard.audit(trainer=trainer_for(tmp_path), resume_from_checkpoint=str(checkpoint))
+    f = result.finding("resume-model-mismatch")
+    assert f is not None and f.severity == "error"
+    assert set(f.evidence["reshaped"]) == {"model.embed_tokens.weight", "lm_head.weight"}
+    assert f.evidence["reshaped"]["model.embed_tokens.weight"] == [[136, 64], [128, 64]]
+    assert f.evidence["missing"] == [] and f.evidence["unexpected"] == []
+    with pytest.raises(RuntimeError, match="size mismatch"):  # what the finding says the resume would do
+        _train_resumed(trainer_for(tmp_path), checkpoint)
+    # the model built as the first run built it: quiet
+    again = tiny_llama()
+    again.resize_token_embeddings(136)
+    assert nbguard.audit(trainer=trainer_for(tmp_path, model=again),
+                         resume_from_checkpoint=str(checkpoint)).finding("resume-model-mismatch") is None
+
+
+def test_a_deeper_model_keeps_layers_the_checkpoint_lacks_at_their_init_and_is_flagged(tmp_path, checkpoint):
+    deeper = tiny_llama(num_hidden_layers=3)
+    f = nbguard.audit(trainer=trainer_for(tmp_path, model=deeper), resume_from_checkpoint=str(checkpoint)).finding(
+        "resume-model-mismatch")
+    assert f is not None
+    assert f.evidence["missing_count"] == sum(1 for k in deeper.state_dict() if k.startswith("model.layers.2."))
+    assert all(k.startswith("model.layers.2.") for k in f.evidence["missing"])
+    assert "strict=False" in f.detail
+
+
+def _train_resumed(trainer, checkpoint):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+
+
+def _lora(base_dir, r=4):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir))
+    return get_peft_model(base, LoraConfig(r=r, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+
+
+@pytest.fixture
+def lora_checkpoint(tmp_path):
+    """A LoRA run on the base saved in base_a (its checkpoint-2 holds the adapter), and another base in base_b."""
+    for name, seed in (("base_a", 0), ("base_b", 1)):
+        tiny_llama(seed=seed).save_pretrained(tmp_path / name)
+    _train(trainer_for(tmp_path / "run", model=_lora(tmp_path / "base_a")))
+    return tmp_path / "run" / "checkpoint-2"
+
+
+def test_an_adapter_resumed_on_the_base_it_was_trained_on_is_quiet(tmp_path, lora_checkpoint):
+    result = nbguard.audit(trainer=trainer_for(tmp_path / "run", model=_lora(tmp_path / "base_a")),
+                           resume_from_checkpoint=str(lora_checkpoint))
+    assert result.finding("resume-model-mismatch") is None
+
+
+def test_an_adapter_resumed_on_another_base_path_is_flagged_with_both_paths(tmp_path, lora_checkpoint):
+    result = nbguard.audit(trainer=trainer_for(tmp_path / "run", model=_lora(tmp_path / "base_b")),
+                           resume_from_checkpoint=str(lora_checkpoint))
+    f = result.finding("resume-model-mismatch")
+    assert f is not None
+    assert f.evidence["adapter_differences"] == {
+        "base_model_name_or_path": [str(tmp_path / "base_a"), str(tmp_path / "base_b")]}
+    assert f.evidence["reshaped"] == {} and f.evidence["missing"] == []  # same shapes: only the path tells
+
+
+def test_an_adapter_resumed_with_another_rank_is_flagged(tmp_path, lora_checkpoint):
+    result = nbguard.audit(trainer=trainer_for(tmp_path / "run", model=_lora(tmp_path / "base_a", r=8)),
+                           resume_from_checkpoint=str(lora_checkpoint))
+    f = result.finding("resume-model-mismatch")
+    assert f is not None and f.evidence["adapter_differences"]["r"] == [4, 8]
+    assert f.evidence["reshaped"] and all(".lora_" in k for k in f.evidence["reshaped"])
+
+
+def test_a_full_model_resumed_from_an_adapter_checkpoint_is_flagged(tmp_path, lora_checkpoint):
+    f = nbguard.audit(trainer=trainer_for(tmp_path / "run"), resume_from_checkpoint=str(lora_checkpoint)).finding(
+        "resume-model-mismatch")
+    assert f is not None and f.evidence["adapter_checkpoint"] is True
+    assert "the checkpoint holds an adapter and the model has none" in f.detail

@@ -32,6 +32,10 @@ class CheckpointFacts:
     scheduler: dict[str, Any] = field(default_factory=dict)  # base_lrs, last_epoch, _last_lr
     optimizer_params: int | None = None  # parameters the saved optimizer state covers
     last_lr_logged: tuple[int, float] | None = None  # (step, learning_rate) of the last log entry with one
+    # the saved weights, name -> shape, from the safetensors headers (nothing loaded); None: not readable so
+    adapter: bool = False  # an adapter checkpoint (adapter_config.json), else the whole model's weights
+    weight_shapes: dict[str, list[int]] | None = None
+    adapter_config: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve_checkpoint(value: Any, args: Any) -> str:
@@ -94,12 +98,45 @@ def read_checkpoint(path: str, args: Any, hardware: Any = None) -> CheckpointFac
             facts.optimizer_params = sum(len(g.get("params", [])) for g in groups)
         if name == SCHEDULER and isinstance(loaded, dict):
             facts.scheduler = {k: loaded.get(k) for k in ("base_lrs", "last_epoch", "_last_lr")}
+    facts.adapter = "adapter_config.json" in files
+    facts.weight_shapes = saved_shapes(path, files)
+    if facts.adapter:
+        try:
+            with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as fh:
+                facts.adapter_config = json.load(fh)
+        except (OSError, ValueError) as exc:
+            facts.unreadable["adapter_config.json"] = f"{type(exc).__name__}: {exc}"
     if ARGS in files:
         try:  # the Trainer pickles its TrainingArguments here; this is the user's own checkpoint
             facts.saved_args = torch.load(os.path.join(path, ARGS), map_location="cpu", weights_only=False)
         except Exception as exc:
             facts.unreadable[ARGS] = f"{type(exc).__name__}: {str(exc)[:300]}"
     return facts
+
+
+def saved_shapes(path: str, files: list[str]) -> dict[str, list[int]] | None:
+    """Every saved tensor's name and shape, read from the safetensors headers (the weights are not loaded;
+    a sharded model's index names its shards). None where the weights are not in safetensors files."""
+    names = [f for f in ("adapter_model.safetensors", "model.safetensors") if f in files]
+    if "model.safetensors.index.json" in files:
+        try:
+            with open(os.path.join(path, "model.safetensors.index.json"), encoding="utf-8") as fh:
+                names = sorted(set(json.load(fh).get("weight_map", {}).values()))
+        except (OSError, ValueError):
+            return None
+    if not names:
+        return None
+    from safetensors import safe_open
+
+    shapes: dict[str, list[int]] = {}
+    try:
+        for name in names:
+            with safe_open(os.path.join(path, name), framework="pt") as fh:
+                for key in fh.keys():
+                    shapes[key] = list(fh.get_slice(key).get_shape())
+    except Exception:  # a truncated or foreign file: the resume's own load will say so
+        return None
+    return shapes
 
 
 def planned_max_steps(trainer: Any, args: Any) -> int | None:

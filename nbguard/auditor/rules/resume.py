@@ -2,6 +2,7 @@
 (``ctx.resume``, a CheckpointFacts) before ``trainer.train(resume_from_checkpoint=PATH)`` runs."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ..registry import finding, rule
@@ -109,3 +110,103 @@ def resume_lr_jump(ctx):
         "when resuming, or start a new run.",
         {"checkpoint": facts.path, "step": step, "checkpoint_lr": expected, "resumed_lr": new, "max_steps": max_steps,
          "checkpoint_max_steps": old_max, "lr_scheduler_type": str(ctx.args.lr_scheduler_type)})
+
+
+def _saved_as(model: Any) -> dict[str, list[int]]:
+    """What the Trainer saves of this model, name -> shape: a PEFT model's adapter state (the names of
+    adapter_model.safetensors), else the state dict without the tied copies save_pretrained leaves out."""
+    from ..export import is_peft_model
+
+    if is_peft_model(model):
+        from peft.utils import get_peft_model_state_dict
+
+        return {k: list(v.shape) for k, v in get_peft_model_state_dict(model).items()}
+    out: dict[str, list[int]] = {}
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if tensor.numel() and key in seen:
+            continue  # a tied copy (lm_head.weight of tied embeddings): saved once, under the first name
+        seen.add(key)
+        out[name] = list(tensor.shape)
+    return out
+
+
+def _base_path(model: Any) -> str | None:
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    name = getattr(getattr(base, "config", None), "_name_or_path", None)
+    return name or None
+
+
+def _adapter_differences(saved: dict[str, Any], model: Any) -> dict[str, list[Any]]:
+    """The adapter settings of the checkpoint that the model's own PEFT config does not share."""
+    from ..export import read_lora
+
+    built = read_lora(model)
+    out: dict[str, list[Any]] = {}
+    for key in ("r", "lora_alpha"):
+        if saved.get(key) is not None and built.get(key) is not None and saved[key] != built[key]:
+            out[key] = [saved[key], built[key]]
+    for key in ("target_modules", "modules_to_save"):
+        old, new = saved.get(key), built.get(key)
+        old_set = {old} if isinstance(old, str) else set(old or [])
+        new_set = {new} if isinstance(new, str) else set(new or [])
+        if old_set != new_set:
+            out[key] = [sorted(old_set), sorted(new_set)]
+    saved_base, built_base = saved.get("base_model_name_or_path"), _base_path(model)
+    if saved_base and built_base and os.path.normpath(str(saved_base)) != os.path.normpath(str(built_base)):
+        out["base_model_name_or_path"] = [saved_base, built_base]
+    return out
+
+
+@rule("resume-model-mismatch", "error")
+def resume_model_mismatch(ctx):
+    """The model the resumed run built is not the one the checkpoint saved: another base, other adapter settings, missing or reshaped weights."""
+    from ..export import is_peft_model
+
+    facts = _facts(ctx)
+    if facts is None or ctx.model is None:
+        return None
+    problems: list[str] = []
+    evidence: dict[str, Any] = {"checkpoint": facts.path, "adapter_checkpoint": facts.adapter}
+    model_adapter = is_peft_model(ctx.model)
+    if facts.adapter != model_adapter:
+        problems.append("the checkpoint holds an adapter and the model has none (build the PEFT model as before)"
+                        if facts.adapter else "the checkpoint holds the whole model and this one is a PEFT model: the "
+                        "Trainer will not find adapter weights to resume")
+    elif facts.adapter:
+        differences = _adapter_differences(facts.adapter_config, ctx.model)
+        evidence["adapter_differences"] = differences
+        if "base_model_name_or_path" in differences:
+            old, new = differences["base_model_name_or_path"]
+            problems.append(f"the adapter was trained on the base from {old!r}, this run built it from {new!r}: the "
+                            "resumed adapter sits on other weights than it learned against")
+        settings = {k: v for k, v in differences.items() if k != "base_model_name_or_path"}
+        if settings:
+            problems.append("the adapter settings differ from the checkpoint's: " + ", ".join(
+                f"{k} {v[0]} -> {v[1]}" for k, v in settings.items()))
+    if facts.weight_shapes is not None and facts.adapter == model_adapter:
+        expected = _saved_as(ctx.model)
+        saved = facts.weight_shapes
+        missing = sorted(k for k in expected if k not in saved)
+        reshaped = {k: [saved[k], expected[k]] for k in expected if k in saved and saved[k] != expected[k]}
+        unexpected = sorted(k for k in saved if k not in expected)
+        evidence.update(missing=missing[:20], missing_count=len(missing), reshaped=dict(list(reshaped.items())[:20]),
+                        unexpected=unexpected[:20], unexpected_count=len(unexpected))
+        if reshaped:
+            problems.append(f"{len(reshaped)} saved tensor(s) have another shape than the model's (e.g. "
+                            f"{next(iter(reshaped))} {next(iter(reshaped.values()))[0]} -> "
+                            f"{next(iter(reshaped.values()))[1]}): loading them raises")
+        if missing:
+            problems.append(f"{len(missing)} of the model's tensor(s) are not in the checkpoint (e.g. {missing[0]}): "
+                            "the Trainer loads with strict=False, so they stay as this run initialised them")
+        if unexpected:
+            problems.append(f"{len(unexpected)} saved tensor(s) have no place in the model (e.g. {unexpected[0]}): "
+                            "what they learned is dropped")
+    if not problems:
+        return None
+    return finding(
+        "resume-model-mismatch", "the model built for the resume is not the model the checkpoint saved",
+        f"{facts.path}: " + "; ".join(problems) + ". Build the model as the checkpoint's run did (the same base path, "
+        "config and PEFT settings: the checkpoint's config.json and adapter_config.json say which), then resume.",
+        evidence)
