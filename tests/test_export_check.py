@@ -272,3 +272,20 @@ def test_nbguard_export_check_magic_names_the_zero_adapter_and_refuses_bad_input
     assert "export-check takes the trained model or its Trainer" in wrong.stdout + wrong.stderr
     alone = run(shell, "%nbguard export-check model")
     assert "%nbguard export-check MODEL EXPORTED" in alone.stdout + alone.stderr
+
+
+def test_merge_in_fp32_applied_and_its_cell_run_both_give_the_merge_the_check_finds_faithful(trained, tmp_path, shell):  # noqa: F811
+    """The fix the bf16 merge is offered: applied through nbguard.fixes.apply, and its cell run in a real
+    shell as the user runs it; each merged model reloads equal to the model trained."""
+    tmp, model, _ = trained
+    bad = copy.deepcopy(model).to(torch.bfloat16).merge_and_unload()
+    assert nbguard.check_export(model, bad).finding("export-merge-differs") is not None  # the problem it fixes
+    applied = tmp_path / "applied"
+    changes = nbguard.fixes.apply("merge-in-fp32", model=model, path=str(applied), base=base_dir(tmp))
+    assert changes.changed == {"saved": str(applied), "merged_in": "float32", "saved_as": "float32"}
+    assert rules(nbguard.check_export(model, str(applied))) == set()
+    celled = tmp_path / "from_cell"
+    shell.user_ns["model"] = model
+    cell = run(shell, nbguard.fixes.code("merge-in-fp32", model="model", path=str(celled), base=base_dir(tmp)))
+    assert cell.result.error_in_exec is None, cell.result.error_in_exec
+    assert rules(nbguard.check_export(model, str(celled))) == set()
