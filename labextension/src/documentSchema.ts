@@ -459,7 +459,9 @@ export const DOCUMENT_SCHEMA: unknown = {
             "no-learning-signal",
             "completions-truncated",
             "no-preference-signal",
-            "ratio-mismatch"
+            "ratio-mismatch",
+            "policy-collapse",
+            "kl-at-start"
           ]
         },
         "step": {

@@ -194,6 +194,10 @@ for _kind, _description, _evidence in (
     ("completions-truncated", "every completion was cut at max_completion_length", ()),
     ("no-preference-signal", "DPO/KTO margins stay exactly 0, or the loss is ~0 from the first step", ()),
     ("ratio-mismatch", "tokens clipped on GRPO's first inner step, where the policy/old-policy ratio must be 1", ()),
+    ("policy-collapse", "a GRPO/RLOO policy's entropy or completion length collapsed while its reward stayed flat",
+     ("reason", "fraction", "reward_early", "reward_now")),
+    ("kl-at-start", "the KL to the reference is far from 0 on step 0, where the policy is the reference",
+     ("kl", "beta", "differs_in")),
     ("watch-error", "nbguard's own watch failed and stepped aside; training went on", ("exception",)),
 ):
     register_event_kind(_kind, _description, _evidence)

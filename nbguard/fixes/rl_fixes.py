@@ -1,5 +1,6 @@
-"""Fixes for runs that stop learning without a NaN: a learning-rate warmup, and finite rewards for
-TRL's GRPO/RLOO reward functions."""
+"""Fixes for runs that stop learning without a NaN: a learning-rate warmup, finite rewards for
+TRL's GRPO/RLOO reward functions, dropout off, and a hotter sampler or an entropy bonus for a policy
+that collapsed."""
 from __future__ import annotations
 
 import functools
@@ -148,3 +149,110 @@ for _key in ("attention_dropout", "hidden_dropout", "dropout"):
 register(Fix("disable-dropout", "Turn dropout off",
              "Set every nn.Dropout's p and every attention layer's attention_dropout (and the config's) to 0.",
              _no_dropout, _no_dropout_code, needs="model"))
+
+
+# ---- raise-temperature / add-entropy-bonus ---------------------------------------------------
+# GRPO/RLOO read these settings when the trainer is built (the sampler's generation config, the fused
+# head's temperature, the entropy bonus): the fixes change the args, and the trainer built from them again
+# samples and learns with the new values (the policy keeps the weights it has).
+REBUILD = "takes effect when the trainer is built again from these args"
+
+
+def _check_positive(name: str, value: Any, upper: float) -> float:
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= upper):
+        raise ValueError(f"{name} must be a number in (0, {upper:g}]; got {value!r}")
+    return float(value)
+
+
+def _rl_args(target, fix_id: str, field: str):
+    args = target.args
+    if not isinstance(getattr(args, field, None), (int, float)):
+        raise ValueError(f"fix {fix_id!r} needs a TRL GRPOConfig/RLOOConfig with a numeric {field!r} "
+                         f"(got {type(args).__name__})")
+    return args
+
+
+def _raise_temperature(target, temperature: float = 1.2, **_):
+    temperature = _check_positive("temperature", temperature, 4.0)
+    args = _rl_args(target, "raise-temperature", "temperature")
+    old = args.temperature
+    if old >= temperature:  # already as hot: keep the user's
+        return {}
+    args.temperature = temperature
+    return {"args.temperature": f"{old} -> {temperature} ({REBUILD})"}
+
+
+def _raise_temperature_code(names, temperature: float = 1.2, **_):
+    temperature = _check_positive("temperature", temperature, 4.0)
+    return f"""# The policy narrowed onto a few answers while its reward stayed flat (entropy or completion length
+# collapsed): sample hotter, so a prompt's completions differ again and their rewards can teach.
+# GRPOTrainer/RLOOTrainer read the temperature when they are built: build the trainer again from these
+# args (pass it the same model: the policy keeps its weights). The logged `entropy` rises at once.
+{names.args}.temperature = max({names.args}.temperature, {temperature!r})
+"""
+
+
+register(Fix("raise-temperature", "Sample at a higher temperature",
+             "Raise the GRPO/RLOO sampling temperature (default 1.2) in the args the trainer is built from.",
+             _raise_temperature, _raise_temperature_code, needs="args"))
+
+
+def _entropy_bonus(target, coef: float = 0.01, **_):
+    coef = _check_positive("coef", coef, 1.0)
+    args = _rl_args(target, "add-entropy-bonus", "entropy_coef")
+    old = args.entropy_coef
+    if old >= coef:
+        return {}
+    args.entropy_coef = coef
+    return {"args.entropy_coef": f"{old} -> {coef} ({REBUILD})"}
+
+
+def _entropy_bonus_code(names, coef: float = 0.01, **_):
+    coef = _check_positive("coef", coef, 1.0)
+    return f"""# The policy's entropy collapsed while its reward stayed flat: add TRL's entropy bonus to the GRPO loss
+# (loss - entropy_coef * mean token entropy), which keeps the policy from turning near-deterministic.
+# GRPOTrainer reads entropy_coef when it is built: build the trainer again from these args (pass it the
+# same model). The trainer then logs `entropy_coef` every step.
+{names.args}.entropy_coef = max({names.args}.entropy_coef, {coef!r})
+"""
+
+
+register(Fix("add-entropy-bonus", "Add an entropy bonus",
+             "Set GRPOConfig's entropy_coef (default 0.01) so the loss rewards entropy and the policy keeps sampling.",
+             _entropy_bonus, _entropy_bonus_code, needs="args"))
+
+
+# ---- full-vocabulary-sampling ----------------------------------------------------------------
+TRUNCATION = {"top_p": 1.0, "top_k": 0, "min_p": None}  # GRPOConfig's defaults: nothing cut from the distribution
+
+
+def _full_vocabulary(target, **_):
+    args = _rl_args(target, "full-vocabulary-sampling", "top_p")
+    changed = {}
+    for key, value in TRUNCATION.items():
+        old = getattr(args, key, None)
+        if old != value:
+            setattr(args, key, value)
+            changed[f"args.{key}"] = f"{old} -> {value} ({REBUILD})"
+    extra = getattr(args, "generation_kwargs", None)
+    for key in TRUNCATION:
+        if isinstance(extra, dict) and key in extra:
+            changed[f"args.generation_kwargs[{key!r}]"] = f"{extra.pop(key)} -> removed"
+    return changed
+
+
+def _full_vocabulary_code(names, **_):
+    a = names.args
+    return f"""# vLLM's log-probabilities under top_p/top_k/min_p are renormalised over the tokens it kept, the
+# trainer's are over the whole vocabulary: their ratio (the importance-sampling correction) is scaled by
+# the kept mass whatever the policy did. Sample from the full distribution; build the trainer again from
+# these args.
+{a}.top_p, {a}.top_k, {a}.min_p = 1.0, 0, None
+for _key in ("top_p", "top_k", "min_p"):
+    ({a}.generation_kwargs or {{}}).pop(_key, None)
+"""
+
+
+register(Fix("full-vocabulary-sampling", "Sample from the full distribution",
+             "Set top_p=1.0, top_k=0 and min_p=None (and drop them from generation_kwargs) so vLLM's "
+             "log-probabilities match the trainer's.", _full_vocabulary, _full_vocabulary_code, needs="args"))

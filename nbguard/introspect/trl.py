@@ -22,6 +22,19 @@ def trl_stack(trainer: Any) -> str | None:
     return None
 
 
+_CONFIGS = {"GRPOConfig": "grpo", "RLOOConfig": "rloo", "OnlineDPOConfig": "online-dpo", "DPOConfig": "dpo",
+            "KTOConfig": "kto"}
+
+
+def config_stack(args: Any) -> str | None:
+    """The family of a TRL config (``GRPOConfig`` -> "grpo", subclasses count), else None: what the audit
+    knows of a run from its args alone, before any trainer is built."""
+    for cls in type(args).__mro__:
+        if cls.__module__.startswith("trl") and cls.__name__ in _CONFIGS:
+            return _CONFIGS[cls.__name__]
+    return None
+
+
 def _is_module(obj: Any) -> bool:
     import torch
 

@@ -7,14 +7,21 @@
 - no preference signal: DPO's margins stay exactly 0 (chosen identical to rejected, or a policy that
   never leaves its reference: the loss sits at ln 2 for ever), or the loss is already ~0 at the first
   step (a saturated sigmoid gives no gradient);
-- the policy/old-policy ratio away from 1 on the first inner step (two forwards that differ).
+- the policy/old-policy ratio away from 1 on the first inner step (two forwards that differ);
+- a collapse with no NaN: the policy's entropy falls to a small fraction of its early level, or its
+  completions get half as long, while the reward does not improve (the policy narrows onto answers
+  that are not better: verl#5953);
+- a KL to the reference far from 0 at step 0, where the policy still is the reference
+  (torchforge#664): the reference is not the initial policy. With ``beta=0`` TRL computes no KL (none
+  is logged, or NaN in older releases: trl#4040); that is not judged at all.
 
-The reward checks read what :class:`~nbguard.watcher.integrations.trl.RewardTap` saw; the preference
-and ratio checks read the trainer's own logged metrics. No device work.
+The reward checks read what :class:`~nbguard.watcher.integrations.trl.RewardTap` saw; the preference,
+ratio, collapse and reference checks read the trainer's own logged metrics. No device work.
 """
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +37,11 @@ class RLSettings:
     truncated_after: int = 3  # generations in a row whose every completion hit max_completion_length
     preference_flat_after: int = 3  # logged steps in a row with zero margins
     zero_loss: float = 1e-3  # a preference loss under this at the first log: the sigmoid is saturated
+    collapse_window: int = 3  # logs in the early and in the recent window (medians over each)
+    entropy_fraction: float = 0.2  # the recent entropy under this fraction of the early one: collapsed
+    length_fraction: float = 0.5  # the recent mean completion length at or under this fraction: collapsed
+    reward_gain: float = 0.5  # the reward improved when it rose by this many early within-group stds
+    kl_at_start: float = 1e-3  # a KL above this on step 0, where the policy is the reference
 
 
 Found = tuple[str, str, dict[str, Any]]  # (event kind, message, evidence)
@@ -228,6 +240,142 @@ class RatioChecks:
                  f"differs from the training one{cause}", evidence)]
 
 
+class CollapseChecks:
+    """GRPO/RLOO: the policy's entropy, or its completions' mean length, collapsing while the reward stays flat.
+
+    Read from TRL's own logged ``entropy``, ``completions/mean_length``, ``reward`` and ``reward_std``:
+    the medians of the first ``collapse_window`` logs (the early level) against the medians of the last
+    ones. A healthy run narrows too, but its reward rises; here the reward has not risen by half its
+    early within-group spread. One event per collapse (entropy, length).
+    """
+
+    def __init__(self, args: Any, settings: RLSettings | None = None):
+        self.settings = settings or RLSettings()
+        self.config = {k: getattr(args, k, None) for k in ("temperature", "top_p", "top_k", "entropy_coef", "beta",
+                                                          "num_generations", "learning_rate")}
+        # the fixes this trainer's config can take: RLOOConfig has no entropy_coef
+        self.fixes = [f for f in KIND_FIXES["policy-collapse"] if f != "add-entropy-bonus" or
+                      isinstance(getattr(args, "entropy_coef", None), (int, float))]
+        self.logs: list[dict[str, Any]] = []
+        self.reported: set[str] = set()
+
+    def on_log(self, step: int, logs: dict[str, Any]) -> list[Found]:
+        row = {"step": step, "entropy": _number(logs.get("entropy")),
+               "length": _number(logs.get("completions/mean_length")), "reward": _number(logs.get("reward")),
+               "reward_std": _number(logs.get("reward_std"))}
+        if row["reward"] is None or (row["entropy"] is None and row["length"] is None):
+            return []
+        self.logs.append(row)
+        w = self.settings.collapse_window
+        if len(self.logs) < 2 * w or len(self.reported) == 2:
+            return []
+        early, recent = self.logs[:w], self.logs[-w:]
+
+        def level(rows: list[dict[str, Any]], key: str) -> float | None:
+            values = [r[key] for r in rows if r[key] is not None]
+            return statistics.median(values) if len(values) == len(rows) else None
+
+        r0, r1 = level(early, "reward"), level(recent, "reward")
+        spread = statistics.median([r["reward_std"] for r in early if r["reward_std"] is not None] or [0.0])
+        if r0 is None or r1 is None or r1 - r0 > self.settings.reward_gain * spread:
+            return []  # the reward improves: a policy that narrows onto better answers is learning
+        found: list[Found] = []
+        base = {"early_steps": [early[0]["step"], early[-1]["step"]], "recent_steps": [recent[0]["step"],
+                recent[-1]["step"]], "reward_early": r0, "reward_now": r1, "reward_std_early": spread,
+                "logged_steps": len(self.logs), "settings": dict(self.config), "fixes": list(self.fixes)}
+        flat = (f"while the reward stayed flat ({r0:.3g} -> {r1:.3g}, within-group std {spread:.3g})")
+        e0, e1 = level(early, "entropy"), level(recent, "entropy")
+        if "entropy" not in self.reported and e0 is not None and e1 is not None and e0 > 0 \
+                and e1 < self.settings.entropy_fraction * e0:
+            self.reported.add("entropy")
+            found.append(("policy-collapse", f"the policy's entropy fell from {e0:.3g} to {e1:.3g} ({e1 / e0:.0%} of "
+                          f"its early level) {flat}: it narrows onto answers that are not better, its completions "
+                          "stop differing and the groups stop teaching", {
+                              "reason": "entropy-collapse", "entropy_early": e0, "entropy_now": e1,
+                              "fraction": e1 / e0, **base}))
+        l0, l1 = level(early, "length"), level(recent, "length")
+        if "length" not in self.reported and l0 is not None and l1 is not None and l0 > 0 \
+                and l1 <= self.settings.length_fraction * l0:
+            self.reported.add("length")
+            found.append(("policy-collapse", f"the mean completion length fell from {l0:.3g} to {l1:.3g} tokens "
+                          f"({l1 / l0:.0%}) {flat}: the policy learns to stop early rather than to answer better", {
+                              "reason": "length-collapse", "length_early": l0, "length_now": l1,
+                              "fraction": l1 / l0, **base}))
+        return found
+
+
+class ReferenceChecks:
+    """GRPO/RLOO with ``beta > 0``: the KL to the reference on step 0, where the policy is still the
+    initial model and the reference is meant to be that same model, so every per-token KL is 0.
+
+    Judged on the first log only when it covers step 0 alone (``logging_steps=1`` or
+    ``logging_first_step=True``). With ``beta == 0`` TRL has no reference and computes no KL (it logs
+    none; older releases logged NaN): nothing here reads it, and no other check reads ``kl``.
+    """
+
+    def __init__(self, trainer: Any, settings: RLSettings | None = None):
+        self.settings = settings or RLSettings()
+        self.trainer = trainer
+        beta = getattr(trainer, "beta", None)
+        beta = beta if isinstance(beta, (int, float)) else getattr(getattr(trainer, "args", None), "beta", None)
+        self.beta = float(beta) if isinstance(beta, (int, float)) else None
+        self.done = not self.beta  # beta 0 (or unknown): no KL to judge
+
+    def on_log(self, step: int, logs: dict[str, Any]) -> list[Found]:
+        kl = _number(logs.get("kl"))
+        if self.done or kl is None:
+            return []
+        self.done = True  # the first log with a KL; later ones cover a policy that has moved
+        if step != 0 or kl <= self.settings.kl_at_start:
+            return []
+        facts = reference_facts(self.trainer)
+        differs = [k for k in ("dtype", "dropout", "loaded_from")
+                   if k in facts["reference"] and facts["policy"].get(k) != facts["reference"][k]]
+        hint = (f"; they differ in {', '.join(differs)}" if differs else "")
+        evidence = {"kl": kl, "beta": self.beta, "threshold": self.settings.kl_at_start, "differs_in": differs, **facts}
+        return [("kl-at-start", f"the KL to the reference is {kl:.3g} on step 0, where the policy still is the model the "
+                 f"reference was made from and the KL must be ~0: the reference is not the initial policy (another "
+                 f"checkpoint, a different dtype or quantisation, dropout on in one of them){hint}; beta={self.beta:g} "
+                 "pulls the policy towards the wrong model", evidence)]
+
+
+def reference_facts(trainer: Any) -> dict[str, Any]:
+    """What the policy and its reference are (dtype, dropout, where they were loaded from): read only on an event."""
+    import torch
+
+    def facts(model: Any) -> dict[str, Any]:
+        if not isinstance(model, torch.nn.Module):
+            return {}
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+        config = getattr(model, "config", None)
+        return {"dtype": ",".join(dtypes), "dropout": dropout_settings(model) if model.training else {},
+                "training": model.training, "loaded_from": getattr(config, "_name_or_path", None) or None}
+
+    ref, policy = getattr(trainer, "ref_model", None), getattr(trainer, "model", None)
+    out = {"policy": facts(policy), "reference": facts(ref) if ref is not None else {"adapter_disabled": True},
+           "reference_kind": "ref_model" if ref is not None else "the policy with its adapter disabled"}
+    if isinstance(ref, torch.nn.Module) and isinstance(policy, torch.nn.Module):
+        out["weights"] = weight_distance(policy, ref)
+    return out
+
+
+def weight_distance(policy: Any, reference: Any) -> dict[str, Any]:
+    """How far the reference's weights are from the policy's (one optimizer step moves the policy a little):
+    the relative L2 distance over the parameters both have, and the names only one of them has."""
+    import torch
+
+    mine, theirs = dict(policy.named_parameters()), dict(reference.named_parameters())
+    shared = [n for n in mine if n in theirs and mine[n].shape == theirs[n].shape]
+    diff = total = 0.0
+    with torch.no_grad():
+        for name in shared:
+            a, b = mine[name].detach().double(), theirs[name].detach().to(mine[name].device).double()
+            diff += float((a - b).pow(2).sum())
+            total += float(b.pow(2).sum())
+    return {"relative_l2": math.sqrt(diff / total) if total > 0 else None, "shared_parameters": len(shared),
+            "only_in_policy": len(mine) - len(shared), "only_in_reference": len(theirs) - len(shared)}
+
+
 def dropout_settings(model: Any) -> dict[str, float]:
     """Where ``model`` drops out in training: nn.Dropout modules and attention's own ``attention_dropout``."""
     import torch
@@ -248,7 +396,8 @@ def _number(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
-KIND_FIXES = {"nonfinite-reward": ["finite-rewards"], "ratio-mismatch": ["disable-dropout"]}
+KIND_FIXES = {"nonfinite-reward": ["finite-rewards"], "ratio-mismatch": ["disable-dropout"],
+              "policy-collapse": ["raise-temperature", "add-entropy-bonus"]}
 
 
 class TRLChecks:
@@ -265,6 +414,9 @@ class TRLChecks:
                                     self.settings) if self.stack in GENERATING else None
         self.preference = PreferenceChecks(self.settings)
         self.ratio = RatioChecks(trainer.model) if self.stack in GENERATING else None
+        sampled = self.stack in ("grpo", "rloo")  # TRL logs entropy, mean length and kl for these
+        self.collapse = CollapseChecks(getattr(trainer, "args", None), self.settings) if sampled else None
+        self.reference = ReferenceChecks(trainer, self.settings) if sampled else None
         self.logged_flat: LoggedFlatness | None = None  # set on bind when a reward is a model the tap cannot see
         self.pending: list[Found] = []
         self.step = 0  # the watch's current optimizer step: reward calls happen inside it
@@ -293,7 +445,7 @@ class TRLChecks:
 
     def on_log(self, step: int, logs: dict[str, Any]) -> list[Found]:
         found = self.preference.on_log(step, logs)
-        for check in (self.ratio, self.logged_flat):
+        for check in (self.ratio, self.logged_flat, self.collapse, self.reference):
             if check is not None:
                 found += check.on_log(step, logs)
         return found

@@ -23,7 +23,7 @@ from .rl import KIND_FIXES, Found, TRLChecks
 # kind -> one line for the reference table of event kinds
 EVENT_KINDS = {kind: EVENT_KIND_REGISTRY[kind].description for kind in (
     "divergence", "dead-run", "nonfinite-reward", "no-learning-signal", "completions-truncated",
-    "no-preference-signal", "ratio-mismatch")}
+    "no-preference-signal", "ratio-mismatch", "policy-collapse", "kl-at-start")}
 FIXES = {"divergence": RUN_FIXES, "dead-run": RUN_FIXES, **KIND_FIXES}
 # an RL event that explains why the run has no gradient: no generic dead-run event on top of it
 EXPLAINS_DEAD = ("nonfinite-reward", "no-learning-signal", "no-preference-signal")
@@ -85,6 +85,7 @@ class RunChecks(Detector):
             if kind == "dead-run" and self.dead_explained:
                 continue
             at = evidence.get("first_step", step) if kind == "nonfinite-reward" else step
-            evidence["fixes"] = list(FIXES.get(kind, []))  # the same dict: later calls are counted on it
+            # the same dict: later calls are counted on it; a check may narrow its kind's fixes to what its trainer has
+            evidence["fixes"] = list(evidence.get("fixes") or FIXES.get(kind, []))
             events.append(Event(kind, at, message, evidence=evidence))
         return events

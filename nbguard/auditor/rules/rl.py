@@ -4,7 +4,9 @@ without a learning signal before it starts, and reward functions that fail on re
 GRPO and RLOO take each prompt's completions as a group and learn from how their rewards differ:
 with few completions per prompt many groups are flat (zero advantage, zero gradient), completions
 all sampled greedily are identical, and answers cut at ``max_completion_length`` are scored
-unfinished. DPO and KTO with ``beta=0`` have a constant loss (ln 2 for DPO's sigmoid).
+unfinished. DPO and KTO with ``beta=0`` have a constant loss (ln 2 for DPO's sigmoid). GRPO that
+samples with vLLM and truncates the sampling distribution (top_p/top_k/min_p) corrects its importance
+ratio with log-probabilities of another distribution than the one it trains (trl#6789).
 """
 from __future__ import annotations
 
@@ -14,7 +16,15 @@ from typing import Any
 
 import torch
 
-from ...introspect.trl import GENERATING, PREFERENCE, completion_cap, group_size, plain_reward_functions, trl_stack
+from ...introspect.trl import (
+    GENERATING,
+    PREFERENCE,
+    completion_cap,
+    config_stack,
+    group_size,
+    plain_reward_functions,
+    trl_stack,
+)
 from ..registry import finding, rule
 from ..sampling import preserved_rng
 
@@ -198,3 +208,53 @@ def reward_function_broken(ctx):
                                  "or flat: loss 0, gradient 0, no error. Return a finite penalty (or None, which "
                                  "TRL leaves out) instead.", evidence, fixes=["finite-rewards"], severity="warning"))
     return found or None
+
+
+def _sampling(args: Any) -> dict[str, Any]:
+    """The sampler's truncation settings as vLLM sees them: the config's, overridden by ``generation_kwargs``."""
+    out = {k: getattr(args, k, None) for k in ("top_p", "top_k", "min_p")}
+    extra = getattr(args, "generation_kwargs", None)
+    if isinstance(extra, dict):
+        out.update({k: extra[k] for k in out if k in extra})
+    return out
+
+
+def _kept_by(top_p: Any, top_k: Any, min_p: Any) -> list[str]:
+    truncating = []
+    if isinstance(top_p, (int, float)) and top_p < 1.0:
+        truncating.append(f"top_p={top_p:g}")
+    if isinstance(top_k, int) and top_k > 0:
+        truncating.append(f"top_k={top_k}")
+    if isinstance(min_p, (int, float)) and min_p > 0:
+        truncating.append(f"min_p={min_p:g}")
+    return truncating
+
+
+@rule("rl-vllm-truncated-sampling", "warning")
+def vllm_truncated_sampling(ctx):
+    """GRPO with vLLM and top_p < 1, top_k > 0 or min_p > 0: the importance ratio is scaled by the kept mass."""
+    args = _args(ctx)
+    stack = trl_stack(ctx.trainer) if ctx.trainer is not None else config_stack(args)
+    if stack != "grpo" or args is None or getattr(args, "use_vllm", False) is not True:
+        return None
+    correction = getattr(args, "vllm_importance_sampling_correction", False) is True
+    mask = getattr(args, "off_policy_mask_threshold", None) is not None
+    if not (correction or mask):  # nothing reads vLLM's log-probabilities
+        return None
+    settings = _sampling(args)
+    truncating = _kept_by(**settings)
+    if not truncating:
+        return None
+    users = " and ".join(u for u, on in (("the importance-sampling correction", correction),
+                                           ("the off-policy mask", mask)) if on)
+    return finding(
+        "rl-vllm-truncated-sampling", f"vLLM samples with {', '.join(truncating)}: the importance ratio is biased",
+        f"With use_vllm, GRPO divides the trainer's token probabilities (a full-vocabulary softmax of logits / "
+        f"temperature) by vLLM's, which {', '.join(truncating)} renormalises over the tokens it kept: every "
+        f"token's ratio is multiplied by the probability mass the truncation kept (at most top_p; often far "
+        f"less with top_k), whatever the policy did, and {users} act on that "
+        "biased ratio (trl#6789). Sample from the full distribution (top_p=1.0, top_k=0, min_p=None), or turn "
+        "vllm_importance_sampling_correction off.",
+        {**settings, "use_vllm": True, "vllm_importance_sampling_correction": correction,
+         "off_policy_mask_threshold": getattr(args, "off_policy_mask_threshold", None),
+         "vllm_mode": getattr(args, "vllm_mode", None)}, fixes=["full-vocabulary-sampling"])
