@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import nbguard  # noqa: E402
 from nbguard.watcher.divergence import RunHealth  # noqa: E402
 from nbguard.watcher.integrations.trl import RewardCall  # noqa: E402
-from nbguard.watcher.rl import PreferenceChecks, RewardChecks  # noqa: E402
+from nbguard.watcher.rl import CollapseChecks, PreferenceChecks, RewardChecks  # noqa: E402
 
 
 def build_model(args):
@@ -105,9 +105,16 @@ def host_cost(repeats: int = 2000):
     for step in range(repeats):
         prefs.on_log(step, logs)
     pref = (time.perf_counter() - start) / repeats * 1e6
+    collapse = CollapseChecks(None)
+    grpo = {"entropy": 2.0, "completions/mean_length": 180.0, "reward": 0.5, "reward_std": 0.3, "kl": 0.01}
+    start = time.perf_counter()
+    for step in range(repeats):
+        collapse.on_log(step, grpo)
+    rl_log = (time.perf_counter() - start) / repeats * 1e6
     return {"divergence + dead run, per optimizer step (192 groups)": run,
             "reward checks, per reward-function call (64 completions)": reward,
-            "preference checks, per log": pref}
+            "preference checks, per log": pref,
+            "GRPO collapse check, per log": rl_log}
 
 
 def main():

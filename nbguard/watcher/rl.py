@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,7 +257,10 @@ class CollapseChecks:
         # the fixes this trainer's config can take: RLOOConfig has no entropy_coef
         self.fixes = [f for f in KIND_FIXES["policy-collapse"] if f != "add-entropy-bonus" or
                       isinstance(getattr(args, "entropy_coef", None), (int, float))]
-        self.logs: list[dict[str, Any]] = []
+        w = self.settings.collapse_window
+        self.early: list[dict[str, Any]] = []  # the first w logs
+        self.recent: deque[dict[str, Any]] = deque(maxlen=w)  # the last w logs (a long run keeps no more)
+        self.count = 0
         self.reported: set[str] = set()
 
     def on_log(self, step: int, logs: dict[str, Any]) -> list[Found]:
@@ -265,11 +269,14 @@ class CollapseChecks:
                "reward_std": _number(logs.get("reward_std"))}
         if row["reward"] is None or (row["entropy"] is None and row["length"] is None):
             return []
-        self.logs.append(row)
         w = self.settings.collapse_window
-        if len(self.logs) < 2 * w or len(self.reported) == 2:
+        if len(self.early) < w:
+            self.early.append(row)
+        self.recent.append(row)
+        self.count += 1
+        if self.count < 2 * w or len(self.reported) == 2:
             return []
-        early, recent = self.logs[:w], self.logs[-w:]
+        early, recent = self.early, list(self.recent)
 
         def level(rows: list[dict[str, Any]], key: str) -> float | None:
             values = [r[key] for r in rows if r[key] is not None]
@@ -282,7 +289,7 @@ class CollapseChecks:
         found: list[Found] = []
         base = {"early_steps": [early[0]["step"], early[-1]["step"]], "recent_steps": [recent[0]["step"],
                 recent[-1]["step"]], "reward_early": r0, "reward_now": r1, "reward_std_early": spread,
-                "logged_steps": len(self.logs), "settings": dict(self.config), "fixes": list(self.fixes)}
+                "logged_steps": self.count, "settings": dict(self.config), "fixes": list(self.fixes)}
         flat = (f"while the reward stayed flat ({r0:.3g} -> {r1:.3g}, within-group std {spread:.3g})")
         e0, e1 = level(early, "entropy"), level(recent, "entropy")
         if "entropy" not in self.reported and e0 is not None and e1 is not None and e0 > 0 \
