@@ -283,3 +283,17 @@ def test_full_vocabulary_sampling_clears_the_finding(tmp_path):
     assert (args.top_p, args.top_k, args.min_p, args.generation_kwargs) == (1.0, 0, None, {})
     result = nbguard.audit(model=tiny_qwen2(), args=args)
     assert "rl-vllm-truncated-sampling" not in [f.rule for f in result.findings]
+
+
+def test_the_weight_distance_read_in_chunks_is_the_whole_tensors_distance(monkeypatch):
+    from nbguard.watcher import rl
+
+    policy, reference = tiny_qwen2(seed=0), tiny_qwen2(seed=1)
+    with torch.no_grad():
+        pairs = list(zip(policy.parameters(), reference.parameters()))
+        direct = math.sqrt(sum(float((p - r).double().pow(2).sum()) for p, r in pairs)
+                           / sum(float(r.double().pow(2).sum()) for _, r in pairs))
+    monkeypatch.setattr(rl, "WEIGHT_CHUNK", 7)  # chunks that split every tensor, unevenly
+    found = rl.weight_distance(policy, reference)
+    assert found["relative_l2"] == pytest.approx(direct, rel=1e-9) and found["only_in_reference"] == 0
+    assert rl.weight_distance(policy, copy.deepcopy(policy))["relative_l2"] == 0.0

@@ -30,6 +30,7 @@ from .integrations.trl import RewardCall, RewardTap
 
 LN2 = math.log(2.0)
 EXAMPLE_CHARS = 300  # an example completion in the evidence is cut to this many characters
+WEIGHT_CHUNK = 1 << 22  # elements per chunk when the reference's weights are compared with the policy's
 
 
 @dataclass
@@ -368,7 +369,8 @@ def reference_facts(trainer: Any) -> dict[str, Any]:
 
 def weight_distance(policy: Any, reference: Any) -> dict[str, Any]:
     """How far the reference's weights are from the policy's (one optimizer step moves the policy a little):
-    the relative L2 distance over the parameters both have, and the names only one of them has."""
+    the relative L2 distance over the parameters both have, and the names only one of them has. Read in
+    chunks, so a large embedding never needs a second full-size copy on its device."""
     import torch
 
     mine, theirs = dict(policy.named_parameters()), dict(reference.named_parameters())
@@ -376,9 +378,13 @@ def weight_distance(policy: Any, reference: Any) -> dict[str, Any]:
     diff = total = 0.0
     with torch.no_grad():
         for name in shared:
-            a, b = mine[name].detach().double(), theirs[name].detach().to(mine[name].device).double()
-            diff += float((a - b).pow(2).sum())
-            total += float(b.pow(2).sum())
+            a, b = mine[name].detach().reshape(-1), theirs[name].detach().reshape(-1)
+            d = t = torch.zeros((), dtype=torch.float64, device=a.device)
+            for i in range(0, a.numel(), WEIGHT_CHUNK):
+                x, y = a[i:i + WEIGHT_CHUNK].float(), b[i:i + WEIGHT_CHUNK].to(a.device).float()
+                d = d + (x - y).double().pow(2).sum()
+                t = t + y.double().pow(2).sum()
+            diff, total = diff + float(d), total + float(t)
     return {"relative_l2": math.sqrt(diff / total) if total > 0 else None, "shared_parameters": len(shared),
             "only_in_policy": len(mine) - len(shared), "only_in_reference": len(theirs) - len(shared)}
 
