@@ -289,3 +289,33 @@ def test_merge_in_fp32_applied_and_its_cell_run_both_give_the_merge_the_check_fi
     cell = run(shell, nbguard.fixes.code("merge-in-fp32", model="model", path=str(celled), base=base_dir(tmp)))
     assert cell.result.error_in_exec is None, cell.result.error_in_exec
     assert rules(nbguard.check_export(model, str(celled))) == set()
+
+
+def test_a_float32_merge_of_an_adapter_trained_on_a_bf16_base_is_quiet_and_the_bf16_merge_is_not(tmp_path):
+    """The merge is judged on the weights: the float32 merge computes in another precision than the bf16 model
+    trained (its logits differ by that alone, top-1 below 100%), yet carries the whole update; the bf16 merge
+    rounds part of it away."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir(tmp_path), dtype=torch.bfloat16)
+    model = lora(base)  # PEFT keeps the adapters in float32 (autocast_adapter_dtype)
+    train(model, tmp_path, lr=1e-3)  # a small update, as real fine-tunes make: bf16 rounding takes ~7% of it
+    fp32 = nbguard.check_export(model, copy.deepcopy(model).to(torch.float32).merge_and_unload())
+    assert fp32.findings == []
+    assert fp32.facts.merge["lost_share"] < 1e-6 and fp32.facts.merge["layers"] == 2 * len(TARGETS)
+    assert not fp32.facts.comparisons["artifact"].same  # the logits alone would have called it a bad merge
+    f = nbguard.check_export(model, copy.deepcopy(model).merge_and_unload()).finding("export-merge-differs")
+    assert f is not None and f.evidence["merge"]["lost_share"] > 0.01 and "bfloat16" in f.detail
+    assert f.fixes == ["merge-in-fp32"] and "serve it in float32" in f.detail
+
+
+def test_a_merge_into_tied_embeddings_is_named_and_offers_no_merge_fix(tmp_path):
+    """LoRA on lm_head of a model whose lm_head is tied to the input embeddings: merging writes the update into
+    the shared weight, so the embeddings change too; float32 all along, so only the tie explains it."""
+    model = lora(tiny_llama(tie_word_embeddings=True), target_modules=["q_proj", "lm_head"])
+    train(model, tmp_path)
+    merged = copy.deepcopy(model).merge_and_unload()
+    f = nbguard.check_export(model, merged).finding("export-merge-differs")
+    assert f is not None
+    assert f.evidence["merge"]["shared_weight"] and "bfloat16" not in f.detail and "tie" in f.detail
+    assert f.fixes == [] and "serve the base with the adapter unmerged" in f.detail

@@ -165,6 +165,12 @@ def test_peft_zero_embeddings_bf16(execute):
     assert _rules(_docs(nb, "after-fix", "audit")) & {"zero-embedding-rows", "trainable-low-precision"} == set()
     assert _events(_docs(nb, "after-fix", "watch")) == []
     assert "nan" not in _text(nb, "after-fix", "watch").split("logged (loss, grad_norm):")[1].split("\n")[0]
+    # before shipping: the merge is checked against the model trained; the tie (Gemma 3's lm_head is the
+    # input embedding) spoils any merge, the bf16 weights add their rounding, and no merge fix is offered
+    for tag, bf16 in (("bf16-merge", True), ("fp32-merge", False)):
+        [merge] = [f for d in _docs(nb, "export", tag) for f in d["findings"] if f["rule"] == "export-merge-differs"]
+        assert merge["evidence"]["merge"]["shared_weight"] and merge["fixes"] == [], tag
+        assert ("bfloat16" in merge["detail"]) is bf16, tag
     assert (out / "02_peft_zero_embeddings_bf16.html").is_file()
 
 

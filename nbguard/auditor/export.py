@@ -11,6 +11,7 @@ saved files and the parameters say *what* differs. :class:`ExportFacts` holds bo
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +75,7 @@ class ExportFacts:
     probe_source: str = "synthetic"
     load: dict[str, Any] = field(default_factory=dict)  # how the artifact was loaded back
     embedding_params: list[str] = field(default_factory=list)  # the trained model's input/output embedding weights
+    merge: dict[str, Any] = field(default_factory=dict)  # merge_fidelity(): the update the merged weights carry
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "path": self.path, "trained_is_peft": self.trained_is_peft,
@@ -82,7 +84,7 @@ class ExportFacts:
                 "artifact_dtype": self.artifact_dtype, "trained_dtype": self.trained_dtype,
                 "base_quantized": self.base_quantized, "base_vocab": self.base_vocab, "tokenizer": self.tokenizer,
                 "probe_source": self.probe_source, "load": self.load,
-                "embedding_params": self.embedding_params}
+                "embedding_params": self.embedding_params, "merge": self.merge}
 
 
 # ---- inputs ------------------------------------------------------------------------------------
@@ -325,6 +327,67 @@ def quantized(model: torch.nn.Module) -> bool:
     return any(type(p).__name__ in QUANTIZED_PARAM_CLASSES for p in model.parameters())
 
 
+def merge_fidelity(trained: Any, merged: torch.nn.Module) -> dict[str, Any]:
+    """How much of the adapter's weight update the merged weights carry, layer by layer, in float32:
+    ``||W_merged - (W_base + delta)|| / ||delta||`` over every LoRA layer (``lost_share``). Judged on the
+    weights, not the logits: a merge kept in float32 of a model trained on a bf16 base computes in another
+    precision than the model trained did, and its logits differ by that alone. Empty where the base is
+    quantised (the trained model's base is then its dequantised 4-bit weights, a question for the logits)."""
+    if quantized(trained):
+        return {}
+    modules = dict(merged.named_modules())
+    active = getattr(trained, "active_adapter", "default")
+    lost2 = delta2 = 0.0
+    worst: list[tuple[float, str]] = []
+    skipped: list[str] = []
+    shared: list[torch.Tensor] = []  # the merged weights seen so far
+    shared_merged: list[str] = []  # layers whose weight another layer's adapter was merged into (tied weights)
+    adapted: dict[int, str] = {}  # data_ptr of each adapted layer's base weight -> the layer
+    with torch.no_grad():
+        for name, layer in lora_layers(trained):
+            target = modules.get(name.removeprefix("base_model.model."))
+            merged_weight = getattr(target, "weight", None)
+            base_weight = getattr(getattr(layer, "base_layer", None), "weight", None)
+            try:
+                delta = layer.get_delta_weight(active).float()
+            except Exception:  # another tuner's layer, or an adapter this PEFT cannot merge: not judged here
+                delta = None
+            if merged_weight is None or base_weight is None or delta is None \
+                    or len({tuple(merged_weight.shape), tuple(base_weight.shape), tuple(delta.shape)}) != 1:
+                skipped.append(name)
+                continue
+            lost = float((merged_weight.float() - (base_weight.float() + delta)).norm())
+            size = float(delta.norm())
+            lost2, delta2 = lost2 + lost ** 2, delta2 + size ** 2
+            if any(merged_weight is w for w in shared):
+                shared_merged.append(name)  # one weight for two layers: both adapters' updates land in it
+            shared.append(merged_weight)
+            adapted[base_weight.data_ptr()] = name
+            worst.append((lost / size if size else (math.inf if lost else 0.0), name))
+        # a layer without an adapter whose weight is tied to an adapted one (the input embeddings of a tied
+        # lm_head): the model trained used it as it was; a merge writes the adapter's update into it
+        for name, module in trained.named_modules():
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, torch.Tensor) or weight.data_ptr() not in adapted or name in adapted.values() \
+                    or any(name.startswith(f"{a}.") for a in adapted.values()):
+                continue
+            merged_weight = getattr(modules.get(name.removeprefix("base_model.model.")), "weight", None)
+            if merged_weight is None or merged_weight.shape != weight.shape:
+                continue
+            lost = float((merged_weight.float() - weight.float()).norm())
+            if lost:
+                lost2 += lost ** 2
+                shared_merged.append(name)
+                worst.append((math.inf, name))
+    if not worst:
+        return {"layers": 0, "skipped": skipped[:10]}
+    worst.sort(reverse=True)
+    # per layer: the share of its own update lost (None: no update of its own, changed by another's merge)
+    return {"lost_share": (lost2 ** 0.5) / (delta2 ** 0.5) if delta2 else 0.0, "layers": len(worst),
+            "worst": {n: share if math.isfinite(share) else None for share, n in worst[:3]},
+            "skipped": skipped[:10], "shared_weight": shared_merged}
+
+
 # ---- loading the artifact back ------------------------------------------------------------------
 def _base_path(path: str, base: Any) -> str:
     if base is not None:
@@ -462,6 +525,8 @@ def measure(model: Any, exported: Any, *, trainer: Any = None, tokenizer: Any = 
     label = {"adapter": "reloaded adapter", "merged": "reloaded merged model", "model": "merged model"}[kind]
     facts.comparisons["artifact"] = compare(f"trained vs {label}", trained_logits,
                                             artifact_logits, batches)
+    if kind != "adapter" and peft:
+        facts.merge = merge_fidelity(model, artifact)
     if kind == "adapter":
         with artifact.disable_adapter():
             artifact_base = logits_of(artifact, batches, vocab)

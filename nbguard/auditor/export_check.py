@@ -73,6 +73,9 @@ def _merge_options(facts: ExportFacts, model: Any) -> dict:
     dtype = facts.trained_dtype if facts.trained_dtype in ("float32", "bfloat16", "float16") else None
     if facts.artifact_dtype in ("bfloat16", "float16"):
         dtype = facts.artifact_dtype  # serve in the dtype the user chose; only the merge goes through float32
+    if not facts.base_quantized:
+        # an unquantised base: cast back to a half dtype, the merged weights lose the update again
+        dtype = "float32"
     return {"base": base or None, "dtype": dtype}
 
 

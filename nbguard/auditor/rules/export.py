@@ -12,6 +12,8 @@ from typing import Any
 from ..export import LOST_SHARE, ExportFacts
 from ..registry import capped, finding, rule
 
+FAITHFUL_MERGE = 0.01  # share of the adapter's weight update a merge may lose (float32 rounding loses ~1e-7)
+
 
 def _facts(ctx: Any) -> ExportFacts | None:
     facts = getattr(ctx, "export", None)
@@ -135,9 +137,16 @@ def export_merge_differs(ctx):
     if facts is None or facts.kind == "adapter" or not facts.trained_is_peft or _trained_dead(facts):
         return None
     artifact, effect = facts.comparisons["artifact"], facts.comparisons["effect"]
-    if artifact.same:
+    weights = facts.merge.get("lost_share")
+    if weights is not None:
+        # judged on the weights: the logits also differ by the precision each model computes in
+        if weights <= FAITHFUL_MERGE:
+            return None
+        share = weights
+    elif artifact.same:
         return None
-    share = artifact.max_logit_diff / effect.max_logit_diff if effect.max_logit_diff else float("inf")
+    else:
+        share = artifact.max_logit_diff / effect.max_logit_diff if effect.max_logit_diff else float("inf")
     causes = []
     if facts.base_quantized:
         causes.append("the base is quantised: merge_and_unload() dequantises, adds the delta and quantises again, "
@@ -145,16 +154,34 @@ def export_merge_differs(ctx):
     if facts.artifact_dtype in ("bfloat16", "float16") and facts.artifact_dtype != "float32":
         causes.append(f"the merged weights are {facts.artifact_dtype}: adding the adapter's small delta to "
                       f"{facts.artifact_dtype} weights rounds much of it away")
+    if facts.merge.get("shared_weight"):
+        causes.append(f"{facts.merge['shared_weight'][0]} shares its weight with an adapted layer (tied input and "
+                      "output embeddings): merge_and_unload() writes the adapter's update into the one weight, where "
+                      "the model trained applied it to the adapted layer alone")
     why = "; ".join(causes) or "the merged weights differ from base + adapter"
     severity = "error" if share >= LOST_SHARE or artifact.top1_agreement < 1.0 else "warning"
     where = f"the merged model in {facts.path}" if facts.path else "the merged model"
+    if weights is not None:
+        title = f"{where} lost {100 * share:.0f}% of the adapter's weight update"
+        measured = (f"||merged - (base + adapter)|| is {100 * share:.0f}% of ||adapter update|| over "
+                    f"{facts.merge['layers']} LoRA layer(s) (worst: {', '.join(facts.merge['worst'])}); "
+                    f"{artifact.line()}")
+    else:
+        title = f"{where} differs from the trained adapter ({100 * share:.0f}% of the adapter's effect)"
+        measured = f"{artifact.line()}; the adapter itself moves the logits by {effect.max_logit_diff:.3g}"
+    half = facts.artifact_dtype in ("bfloat16", "float16")
+    advice = ("Merge into an unquantised float32 copy of the base, then cast." if facts.base_quantized else
+              "Merge into a float32 copy of the base and serve it in float32"
+              + (f" (cast to {facts.artifact_dtype}, the merged weights round the update away again)" if half else "")
+              + ", or serve the base with the adapter unmerged.")
+    if facts.merge.get("shared_weight"):
+        advice = ("No merge of this adapter can be faithful while the embeddings are tied: serve the base with the "
+                  "adapter unmerged, or untie them (tie_word_embeddings=False, lm_head a copy) before training.")
     return finding(
-        "export-merge-differs", f"{where} differs from the trained adapter ({100 * share:.0f}% of the adapter's effect)",
-        f"{artifact.line()}; the adapter itself moves the logits by {effect.max_logit_diff:.3g}. {why.capitalize()}. "
-        "Merge into an unquantised float32 copy of the base, then cast.",
+        "export-merge-differs", title, f"{measured}. {why.capitalize()}. {advice}",
         {"comparisons": _numbers(facts), "share_of_adapter_effect": share, "merged_dtype": facts.artifact_dtype,
-         "trained_dtype": facts.trained_dtype, "base_quantized": facts.base_quantized},
-        fixes=["merge-in-fp32"], severity=severity)
+         "trained_dtype": facts.trained_dtype, "base_quantized": facts.base_quantized, "merge": facts.merge},
+        fixes=[] if facts.merge.get("shared_weight") else ["merge-in-fp32"], severity=severity)
 
 
 @rule("export-embeddings-not-saved", "error")
