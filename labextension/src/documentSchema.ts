@@ -455,6 +455,7 @@ export const DOCUMENT_SCHEMA: unknown = {
             "watch-error",
             "divergence",
             "dead-run",
+            "update-spike",
             "nonfinite-reward",
             "no-learning-signal",
             "completions-truncated",
@@ -562,6 +563,27 @@ export const DOCUMENT_SCHEMA: unknown = {
           "items": {
             "$ref": "#/$defs/numberOrNull"
           }
+        },
+        "update_norm": {
+          "type": "array",
+          "description": "The optimizer's applied update relative to the weights (||w_after - w_before|| / ||w_after||) per group and step, laid out like grad_norm; null where it was not read for that step. Absent in older documents.",
+          "items": {
+            "type": "array",
+            "items": {
+              "$ref": "#/$defs/numberOrNull"
+            }
+          }
+        },
+        "total_update_norm": {
+          "type": "array",
+          "description": "||Δw|| / ||w|| over every trainable weight, one per step (null: not read).",
+          "items": {
+            "$ref": "#/$defs/numberOrNull"
+          }
+        },
+        "update_norm_unavailable": {
+          "type": "string",
+          "description": "Why this watch has no update norms (a budget, sharded weights)."
         }
       }
     },

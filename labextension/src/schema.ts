@@ -192,7 +192,7 @@ export interface Origin {
 }
 
 export interface NbEvent {
-  kind: "nonfinite-loss" | "nonfinite-grad" | "skipped-steps" | "scaler-skip" | "frozen-params" | "frozen-eval-loss" | "grad-spike" | "few-supervised-tokens" | "watch-error" | "divergence" | "dead-run" | "nonfinite-reward" | "no-learning-signal" | "completions-truncated" | "no-preference-signal" | "ratio-mismatch" | "policy-collapse" | "kl-at-start";
+  kind: "nonfinite-loss" | "nonfinite-grad" | "skipped-steps" | "scaler-skip" | "frozen-params" | "frozen-eval-loss" | "grad-spike" | "few-supervised-tokens" | "watch-error" | "divergence" | "dead-run" | "update-spike" | "nonfinite-reward" | "no-learning-signal" | "completions-truncated" | "no-preference-signal" | "ratio-mismatch" | "policy-collapse" | "kl-at-start";
   /** 0-based optimizer step, skipped steps counted. */
   step: number;
   message: string;
@@ -228,6 +228,16 @@ export interface History {
   loss?: EncodedNumberOrNull[];
   total_grad_norm?: EncodedNumberOrNull[];
   loss_scale?: EncodedNumberOrNull[];
+  /**
+   * The optimizer's applied update relative to the weights (||w_after - w_before|| / ||w_after||)
+   * per group and step, laid out like grad_norm; null where it was not read for that step. Absent
+   * in older documents.
+   */
+  update_norm?: EncodedNumberOrNull[][];
+  /** ||Δw|| / ||w|| over every trainable weight, one per step (null: not read). */
+  total_update_norm?: EncodedNumberOrNull[];
+  /** Why this watch has no update norms (a budget, sharded weights). */
+  update_norm_unavailable?: string;
 }
 
 export interface Activations {

@@ -679,7 +679,21 @@ def history_overview(history: Any) -> dict[str, Any]:
         "loss_first": finite_loss[0] if finite_loss else None,
         "loss_last": finite_loss[-1] if finite_loss else None,
         "has_loss": any(v is not None for v in loss),
+        "update": _update_overview(steps, history),
     }
+
+
+def _update_overview(steps: list, history: dict) -> dict[str, Any] | None:
+    """The optimizer's update relative to the weights (||Δw|| / ||w||): its median and largest, or why
+    the watch has none; None for a document from before update norms."""
+    if history.get("update_norm_unavailable"):
+        return {"unavailable": str(history["update_norm_unavailable"])}
+    totals = [(s, as_float(v)) for s, v in zip(steps, history.get("total_update_norm") or [])]
+    finite = sorted((v, s) for s, v in totals if v is not None and math.isfinite(v))
+    if not finite:
+        return None
+    peak, at = finite[-1]
+    return {"median": finite[len(finite) // 2][0], "peak": peak, "peak_step": at, "steps": len(finite)}
 
 
 def where_bad(group: str, count: int, total: int) -> str:
@@ -708,6 +722,12 @@ def overview_facts(overview: dict) -> list[Fact]:
         facts.append(Fact(f"loss {fmt_num(overview['loss_first'])} → {fmt_num(overview['loss_last'])}"))
     if overview["nonfinite_loss_steps"]:
         facts.append(Fact(f"loss non-finite at {plural(len(overview['nonfinite_loss_steps']), 'step')}", "bad"))
+    update = overview.get("update")
+    if update and update.get("unavailable"):
+        facts.append(Fact(f"no update norms: {update['unavailable']}"))
+    elif update:
+        facts.append(Fact(f"update ‖Δw‖/‖w‖: median {fmt_num(update['median'])}, largest "
+                          f"{fmt_num(update['peak'])} at step {update['peak_step']}"))
     return facts
 
 

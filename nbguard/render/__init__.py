@@ -12,13 +12,13 @@ from ..document import MIME_TYPE
 from ..document.codec import check_json, encode_document
 from ..document.redact import redact
 from ..document.view import view, without_view
-from .heatmap import activations_png, heatmap_png
+from .heatmap import activations_png, heatmap_png, update_norms_png
 from .html import render_html
 from .series import series_png
 from .text import format_view, render_text
 
 __all__ = ["MIME_TYPE", "activations_png", "encode_document", "heatmap_png", "mime_bundle", "render_html",
-           "render_text", "series_png"]
+           "render_text", "series_png", "update_norms_png"]
 
 
 def mime_bundle(doc: dict[str, Any]) -> dict[str, Any]:

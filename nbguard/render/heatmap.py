@@ -50,6 +50,33 @@ def heatmap_png(
     )
 
 
+def update_norms_png(
+    history: dict,
+    *,
+    max_rows: int = DEFAULT_MAX_ROWS,
+    max_cols: int = DEFAULT_MAX_COLS,
+    dpi: int = 100,
+    title: str | None = None,
+) -> bytes | None:
+    """A PNG of ``history["update_norm"]``: the optimizer's update relative to the weights
+    (||Δw|| / ||w||) per group and step, drawn like :func:`heatmap_png` (log colour scale, skipped
+    steps marked). None for a history without update norms (an older document, or a watch that
+    could not read them: ``history["update_norm_unavailable"]`` says why)."""
+    _check_section(history, "history", "grad_norm")
+    if "update_norm" not in history:
+        return None
+    return _render(
+        history,
+        key="update_norm",
+        limit=None,
+        max_rows=max_rows,
+        max_cols=max_cols,
+        dpi=dpi,
+        title=title or "Update norm ||Δw|| / ||w|| per module group",
+        colorbar_label="update / weights (log scale)",
+    )
+
+
 def activations_png(
     activations: dict,
     *,

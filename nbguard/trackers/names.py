@@ -30,9 +30,10 @@ def short_names(groups: list[str]) -> dict[str, str]:
     return {g: (s if taken[s] == 1 else g) for g, s in short.items()}
 
 
-def fold(values: dict[str, float | None], cap: int) -> dict[str, float]:
+def fold(values: dict[str, float | None], cap: int, ratios: bool = False) -> dict[str, float]:
     """At most ``cap`` series: non-finite groups first, then the largest norms; the rest folded into
-    ``other`` as the norm of their concatenation (sqrt of the sum of squares), so nothing is lost."""
+    ``other`` as the norm of their concatenation (sqrt of the sum of squares), so nothing is lost.
+    ``ratios``: the values are ratios (update norms), which do not add: ``other`` is the largest of the rest."""
     if cap < 2:
         raise ValueError(f"max_series must be at least 2 (the largest group and '{OTHER}'), got {cap}")
     known = {g: v for g, v in values.items() if v is not None}
@@ -40,5 +41,6 @@ def fold(values: dict[str, float | None], cap: int) -> dict[str, float]:
         return dict(known)
     ranked = sorted(known, key=lambda g: (math.isfinite(known[g]), -known[g] if math.isfinite(known[g]) else 0.0))
     kept = {g: known[g] for g in ranked[:cap - 1]}
-    kept[OTHER] = math.sqrt(sum(known[g] ** 2 for g in ranked[cap - 1:]))
+    rest = [known[g] for g in ranked[cap - 1:]]
+    kept[OTHER] = max(rest) if ratios else math.sqrt(sum(v ** 2 for v in rest))
     return kept

@@ -35,11 +35,16 @@ class StepScalars:
 
     def of(self, payload: dict[str, Any]) -> dict[str, float]:
         out: dict[str, float] = {}
-        for key in ("loss", "total_grad_norm", "loss_scale"):
+        for key in ("loss", "total_grad_norm", "loss_scale", "total_update_norm"):
             if payload.get(key) is not None:
                 out[PREFIX + key] = float(payload[key])
         for group, norm in fold(self._short(payload.get("grad_norm", {})), self.max_series).items():
             out[f"{PREFIX}grad_norm/{group}"] = norm
+        # ||Δw|| / ||w|| per group: the update the step's read brought (the step before's; under a
+        # GradScaler the step's own), logged at this step (a tracker's steps only move forward)
+        updates = fold(self._short(payload.get("update_norm", {})), self.max_series, ratios=True)
+        for group, ratio in updates.items():
+            out[f"{PREFIX}update_norm/{group}"] = ratio
         absmax = [v for v in payload.get("activation_absmax", {}).values() if v is not None]
         if absmax:  # how far the largest activation is from fp16's limit (1.0 = at the limit)
             out[PREFIX + "activation_headroom"] = FP16_LIMIT / max(max(absmax), 1e-30)

@@ -16,6 +16,10 @@ class WatchSettings:
     frozen_eval_repeats: int = 1  # bit-identical eval losses in a row (beyond the first): an event
     history_capacity: int = 2048
     max_replays: int = 3
+    # per-group ||Δw|| / ||w|| of each update (update_norms.py): a copy of the trainable weights before
+    # each step, left out (the history says why) where they take more than this many MiB
+    update_norms: bool = True
+    update_norm_budget_mb: float = 256.0
 
 
 class SkipStreak:

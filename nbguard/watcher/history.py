@@ -40,12 +40,19 @@ class GradHistory:
         self._scale: deque[float | None] = deque(maxlen=capacity)
         self._skipped: deque[bool] = deque(maxlen=capacity)
         self.rewinds: list[dict[str, Any]] = []  # policy rewind: one entry per rewind (step, restored_after_step, ...)
+        # per-group ||Δw|| / ||w|| of each step's update (update_norms.py): a step's arrive with the next read
+        self._update: deque[list[float | None] | None] = deque(maxlen=capacity)
+        self._total_update: deque[float | None] = deque(maxlen=capacity)
+        self.update_norm_unavailable: str | None = None  # why there are none (said once)
 
     def add_groups(self, groups: list[str]) -> None:
         """Groups that appeared after attach (a module swapped in): earlier steps have no value for them."""
         self.groups.extend(groups)
         for row in self._norms:
             row.extend([None] * len(groups))
+        for update in self._update:
+            if update is not None:
+                update.extend([None] * len(groups))
 
     def append(self, step: int, norms: Sequence[float | None], loss: float | None, total: float | None,
                scale: float | None, skipped: bool) -> None:
@@ -55,6 +62,19 @@ class GradHistory:
         self._total.append(total)
         self._scale.append(scale)
         self._skipped.append(bool(skipped))
+        self._update.append(None)
+        self._total_update.append(None)
+
+    def record_update(self, step: int, ratios: Sequence[float | None], total: float | None) -> bool:
+        """The update norms of ``step`` (per group ||Δw|| / ||w||, and over every group), which arrive
+        after the step was appended; False where the step is no longer (or not yet) in the history."""
+        for back in range(1, min(len(self._steps), 4) + 1):  # the last step, or one of the few before it
+            if self._steps[-back] == step:
+                row = list(ratios) + [None] * (len(self.groups) - len(ratios))
+                self._update[-back] = row
+                self._total_update[-back] = total
+                return True
+        return False
 
     def record_rewind(self, entry: dict[str, Any]) -> None:
         """A rewind at ``entry["step"]`` back to the state after ``entry["restored_after_step"]``."""
@@ -84,8 +104,28 @@ class GradHistory:
         i = self.groups.index(group)
         return [row[i] for row in self._norms]
 
+    def update_norm(self, group: str) -> list[float | None]:
+        """``group``'s ||Δw|| / ||w|| per step (None: not read for that step)."""
+        i = self.groups.index(group)
+        return [row[i] if row is not None else None for row in self._update]
+
+    @property
+    def total_update_norm(self) -> list[float | None]:
+        """||Δw|| / ||w|| over every trainable weight, per step (None: not read for that step)."""
+        return list(self._total_update)
+
     def __len__(self) -> int:
         return len(self._steps)
+
+    def _update_section(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if any(v is not None for v in self._total_update):
+            out["update_norm"] = [[encode_float(row[i]) if row is not None else None for row in self._update]
+                                  for i in range(len(self.groups))]
+            out["total_update_norm"] = [encode_float(v) for v in self._total_update]
+        if self.update_norm_unavailable is not None:
+            out["update_norm_unavailable"] = self.update_norm_unavailable
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """The "history" section of the payload document (groups x steps)."""
@@ -99,6 +139,7 @@ class GradHistory:
             "loss": [encode_float(v) for v in self._loss],
             "total_grad_norm": [encode_float(v) for v in self._total],
             "loss_scale": [encode_float(v) for v in self._scale],
+            **self._update_section(),
         }
 
 

@@ -15,7 +15,7 @@ import torch
 
 from . import distributed as ranks
 from .ddp_buckets import bucket_reader, find_ddp
-from .guard import watch_hook
+from .guard import guarded_call, watch_hook
 from .integrations.loop import OptimizerBinding, ScalerBinding, unwrap_optimizer
 from .steps import WatchSteps
 
@@ -159,6 +159,8 @@ class WatchLifecycle(WatchSteps):
             self._deepspeed = None
         if self._streamer is not None:
             self._streamer.flush()  # the kernel's view gets the last steps now, not at the rank's exit
+        if self._updates is not None:  # the last step's update norms: no next read will bring them
+            guarded_call(lambda _: None, self._updates.flush)
         self._release_step()
         was_attached, self.attached = self.attached, False
         if attached_watch(self.target) is self:

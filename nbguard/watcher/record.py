@@ -35,6 +35,7 @@ from .pipeline import DetectorBoard, StepView
 from .rows import name_rows
 from .run_checks import RunChecks
 from .sentinel import GradNormCollector, StepStats
+from .update_norms import UpdateNorms
 
 Listener = Callable[[Any, str, Any], None]  # callback(watch, kind, payload)
 
@@ -82,6 +83,7 @@ class WatchRecord(ABC):
     _callback: Any  # WatchCallback, Trainer only
     _labels_tap: Any  # LabelsTap, Trainer only: labels the Trainer keeps from the model
     _loss_tap: Any  # TrainingLossTap: a Trainer whose loss is not its model's own
+    _updates: UpdateNorms | None  # per-group update norms around optimizer.step (update_norms.py)
     _deepspeed: Any  # DeepSpeed's skips, from its engine or its log lines, read when deepspeed is imported
     _trainer_control: Any
     _stop_requested: bool

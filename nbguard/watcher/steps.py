@@ -42,6 +42,13 @@ class WatchSteps(WatchRecord):
     def end_training(self) -> None:
         """The loop ended: drop every reference to the unfinished step's batches."""
         self._release_step()
+        self._flush_update_norms()
+
+    @watch_hook(safe=True)
+    def _flush_update_norms(self) -> None:
+        """The last step's update norms have no next read to ride in: one host read of them now."""
+        if self._updates is not None:
+            self._updates.flush()
 
     # ---- hooks: micro-batches ------------------------------------------------------------------------
     def _training_forward(self, module) -> bool:
@@ -156,7 +163,17 @@ class WatchSteps(WatchRecord):
             return None
         self._check_step()
         self._settle_farewell()  # the check failed before this rank's part of the exchange: pay it now
+        if self._updates is not None:
+            self._copy_before_update()
         return None
+
+    @watch_hook(safe=False)
+    def _copy_before_update(self) -> None:
+        """The update norms' copy of the trainable weights, just before the optimizer moves them."""
+        updates = self._updates
+        if updates is not None:
+            updates.before_step(self.step, "DeepSpeed keeps the weights it updates in its own partitions"
+                                if self._deepspeed is not None else None)
 
     @watch_hook(safe=False)
     def _check_step(self) -> None:
@@ -166,6 +183,8 @@ class WatchSteps(WatchRecord):
     @watch_hook(safe=False)
     def _post_step(self, optimizer, args, kwargs):
         self._optimizer_stepped = True
+        if self._updates is not None:
+            self._updates.after_step(self.step)
         if self._scaler_binding is None:
             self._end_step(skipped=self._step_dropped)
         return None
@@ -291,6 +310,10 @@ class WatchSteps(WatchRecord):
                                        "grad_norm": dict(zip(self.history.groups, stats.grad_norm))}
             if activations is not None and self.activation_history is not None:
                 payload["activation_absmax"] = dict(zip(self.activation_history.groups, activations))
+            fresh = self._updates.take_fresh() if self._updates is not None else None
+            if fresh is not None:  # the update norms this step's read brought (the step before's, or its own)
+                payload["update_norm_step"], ratios, payload["total_update_norm"] = fresh
+                payload["update_norm"] = dict(zip(self.history.groups, ratios))
             self._notify("step", payload)
         if self._rewinder is not None:  # policy rewind: a snapshot, or a rewind judged at the step's end
             self._rewinder.step_ended(self, step, skipped, found)

@@ -35,6 +35,7 @@ from .rows import RowTracker
 from .run_checks import RunChecks
 from .scaler_skips import ScalerSkips
 from .sentinel import GradNormCollector
+from .update_norms import make_update_norms
 
 __all__ = ["NanWatch", "attached_watch", "attached_watches", "fold_skip_streaks", "skip_streaks"]
 
@@ -152,7 +153,10 @@ class NanWatch(WatchLifecycle, Displayable):
         scaler_skips = ScalerSkips(self.settings, lambda kind, extra, budget: self._localised_event(
             kind, self._read(), extra, budget))
         self._run_checks = RunChecks(self.trainer, lambda exc: self._fail(exc, safe=False)) if run_checks else None
-        self._board = DetectorBoard([scaler_skips, *builtin_detectors(self.settings), *detectors],
+        # per-group update norms (||Δw|| / ||w||), read around optimizer.step, judged for update-spike events
+        self._updates = make_update_norms(self._collector, self.history, self.settings)
+        updates = [self._updates] if self._updates is not None else []
+        self._board = DetectorBoard([scaler_skips, *builtin_detectors(self.settings), *updates, *detectors],
                                     last=[self._run_checks] if self._run_checks is not None else [])
         self._micro_batches = []
         self._losses = []

@@ -1,0 +1,280 @@
+"""Per-group update norms (||Δw|| / ||w|| of each optimizer step) and the ``update-spike`` early warning.
+
+How the update is read. Three ways were weighed (measured in ``benchmarks/overhead.py --update-norms``):
+
+- (a) from an Adam-family optimizer's state after the step (lr * m_hat / (sqrt(v_hat) + eps) plus the
+  decoupled weight decay): no weight copy, but three or four parameter-sized temporaries per step
+  (sqrt, bias correction, eps, the division), a formula per optimizer and per variant (Adam vs AdamW
+  weight decay, amsgrad, maximize, fused/capturable step counts, 8-bit states, schedule-free), and
+  nothing for SGD or an optimizer we do not know;
+- (b) a copy of the trainable parameters before the step, subtracted after it: exact for every
+  optimizer (what the step really applied, clipping, weight decay and a dropped update included),
+  one copy, one in-place subtraction and two fused norms per step; its memory is one copy of the
+  *trainable* weights (a LoRA: a few MB), bounded by ``WatchSettings.update_norm_budget_mb``;
+- (c) torch offers nothing that reports the applied update (the optimizer hooks see the same tensors).
+
+(b) it is: cheaper than (a) in kernels and in passes over memory, and right for every optimizer. A run
+whose trainable weights exceed the budget (a full fine-tune of a large model), or whose weights are
+sharded (FSDP, DeepSpeed), gets no update norms and the history says why, once.
+
+The read costs no host sync of its own: the norms are taken on the device right after
+``optimizer.step`` (two ``torch._foreach_norm``, one of the differences and one of the weights), and
+ride in the *next* step's one read as a detector's scalars (under a GradScaler the read comes after
+the step, so the same step's). The ratio is to the weights after the update: a LoRA B matrix starts at
+zero, and its first update is then 1.0 rather than a division by zero.
+
+The detector judges the run's total ratio (every trainable weight) on a log scale against the run's
+own noise, as :mod:`.divergence` judges gradient norms: the level is the median of the last few healthy
+log ratios, the noise the median absolute change between consecutive ones; a spike is at least
+``min_decades`` above the level AND ``robust_z`` robust standard deviations of the noise. Adam's update
+is bounded by its learning rate, so a healthy run's ratio drifts slowly (down, as the weights grow
+or the moments settle); an LR blow-up multiplies it at once, one step before the loss and the
+gradient norm see the damaged weights.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..findings import Event
+from .divergence import MAD_TO_STD, RUN_FIXES, log_norm
+from .pipeline import Detector, StepView, WatchedRun
+from .rolling import RollingMedian, sorted_median
+
+if TYPE_CHECKING:
+    from .history import GradHistory
+    from .sentinel import GradNormCollector
+
+SCALAR = "update_norms"
+
+
+@dataclass
+class UpdateSpikeSettings:
+    window: int = 16  # healthy steps the step-to-step noise is taken over
+    level_steps: int = 5  # the run's level: the median of its last this many healthy log ratios
+    warmup: int = 8  # healthy steps seen before a step can be judged (Adam's first steps are its largest)
+    min_decades: float = 1.0  # never less than 10x the run's level (an LR warmup doubles it at most)
+    robust_z: float = 6.0  # ... and this many robust standard deviations of the run's own changes
+
+
+class UpdateSpikeJudge:
+    """One event per spike: a spike never enters the baseline, and the judge re-arms once a step is back."""
+
+    def __init__(self, settings: UpdateSpikeSettings | None = None):
+        self.settings = settings or UpdateSpikeSettings()
+        self.recent: deque[float] = deque(maxlen=self.settings.window)
+        self.changes = RollingMedian(max(self.settings.window - 1, 1))
+        self.group_recent: deque[Sequence[float | None]] = deque(maxlen=self.settings.level_steps)
+        self.spiking = False
+        self.evidence: dict[str, Any] | None = None
+
+    def level(self) -> float | None:
+        if not self.recent:
+            return None
+        return sorted_median(sorted(itertools.islice(reversed(self.recent), self.settings.level_steps)))
+
+    def threshold(self) -> float | None:
+        s = self.settings
+        if len(self.recent) < s.warmup or not self.changes:
+            return None
+        return max(s.min_decades, s.robust_z * MAD_TO_STD * self.changes.median())
+
+    def update(self, step: int, total: float | None, groups: Sequence[str],
+               ratios: Sequence[float | None]) -> dict[str, Any] | None:
+        """Evidence for a spike at ``step`` (the step whose update it was), or None."""
+        value = log_norm(total)
+        if value is None:
+            return None  # no update (dropped, or zero), or non-finite weights: the NaN watch's
+        limit, level = self.threshold(), self.level()
+        spiked = limit is not None and level is not None and value - level > limit
+        if not spiked:
+            if self.recent:
+                self.changes.append(abs(value - self.recent[-1]))
+            self.recent.append(value)
+            self.group_recent.append(ratios)
+            self.spiking = False
+            return None
+        assert level is not None and limit is not None
+        if self.spiking and self.evidence is not None:  # the same spike, still going: one event
+            if total is not None and total > self.evidence["peak_update_ratio"]:
+                self.evidence.update(peak_update_ratio=total, peak_step=step)
+            return None
+        self.spiking = True
+        self.evidence = {
+            "update_ratio": total, "recent_level": 10 ** level, "ratio": 10 ** (value - level),
+            "decades_above_level": value - level, "threshold_decades": limit,
+            "healthy_steps_seen": len(self.recent), "peak_update_ratio": total, "peak_step": step,
+            "largest_groups": self._largest(groups, ratios)}
+        return self.evidence
+
+    def _largest(self, groups: Sequence[str], ratios: Sequence[float | None], most: int = 5) -> list[dict[str, Any]]:
+        """The groups whose own update ratio jumped most against their recent median."""
+        jumps = []
+        for i, (name, ratio) in enumerate(zip(groups, ratios)):
+            now = log_norm(ratio)
+            seen = sorted(v for v in (log_norm(r[i] if i < len(r) else None) for r in self.group_recent)
+                          if v is not None)
+            if now is None or not seen:
+                continue
+            jumps.append((now - sorted_median(seen), name, ratio))
+        jumps.sort(reverse=True)
+        return [{"group": name, "update_ratio": ratio, "ratio": 10 ** rise} for rise, name, ratio in jumps[:most]]
+
+
+def update_spike_message(evidence: dict[str, Any]) -> str:
+    text = (f"the optimizer's update jumped to {evidence['update_ratio']:.3g} of the weights' norm, "
+            f"{evidence['ratio']:.3g}x the run's recent level ({evidence['decades_above_level']:.1f} decades; "
+            f"the run's own noise allows {evidence['threshold_decades']:.1f})")
+    groups = evidence.get("largest_groups") or []
+    if groups:
+        text += f"; largest in {groups[0]['group']}"
+    return text + ": a loss spike often follows (a learning rate too high for this step?)"
+
+
+class UpdateNorms(Detector):
+    """Reads each step's per-group ||Δw|| / ||w|| into the history and judges the total for spikes.
+
+    The watch calls ``before_step`` / ``after_step`` from its wrapper on ``optimizer.step`` (the one it
+    already has), and ``flush`` where training ends (the last step's norms have no next read)."""
+
+    name = "update-norms"
+
+    def __init__(self, collector: GradNormCollector, history: GradHistory, budget_mb: float,
+                 settings: UpdateSpikeSettings | None = None):
+        self.collector = collector
+        self.history = history
+        self.budget_bytes = int(budget_mb * 2 ** 20)
+        self.judge = UpdateSpikeJudge(settings)
+        self.unavailable: str | None = None  # why there are no update norms (said once, in the history)
+        self._copies: list[torch.Tensor] = []
+        self._copied: tuple[int, list[torch.Tensor], list[int]] | None = None  # (step, params, their groups)
+        self._pending: tuple[int, torch.Tensor, list[int]] | None = None  # (step, norms on the device, groups)
+        self._asked: tuple[int, list[int]] | None = None  # the pending step this read carries
+        self._judged = -1
+        self._fresh: tuple[int, list[float | None], float | None] | None = None  # the last taken, for listeners
+
+    # ---- around optimizer.step (the watch's existing wrapper) ------------------------------------
+    def before_step(self, step: int, why_not: str | None = None) -> None:
+        """The optimizer is about to step: copy the trainable weights (or say, once, why not)."""
+        if self.unavailable is not None:
+            return
+        if why_not is None:
+            why_not = self._why_not()
+        if why_not is not None:
+            self.unavailable = why_not
+            self.history.update_norm_unavailable = why_not
+            self._copies, self._copied, self._pending = [], None, None
+            return
+        params = list(self.collector.params)
+        if len(self._copies) != len(params) or any(c.shape != p.shape or c.dtype != p.dtype or c.device != p.device
+                                                   for c, p in zip(self._copies, params)):
+            self._copies = [torch.empty_like(p, memory_format=torch.preserve_format) for p in params]
+        with torch.no_grad():
+            torch._foreach_copy_(self._copies, [p.detach() for p in params])
+        self._copied = (step, params, list(self.collector._index))
+
+    def after_step(self, step: int) -> None:
+        """The optimizer stepped: the differences' and the weights' norms, on the device (no host read)."""
+        copied, self._copied = self._copied, None
+        if copied is None or copied[0] != step:
+            return
+        _, params, index = copied
+        with torch.no_grad():
+            weights = [p.detach() for p in params]
+            torch._foreach_sub_(self._copies, weights)  # w_before - w_after: -Δw
+            norms = torch._foreach_norm(self._copies, 2, dtype=torch.float32) \
+                + torch._foreach_norm(weights, 2, dtype=torch.float32)
+            self._pending = (step, torch.stack(norms), index)
+
+    def _why_not(self) -> str | None:
+        params = self.collector.params
+        if not params:
+            return "no trainable parameters"
+        if self.collector._sharded:
+            return "the weights are sharded across ranks (FSDP): each rank holds only its shard"
+        if any(p.device.type == "meta" for p in params):
+            return "some trainable weights are on the meta device"
+        if len({p.device for p in params}) > 1:
+            return "the trainable weights are spread over several devices"
+        size = sum(p.numel() * p.element_size() for p in params)
+        if size > self.budget_bytes:
+            return (f"the trainable weights take {size / 2 ** 20:.0f} MiB, over the update-norm budget of "
+                    f"{self.budget_bytes / 2 ** 20:.0f} MiB (WatchSettings(update_norm_budget_mb=...))")
+        return None
+
+    # ---- the read ----------------------------------------------------------------------------------
+    def scalars(self, watch: WatchedRun) -> dict[str, torch.Tensor]:
+        pending = self._pending
+        if pending is None:
+            self._asked = None
+            return {}
+        self._asked = (pending[0], pending[2])
+        return {SCALAR: pending[1]}
+
+    def before_update(self, view: StepView) -> list[Event]:
+        return self.update(view)
+
+    def update(self, view: StepView) -> list[Event]:
+        values = view.scalars.get(SCALAR)
+        asked = self._asked
+        if not values or asked is None or asked[0] == self._judged:
+            return []
+        self._judged = asked[0]
+        if self._pending is not None and self._pending[0] == asked[0]:
+            self._pending = None
+        return self._take(asked[0], values, asked[1])
+
+    def take_fresh(self) -> tuple[int, list[float | None], float | None] | None:
+        """(step, per-group ratios, total) read since the last call, for the watch's step listeners."""
+        fresh, self._fresh = self._fresh, None
+        return fresh
+
+    def flush(self) -> None:
+        """Training ended: the last step's norms (one host read, once)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] != self._judged:
+            self._judged = pending[0]
+            self._take(pending[0], pending[1].tolist(), pending[2], judge=False)
+
+    def _take(self, step: int, values: Sequence[float], index: list[int], judge: bool = True) -> list[Event]:
+        n = len(index)
+        groups = list(self.history.groups)
+        delta_sq = [0.0] * len(groups)
+        weight_sq = [0.0] * len(groups)
+        for i, g in enumerate(index):
+            delta_sq[g] += values[i] * values[i]
+            weight_sq[g] += values[n + i] * values[n + i]
+        seen = set(index)
+        ratios: list[float | None] = [_ratio(delta_sq[g], weight_sq[g]) if g in seen else None
+                                      for g in range(len(groups))]
+        total = _ratio(sum(delta_sq), sum(weight_sq))
+        self.history.record_update(step, ratios, total)
+        self._fresh = (step, ratios, total)
+        if not judge:
+            return []
+        found = self.judge.update(step, total, groups, ratios)
+        if found is None:
+            return []
+        found["fixes"] = list(RUN_FIXES)
+        return [Event("update-spike", step, update_spike_message(found), evidence=found)]
+
+
+def _ratio(delta_sq: float, weight_sq: float) -> float | None:
+    if not math.isfinite(delta_sq) or not math.isfinite(weight_sq):
+        return math.nan
+    if weight_sq <= 0.0:
+        return None
+    return math.sqrt(delta_sq / weight_sq)
+
+
+def make_update_norms(collector: GradNormCollector, history: GradHistory, settings: Any) -> UpdateNorms | None:
+    """The watch's update-norm reader, or None where ``WatchSettings(update_norms=False)``."""
+    if not getattr(settings, "update_norms", True):
+        return None
+    return UpdateNorms(collector, history, getattr(settings, "update_norm_budget_mb", 256.0))
