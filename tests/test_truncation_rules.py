@@ -189,3 +189,24 @@ def test_coverage_of_published_rope_configs(params, mpe, covered):
 
     cfg = LlamaConfig(max_position_embeddings=mpe, rope_scaling={**params, "rope_theta": 10000.0})
     assert position_coverage(cfg).covered == covered
+
+
+def test_the_position_probe_reports_the_loss_before_and_past_the_covered_length():
+    """audit(probe=True): one forward of the longest row; its numbers are the model's own per-position loss. The
+    tiny model is random-init, so the two means carry no position signal here: only the measurement is checked."""
+    model = tiny_llama(max_position_embeddings=32)
+    trainer = sft(long_rows(), max_length=64, model=model)
+    assert "position_loss" not in found(trainer, BEYOND)[0].evidence  # only when the probe is asked for
+    [f] = [f for f in nbguard.audit(trainer=trainer, probe=True).findings if f.rule == BEYOND]
+    probe = f.evidence["position_loss"]
+    row = trainer.train_dataset[probe["dataset_row"]]["input_ids"]
+    assert len(row) == probe["tokens"] == 55 and (probe["positions_within"], probe["positions_beyond"]) == (32, 22)
+    was_training = model.training
+    with torch.no_grad():
+        model.train()  # as the probe runs it (no dropout in this model: the loss is deterministic)
+        logits = model(input_ids=torch.tensor([row])).logits[0]
+        model.train(was_training)
+    loss = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(row[1:]), reduction="none")
+    assert probe["mean_loss_within"] == pytest.approx(loss[:32].mean().item(), rel=1e-4)
+    assert probe["mean_loss_beyond"] == pytest.approx(loss[32:].mean().item(), rel=1e-4)
+    assert f"{probe['mean_loss_beyond']:.3f} over the 22 positions past it" in f.detail

@@ -10,10 +10,12 @@ with what the config's positions cover, RoPE scaling (linear, dynamic, yarn, lla
 """
 from __future__ import annotations
 
+from inspect import signature
 from typing import Any
 
 import torch
 
+from ...introspect.modes import in_training_mode
 from ...introspect.truncation import (
     IGNORE_INDEX,
     TrainingRows,
@@ -25,11 +27,15 @@ from ...introspect.truncation import (
     truncation_cap,
 )
 from ..registry import capped, finding, rule
+from ..sampling import preserved_rng
 from .labels import eos_and_pad_ids
 
 ROWS_CHECKED = 4096  # rows read from the dataset's start: a share of a few percent is well resolved
 WARN_SHARE = 0.01  # above this share of supervised rows the finding is a warning, else info
 ROWS_NAMED = 50  # dataset indices listed in the evidence (the count says how many in all)
+PROBE_TOKENS = 16384  # the longest row the position probe feeds
+PROBE_POSITIONS = 256  # positions scored on each side of the covered length
+PROBE_FLOPS = {"cpu": 2e11, "other": 5e13}  # forward cost (2 x parameters x tokens) the probe may spend
 
 
 def training_rows(ctx) -> TrainingRows | None:
@@ -128,6 +134,43 @@ def _absolute_positions(ctx, size: int) -> str | None:
     return None
 
 
+def position_loss(ctx, rows: TrainingRows | None, covered: int) -> dict[str, Any] | None:
+    """With ``audit(probe=True)``: one forward of the longest training row (no gradients, modes and RNG put back),
+    the next-token loss at up to PROBE_POSITIONS positions before the covered length and as many past it. On a
+    pretrained model the loss past the covered length rises; a random-init model has no position knowledge to
+    lose (its loss is near ln(vocab) everywhere), so there the numbers say nothing."""
+    model = ctx.model
+    if ctx.probe is None or rows is None or not rows.input_ids or model is None or not ctx.named_params:
+        return None
+    device = ctx.named_params[0][1].device
+    if device.type == "meta":
+        return None
+    longest = max(range(len(rows.input_ids)), key=lambda i: rows.real_positions(i)[0])
+    ids, mask = rows.input_ids[longest], rows.attention_mask[longest]
+    ids = [t for t, m in zip(ids, mask) if m] if mask is not None and len(mask) == len(ids) else ids
+    ids = ids[:PROBE_TOKENS]
+    if len(ids) < covered + 2:
+        return None
+    flops = 2 * sum(p.numel() for _, p in ctx.named_params) * len(ids)
+    if flops > PROBE_FLOPS["cpu" if device.type == "cpu" else "other"]:
+        return {"skipped": f"one forward of {len(ids)} tokens would cost ~{flops:.1e} FLOPs on {device.type}"}
+    before = list(range(max(0, covered - PROBE_POSITIONS), covered))
+    after = list(range(covered, min(len(ids) - 1, covered + PROBE_POSITIONS)))
+    keep = torch.tensor(before + after, device=device)
+    kwargs: dict[str, Any] = {"logits_to_keep": keep} if "logits_to_keep" in signature(model.forward).parameters \
+        else {}
+    with preserved_rng(), in_training_mode(model), torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids], device=device), **kwargs).logits[0]
+    if not kwargs:
+        logits = logits[keep]
+    targets = torch.tensor(ids, device=device)[keep + 1]
+    loss = torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
+    within, beyond = loss[:len(before)].mean().item(), loss[len(before):].mean().item()
+    return {"dataset_row": longest, "tokens": len(ids), "positions_within": len(before),
+            "positions_beyond": len(after), "mean_loss_within": within, "mean_loss_beyond": beyond,
+            "ratio": beyond / within if within > 0 else None}
+
+
 @rule("max-length-beyond-positions", "warning")
 def max_length_beyond_positions(ctx):
     """Training rows longer than the positions the model covers: max_position_embeddings, or what its RoPE scaling (linear, dynamic, yarn, llama3, longrope) stretches them to."""
@@ -172,7 +215,13 @@ def max_length_beyond_positions(ctx):
                + (coverage.notes[0] + ". " if coverage.notes else "")
                + f"Raise the factor to {float(factor)} (set it on the config before from_pretrained), or lower "
                f"max_length to {coverage.covered}.")
+    probe = position_loss(ctx, rows, coverage.covered)
+    if probe is not None and "skipped" not in probe:
+        how += (f" The probe (one forward of dataset row {probe['dataset_row']}): mean next-token loss "
+                f"{probe['mean_loss_within']:.3f} over the {probe['positions_within']} positions before "
+                f"{coverage.covered}, {probe['mean_loss_beyond']:.3f} over the {probe['positions_beyond']} positions past it "
+                "(a pretrained model's loss rises past the covered length; a random-init one's does not).")
     return finding(
         "max-length-beyond-positions",
         f"rows of {length} tokens, beyond the {coverage.covered} positions the model covers",
-        how, evidence)
+        how, {**evidence, **({"position_loss": probe} if probe is not None else {})})
