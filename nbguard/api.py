@@ -33,7 +33,8 @@ def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, pro
 
 
 def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, activations=False, verify=True,
-          detectors=(), run_checks=True, log_to="auto", log_every=10, rewind=None, scheduler=None):
+          detectors=(), run_checks=True, log_to="auto", log_every=10, rewind=None, scheduler=None,
+          stall_after_s=120.0):
     """Attach a NaN/Inf watch to a model (with its optimizer) or a Trainer; returns a ``NanWatch``.
 
     ``activations=True`` also records each module group's output abs-max per step (fp16 headroom).
@@ -52,6 +53,10 @@ def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, 
     max_rewinds=3)``); pass ``scheduler=`` (a plain loop's LR scheduler) so a divergence's LR cut
     reaches it too. A bad step's event names its rows by dataset index (a Trainer's own loader; a
     plain loop's with ``watch.track_rows(loader)``).
+    A heartbeat thread records a ``stall`` event (every thread's Python stack) when no optimizer step
+    completes within a bound learned from the run's step times, never sooner than ``stall_after_s``
+    seconds; ``stall_after_s=None`` turns it off. Steps several times slower than the run's median,
+    several in a row, are a ``slow-steps`` event (docs/guides/detectors.md, "Stalls and slowdowns").
     """
     from .verifier import auto_verify
     from .watcher import NanWatch
@@ -60,7 +65,7 @@ def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, 
         raise TypeError(f"verify must be True or False, got {type(verify).__name__}")
     watch = NanWatch(target, optimizer=optimizer, scaler=scaler, policy=policy, localize=localize,
                      activations=activations, verifier=auto_verify if verify else None, detectors=detectors,
-                     run_checks=run_checks, rewind=rewind, scheduler=scheduler)
+                     run_checks=run_checks, rewind=rewind, scheduler=scheduler, stall_after_s=stall_after_s)
     if log_to is not None:  # checked before attaching: a bad log_to leaves no hooks behind
         from .trackers import connect
 

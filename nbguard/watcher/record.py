@@ -35,6 +35,7 @@ from .pipeline import DetectorBoard, StepView
 from .rows import name_rows
 from .run_checks import RunChecks
 from .sentinel import GradNormCollector, StepStats
+from .stall import StepClock
 from .update_norms import UpdateNorms
 
 Listener = Callable[[Any, str, Any], None]  # callback(watch, kind, payload)
@@ -63,6 +64,7 @@ class WatchRecord(ABC):
     activation_history: ActivationHistory | None  # None unless activations=True
     _board: DetectorBoard
     _run_checks: RunChecks | None
+    _step_clock: StepClock  # step times, slow-steps and the stall heartbeat (stall.py)
     _localiser: Localiser
     events: list[Event]
     step: int

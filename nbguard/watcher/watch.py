@@ -35,6 +35,7 @@ from .rows import RowTracker
 from .run_checks import RunChecks
 from .scaler_skips import ScalerSkips
 from .sentinel import GradNormCollector
+from .stall import DEFAULT_STALL_AFTER_S, StepClock
 from .update_norms import make_update_norms
 
 __all__ = ["NanWatch", "attached_watch", "attached_watches", "fold_skip_streaks", "skip_streaks"]
@@ -61,7 +62,8 @@ class NanWatch(WatchLifecycle, Displayable):
                  settings: WatchSettings | None = None, activations: bool = False,
                  verifier: Callable[[NanWatch, Event], None] | None = None,
                  detectors: list[Detector] | tuple[Detector, ...] = (), run_checks: bool = True,
-                 rewind: RewindSettings | None = None, scheduler: Any = None):
+                 rewind: RewindSettings | None = None, scheduler: Any = None,
+                 stall_after_s: float | None = DEFAULT_STALL_AFTER_S):
         if not isinstance(detectors, (list, tuple)):
             raise TypeError(f"detectors must be a list of Detector instances, got {type(detectors).__name__}")
         if not isinstance(activations, bool):
@@ -73,6 +75,8 @@ class NanWatch(WatchLifecycle, Displayable):
         # verifier(watch, event) for the first localised non-finite event: nbguard.watch passes
         # nbguard.verifier.auto_verify (which runs the fixes on a shadow of the step) unless verify=False
         self._verifier = verifier
+        # the step times, slow-steps, and (stall_after_s not None) the stall heartbeat's thread (stall.py)
+        self._step_clock = StepClock(stall_after_s)
         self.verification = None  # the Verification it left
         self._kept_step = None  # (event, CapturedStep) that nbguard.verify(event) reuses
         self.policy = check_policy(policy)
@@ -156,7 +160,8 @@ class NanWatch(WatchLifecycle, Displayable):
         # per-group update norms (||Δw|| / ||w||), read around optimizer.step, judged for update-spike events
         self._updates = make_update_norms(self._collector, self.history, self.settings)
         updates = [self._updates] if self._updates is not None else []
-        self._board = DetectorBoard([scaler_skips, *builtin_detectors(self.settings), *updates, *detectors],
+        self._board = DetectorBoard([scaler_skips, *builtin_detectors(self.settings), self._step_clock, *updates,
+                                     *detectors],
                                     last=[self._run_checks] if self._run_checks is not None else [])
         self._micro_batches = []
         self._losses = []

@@ -1,0 +1,413 @@
+"""Stalls and slowdowns: a heartbeat for steps that never come, and an event for steps that got slow.
+
+**The step clock** (:class:`StepClock`, a detector) writes a timestamp at each optimizer step's end and
+at each forward's start; nothing else runs on the step path but one frame check (is the loop that
+stepped last time still the one stepping?). The gaps between step ends are the run's step times.
+
+**The heartbeat** (:class:`Heartbeat`) is a daemon thread that wakes a few times per bound and asks
+whether anything happened within the bound: ``max(stall_after_s, 10 x the median step time, 3 x the
+longest recent one)`` once ``LEARN_STEPS`` step times are known, ``FIRST_STEPS_FACTOR x
+stall_after_s`` before (a first step compiles, allocates, fills caches). Past the bound it records one
+``stall`` event carrying every thread's Python stack (``sys._current_frames``, the training thread's
+first) and the step it waits after; the training thread's next step end says on the same event when
+the run resumed. Under torch.distributed the event names the rank and, where the training thread is
+inside ``torch.distributed``, the collective it waits in. It judges only while a loop runs: armed by a
+training forward, a step end or ``Trainer.train()``, and disarmed when the frame that ran the loop (the
+innermost frame of the user's code on the training thread's stack at the last step) is gone: a notebook
+kernel idle between cells, or a loop function that returned, is not a stall.
+
+**Slow steps** (``slow-steps``): ``SLOW_STREAK`` step times in a row over ``SLOW_FACTOR x`` the median
+of the last ``WINDOW`` ordinary ones (refreshed every ``MEDIAN_EVERY``), after ``SLOW_WARMUP`` steps (compilation, warm-up) and once
+``SLOW_BASELINE`` ordinary step times are known. One event per episode; the step that is ordinary again
+closes it (``recovered_at_step``). Step times across a stall, or across a pause between two loops, are
+not learned.
+
+Nothing here touches the device; the heartbeat never raises into the run (a failure inside it is one
+``watch-error`` event, and the heartbeat stops; the watch goes on).
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+from types import FrameType
+from typing import Any
+
+from ..document.model import register_event_kind
+from ..findings import Event
+from .pipeline import Detector, StepView
+
+STALL = "stall"
+SLOW = "slow-steps"
+register_event_kind(STALL, "no optimizer step completed within the bound learned from the run's own step times "
+                           "(every thread's Python stack at that moment)",
+                    ("after_step", "waited_s", "bound_s", "waiting_in", "user_frame", "collective", "stacks",
+                     "resumed_at_step", "stalled_s"))
+register_event_kind(SLOW, "optimizer steps took several times the run's median step time, several steps in a row",
+                    ("first_step", "steps", "median_s", "ratio", "recent_s", "recovered_at_step"))
+
+DEFAULT_STALL_AFTER_S = 120.0  # the floor of the bound: a stall is never called sooner
+STALL_MEDIAN_FACTOR = 10.0  # the learned bound: this many median step times...
+STALL_MAX_FACTOR = 3.0  # ...or this many of the longest recent one (periodic evaluations), whichever is longer
+LEARN_STEPS = 3  # step times known before the bound is learned
+FIRST_STEPS_FACTOR = 5.0  # before that: this many floors
+WINDOW = 32  # recent step times kept
+SLOW_FACTOR = 3.0
+SLOW_STREAK = 4
+SLOW_WARMUP = 5
+SLOW_BASELINE = 8
+MEDIAN_EVERY = 8
+SLOW_MIN_EXTRA_S = 0.02  # a slow step is also this much slower than the median (a 1 ms step at 3 ms is noise)
+STACK_FRAMES = 24  # innermost frames kept per thread
+STACK_THREADS = 16
+THREAD_NAME = "nbguard-heartbeat"
+
+_NBGUARD = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LIBRARY = tuple(sorted({os.path.join(os.path.abspath(p), "") for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                         if (p := sysconfig.get_paths().get(key))} | {os.path.join(_NBGUARD, "")}))
+
+
+def check_stall_after(value: Any) -> float | None:
+    """``stall_after_s``: a positive number of seconds, or None (no heartbeat)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"stall_after_s must be a number of seconds (the floor of the stall bound) or None to turn "
+                        f"the heartbeat off, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"stall_after_s must be a positive, finite number of seconds, got {value!r} "
+                         f"(None turns the heartbeat off)")
+    return float(value)
+
+
+def is_library(filename: str) -> bool:
+    """A frame of the standard library, an installed package or nbguard itself, not the user's code."""
+    if filename.startswith("<"):
+        return filename.startswith("<frozen")
+    return os.path.abspath(filename).startswith(_LIBRARY)
+
+
+def innermost_user_frame(frame: FrameType | None) -> tuple[FrameType | None, int]:
+    """The innermost frame of the user's code at or above ``frame``, and how many frames up it is."""
+    depth = 0
+    while frame is not None:
+        if not is_library(frame.f_code.co_filename):
+            return frame, depth
+        frame, depth = frame.f_back, depth + 1
+    return None, -1
+
+
+def where(frame: FrameType) -> str:
+    return f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"
+
+
+class StepClock(Detector):
+    """The step times (a timestamp per step end), the ``slow-steps`` check, and what the heartbeat reads."""
+
+    name = "step-clock"
+
+    def __init__(self, stall_after_s: float | None = DEFAULT_STALL_AFTER_S):
+        self.stall_after_s = check_stall_after(stall_after_s)
+        self.gaps: deque[float] = deque(maxlen=WINDOW)  # recent step times (the heartbeat's bound)
+        self.last_end: float | None = None  # monotonic time of the last step end (None: the next gap is not a step time)
+        self.last_beat = time.monotonic()  # the last sign of life: a step end or a forward
+        self.after_step: int | None = None  # the last completed optimizer step
+        self.armed = False  # a loop runs: the heartbeat judges
+        self.thread: int | None = None  # the training thread's ident
+        self.loop: tuple[int, Any] | None = None  # (id, code) of the innermost user frame that stepped
+        self._loop_depth = -1  # how far up from update() that frame was
+        self.stall: tuple[Event, float] | None = None  # the open stall and when its silence began
+        self.timed = 0  # step times seen
+        self.baseline: deque[float] = deque(maxlen=WINDOW)  # ordinary step times (slow-steps)
+        self.streak: list[tuple[int, float]] = []
+        self.episode: Event | None = None  # the open slow-steps episode
+        self._median = 0.0  # the baseline's median, recomputed every MEDIAN_EVERY ordinary steps (a sort of 32)
+        self._fresh = 0  # ordinary step times added since
+        self.heartbeat: Heartbeat | None = None
+
+    # ---- the training thread -------------------------------------------------------------------------
+    def forward(self) -> None:
+        """A forward starts (the watch's root pre-hook): a sign of life; the first one arms the heartbeat."""
+        self.last_beat = time.monotonic()
+        if not self.armed:
+            try:
+                self._find_loop(sys._getframe(1), update=False)
+                self.armed = True
+            except Exception:  # never into the user's forward: the next step end arms it
+                pass
+
+    def update(self, view: StepView) -> list[Event]:
+        now = time.monotonic()
+        last = self.last_end
+        self.last_end = self.last_beat = now
+        self.after_step = view.step
+        depth = self._loop_depth
+        try:
+            frame: FrameType | None = sys._getframe(depth) if depth >= 0 else None
+        except ValueError:
+            frame = None
+        loop = self.loop
+        if frame is None or loop is None or id(frame) != loop[0] or frame.f_code is not loop[1]:
+            if self._find_loop(sys._getframe(), update=True):
+                last = None  # a new loop: the time since the last one's last step is not a step time
+        del frame
+        self.armed = True
+        if self.stall is not None:
+            self._resumed(view.step, now)
+            last = None  # a stall is not a step time to learn
+        if last is None:
+            return []
+        gap = now - last
+        self.gaps.append(gap)
+        return self._judge_slow(view.step, gap)
+
+    def _find_loop(self, frame: FrameType, update: bool) -> bool:
+        """Take the innermost user frame above ``frame`` as the loop's; True if it is another loop's."""
+        user, depth = innermost_user_frame(frame)
+        self.thread = threading.get_ident()
+        found = (id(user), user.f_code) if user is not None else None
+        changed = self.loop is not None and found != self.loop
+        self.loop = found
+        self._loop_depth = depth if update else -1  # the fast check runs from update() only
+        return changed
+
+    def _resumed(self, step: int, now: float) -> None:
+        event, silent_since = self.stall or (None, now)
+        self.stall = None
+        if event is None:
+            return
+        stalled = now - silent_since
+        event.evidence.update(resumed_at_step=step, stalled_s=stalled)
+        event.message += f"; the run resumed at step {step} after {stalled:.1f} s"
+
+    def arm(self) -> None:
+        """``Trainer.train()`` starts: its loop runs from here."""
+        self.last_beat = time.monotonic()
+        self.last_end = None
+        self.armed = True
+        self._find_loop(sys._getframe(1), update=False)
+
+    def disarm(self) -> None:
+        """The loop ended (``Trainer.train()`` returned, or the frame that ran it is gone)."""
+        self.armed = False
+        self.last_end = None
+
+    # ---- slow steps ----------------------------------------------------------------------------------
+    def _judge_slow(self, step: int, gap: float) -> list[Event]:
+        self.timed += 1
+        if self.timed <= SLOW_WARMUP:
+            return []
+        if len(self.baseline) < SLOW_BASELINE:
+            self.baseline.append(gap)
+            self._fresh = MEDIAN_EVERY
+            return []
+        if self._fresh >= MEDIAN_EVERY:
+            self._median, self._fresh = statistics.median(self.baseline), 0
+        median = self._median
+        if gap <= SLOW_FACTOR * median or gap - median <= SLOW_MIN_EXTRA_S:
+            if self.episode is not None:
+                self.episode.evidence["recovered_at_step"] = step
+                self.episode = None
+            self.streak = []
+            self.baseline.append(gap)
+            self._fresh += 1
+            return []
+        self.streak.append((step, gap))
+        if self.episode is not None:
+            evidence = self.episode.evidence
+            evidence["steps"] += 1
+            evidence["last_step"] = step
+            if len(evidence["recent_s"]) < WINDOW:
+                evidence["recent_s"].append(gap)
+            return []
+        if len(self.streak) < SLOW_STREAK:
+            return []
+        times = [g for _, g in self.streak]
+        ratio = statistics.median(times) / median
+        first = self.streak[0][0]
+        self.episode = Event(
+            SLOW, first,
+            f"optimizer steps took {ratio:.1f}x the run's median step time ({statistics.median(times):.3g} s against "
+            f"{median:.3g} s) for {len(times)} steps in a row from step {first}: something in the step got slower. "
+            f"Usual causes: a silent CPU fallback (a tensor or an op that left the accelerator), memory thrash "
+            f"(swapping, or the allocator retrying near the memory limit), a dataloader gone synchronous (workers "
+            f"died or num_workers=0), or another process on the same device",
+            evidence={"first_step": first, "last_step": step, "steps": len(times), "median_s": median,
+                      "ratio": ratio, "factor": SLOW_FACTOR, "recent_s": times})
+        return [self.episode]
+
+    # ---- what the heartbeat reads --------------------------------------------------------------------
+    def bound(self) -> tuple[float, str]:
+        """The silence that makes a stall, in seconds, and how it was set."""
+        floor = self.stall_after_s or DEFAULT_STALL_AFTER_S
+        gaps = list(self.gaps)
+        if len(gaps) < LEARN_STEPS:
+            return FIRST_STEPS_FACTOR * floor, f"{FIRST_STEPS_FACTOR:g} x stall_after_s before {LEARN_STEPS} step times"
+        learned = max(STALL_MEDIAN_FACTOR * statistics.median(gaps), STALL_MAX_FACTOR * max(gaps))
+        if learned <= floor:
+            return floor, "stall_after_s (the run's steps are much shorter)"
+        return learned, (f"{STALL_MEDIAN_FACTOR:g} x the median step time or {STALL_MAX_FACTOR:g} x the longest of "
+                         f"the last {len(gaps)}")
+
+    # ---- the watch's attach and detach ---------------------------------------------------------------
+    def start(self, watch: Any) -> None:
+        if self.stall_after_s is None or (self.heartbeat is not None and self.heartbeat.alive):
+            return
+        self.heartbeat = Heartbeat(self, watch).start()
+
+    def stop(self) -> None:
+        heartbeat, self.heartbeat = self.heartbeat, None
+        if heartbeat is not None:
+            heartbeat.stop()
+        self.disarm()
+
+
+def thread_stacks(frames: dict[int, FrameType], first: int | None, skip: int) -> list[dict[str, Any]]:
+    """Every thread's stack (innermost ``STACK_FRAMES`` frames), the thread ``first`` first."""
+    names = {t.ident: t for t in threading.enumerate()}
+    order = sorted((ident for ident in frames if ident != skip), key=lambda ident: ident != first)
+    stacks = []
+    for ident in order[:STACK_THREADS]:
+        thread = names.get(ident)
+        text = "".join(traceback.format_list(traceback.extract_stack(frames[ident], limit=STACK_FRAMES)))
+        stacks.append({"thread": thread.name if thread is not None else f"thread {ident}", "ident": ident,
+                       "training": ident == first, "daemon": bool(thread is not None and thread.daemon),
+                       "stack": text})
+    return stacks
+
+
+def collective(frame: FrameType | None) -> str | None:
+    """The innermost ``torch.distributed`` function on this stack (``all_reduce``, ``barrier``...)."""
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if "/torch/distributed/" in path and frame.f_code.co_name not in ("wrapper", "_wrapper", "inner"):
+            return frame.f_code.co_name
+        frame = frame.f_back
+    return None
+
+
+def this_rank() -> tuple[int, int] | None:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:
+        return None
+    return None
+
+
+class Heartbeat:
+    """The daemon thread: wakes a few times per bound, records one ``stall`` event per silence."""
+
+    def __init__(self, clock: StepClock, watch: Any):
+        self.clock = clock
+        self.watch = weakref.ref(watch)  # the thread must not keep the watch (and the model) alive
+        floor = clock.stall_after_s or DEFAULT_STALL_AFTER_S
+        self.tick = min(1.0, max(0.01, floor / 8))
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def start(self) -> Heartbeat:
+        self.thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick):
+            try:
+                if not self.check():
+                    return
+            except Exception as exc:  # never into the run: one event, and the heartbeat stops
+                watch = self.watch()
+                try:
+                    if watch is not None:
+                        watch.emit(Event("watch-error", watch.step, f"nbguard's stall heartbeat failed and stopped; "
+                                         f"the watch and training go on: {type(exc).__name__}: {exc}",
+                                         evidence={"exception": repr(exc),
+                                                   "traceback": traceback.format_exc(limit=6)}))
+                except Exception:
+                    pass
+                return
+
+    def check(self) -> bool:
+        """One look; False once the watch is gone (the thread then ends)."""
+        clock = self.clock
+        if not clock.armed or clock.stall is not None:
+            return True
+        silent_since = clock.last_beat
+        waited = time.monotonic() - silent_since
+        bound, how = clock.bound()
+        if waited < bound:
+            return True
+        watch = self.watch()
+        if watch is None:
+            return False
+        frames = sys._current_frames()
+        try:
+            training = frames.get(clock.thread) if clock.thread is not None else None
+            if not self._loop_running(training):
+                clock.disarm()  # the loop that stepped returned (an idle kernel, a finished function)
+                return True
+            if clock.last_beat != silent_since or not clock.armed:
+                return True  # a step or a forward came meanwhile
+            event = self._event(watch, frames, training, waited, bound, how)
+        finally:
+            del frames
+        clock.stall = (event, silent_since)
+        watch.emit(event)
+        return True
+
+    def _loop_running(self, training: FrameType | None) -> bool:
+        if training is None:
+            return False  # the training thread has ended
+        loop = self.clock.loop
+        if loop is None:
+            return True  # no user frame to follow: trust the arming
+        frame: FrameType | None = training
+        while frame is not None:
+            if id(frame) == loop[0] and frame.f_code is loop[1]:
+                return True
+            frame = frame.f_back
+        return False
+
+    def _event(self, watch: Any, frames: dict[int, FrameType], training: FrameType | None, waited: float,
+               bound: float, how: str) -> Event:
+        clock = self.clock
+        stacks = thread_stacks(frames, clock.thread, threading.get_ident())
+        waiting_in = where(training) if training is not None else None
+        user, _ = innermost_user_frame(training)
+        in_collective = collective(training)
+        rank = this_rank()
+        after = clock.after_step
+        text = (f"no optimizer step completed for {waited:.1f} s "
+                + (f"after step {after}" if after is not None else "before the first step")
+                + (f" on rank {rank[0]} of {rank[1]}" if rank is not None else "")
+                + f" (bound {bound:.3g} s: {how}); the training thread waits in {waiting_in}")
+        if user is not None and user is not training:
+            text += f", called from {where(user)}"
+        if in_collective is not None:
+            text += (f"; it is inside torch.distributed.{in_collective}: a collective waits for a rank that does not "
+                     f"join it (a rank that crashed, hangs, or took another branch)")
+        text += ". Every thread's stack is on the event (evidence.stacks)"
+        evidence: dict[str, Any] = {
+            "after_step": after, "waited_s": waited, "bound_s": bound, "bound_from": how, "waiting_in": waiting_in,
+            "user_frame": where(user) if user is not None else None, "collective": in_collective, "stacks": stacks}
+        if rank is not None:
+            evidence.update(rank=rank[0], world_size=rank[1])
+        step = after + 1 if after is not None else 0  # the step it waits for
+        return Event(STALL, step, text, evidence=evidence)

@@ -1,0 +1,246 @@
+"""Stalls and slowdowns (issue 34 item 6): the heartbeat's ``stall`` event and the ``slow-steps`` event.
+
+Real runs: a tiny Llama in a plain loop fed by a real DataLoader, and a real transformers Trainer. A stall
+is made for real by a collate function that blocks on a ``threading.Event``; the watch's own listener
+releases it once the stall event is recorded (so a missing event shows as a 10 s wait and a failed
+assertion, never as a hung test). A slowdown is a collate function that sleeps from a given batch on.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments, default_data_collator
+
+import nbguard
+from nbguard.testing import TinyDataset, tiny_batch, tiny_llama
+from nbguard.watcher.stall import THREAD_NAME, check_stall_after
+
+STALL_AFTER_S = 0.25  # the floor, small so the stall shows within a second
+RELEASE_AFTER_S = 10.0  # a collate left blocked this long means no stall event came
+
+
+def heartbeats() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == THREAD_NAME]
+
+
+def kinds(watch) -> list[str]:
+    return [e.kind for e in watch.events]
+
+
+class Gate:
+    """Released by the watch's listener when a stall event is recorded."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.released_by_stall: bool | None = None
+
+    def listener(self, watch, kind, payload) -> None:
+        if kind == "event" and payload.kind == "stall":
+            self.event.set()
+
+
+
+class Indices(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def loader(batches: int, block_at: int | None = None, gate: Gate | None = None, slow_from: int | None = None,
+           slow_until: int = 10**9, sleep_s: float = 0.0) -> torch.utils.data.DataLoader:
+    """A real DataLoader (workers 0: collate runs on the training thread) whose collate blocks or sleeps."""
+
+    def blocking_collate(indices):
+        (index,) = indices
+        if index == block_at and gate is not None:
+            gate.released_by_stall = gate.event.wait(RELEASE_AFTER_S)
+        if slow_from is not None and slow_from <= index < slow_until:
+            time.sleep(sleep_s)
+        return tiny_batch(4, 16, seed=index)
+
+    return torch.utils.data.DataLoader(Indices(batches), batch_size=1, collate_fn=blocking_collate)
+
+
+def train(model, optimizer, data) -> None:
+    for batch in data:
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def watched(stall_after_s=STALL_AFTER_S):
+    torch.manual_seed(0)
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    watch = nbguard.watch(model, optimizer=optimizer, verify=False, log_to=None, stall_after_s=stall_after_s)
+    return model, optimizer, watch
+
+
+def test_a_dataloader_that_blocks_is_one_stall_event_with_the_blocking_frame():
+    model, optimizer, watch = watched()
+    gate = Gate()
+    watch.add_listener(gate.listener)
+    try:
+        assert len(heartbeats()) == 1
+        train(model, optimizer, loader(10, block_at=7, gate=gate))
+    finally:
+        watch.detach()
+    assert gate.released_by_stall is True, "no stall event while the collate function blocked"
+    assert kinds(watch) == ["stall"], watch.summary()
+    event = watch.events[0]
+    evidence = event.evidence
+    assert evidence["after_step"] == 6 and event.step == 7  # waiting after step 6, for step 7
+    assert evidence["user_frame"].startswith("blocking_collate ")  # the innermost frame of the user's code
+    first = evidence["stacks"][0]
+    assert first["training"] and first["thread"] == "MainThread"
+    assert "in blocking_collate" in first["stack"] and "gate.event.wait(RELEASE_AFTER_S)" in first["stack"]
+    assert evidence["waiting_in"].startswith("wait ")  # threading.Event.wait, inside the collate
+    assert all(THREAD_NAME != s["thread"] for s in evidence["stacks"])  # the heartbeat's own stack is left out
+    assert evidence["waited_s"] >= evidence["bound_s"] >= STALL_AFTER_S
+    assert evidence["collective"] is None and event.rank is None
+    # the run resumed: said on the same event, once
+    assert evidence["resumed_at_step"] == 7 and evidence["stalled_s"] >= evidence["waited_s"]
+    assert "resumed at step 7" in event.message and "blocking_collate" in event.message
+    assert heartbeats() == []
+    # the event is in the watch's document and in the report like any other
+    doc = watch.to_document()
+    assert [e["kind"] for e in doc["events"]] == ["stall"]
+    assert "blocking_collate" in doc["events"][0]["evidence"]["stacks"][0]["stack"]
+
+
+def test_a_healthy_run_is_quiet_and_an_idle_watch_after_its_loop_is_no_stall():
+    """The healthy twin of both: as many steps as the slow run, with the stall floor of the blocked one."""
+    model, optimizer, watch = watched()
+    try:
+        train(model, optimizer, loader(24))
+        assert watch.step == 24 and watch.events == [], watch.summary()
+        # the loop's frame (train) returned: nothing is awaited, however long the watch stays attached
+        bound, _ = watch._step_clock.bound()
+        time.sleep(bound + 0.3)
+        assert watch.events == [], watch.summary()
+        assert len(heartbeats()) == 1  # still running, only not judging
+        train(model, optimizer, loader(3))  # a new loop arms it again; the pause between loops is not a step time
+        assert watch.step == 27 and watch.events == []
+        assert max(watch._step_clock.gaps) < bound
+    finally:
+        watch.detach()
+    assert heartbeats() == []
+
+
+def test_steps_made_slow_by_a_sleeping_collate_are_one_slow_steps_event():
+    model, optimizer, watch = watched(stall_after_s=60.0)
+    try:
+        train(model, optimizer, loader(24, slow_from=14, slow_until=20, sleep_s=0.25))
+    finally:
+        watch.detach()
+    assert kinds(watch) == ["slow-steps"], watch.summary()
+    event = watch.events[0]
+    evidence = event.evidence
+    assert event.step == evidence["first_step"] == 14
+    assert evidence["steps"] == 6 and evidence["last_step"] == 19 and evidence["recovered_at_step"] == 20
+    assert evidence["ratio"] > 3 and len(evidence["recent_s"]) == 6
+    assert "dataloader gone synchronous" in event.message and "silent CPU fallback" in event.message
+
+
+def tiny_trainer(tmp_path, collator, max_steps):
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no",
+                             per_device_train_batch_size=4, max_steps=max_steps, logging_steps=1,
+                             learning_rate=1e-4, disable_tqdm=True, dataloader_num_workers=0)
+    return Trainer(model=tiny_llama(), args=args, train_dataset=TinyDataset(16, 16), data_collator=collator)
+
+
+def test_a_trainer_whose_collator_blocks_is_one_stall_event_and_its_twin_is_quiet(tmp_path):
+    gate = Gate()
+    calls = []
+
+    def stuck_collator(features):
+        calls.append(len(features))
+        if len(calls) == 6:
+            gate.released_by_stall = gate.event.wait(RELEASE_AFTER_S)
+        return default_data_collator(features)
+
+    trainer = tiny_trainer(tmp_path / "stuck", stuck_collator, max_steps=8)
+    watch = nbguard.watch(trainer, verify=False, log_to=None, stall_after_s=STALL_AFTER_S)
+    watch.add_listener(gate.listener)
+    try:
+        trainer.train()
+    finally:
+        watch.detach()
+    assert gate.released_by_stall is True
+    assert kinds(watch) == ["stall"], watch.summary()
+    evidence = watch.events[0].evidence
+    stack = evidence["stacks"][0]["stack"]
+    assert "in stuck_collator" in stack and "_inner_training_loop" in stack
+    assert evidence["user_frame"].startswith("stuck_collator ") and "resumed_at_step" in evidence
+
+    healthy = tiny_trainer(tmp_path / "healthy", default_data_collator, max_steps=8)
+    twin = nbguard.watch(healthy, verify=False, log_to=None, stall_after_s=STALL_AFTER_S)
+    try:
+        healthy.train()
+        assert twin.step == 8 and twin.events == [], twin.summary()
+        # train() returned: the test's own frame is still running, but no step is awaited any more
+        time.sleep(twin._step_clock.bound()[0] + 0.3)
+        assert twin.events == [], twin.summary()
+    finally:
+        twin.detach()
+    assert heartbeats() == []
+
+
+def test_detach_ends_the_heartbeat_and_none_turns_it_off():
+    model, optimizer, watch = watched()
+    thread = heartbeats()
+    assert len(thread) == 1 and thread[0].daemon
+    watch.detach()
+    assert not thread[0].is_alive() and heartbeats() == []
+    watch.attach()  # attaching again starts a new one
+    assert len(heartbeats()) == 1
+    watch.detach()
+    assert heartbeats() == []
+    _, _, off = watched(stall_after_s=None)
+    try:
+        assert heartbeats() == []
+    finally:
+        off.detach()
+
+
+@pytest.mark.parametrize(("value", "error"), [(-1, ValueError), (0, ValueError), (float("nan"), ValueError),
+                                              (float("inf"), ValueError), ("60", TypeError), (True, TypeError)])
+def test_a_bad_stall_after_s_is_a_clear_error(value, error):
+    with pytest.raises(error, match="stall_after_s"):
+        check_stall_after(value)
+    model = tiny_llama()
+    with pytest.raises(error, match="stall_after_s"):
+        nbguard.watch(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), stall_after_s=value)
+    assert heartbeats() == []
+
+
+def test_a_failure_inside_the_heartbeat_is_one_watch_error_and_training_goes_on(monkeypatch):
+    model, optimizer, watch = watched()
+    clock = watch._step_clock
+
+    def broken_bound():
+        raise RuntimeError("bound exploded")
+
+    monkeypatch.setattr(clock, "bound", broken_bound)
+    try:
+        train(model, optimizer, loader(2))
+        deadline = time.monotonic() + 5
+        while not watch.events and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert kinds(watch) == ["watch-error"]
+        assert "stall heartbeat failed" in watch.events[0].message and "bound exploded" in watch.events[0].message
+        assert heartbeats() == []  # the heartbeat stopped; the watch did not
+        assert watch.active
+        train(model, optimizer, loader(2))
+        assert watch.step == 4 and kinds(watch) == ["watch-error"]
+    finally:
+        watch.detach()
