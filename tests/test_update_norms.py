@@ -89,6 +89,25 @@ def test_update_norms_equal_the_weights_moved_by_each_step(make_opt, clip):
     assert all(0 < v < 0.5 for v in history.total_update_norm)
 
 
+def test_weights_whose_storage_is_replaced_mid_run_are_read_from_their_new_storage():
+    """The watch gathers the weights through views made once: ``p.data = ...`` (a load, a move) must not
+    leave it reading the old storage (a ratio of 0)."""
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    expected = []
+    with nbguard.watch(model, optimizer=opt, verify=False) as watch:
+        for step in range(4):
+            if step == 2:
+                for p in model.parameters():
+                    p.data = p.data.clone()
+            model(**tiny_batch(seed=step)).loss.backward()
+            before = _weights(model)
+            opt.step()
+            expected.append(_ratios(before, model)[1])
+            opt.zero_grad(set_to_none=True)
+    assert watch.history.total_update_norm == pytest.approx(expected, rel=1e-4)
+
+
 def test_an_lr_jump_is_an_update_spike_before_the_loss_spikes_and_the_divergence():
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -192,3 +211,24 @@ def test_the_tracker_scalars_reach_tensorboard(tmp_path):
     group = watch.history.groups[0]
     by_step = {p.step: p.value for p in acc.Scalars(f"nbguard/update_norm/{names[group]}")}
     assert by_step[2] == pytest.approx(watch.history.update_norm(group)[1], rel=1e-6)
+
+
+def test_a_trainer_run_records_every_steps_update_norms(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from nbguard.testing import TinyDataset
+
+    model = tiny_llama()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=5, per_device_train_batch_size=4, use_cpu=True,
+                             report_to=[], save_strategy="no", disable_tqdm=True, learning_rate=1e-3,
+                             max_grad_norm=1.0)
+    trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(32))
+    watch = nbguard.watch(trainer, verify=False)
+    before = _weights(model)
+    trainer.train()
+    watch.detach()
+    totals = watch.history.total_update_norm
+    # every step read, the last one too (the Trainer's train end); together they moved the weights
+    assert len(totals) == 5 and all(v is not None and 0 < v < 0.5 for v in totals)
+    _, moved = _ratios(before, model)
+    assert moved > max(totals) * 0.5 and watch.events == []

@@ -9,8 +9,9 @@ How the update is read. Three ways were weighed (measured in ``benchmarks/overhe
   nothing for SGD or an optimizer we do not know;
 - (b) a copy of the trainable parameters before the step, subtracted after it: exact for every
   optimizer (what the step really applied, clipping, weight decay and a dropped update included),
-  one copy, one in-place subtraction and two fused norms per step; its memory is one copy of the
-  *trainable* weights (a LoRA: a few MB), bounded by ``WatchSettings.update_norm_budget_mb``;
+  two gathers (``torch.cat``), one in-place subtraction and one fused norm per step; its memory is two
+  flat copies of the *trainable* weights (a LoRA: a few MB), bounded by
+  ``WatchSettings.update_norm_budget_mb``;
 - (c) torch offers nothing that reports the applied update (the optimizer hooks see the same tensors).
 
 (b) it is: cheaper than (a) in kernels and in passes over memory, and right for every optimizer. A run
@@ -18,7 +19,8 @@ whose trainable weights exceed the budget (a full fine-tune of a large model), o
 sharded (FSDP, DeepSpeed), gets no update norms and the history says why, once.
 
 The read costs no host sync of its own: the norms are taken on the device right after
-``optimizer.step`` (two ``torch._foreach_norm``, one of the differences and one of the weights), and
+``optimizer.step`` (one ``torch._foreach_norm`` over the per-group segments of the differences and of
+the weights), and
 ride in the *next* step's one read as a detector's scalars (under a GradScaler the read comes after
 the step, so the same step's). The ratio is to the weights after the update: a LoRA B matrix starts at
 zero, and its first update is then 1.0 rather than a division by zero.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -152,8 +155,15 @@ class UpdateNorms(Detector):
         self.budget_bytes = int(budget_mb * 2 ** 20)
         self.judge = UpdateSpikeJudge(settings)
         self.unavailable: str | None = None  # why there are no update norms (said once, in the history)
-        self._copies: list[torch.Tensor] = []
-        self._copied: tuple[int, list[torch.Tensor], list[int]] | None = None  # (step, params, their groups)
+        # made once (and again if the parameters change): views of the trainable weights ordered by group,
+        # two flat buffers (before and after the step), their per-group segments, the groups present
+        self._key: tuple[int, ...] | None = None
+        self._ordered: list[torch.Tensor] = []
+        self._views: list[torch.Tensor] = []
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._segments: list[torch.Tensor] = []
+        self._present: list[int] = []
+        self._copied: int | None = None  # the step whose weights were copied
         self._pending: tuple[int, torch.Tensor, list[int]] | None = None  # (step, norms on the device, groups)
         self._asked: tuple[int, list[int]] | None = None  # the pending step this read carries
         self._judged = -1
@@ -165,32 +175,61 @@ class UpdateNorms(Detector):
         if self.unavailable is not None:
             return
         if why_not is None:
-            why_not = self._why_not()
+            why_not = self._why_not() if self._stale() else None
+        if why_not is None and self._stale():
+            why_not = self._prepare()
         if why_not is not None:
             self.unavailable = why_not
             self.history.update_norm_unavailable = why_not
-            self._copies, self._copied, self._pending = [], None, None
+            self._views, self._buffers, self._copied, self._pending = [], None, None, None
             return
-        params = list(self.collector.params)
-        if len(self._copies) != len(params) or any(c.shape != p.shape or c.dtype != p.dtype or c.device != p.device
-                                                   for c, p in zip(self._copies, params)):
-            self._copies = [torch.empty_like(p, memory_format=torch.preserve_format) for p in params]
+        assert self._buffers is not None
         with torch.no_grad():
-            torch._foreach_copy_(self._copies, [p.detach() for p in params])
-        self._copied = (step, params, list(self.collector._index))
+            torch.cat(self._views, out=self._buffers[0])
+        self._copied = step
 
     def after_step(self, step: int) -> None:
-        """The optimizer stepped: the differences' and the weights' norms, on the device (no host read)."""
+        """The optimizer stepped: the differences' and the weights' norms per group, on the device (no host read)."""
         copied, self._copied = self._copied, None
-        if copied is None or copied[0] != step:
+        if copied != step or self._buffers is None or self._stale():
             return
-        _, params, index = copied
+        before, after = self._buffers
         with torch.no_grad():
-            weights = [p.detach() for p in params]
-            torch._foreach_sub_(self._copies, weights)  # w_before - w_after: -Δw
-            norms = torch._foreach_norm(self._copies, 2, dtype=torch.float32) \
-                + torch._foreach_norm(weights, 2, dtype=torch.float32)
-            self._pending = (step, torch.stack(norms), index)
+            torch.cat(self._views, out=after)
+            before.sub_(after)  # w_before - w_after: -Δw
+            norms = torch._foreach_norm(self._segments, 2, dtype=torch.float32)
+            self._pending = (step, torch.stack(norms), self._present)
+
+    # Measured (benchmarks/README.md, "Update norms"): per-tensor work is what costs on a LoRA's hundreds
+    # of small tensors (a Python view or a foreach slot each, ~5 us), so the weights are gathered with one
+    # ``torch.cat`` into a flat buffer ordered by group, from views made once, and the norms are taken
+    # per group (a few dozen segments of the buffers), not per tensor.
+    def _stale(self) -> bool:
+        """The trainable parameters changed since the views were made (a module swapped in, ``p.data`` replaced)."""
+        params = self.collector.params
+        return self._key != tuple(map(id, params)) or not all(
+            map(operator.eq, map(torch.Tensor.data_ptr, self._views), map(torch.Tensor.data_ptr, self._ordered)))
+
+    def _prepare(self) -> str | None:
+        params = list(self.collector.params)
+        index = list(self.collector._index)
+        order = sorted(range(len(params)), key=lambda i: index[i])
+        ordered = [params[i] for i in order]
+        if any(not p.is_contiguous() for p in ordered):
+            return "some trainable weights are not contiguous in memory"
+        if len({p.dtype for p in ordered}) > 1:
+            return "the trainable weights have several dtypes"
+        views = [p.detach().view(-1) for p in ordered]
+        present = sorted(set(index))
+        lengths = [sum(p.numel() for p, g in zip(params, index) if g == group) for group in present]
+        total = sum(lengths)
+        first = ordered[0]
+        buffers = (torch.empty(total, dtype=first.dtype, device=first.device),
+                   torch.empty(total, dtype=first.dtype, device=first.device))
+        self._key = tuple(map(id, params))
+        self._ordered, self._views, self._buffers, self._present = ordered, views, buffers, present
+        self._segments = [*buffers[0].split(lengths), *buffers[1].split(lengths)]
+        return None
 
     def _why_not(self) -> str | None:
         params = self.collector.params
@@ -202,9 +241,9 @@ class UpdateNorms(Detector):
             return "some trainable weights are on the meta device"
         if len({p.device for p in params}) > 1:
             return "the trainable weights are spread over several devices"
-        size = sum(p.numel() * p.element_size() for p in params)
+        size = 2 * sum(p.numel() * p.element_size() for p in params)  # the buffers before and after the step
         if size > self.budget_bytes:
-            return (f"the trainable weights take {size / 2 ** 20:.0f} MiB, over the update-norm budget of "
+            return (f"two copies of the trainable weights take {size / 2 ** 20:.0f} MiB, over the update-norm budget of "
                     f"{self.budget_bytes / 2 ** 20:.0f} MiB (WatchSettings(update_norm_budget_mb=...))")
         return None
 
@@ -242,17 +281,17 @@ class UpdateNorms(Detector):
             self._judged = pending[0]
             self._take(pending[0], pending[1].tolist(), pending[2], judge=False)
 
-    def _take(self, step: int, values: Sequence[float], index: list[int], judge: bool = True) -> list[Event]:
-        n = len(index)
+    def _take(self, step: int, values: Sequence[float], present: list[int], judge: bool = True) -> list[Event]:
+        """``values``: the per-group norms of the differences, then of the weights, for the groups ``present``."""
+        n = len(present)
         groups = list(self.history.groups)
-        delta_sq = [0.0] * len(groups)
-        weight_sq = [0.0] * len(groups)
-        for i, g in enumerate(index):
-            delta_sq[g] += values[i] * values[i]
-            weight_sq[g] += values[n + i] * values[n + i]
-        seen = set(index)
-        ratios: list[float | None] = [_ratio(delta_sq[g], weight_sq[g]) if g in seen else None
-                                      for g in range(len(groups))]
+        ratios: list[float | None] = [None] * len(groups)
+        delta_sq, weight_sq = [], []
+        for i, g in enumerate(present):
+            delta, weight = values[i], values[n + i]
+            ratios[g] = _ratio(delta * delta, weight * weight)
+            delta_sq.append(delta * delta)
+            weight_sq.append(weight * weight)
         total = _ratio(sum(delta_sq), sum(weight_sq))
         self.history.record_update(step, ratios, total)
         self._fresh = (step, ratios, total)
