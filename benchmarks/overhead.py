@@ -327,6 +327,112 @@ def fixed_cost(args) -> None:
                 f"{op} {n / PROFILED_STEPS:+g}" for op, n in sorted(added.items(), key=lambda kv: -kv[1]) if n) + "\n")
 
 
+class UpdateNormVariant(FixedCostVariant):
+    """The watch with its update norms on or off (issue 32 item 3), or off with option (a) beside it: the
+    applied update rebuilt from AdamW's state after the step (lr * m_hat / (sqrt(v_hat) + eps) + lr * wd * w,
+    fused ops, the same two norms), to compare with the weight copy the watch takes (option (b))."""
+
+    def __init__(self, name: str, model: torch.nn.Module):
+        from nbguard.watcher import WatchSettings
+
+        self.name, self.model = name, model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=1e-5)
+        self.watch = None
+        if name != "no watch":
+            settings = WatchSettings(update_norms=name.startswith("watch + update norms"))
+            self.watch = NanWatch(model, optimizer=self.opt, settings=settings).attach()
+        self.adam_state = name.startswith("watch + (a)")
+        self.norms: list[torch.Tensor] = []
+
+    def run(self, batch, steps: int, clock, device: str = "cpu", loss_item: bool = False) -> float:
+        synchronize(device)
+        start = clock()
+        for _ in range(steps):
+            loss = self.model(**batch).loss
+            loss.backward()
+            self.clip(self.params, 1.0)
+            self.opt.step()
+            if self.adam_state:
+                self.norms = self.update_from_state()
+            self.opt.zero_grad(set_to_none=True)
+            if loss_item:
+                loss.item()
+        synchronize(device)
+        return (clock() - start) / steps
+
+    @torch.no_grad()
+    def update_from_state(self) -> list[torch.Tensor]:
+        group = self.opt.param_groups[0]
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        params = [p for p in group["params"] if p in self.opt.state]
+        states = [self.opt.state[p] for p in params]
+        step = float(states[0]["step"])
+        m = [s["exp_avg"] for s in states]
+        denom = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
+        torch._foreach_div_(denom, math.sqrt(1 - beta2 ** step))
+        torch._foreach_add_(denom, eps)
+        update = torch._foreach_div(m, denom)
+        torch._foreach_mul_(update, lr / (1 - beta1 ** step))
+        torch._foreach_add_(update, params, alpha=lr * wd)  # decoupled weight decay (of the weights before, ~after)
+        return torch._foreach_norm(update) + torch._foreach_norm(params)
+
+
+def update_norm_cost(args) -> None:
+    """The step time of the watch with update norms against the watch without them, interleaved."""
+    clock = CLOCKS[args.clock]
+    batch = tiny_batch(device=args.device)
+    where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
+    print(f"\n### update norms ({where}, {args.rounds} rounds of {args.steps_per_round} steps, {args.clock} clock, "
+          f"batch 4x32, clip_grad_norm_ + AdamW)\n")
+    print("| model | trainable tensors | no watch, step | variant | ratio to no watch | ratio to watch without |")
+    print("|---|---:|---:|---|---:|---:|")
+    for label, build in (("tiny Llama, 4 layers", lambda: tiny_llama(4)),
+                         ("LoRA (q,k,v,o r=8), 24 layers", lambda: tiny_lora(24))):
+        base = build().to(args.device)
+        names = ["no watch", "watch, update norms off", "watch + update norms (b: weight copy)",
+                 "watch + (a) from AdamW's state, outside the watch"]
+        variants = [UpdateNormVariant(n, copy.deepcopy(base)) for n in names]
+        for v in variants:
+            v.run(batch, args.warmup, clock, args.device)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(args.rounds):
+            for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+                times[v.name].append(v.run(batch, args.steps_per_round, clock, args.device))
+        on = variants[2].watch
+        assert on is not None and on.events == [] and all(x is not None for x in on.history.total_update_norm[:-1])
+        # the update-norm work alone, timed directly (steadier than a ratio of whole steps on a busy machine):
+        # the copy before the step, the subtraction and norms after it, the host sums of the read's values
+        updates = on._updates
+        assert updates is not None
+        work = []
+        for i in range(200):
+            start = clock()
+            updates.before_step(10 ** 6 + i)
+            updates.after_step(10 ** 6 + i)
+            pending = updates._pending
+            assert pending is not None
+            values = pending[1].tolist()  # (the watch's read: the same one host read as the step's)
+            start_host = clock()
+            updates.judge = type(updates.judge)()  # (a fresh judge: no event from these fake steps)
+            updates._take(pending[0], values, pending[2])
+            work.append((clock() - start, clock() - start_host))
+        device_work = statistics.median(w[0] - w[1] for w in work)
+        host_work = statistics.median(w[1] for w in work)
+        for v in variants[1:]:
+            assert v.watch is not None
+            v.watch.detach()
+        baseline, without = times["no watch"], times[names[1]]
+        for name in names[1:]:
+            ratio = statistics.median(t / b for t, b in zip(times[name], baseline))
+            versus = statistics.median(t / b for t, b in zip(times[name], without))
+            print(f"| {label} | {len(variants[0].params)} | {statistics.median(baseline) * 1e3:.2f} ms | {name} | "
+                  f"{ratio:.3f}x | {versus:.3f}x |")
+        print(f"| {label} | {len(variants[0].params)} | {statistics.median(baseline) * 1e3:.2f} ms | update-norm work "
+              f"alone: copy + subtract + norms {device_work * 1e6:.0f} us, host sums {host_work * 1e6:.0f} us | "
+              f"{1 + (device_work + host_work) / statistics.median(baseline):.4f}x | |")
+
+
 class HooksOnly(FixedCostVariant):
     """The same kinds of hooks the watch registers, each returning at once (root forward pre/post hooks
     with kwargs, a hook on the loss, optimizer step pre/post hooks, a wrapped ``zero_grad``): what
@@ -610,6 +716,9 @@ def main(argv=None):
     parser.add_argument("--watch-only", action="store_true", help="only baseline and the watch (plain and + activations)")
     parser.add_argument("--fixed-cost", action="store_true",
                         help="the watch's fixed cost on a 4-layer tiny Llama and a 24-layer LoRA model instead")
+    parser.add_argument("--update-norms", action="store_true",
+                        help="the watch with and without its per-group update norms (and option (a), the update "
+                             "from AdamW's state), on the --fixed-cost models, interleaved")
     parser.add_argument("--steps-per-round", type=int, default=5, help="--fixed-cost: steps per variant per round")
     parser.add_argument("--hook-times", action="store_true",
                         help="where the fixed part goes: time inside each step hook, the watch without its "
@@ -641,6 +750,9 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
         parser.error("--clock cpu measures one thread: use it with --device cpu --threads 1")
+    if args.update_norms:
+        update_norm_cost(args)
+        return
     if args.fixed_cost:
         fixed_cost(args)
         return

@@ -174,10 +174,8 @@ class UpdateNorms(Detector):
         """The optimizer is about to step: copy the trainable weights (or say, once, why not)."""
         if self.unavailable is not None:
             return
-        if why_not is None:
-            why_not = self._why_not() if self._stale() else None
-        if why_not is None and self._stale():
-            why_not = self._prepare()
+        if why_not is None and self._stale():  # (the first step, or the parameters changed)
+            why_not = self._why_not() or self._prepare()
         if why_not is not None:
             self.unavailable = why_not
             self.history.update_norm_unavailable = why_not
