@@ -232,3 +232,24 @@ def test_a_trainer_run_records_every_steps_update_norms(tmp_path):
     assert len(totals) == 5 and all(v is not None and 0 < v < 0.5 for v in totals)
     _, moved = _ratios(before, model)
     assert moved > max(totals) * 0.5 and watch.events == []
+
+
+def test_under_a_grad_scaler_a_steps_update_norms_arrive_with_the_step_itself():
+    """The GradScaler's read comes after the optimizer step: the step's own update norms ride in it."""
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    seen = []
+    expected = []
+    with nbguard.watch(model, optimizer=opt, scaler=scaler, verify=False) as watch:
+        watch.add_listener(lambda w, kind, payload: seen.append((payload["step"], payload.get("update_norm_step")))
+                           if kind == "step" else None)
+        for step in range(4):
+            scaler.scale(model(**tiny_batch(seed=step)).loss).backward()
+            before = _weights(model)
+            scaler.step(opt)
+            scaler.update()
+            expected.append(_ratios(before, model)[1])
+            opt.zero_grad(set_to_none=True)
+    assert seen == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert watch.history.total_update_norm == pytest.approx(expected, rel=1e-4)
