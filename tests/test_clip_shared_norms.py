@@ -45,7 +45,9 @@ class _CountNorms:
         original = torch._foreach_norm
 
         def counted(tensors, *args, **kwargs):
-            if not isinstance(tensors[0], torch.nn.Parameter):  # gradients (the weight fingerprint reads weights)
+            # gradients: the weight fingerprint reads weights (Parameters), the update norms the per-group
+            # segments of their flat weight buffers (views: a ._base); a gradient is a tensor of its own
+            if not isinstance(tensors[0], torch.nn.Parameter) and tensors[0]._base is None:
                 self.calls += 1
                 self.tensors += len(tensors)
             return original(tensors, *args, **kwargs)
