@@ -19,7 +19,7 @@ class WatchSettings:
     # per-group ||Δw|| / ||w|| of each update (update_norms.py): a copy of the trainable weights before
     # each step, left out (the history says why) where they take more than this many MiB
     update_norms: bool = True
-    update_norm_budget_mb: float = 256.0
+    update_norm_budget_mb: float = 512.0  # two copies: a LoRA r=16 on every linear of a 7B (40M fp32 weights) fits
 
 
 class SkipStreak:

@@ -314,4 +314,4 @@ def make_update_norms(collector: GradNormCollector, history: GradHistory, settin
     """The watch's update-norm reader, or None where ``WatchSettings(update_norms=False)``."""
     if not getattr(settings, "update_norms", True):
         return None
-    return UpdateNorms(collector, history, getattr(settings, "update_norm_budget_mb", 256.0))
+    return UpdateNorms(collector, history, getattr(settings, "update_norm_budget_mb", 512.0))
