@@ -23,6 +23,7 @@ Scenarios (faults on rank 1 only; rank 0's batches are healthy):
   fail      - rank 1's watch hits an internal error in its step read: it must step aside without
               leaving rank 0 blocked in the step's collective
 ``train_rewind_rank``: an LR blow-up on every rank, for policy rewind across ranks.
+``train_uneven_rank``: uneven supervised tokens per rank, with and without normalising across ranks.
 """
 from __future__ import annotations
 
@@ -296,6 +297,59 @@ def train_rewind_rank(scenario: str, policy: str, out_dir: str) -> None:
     result = {"rank": rank, "losses": losses, "events": [e.to_dict() for e in watch.events],
               "rewinds": watch.rewinds, "policy": watch.policy, "weights_finite": bool(torch.isfinite(weights).all()),
               "weights_sum": float(weights.double().sum()), "weights_abs_sum": float(weights.double().abs().sum())}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+
+
+UNEVEN_STEPS = 3
+
+
+def uneven_batch(rank: int, step: int) -> dict[str, torch.Tensor]:
+    """Rank 0's rows are supervised everywhere; rank 1's only on their last 2 tokens (a prompt-masked
+    pipeline whose answers are short): 22 supervised tokens against 4."""
+    from nbguard.testing import tiny_batch
+
+    batch = tiny_batch(2, 12, seed=100 * rank + step)
+    if rank == 1:
+        batch["labels"][:, :-2] = -100
+    return batch
+
+
+def train_uneven_rank(scenario: str, policy: str, out_dir: str) -> None:
+    """Uneven supervised tokens per rank in an accelerate loop. ``uneven``: each rank's loss is its own
+    token mean (the default); ``normalised``: the loop divides by every rank's tokens (num_items_in_batch,
+    all-reduced) and multiplies by the world size, as the Trainer's average_tokens_across_devices does.
+    Records the first step's averaged gradient (lm_head), for a comparison with one process over both
+    ranks' rows."""
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    import nbguard
+    from nbguard.testing import tiny_llama
+
+    torch.set_num_threads(1)
+    accelerator = Accelerator(cpu=True)
+    rank = accelerator.process_index
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, opt = accelerator.prepare(model, opt)
+    watch = nbguard.watch(model, optimizer=opt, policy=policy, verify=False)
+    first_grad: list[float] = []
+    for step in range(UNEVEN_STEPS):
+        batch = uneven_batch(rank, step)
+        if scenario == "normalised":
+            count = (batch["labels"][:, 1:] != -100).sum().reshape(1)
+            dist.all_reduce(count)
+            loss = model(**batch, num_items_in_batch=count).loss * accelerator.num_processes
+        else:
+            loss = model(**batch).loss
+        accelerator.backward(loss)
+        if step == 0:
+            first_grad = accelerator.unwrap_model(model).lm_head.weight.grad.flatten().tolist()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    watch.detach()
+    result = {"rank": rank, "events": [e.to_dict() for e in watch.events], "first_grad": first_grad}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
 

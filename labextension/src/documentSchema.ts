@@ -462,7 +462,8 @@ export const DOCUMENT_SCHEMA: unknown = {
             "no-preference-signal",
             "ratio-mismatch",
             "policy-collapse",
-            "kl-at-start"
+            "kl-at-start",
+            "rank-token-imbalance"
           ]
         },
         "step": {

@@ -192,7 +192,7 @@ export interface Origin {
 }
 
 export interface NbEvent {
-  kind: "nonfinite-loss" | "nonfinite-grad" | "skipped-steps" | "scaler-skip" | "frozen-params" | "frozen-eval-loss" | "grad-spike" | "few-supervised-tokens" | "watch-error" | "divergence" | "dead-run" | "update-spike" | "nonfinite-reward" | "no-learning-signal" | "completions-truncated" | "no-preference-signal" | "ratio-mismatch" | "policy-collapse" | "kl-at-start";
+  kind: "nonfinite-loss" | "nonfinite-grad" | "skipped-steps" | "scaler-skip" | "frozen-params" | "frozen-eval-loss" | "grad-spike" | "few-supervised-tokens" | "watch-error" | "divergence" | "dead-run" | "update-spike" | "nonfinite-reward" | "no-learning-signal" | "completions-truncated" | "no-preference-signal" | "ratio-mismatch" | "policy-collapse" | "kl-at-start" | "rank-token-imbalance";
   /** 0-based optimizer step, skipped steps counted. */
   step: number;
   message: string;

@@ -201,6 +201,8 @@ for _kind, _description, _evidence in (
      ("reason", "fraction", "reward_early", "reward_now")),
     ("kl-at-start", "the KL to the reference is far from 0 on step 0, where the policy is the reference",
      ("kl", "beta", "differs_in")),
+    ("rank-token-imbalance", "DDP ranks' mean losses weigh their tokens unequally (uneven supervised tokens "
+     "per rank, losses not normalised across ranks)", ("tokens_by_rank", "ratio", "occurrences")),
     ("watch-error", "nbguard's own watch failed and stepped aside; training went on", ("exception",)),
 ):
     register_event_kind(_kind, _description, _evidence)

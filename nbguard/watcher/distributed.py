@@ -1,7 +1,8 @@
 """The watch across ranks (DDP, FSDP2) through the process group the run already has.
 
 Per optimizer step every rank folds three flags into its one read — its local loss non-finite,
-its local gradients non-finite, its watch stepping aside — plus, for sharded (FSDP2) gradients,
+its local gradients non-finite, its watch stepping aside — and its count of supervised tokens (how
+the ranks' losses weigh against each other, :mod:`.rank_tokens`), plus, for sharded (FSDP2) gradients,
 its per-group squared shard norms. ONE ``all_reduce(SUM)`` of those few floats is the only extra
 collective of a healthy step; the result comes back in the same host read as the rest.
 
@@ -29,10 +30,10 @@ from typing import Any
 
 import torch
 
-LOSS, GRADS, LEAVING = 0, 1, 2
+LOSS, GRADS, LEAVING, TOKENS = 0, 1, 2, 3
 # evidence an agreed event carries (a later event built from it, e.g. a skip streak's alarm, keeps them)
 RANK_EVIDENCE = ("world_size", "bad_ranks", "loss_bad_ranks", "grads_bad_ranks", "by_rank", "note", "own_gradient")
-FLAGS = 3  # floats per rank in the exchanged vector
+FLAGS = 4  # floats per rank in the exchanged vector
 
 
 _SERIAL = 0
@@ -113,6 +114,7 @@ class RankVerdict:
     loss_bad: list[int] = field(default_factory=list)
     grads_bad: list[int] = field(default_factory=list)
     leaving: list[int] = field(default_factory=list)
+    tokens: list[float] = field(default_factory=list)  # each rank's supervised tokens this step (-1: unknown)
     # FSDP2: the gradient flags are of the reduced shards (every rank's alike), not each rank's own
     grads_after_reduce: bool = False
 
@@ -177,10 +179,12 @@ class RankSync:
     def size(self) -> int:
         return FLAGS * self.world_size + (self.n_groups if self.sharded else 0)
 
-    def exchange(self, norms: torch.Tensor, loss: torch.Tensor | None, leaving: bool = False) -> torch.Tensor:
-        """The step's collective: flags (and sharded squared norms) summed over ranks, not read yet."""
+    def exchange(self, norms: torch.Tensor, loss: torch.Tensor | None, leaving: bool = False,
+                 tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's collective: flags, token counts (and sharded squared norms) summed over ranks, not read yet."""
         vec = torch.zeros(self.size, device=norms.device, dtype=torch.float32)
         at = FLAGS * self.rank
+        vec[at + TOKENS] = tokens.to(vec.device, torch.float32) if tokens is not None else -1.0
         if loss is not None:
             vec[at + LOSS] = (~torch.isfinite(loss)).any().float()
         if self.sharded and self.reads_own_grads and not leaving:
@@ -204,7 +208,8 @@ class RankSync:
         def ranks(slot: int) -> list[int]:
             return [r for r in range(self.world_size) if values[FLAGS * r + slot] != 0]
 
-        return RankVerdict(ranks(LOSS), ranks(GRADS), ranks(LEAVING))
+        return RankVerdict(ranks(LOSS), ranks(GRADS), ranks(LEAVING),
+                           [values[FLAGS * r + TOKENS] for r in range(self.world_size)])
 
     def settle(self, stats: Any) -> RankVerdict:
         """Read the exchange out of a step's ``StepStats``; sharded runs get whole-gradient norms."""

@@ -64,6 +64,7 @@ class WatchRecord(ABC):
     activation_history: ActivationHistory | None  # None unless activations=True
     _board: DetectorBoard
     _run_checks: RunChecks | None
+    _updates: UpdateNorms | None  # per-group update norms around optimizer.step (update_norms.py)
     _step_clock: StepClock  # step times, slow-steps and the stall heartbeat (stall.py)
     _localiser: Localiser
     events: list[Event]
@@ -73,6 +74,7 @@ class WatchRecord(ABC):
     _ranks: ranks.RankSync | None  # multi-rank runs: one small collective per step, folded into the read
     _bucket_reader: Any  # DDP: the communication hook reading this rank's buckets (ddp_buckets.BucketReader)
     _verdict: ranks.RankVerdict | None
+    _rank_tokens: Any  # do the ranks' losses weigh their tokens alike? (rank_tokens.RankTokenBalance)
     _streamer: Any  # a forked rank's stream to the kernel (stream.RankStreamer)
     _keep_farewell: bool
     # ---- attachment -------------------------------------------------------------------------
@@ -85,7 +87,6 @@ class WatchRecord(ABC):
     _callback: Any  # WatchCallback, Trainer only
     _labels_tap: Any  # LabelsTap, Trainer only: labels the Trainer keeps from the model
     _loss_tap: Any  # TrainingLossTap: a Trainer whose loss is not its model's own
-    _updates: UpdateNorms | None  # per-group update norms around optimizer.step (update_norms.py)
     _deepspeed: Any  # DeepSpeed's skips, from its engine or its log lines, read when deepspeed is imported
     _trainer_control: Any
     _stop_requested: bool

@@ -11,8 +11,10 @@ and a watch that steps aside still joins one exchange so no peer waits for it.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from .activations import host_values
 from .guard import watch_hook
 from .pipeline import Detector, DetectorBoard, StepView
 from .policies import drop_update, training_stopper, update_dropper
+from .rank_tokens import losses_are_rank_means, step_supervised_tokens
 from .record import WatchRecord
 from .sentinel import StepStats
 
@@ -146,12 +149,18 @@ class WatchSteps(WatchRecord):
                                                found_inf=found_inf,
                                                activations=self._probe.values if self._probe is not None else None,
                                                extra=self._board.collect(self),
-                                               exchange=self._ranks.exchange if self._ranks is not None else None)
+                                               exchange=self._exchange())
             if self._ranks is not None:
                 self._verdict = self._ranks.settle(self._stats)
                 if self._verdict.leaving:
                     self._peers_left(self._verdict)
         return self._stats
+
+    def _exchange(self) -> Callable[..., torch.Tensor] | None:
+        """The step's collective across ranks, carrying this rank's supervised tokens (rank_tokens.py)."""
+        if self._ranks is None:
+            return None
+        return functools.partial(self._ranks.exchange, tokens=step_supervised_tokens(self._micro_batches))
 
     # ---- hooks: step boundaries ----------------------------------------------------------------------
     def _scaler_guards(self) -> bool:
@@ -303,6 +312,12 @@ class WatchSteps(WatchRecord):
             activations = host_values(stats.activations)
             self.activation_history.append(step, activations)
         found = self._board.run("update", self._view(stats, skipped, scaler_skipped), stats.extra, self._emit_from)
+        if self._ranks is not None and self._verdict is not None:  # the same counts, so the same event, on every rank
+            uneven = self._rank_tokens.judge(step, self._verdict.tokens,
+                                             losses_are_rank_means(self.trainer, self._micro_batches),
+                                             trainer=self.trainer is not None)
+            if uneven is not None:
+                self._emit(uneven, agreed=True)
         stop_event = training_stopper(self.policy, found, across_ranks=self._ranks is not None)
         self.step += 1
         self._release_step()

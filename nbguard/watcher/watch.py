@@ -30,6 +30,7 @@ from .integrations.loop import unwrap_optimizer
 from .lifecycle import WatchLifecycle, attached_watch, attached_watches
 from .pipeline import Detector, DetectorBoard
 from .policies import check_policy
+from .rank_tokens import RankTokenBalance
 from .rewind import Rewinder, RewindSettings
 from .rows import RowTracker
 from .run_checks import RunChecks
@@ -169,6 +170,7 @@ class NanWatch(WatchLifecycle, Displayable):
         # policy rewind (rewind.py): snapshots every few steps, restored on trouble; it says at once
         # where they do not fit (and the watch skips instead)
         self._rows = RowTracker()
+        self._rank_tokens = RankTokenBalance()  # across ranks: do their losses weigh tokens alike?
         self._rows_named = 0
         self._rewinder = Rewinder(rewind or RewindSettings(), scheduler) if self.policy == "rewind" else None
         self._release_step()
