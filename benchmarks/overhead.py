@@ -248,11 +248,15 @@ class FixedCostVariant:
             loss.backward()
             self.clip(self.params, 1.0)
             self.opt.step()
+            self.after_step()
             self.opt.zero_grad(set_to_none=True)
             if loss_item:  # as the Trainer's NaN filter and a progress bar's loss do: one host read per step
                 loss.item()
         synchronize(device)  # a GPU's queued work counts in the step that queued it
         return (clock() - start) / steps
+
+    def after_step(self) -> None:
+        """Work a variant does between the optimizer's step and zero_grad (none here)."""
 
 
 # steps profiled per variant: a multiple of the watch's weight-fingerprint period (frozen_check_every),
@@ -345,21 +349,9 @@ class UpdateNormVariant(FixedCostVariant):
         self.adam_state = name.startswith("watch + (a)")
         self.norms: list[torch.Tensor] = []
 
-    def run(self, batch, steps: int, clock, device: str = "cpu", loss_item: bool = False) -> float:
-        synchronize(device)
-        start = clock()
-        for _ in range(steps):
-            loss = self.model(**batch).loss
-            loss.backward()
-            self.clip(self.params, 1.0)
-            self.opt.step()
-            if self.adam_state:
-                self.norms = self.update_from_state()
-            self.opt.zero_grad(set_to_none=True)
-            if loss_item:
-                loss.item()
-        synchronize(device)
-        return (clock() - start) / steps
+    def after_step(self) -> None:
+        if self.adam_state:
+            self.norms = self.update_from_state()
 
     @torch.no_grad()
     def update_from_state(self) -> list[torch.Tensor]:

@@ -30,6 +30,22 @@ def read_indices(indices: Any = None, path: str | Path | None = None) -> list[in
     return sorted(set(indices))
 
 
+def rows_kept(data: Any, keep: list[int], mark: str, value: Any) -> Any:
+    """``data`` with only the rows at ``keep``, of the dataset's own kind (a datasets.Dataset, a list, else a
+    Subset), marked with ``mark`` = ``value`` where the kind takes an attribute (a list does not)."""
+    if hasattr(data, "select"):  # a datasets.Dataset
+        kept = data.select(keep)
+    elif isinstance(data, list):
+        kept = [data[i] for i in keep]
+    else:
+        kept = torch.utils.data.Subset(data, keep)
+    try:
+        setattr(kept, mark, value)
+    except (AttributeError, TypeError):  # a list: nothing marks it
+        pass
+    return kept
+
+
 def _drop(target: Target, indices: Any = None, path: str | None = None, **_: Any) -> dict:
     drop = read_indices(indices, path)
     trainer = target.trainer
@@ -44,17 +60,7 @@ def _drop(target: Target, indices: Any = None, path: str | None = None, **_: Any
         raise ValueError(f"fix 'drop-rows': indices {outside} are outside trainer.train_dataset ({rows} rows)")
     gone = set(drop)
     keep = [i for i in range(rows) if i not in gone]
-    if hasattr(data, "select"):  # a datasets.Dataset
-        kept = data.select(keep)
-    elif isinstance(data, list):
-        kept = [data[i] for i in keep]
-    else:
-        kept = torch.utils.data.Subset(data, keep)
-    try:
-        kept.nbguard_dropped_rows = drop  # (a second apply is a no-op)
-    except (AttributeError, TypeError):  # a list: nothing marks it
-        pass
-    trainer.train_dataset = kept
+    trainer.train_dataset = rows_kept(data, keep, "nbguard_dropped_rows", drop)  # (a second apply is a no-op)
     return {"trainer.train_dataset": f"{rows} -> {len(keep)} rows (dropped dataset indices {drop})"}
 
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ..introspect.truncation import MARK, open_at_cap, read_rows, truncation_cap
+from .drop_rows import rows_kept
 from .registry import Fix, Names, Target, register
 
 
@@ -39,17 +38,7 @@ def _drop_truncated(target: Target, **_: Any) -> dict:
     if not drop or cap is None:
         return {}
     keep = [i for i in range(len(rows.input_ids)) if i not in drop]
-    if hasattr(data, "select"):  # a datasets.Dataset
-        kept = data.select(keep)
-    elif isinstance(data, list):
-        kept = [data[i] for i in keep]
-    else:
-        kept = torch.utils.data.Subset(data, keep)
-    try:
-        setattr(kept, MARK, cap.length)  # a second apply (or audit) reads the same cap
-    except (AttributeError, TypeError):  # a list: nothing to mark
-        pass
-    trainer.train_dataset = kept
+    trainer.train_dataset = rows_kept(data, keep, MARK, cap.length)  # a second apply (or audit) reads the same cap
     return {"trainer.train_dataset": f"{len(rows.input_ids)} -> {len(keep)} rows (dropped {len(drop)} cut at "
                                      f"max_length={cap.length} without EOS: dataset indices {sorted(drop)[:20]}"
                                      + (" ..." if len(drop) > 20 else "") + ")"}
