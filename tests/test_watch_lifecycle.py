@@ -160,9 +160,13 @@ def test_history_and_document_follow_the_data_contract():
     with nbguard.watch(model, optimizer=opt) as watch:
         train(model, opt, batches(3))
     hist = watch.history.to_dict()
-    assert set(hist) == {"groups", "steps", "grad_norm", "skipped_steps", "loss", "total_grad_norm", "loss_scale"}
+    assert set(hist) == {"groups", "steps", "grad_norm", "skipped_steps", "loss", "total_grad_norm", "loss_scale",
+                         "update_norm", "total_update_norm"}
     assert hist["steps"] == [0, 1, 2]
     assert len(hist["grad_norm"]) == len(hist["groups"]) and all(len(r) == 3 for r in hist["grad_norm"])
+    # the update norms are laid out like the gradient norms, every step's read (the last one at detach)
+    assert len(hist["update_norm"]) == len(hist["groups"]) and all(len(r) == 3 for r in hist["update_norm"])
+    assert len(hist["total_update_norm"]) == 3 and all(v is not None and v > 0 for v in hist["total_update_norm"])
     assert "model.layers.1.self_attn" in hist["groups"] and "lm_head" in hist["groups"]
     doc = watch.to_document()
     assert doc["kind"] == "watch" and doc["schema_version"] == 1 and doc["history"] == hist
