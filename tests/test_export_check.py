@@ -305,7 +305,7 @@ def test_a_float32_merge_of_an_adapter_trained_on_a_bf16_base_is_quiet_and_the_b
     assert fp32.facts.merge["lost_share"] < 1e-6 and fp32.facts.merge["layers"] == 2 * len(TARGETS)
     assert not fp32.facts.comparisons["artifact"].same  # the logits alone would have called it a bad merge
     f = nbguard.check_export(model, copy.deepcopy(model).merge_and_unload()).finding("export-merge-differs")
-    assert f is not None and f.evidence["merge"]["lost_share"] > 0.01 and "bfloat16" in f.detail
+    assert f is not None and 0.05 < f.evidence["merge"]["lost_share"] < 0.1 and "bfloat16" in f.detail  # ~7%
     assert f.fixes == ["merge-in-fp32"] and "serve it in float32" in f.detail
 
 
