@@ -120,13 +120,22 @@ class Fold:
     table: Table | None = None  # evidence as rows of name and value; ``text`` holds the same, aligned
 
 
+REAUDITED = "re-audited on the trainer as built"  # how a re-audit verdict's reason starts (verifier/reaudit.py)
+
+
 @dataclass
 class Verdict:
-    """Whether a fix was shown to work on the failing step (nbguard.verify)."""
+    """Whether a fix was shown to work on the failing step (nbguard.verify), or by a re-audit of the trainer."""
 
     status: str  # "verified", "not-enough", "not-checked"
     label: str  # "verified", "not enough", "not checked"
     detail: str = ""
+
+    @property
+    def where(self) -> str:
+        """What the verdict was reached on: a data or config fix's re-audit ran no training step."""
+        return "by a re-audit of the trainer as built (no step)" if self.detail.startswith(REAUDITED) \
+            else "on the failing step"
 
 
 @dataclass
@@ -260,9 +269,12 @@ def _story(doc: dict) -> list[Section]:
     if fix is None:
         how = "none offered; the details below say what was seen"
     elif fix.verdict is None or fix.verdict.status == "verified":
-        how = f"{fix.id}" + (f" ({fix.title})" if fix.title else "") + (": verified on the failing step" if fix.verdict else "")
+        how = f"{fix.id}" + (f" ({fix.title})" if fix.title else "") + (
+            f": verified {fix.verdict.where}" if fix.verdict else "")
     else:
-        how = (f"none verified on the failing step ({plural(len(card.fixes), 'fix', 'es')} tried: "
+        wheres = {f.verdict.where for f in card.fixes if f.verdict}
+        tried_where = wheres.pop() if len(wheres) == 1 else "on the failing step or by a re-audit of the trainer"
+        how = (f"none verified {tried_where} ({plural(len(card.fixes), 'fix', 'es')} tried: "
                + ", ".join(f"{f.id} {f.verdict.label}" for f in card.fixes if f.verdict) + ")")
     tone = "bad" if (events and events[0][1].get("kind") in BROKE_THE_RUN) or (
         not events and findings[0].get("severity") == "error") else ""
@@ -286,7 +298,7 @@ def _applied_facts(doc: dict) -> list[Fact]:
         verdicts.update(fix_verdicts(entry))
     fix_id = str(last.get("fix"))
     verdict = verdicts.get((fix_id, str(last.get("code"))))
-    proof = (f"this cell {verdict.label} on the failing step" + (f" ({verdict.detail})" if verdict.detail else "")
+    proof = (f"this cell {verdict.label} {verdict.where}" + (f" ({verdict.detail})" if verdict.detail else "")
              if verdict is not None else "this cell was not run on a failing step: not verified")
     facts = [Fact(f"Applied: {fix_id}: {proof}", "good" if verdict and verdict.status == "verified" else "")]
     after = [w for e in entries[at + 1:] for w in watch_sections(e)]
@@ -863,7 +875,9 @@ def _verifications(doc: dict, path: list[Any]) -> list[Section]:
     v = doc.get("verification")
     if not isinstance(v, dict):
         return []
-    return [Section(kind="verifications", title="Verified fixes", cards=[verification_card(v, "Fixes run on the failing step")])]
+    reaudited = any(isinstance(item, dict) and item.get("reaudit") for item in v.get("verdicts") or [])
+    title = "Fixes run on the failing step" + (" or re-audited on the trainer as built" if reaudited else "")
+    return [Section(kind="verifications", title="Verified fixes", cards=[verification_card(v, title)])]
 
 
 def _diagnoses(doc: dict, path: list[Any]) -> list[Section]:

@@ -44,7 +44,7 @@ def cell_verdict_line(fix_id: str, options: dict[str, Any], code: str, names: di
         verdict = latest_verdict(fix_id, code)
     what = f"{fix_id}{_options_text(options)}"
     if verdict is not None:
-        return f"nbguard: {what} {verdict.label} on the failing step" + (f": {verdict.detail}" if verdict.detail else "")
+        return f"nbguard: {what} {verdict.label} {verdict.where}" + (f": {verdict.detail}" if verdict.detail else "")
     if verified_variants(fix_id):
         return (f"nbguard: {what} is not verified: this cell never ran on the failing step, another variant of "
                 f"{fix_id} did" + (f"; {why_not}" if why_not else ""))
