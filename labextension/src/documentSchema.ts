@@ -962,6 +962,30 @@ export const DOCUMENT_SCHEMA: unknown = {
         "changes": {
           "type": "object",
           "description": "What the shadow changed, by tensor or setting."
+        },
+        "reaudit": {
+          "type": [
+            "object",
+            "null"
+          ],
+          "description": "A data or config fix checked by re-running the rules that raised its finding on a shadow of the trainer as built (no training step ran): the rules, the batches they read, and the findings that still fire.",
+          "properties": {
+            "rules": {
+              "type": "array",
+              "items": {
+                "type": "string"
+              }
+            },
+            "batches": {
+              "type": [
+                "object",
+                "null"
+              ]
+            },
+            "still_fires": {
+              "type": "object"
+            }
+          }
         }
       }
     },

@@ -375,6 +375,20 @@ export interface FixVerdict {
   changes?: {
     [key: string]: unknown;
   };
+  /**
+   * A data or config fix checked by re-running the rules that raised its finding on a shadow of
+   * the trainer as built (no training step ran): the rules, the batches they read, and the
+   * findings that still fire.
+   */
+  reaudit?: {
+    rules?: string[];
+    batches?: {
+      [key: string]: unknown;
+    } | null;
+    still_fires?: {
+      [key: string]: unknown;
+    };
+  } | null;
 }
 
 export interface Verification {

@@ -1,15 +1,26 @@
-"""``nbguard.audit(..., verify=True)``: the findings' fixes verified on the given batch."""
+"""``nbguard.audit(..., verify=True)``: the findings' fixes verified on the given batch, or by a re-audit.
+
+A fix with a step recipe runs on a shadow of one training step; a data or config fix (no recipe) is
+re-audited on a shadow of the trainer as built (reaudit.py) when the audit has a trainer or args.
+"""
 from __future__ import annotations
 
 from typing import Any
 
+from .. import fixes
 from ..auditor.sampling import sample_trainer_batches
 from ..findings import Finding, Severity
+from ..introspect.inputs import is_trainer
 from ..session import SESSION
 from ..step.targets import resolve_targets
 from . import step_from_batch
 from .candidates import with_options
 from .engine import verify_step
+from .reaudit import reaudit_verdicts
+from .result import FixVerdict, Verification
+
+REAUDIT_NOTE = ("data and config fixes were re-audited on a shadow of the trainer as built (its own batches, "
+                "collator and processing class): no training step ran for them")
 
 
 def verify_audit(result: Any, model: Any, trainer: Any, args: Any, batch: dict | None,
@@ -21,21 +32,28 @@ def verify_audit(result: Any, model: Any, trainer: Any, args: Any, batch: dict |
     fix_ids = result.fix_ids
     if not fix_ids:
         return
+    if trainer is None and is_trainer(model):  # nbguard.audit(trainer, verify=True)
+        model, trainer = None, model
     model, args, _ = resolve_targets(trainer, model, args)
+    names = SESSION.fix_names("trainer" if trainer is not None else "model")
+    if trainer is None and args is not None:
+        names.setdefault("args", "args")
+    # plan-less fixes are re-audited when there is a trainer (or args) to shadow; the rest run on a step
+    by_reaudit = [f for f in fix_ids if fixes.get(f).plan is None and (trainer is not None or args is not None)]
+    by_step = [f for f in fix_ids if f not in by_reaudit]
+    options = {fix_id: result.fix_options(fix_id) for fix_id in fix_ids}
     try:
-        source = "the given batch" if batch is not None else "a synthetic batch"
-        if batch is None and trainer is not None:  # a real batch from the trainer's dataloader (RNG put back)
-            sample = sample_trainer_batches(trainer, count=1)
-            if sample.batches:
-                batch, source = sample.batches[0], "a batch from the trainer's dataloader"
-        step = step_from_batch(model, batch, args)
-        options = {fix_id: result.fix_options(fix_id) for fix_id in fix_ids}
-        names = SESSION.fix_names("trainer" if trainer is not None else "model")
-        if trainer is None and args is not None:
-            names.setdefault("args", "args")
-        subject = f"audit on {source}"
-        verification = verify_step(step, with_options(fix_ids, step, options, result.hardware), subject,
-                                   memory_budget=memory_budget, names=names)
+        reaudited: list[FixVerdict] = reaudit_verdicts(
+            result.findings, by_reaudit, options, model=model, trainer=trainer, args=args, batch=batch,
+            hardware=result.hardware, names=names) if by_reaudit else []
+        if by_step:
+            verification = _verify_steps(result, model, trainer, args, batch, by_step, options, names, memory_budget)
+            verification.verdicts = sorted(verification.verdicts + reaudited, key=lambda v: v.rank)
+        else:
+            verification = Verification("audit re-audited on the trainer as built", reaudited, step_level=False,
+                                        step_skipped="no fix offered here runs on a training step")
+        if reaudited:
+            verification.notes.append(REAUDIT_NOTE)
     except Exception as exc:
         result.findings.append(Finding(
             rule="verify-error", severity=Severity.INFO, title="the fixes could not be verified",
@@ -48,3 +66,15 @@ def verify_audit(result: Any, model: Any, trainer: Any, args: Any, batch: dict |
         verdicts = {v.fix: v.verdict for v in found if v is not None}
         if verdicts:
             finding.evidence["verdicts"] = verdicts
+
+
+def _verify_steps(result: Any, model: Any, trainer: Any, args: Any, batch: dict | None, fix_ids: list[str],
+                  options: dict[str, dict], names: dict[str, str], memory_budget: float | None) -> Verification:
+    source = "the given batch" if batch is not None else "a synthetic batch"
+    if batch is None and trainer is not None:  # a real batch from the trainer's dataloader (RNG put back)
+        sample = sample_trainer_batches(trainer, count=1)
+        if sample.batches:
+            batch, source = sample.batches[0], "a batch from the trainer's dataloader"
+    step = step_from_batch(model, batch, args)
+    return verify_step(step, with_options(fix_ids, step, options, result.hardware), f"audit on {source}",
+                       memory_budget=memory_budget, names=names)

@@ -1,7 +1,8 @@
 """What verifying fixes found, as data: one verdict per candidate fix, ranked, with its evidence.
 
 A verdict is "verified" (the failing step is healthy under the fix), "not enough" (still
-non-finite, and where) or "not checked" (and why). ``Verification.to_document()`` is the v1
+non-finite, and where) or "not checked" (and why). A data or config fix is judged by a re-audit instead
+(``FixVerdict.reaudit``): its rules re-run on a shadow of the trainer as built, no step. ``Verification.to_document()`` is the v1
 document the renderers read; ``str()`` is a plain-text view for a script user.
 """
 from __future__ import annotations
@@ -126,6 +127,9 @@ class FixVerdict:
     step: StepEvidence | None = None  # None: the step level did not run for this fix
     module: ModuleEvidence | None = None
     changes: dict[str, Any] = field(default_factory=dict)  # what the shadow changed (tensor names -> what)
+    # a data or config fix checked by re-running its rules on a shadow of the trainer (no step ran): the rules,
+    # the batches they read, and the findings that still fire (reaudit.py)
+    reaudit: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -138,7 +142,8 @@ class FixVerdict:
     def to_dict(self) -> dict[str, Any]:
         return {"fix": self.fix, "verdict": self.verdict, "reason": self.reason, "options": jsonable(self.options),
                 "title": self.title, "code": self.code, "step": self.step.to_dict() if self.step else None,
-                "module": self.module.to_dict() if self.module else None, "changes": jsonable(self.changes)}
+                "module": self.module.to_dict() if self.module else None, "changes": jsonable(self.changes),
+                "reaudit": jsonable(self.reaudit) if self.reaudit is not None else None}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FixVerdict:
@@ -146,7 +151,8 @@ class FixVerdict:
                    options=dict(data.get("options") or {}), title=data.get("title", ""), code=data.get("code"),
                    step=StepEvidence.from_dict(data["step"]) if data.get("step") else None,
                    module=ModuleEvidence.from_dict(data["module"]) if data.get("module") else None,
-                   changes=dict(data.get("changes") or {}))
+                   changes=dict(data.get("changes") or {}),
+                   reaudit=dict(data["reaudit"]) if isinstance(data.get("reaudit"), dict) else None)
 
 
 @dataclass
