@@ -270,3 +270,51 @@ def test_a_finding_only_the_given_batch_shows_is_not_checked_on_the_trainer(tmp_
     # the same given batch from the trainer's own kind of collator: the trainer shows it too, and the re-audit runs
     trainer = lm_trainer(tiny_llama(), make_args(tmp_path / "lm"), ragged_examples(16), tokenizer=tok)
     assert verdict(nbguard.audit(trainer=trainer, batch=given, verify=True), "distinct-pad-token").verdict == VERIFIED
+
+
+# ---- TRL's RewardTrainer: a collator that took the pad id when the trainer was built ---------------------------------
+def test_reward_trainer_pad_fix_is_verified_and_a_tokenizer_only_variant_is_not_enough(tmp_path, monkeypatch):
+    """TRL pads with EOS and its DataCollatorForPreference keeps the pad id it was built with. distinct-pad-token
+    also updates that collator: verified by the re-audit. The same fix without the collator (tokenizer and config
+    only, as a notebook would first write it) leaves the trainer as built padding with EOS: not enough."""
+    import dataclasses
+
+    from test_fix_on_trainer_as_built import POOLS, padded_with, reward_trainer
+
+    from nbguard.fixes.data_fixes import _distinct_pad
+    from nbguard.fixes.registry import FIXES, Target
+
+    trainer, tok = reward_trainer(tmp_path)
+    before = (tok.pad_token_id, trainer.data_collator.pad_token_id, trainer.model.config.pad_token_id)
+    assert before == (EOS, EOS, EOS) and padded_with(trainer) == {EOS}
+    v = verdict(nbguard.audit(trainer=trainer, verify=True), "distinct-pad-token")
+    assert v.verdict == VERIFIED and f"{POOLS} no longer fires" in v.reason, v.reason
+    assert v.changes["trainer.data_collator.pad_token_id"] == f"{EOS} -> {tok.unk_token_id}"
+    assert (tok.pad_token_id, trainer.data_collator.pad_token_id, trainer.model.config.pad_token_id) == before
+    assert padded_with(trainer) == {EOS}
+
+    def tokenizer_and_config_only(target, **options):
+        return _distinct_pad(Target(model=target.model, tokenizer=target.tokenizer), **options)
+
+    monkeypatch.setitem(FIXES, "distinct-pad-token",
+                        dataclasses.replace(FIXES["distinct-pad-token"], apply=tokenizer_and_config_only))
+    v = verdict(nbguard.audit(trainer=trainer, verify=True), "distinct-pad-token")
+    assert v.verdict == NOT_ENOUGH and f"{POOLS} still fires" in v.reason, v.reason
+    assert "trainer.data_collator.pad_token_id" not in v.changes and "tokenizer.pad_token" in v.changes
+    assert (tok.pad_token_id, trainer.data_collator.pad_token_id, trainer.model.config.pad_token_id) == before
+
+
+def test_step_verdicts_and_re_audit_verdicts_share_one_ranked_verification(tmp_path):
+    """A bf16 model (upcast-trainable-fp32 has a step recipe) and a pad == EOS tokenizer (distinct-pad-token has
+    none): one audit, both verdicts, the re-audited one ranked first and the step ran for the other only."""
+    tok = word_tokenizer(pad="eos")
+    trainer = lm_trainer(tiny_llama(dtype=torch.bfloat16), make_args(tmp_path), ragged_examples(16), tokenizer=tok)
+    result = nbguard.audit(trainer=trainer, verify=True)
+    assert {"distinct-pad-token", "upcast-trainable-fp32"} <= set(result.fix_ids)
+    pad, upcast = verdict(result, "distinct-pad-token"), verdict(result, "upcast-trainable-fp32")
+    assert pad.verdict == VERIFIED and pad.reaudit is not None and pad.step is None
+    assert upcast.reaudit is None and result.verification.baseline is not None  # a real shadow step ran for it
+    assert result.verification.verdicts[0].fix == "distinct-pad-token"
+    assert [v.rank for v in result.verification.verdicts] == sorted(v.rank for v in result.verification.verdicts)
+    assert any("re-audited on a shadow of the trainer" in note for note in result.verification.notes)
+    assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters()) and tok.pad_token_id == EOS
