@@ -65,6 +65,50 @@ def test_healthy_sft_run_stays_quiet(tmp_path):
     assert watch.events == [] and watch.step == 40
 
 
+def warmup_to(tmp_path, learning_rate: float, steps: int, policy: str = "warn", every: int = 50):
+    """TRL's SFT with a 20-step warmup to ``learning_rate``: at 1.0 the loss climbs for 15 steps, no single
+    step's gradient norm far from the last (the slow form of an LR blow-up, as TRL's sft.py showed)."""
+    from nbguard.watcher import RewindSettings
+
+    trainer = sft_trainer(tmp_path, learning_rate=learning_rate, steps=steps)
+    trainer.args.lr_scheduler_type, trainer.args.warmup_steps = "constant_with_warmup", 20
+    watch = nbguard.watch(trainer, verify=False, policy=policy, rewind=RewindSettings(every=every))
+    trainer.train()
+    return watch, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_a_warmup_to_an_lr_far_too_high_is_one_climb_event(tmp_path):
+    watch, losses = warmup_to(tmp_path, learning_rate=1.0, steps=40)
+    (event,) = watch.events
+    climb = event.evidence["loss_climb"]
+    assert event.kind == "divergence" and "the loss climbed from" in event.message
+    # the claim against the run's own log (the watch's step k is the log's step k + 1)
+    window = sorted(losses[event.step - 4:event.step + 1])
+    assert climb["loss_level"] == pytest.approx(window[2])
+    assert climb["loss_level"] >= 2 * climb["low_loss_level"] and climb["loss_level"] > climb["start_loss_level"]
+    assert climb["start_loss_level"] == pytest.approx(sorted(losses[:5])[2])
+    assert climb["grad_norm_ratio"] >= 2
+    assert 0 < event.evidence["began_at_step"] < event.step
+    assert event.evidence["fixes"] == ["lower-learning-rate", "add-warmup", "enable-grad-clipping"]
+
+
+def test_the_same_warmup_to_a_workable_lr_is_quiet(tmp_path):
+    watch, losses = warmup_to(tmp_path, learning_rate=1e-2, steps=60)
+    assert watch.events == [] and len(losses) == 60
+
+
+def test_rewind_goes_back_to_before_the_climb_and_halves_the_lr(tmp_path):
+    """Snapshots every 5 steps in two slots: the newest ones are mid-climb, so the slot holding the state
+    before it is kept (the other refilled), and the rewind restores that state."""
+    watch, losses = warmup_to(tmp_path, learning_rate=1.0, steps=40, policy="rewind", every=5)
+    climb = next(e for e in watch.events if e.kind == "divergence")
+    rewind = climb.evidence["rewind"]
+    assert rewind["restored"] and rewind["restored_after_step"] <= climb.evidence["began_at_step"] - 2
+    assert rewind["lr_after"] == [pytest.approx(lr / 2) for lr in rewind["lr_before"]]
+    _, unwatched = warmup_to(tmp_path, learning_rate=1.0, steps=40)
+    assert losses[climb.step + 1] < 0.5 * unwatched[climb.step + 1]  # the first step on the restored state
+
+
 def memorise(model, lr: float, steps: int):
     """One repeated batch: the loss falls over decades, and the gradient norm with it."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)

@@ -186,7 +186,8 @@ for _kind, _description, _evidence in (
      ("total_grad_norm", "recent_median", "ratio", "largest_group")),
     ("few-supervised-tokens", "a micro-batch's loss rests on few (or no) supervised tokens",
      ("micro_batch", "supervised_tokens", "recent_median", "occurrences", "steps")),
-    ("divergence", "the gradient norm jumped far outside the run's own noise (log scale, robust statistics)",
+    ("divergence", "the gradient norm jumped far outside the run's own noise (log scale, robust statistics), or "
+                   "the loss climbed past where the run started with the gradient norm rising",
      ("level", "noise", "largest_groups")),
     ("dead-run", "the gradient norm is exactly 0, or the loss bit-identical, for several steps in a row", ()),
     ("update-spike", "the optimizer's update (||Δw|| / ||w||) jumped far above the run's own level: an early "

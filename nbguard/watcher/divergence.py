@@ -17,6 +17,12 @@ must also pass ``falling_loss_decades``, which no learning-rate explosion misses
 
 A step whose fp32 gradient norm overflowed over finite gradients (the sentinel's ``norm_overflow``:
 elements past ~1e19) is an explosion whatever the history: no healthy run gets there.
+
+A climb is the slow form (a warmup to a learning rate far too high: TRL's ``sft.py`` at LR 1.0 rose
+from loss 4.84 to 17.7 with no step's gradient norm far from the last): the loss's level (the median
+of its last few steps) doubled AND rose a nat from its lowest, went past where the run started (it
+lost all it had learned), and the gradient norm's level doubled with it. A memorising run's loss
+falls; a noisy batch moves one value, not a median.
 """
 from __future__ import annotations
 
@@ -54,6 +60,13 @@ class DivergenceSettings:
     ramp_steps: int = 4
     ramp_decades: float = 1.5
     ramp_loss_factor: float = 1.5
+    # a climb: the median of the last climb_window losses at climb_factor x its lowest AND climb_nats above
+    # it, past the first such median (where the run started), with the gradient norm's median at
+    # climb_grad_factor x its value then
+    climb_window: int = 5
+    climb_factor: float = 2.0
+    climb_nats: float = 1.0
+    climb_grad_factor: float = 2.0
     dead_after: int = 4  # consecutive dead steps (zero gradient or bit-identical loss) that make an event
 
 
@@ -192,6 +205,65 @@ class DivergenceDetector:
         return [{"group": name, "grad_norm": norm, "ratio": 10 ** rise} for rise, name, norm in jumps[:most]]
 
 
+CALM_FACTOR = 1.25  # a loss level within this of the lowest is the run before its climb
+
+
+class LossClimb:
+    """A loss that climbs back past where the run started, over several steps, the gradient norm rising with it.
+
+    One event per climb: after it, a fresh window of steps must show the level back within bounds before
+    another climb counts (a rewind restores a lower loss; a run left diverged stays one event).
+    """
+
+    def __init__(self, settings: DivergenceSettings | None = None):
+        self.settings = settings or DivergenceSettings()
+        self.losses = RollingMedian(self.settings.climb_window)
+        self.norms = RollingMedian(self.settings.climb_window)
+        self.start: float | None = None  # the first level: where the run started
+        self.low: tuple[int, float, float] | None = None  # (step, loss level, grad-norm level) at its lowest
+        self.climbing = False
+        self.calm = 0  # the last step whose level was still near the lowest: the climb began after it
+
+    def update(self, step: int, loss: float | None, total: float) -> dict[str, Any] | None:
+        if loss is None or not math.isfinite(loss) or loss <= 0 or not math.isfinite(total) or total <= 0:
+            return None  # (a loss at or below 0 has no factor to climb by; non-finite steps are the NaN watch's)
+        self.losses.append(loss)
+        self.norms.append(total)
+        s = self.settings
+        if len(self.losses) < s.climb_window:
+            return None
+        level, norm_level = self.losses.median(), self.norms.median()
+        if self.start is None:
+            self.start = level
+        if self.low is None or level < self.low[1]:
+            self.low = (step, level, norm_level)
+        low_step, low, low_norm = self.low
+        if level <= CALM_FACTOR * low:
+            self.calm = step
+        climbed = level >= s.climb_factor * low and level - low >= s.climb_nats and level > self.start \
+            and norm_level >= s.climb_grad_factor * low_norm
+        if not climbed:
+            self.climbing = False
+            return None
+        if self.climbing:
+            return None
+        self.climbing = True
+        self.losses, self.norms = RollingMedian(s.climb_window), RollingMedian(s.climb_window)
+        return {"total_grad_norm": total, "loss": loss, "began_at_step": self.calm + 1,
+                "loss_climb": {"from_step": low_step, "low_loss_level": low, "loss_level": level,
+                               "start_loss_level": self.start, "loss_ratio": level / low,
+                               "grad_norm_level": norm_level, "grad_norm_ratio": norm_level / low_norm,
+                               "window": s.climb_window}}
+
+
+def climb_message(evidence: dict[str, Any]) -> str:
+    climb = evidence["loss_climb"]
+    return (f"the loss climbed from {climb['low_loss_level']:.4g} (median of {climb['window']} steps, at step "
+            f"{climb['from_step']}) to {climb['loss_level']:.4g}, past where the run started "
+            f"({climb['start_loss_level']:.4g}), the gradient norm {climb['grad_norm_ratio']:.2g}x with it: "
+            "the run is unlearning (a learning rate too high for it)")
+
+
 class DeadRunDetector:
     """Steps that cannot learn: every gradient exactly 0, or the loss bit-identical to the last step's.
 
@@ -276,7 +348,7 @@ RUN_FIXES = ["lower-learning-rate", "add-warmup", "enable-grad-clipping"]
 
 
 class RunHealth:
-    """Divergence and dead runs over one watch's steps: what the sentinel read, nothing more.
+    """Divergence (an explosion or a climb) and dead runs over one watch's steps: what the sentinel read.
 
     ``zero_grad_expected`` / ``ln2_expected``: on TRL's RL and preference stacks a zero gradient (a
     GRPO generation with no reward spread) or a DPO loss at ln 2 are what their own checks explain
@@ -284,8 +356,10 @@ class RunHealth:
     """
 
     def __init__(self, settings: DivergenceSettings | None = None, zero_grad_expected: bool = False,
-                 constant_expected: float | None = None):
+                 constant_expected: float | None = None, loss_climbs: bool = True):
         self.divergence = DivergenceDetector(settings)
+        # (an RL or preference loss is no measure of learning: GRPO's starts at 0, DPO's at ln 2)
+        self.climb = LossClimb(settings) if loss_climbs else None
         self.dead = DeadRunDetector(settings, zero_grad_expected=zero_grad_expected)
         self.constant_expected = constant_expected
 
@@ -299,6 +373,9 @@ class RunHealth:
         exploded = self.divergence.update(step, loss, total, groups, norms, overflow)
         if exploded is not None:
             found.append(("divergence", divergence_message(exploded), exploded))
+        climbed = self.climb.update(step, loss, total) if self.climb is not None else None
+        if climbed is not None and exploded is None and not self.divergence.exploding:
+            found.append(("divergence", climb_message(climbed), climbed))
         explained = loss is not None and self.constant_expected is not None and \
             abs(loss - self.constant_expected) < 1e-6
         dead = self.dead.update(step, None if explained else loss, total, self.divergence.last_explosion)

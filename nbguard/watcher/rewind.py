@@ -285,7 +285,7 @@ class Rewinder:
 
     def take(self, watch: Any, step: int) -> None:
         tensors, plain = _live_tensors(watch.model, watch.optimizer, watch.scaler)
-        slot = min(self.slots, key=lambda s: -1 if s.after_step is None else s.after_step)  # the oldest
+        slot = self.slot_to_fill(watch)
         if not slot.fits(tensors):
             others = sum(s.nbytes for s in self.slots if s is not slot)
             need = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -297,6 +297,20 @@ class Rewinder:
         slot.fill(tensors, plain, step, self.current_scheduler(watch))
         self.taken += 1
         self.next_due = step + self.settings.every
+
+    def slot_to_fill(self, watch: Any) -> Snapshot:
+        """The oldest slot, unless its state had the lower loss: a run whose loss has risen since (a slow climb
+        to an LR too high) keeps its best state to come back to, and refills the newer slot. Across ranks,
+        always the oldest (their losses differ, and every rank's slots must hold the same steps)."""
+        by_age = sorted(self.slots, key=lambda s: -1 if s.after_step is None else s.after_step)
+        oldest, newer = by_age[0], by_age[-1]
+        if watch._ranks is not None or oldest.after_step is None or newer.after_step is None:
+            return oldest
+        losses = dict(zip(watch.history.steps, watch.history.loss))
+        old_level, new_level = _loss_level(losses, oldest.after_step), _loss_level(losses, newer.after_step)
+        if old_level is not None and new_level is not None and new_level > ROSE_SINCE_FACTOR * old_level:
+            return newer
+        return oldest
 
     # ---- on trouble ------------------------------------------------------------------------------------
     def choose(self, bad_step: int, history: Any = None) -> Snapshot | None:
@@ -341,8 +355,9 @@ class Rewinder:
                                         "finite: the update was skipped, nothing to undo"}
             return
         watch._bad_streak = 0  # after a rewind the next bad step is trouble of its own
-        # where the trouble began: a streak's first bad step (its event), not the step that ended the patience
-        began = min(step, event.step)
+        # where the trouble began: a streak's first bad step (its event), not the step that ended the patience;
+        # a climb's lowest loss, from where it rose
+        began = min(step, event.step, event.evidence.get("began_at_step", step))
         if self.rewinds >= self.settings.max_rewinds:
             last = self.agreed(watch, self.choose(began, watch.history))
             if last is not None:  # training ends on the last good state, not on the damaged one
@@ -459,6 +474,9 @@ def _state_finite(watch: Any) -> bool:
 
 
 SUSPECT_LOSS_FACTOR = 1.5  # a snapshot whose next loss is this far over the losses before it is not trusted
+# a newer snapshot whose loss level is this far over an older one's: the run has been getting worse since (a
+# flat run's level moves a few percent between snapshots; a falling one's goes down)
+ROSE_SINCE_FACTOR = 1.1
 
 
 def _loss_rose_after(losses: dict[int, float | None], after_step: int, window: int = 8) -> bool:
@@ -470,6 +488,13 @@ def _loss_rose_after(losses: dict[int, float | None], after_step: int, window: i
     if following is None or not before:
         return False
     return not math.isfinite(following) or following > SUSPECT_LOSS_FACTOR * before[len(before) // 2]
+
+
+def _loss_level(losses: dict[int, float | None], after_step: int) -> float | None:
+    """The median loss around a snapshot's state: the steps just before it and those computed on its weights."""
+    near = sorted(v for step, v in losses.items()
+                  if after_step - 1 <= step <= after_step + 2 and v is not None and math.isfinite(v))
+    return near[len(near) // 2] if near else None
 
 
 def p_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict | None:

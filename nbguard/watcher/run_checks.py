@@ -37,7 +37,8 @@ class RunChecks(Detector):
         # a GRPO generation with equal rewards, or a DPO pair with equal answers, has a zero gradient
         # by construction, and a DPO loss at ln 2 is the preference check's: theirs to explain
         self.health = RunHealth(zero_grad_expected=stack in GENERATING + PREFERENCE,
-                                constant_expected=math.log(2) if stack == "dpo" else None)
+                                constant_expected=math.log(2) if stack == "dpo" else None,
+                                loss_climbs=stack not in GENERATING + PREFERENCE)
         self.trl = TRLChecks(trainer, on_error) if stack is not None else None
         self.dead_explained = False
         self.checked = -1  # the step last judged
