@@ -265,7 +265,7 @@ def test_a_finding_only_the_given_batch_shows_is_not_checked_on_the_trainer(tmp_
     result = nbguard.audit(trainer=trainer, batch=given, verify=True)
     assert result.finding("eos-never-supervised").fixes == ["distinct-pad-token"]
     v = verdict(result, "distinct-pad-token")
-    assert v.verdict == NOT_CHECKED and "not on the trainer's own batches" in v.reason, v.reason
+    assert v.verdict == NOT_CHECKED and "does not fire on the trainer as built" in v.reason, v.reason
 
     # the same given batch from the trainer's own kind of collator: the trainer shows it too, and the re-audit runs
     trainer = lm_trainer(tiny_llama(), make_args(tmp_path / "lm"), ragged_examples(16), tokenizer=tok)
@@ -318,3 +318,22 @@ def test_step_verdicts_and_re_audit_verdicts_share_one_ranked_verification(tmp_p
     assert [v.rank for v in result.verification.verdicts] == sorted(v.rank for v in result.verification.verdicts)
     assert any("re-audited on a shadow of the trainer" in note for note in result.verification.notes)
     assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters()) and tok.pad_token_id == EOS
+
+
+def test_verify_a_finding_re_audits_its_data_fix_on_the_trainer(tmp_path):
+    """nbguard.verify(finding, trainer=...) takes the same path as the audit: the finding's rule first on the
+    trainer itself, then on the fixed shadow; the verification is on the session's timeline."""
+    from nbguard.session import SESSION
+
+    trainer, tok = pad_is_eos_trainer(tmp_path)
+    finding = nbguard.audit(trainer=trainer).finding("eos-never-supervised")
+    verification = nbguard.verify(finding, trainer=trainer)
+    v = verification.verdict("distinct-pad-token")
+    assert v.verdict == VERIFIED and v.reaudit["rules"] == ["eos-never-supervised"], v.reason
+    assert verification.step_level is False and verification.baseline is None  # no step ran
+    assert SESSION.entries("verification") and tok.pad_token_id == EOS
+
+    healthy = lm_trainer(tiny_llama(), make_args(tmp_path / "ok"), ragged_examples(16),
+                         tokenizer=word_tokenizer(pad="unk"))
+    v = nbguard.verify(finding, trainer=healthy).verdict("distinct-pad-token")  # a finding this trainer never raised
+    assert v.verdict == NOT_CHECKED and "does not fire on the trainer as built" in v.reason, v.reason

@@ -20,6 +20,7 @@ from ..step.precision import PrecisionUnavailable, args_mixed_precision, trainer
 from ..step.targets import resolve_targets
 from .candidates import CAUSE_FIXES, for_event, with_options
 from .engine import verify_step
+from .reaudit import merged, reaudit_verdicts, split_by_reaudit
 from .result import NOT_CHECKED, NOT_ENOUGH, VERDICTS, VERIFIED, FixVerdict, ModuleCheck, StepEvidence, Verification
 
 AUTO_MAX_STEP_RUNS = 2  # plus the module level: automatic verification stays within 3 step times
@@ -105,11 +106,22 @@ def verify(subject: Any, fix_id: str | None = None, *, model: Any = None, batch:
         if model is None:
             raise ValueError("verifying a finding needs the model (model= or trainer=) and a batch to run the step on "
                              "(batch=; without it the probe's synthetic batch is used)")
-        step = step_from_batch(model, batch, args)
         fix_ids = [fix_id] if fix_id else list(subject.fixes)
         names = SESSION.fix_names("trainer" if trainer is not None else "model")
-        return _recorded(verify_step(step, with_options(fix_ids, step, options, hardware), f"finding {subject.rule}",
-                                     memory_budget=memory_budget, names=names))
+        # a data or config fix (no step recipe) is re-audited on a shadow of the trainer as built (reaudit.py)
+        by_reaudit, by_step = split_by_reaudit(fix_ids, trainer, args)
+        given = options or {}
+        reaudited = reaudit_verdicts(
+            [subject], by_reaudit, {f: {**fix_registry.get(f).options_for(hardware), **given.get(f, {})}
+                                    for f in by_reaudit},
+            model=model, trainer=trainer, args=args, batch=batch, hardware=hardware, names=names,
+            check_baseline=True) if by_reaudit else []
+        stepped = None
+        if by_step:
+            step = step_from_batch(model, batch, args)
+            stepped = verify_step(step, with_options(by_step, step, options, hardware), f"finding {subject.rule}",
+                                  memory_budget=memory_budget, names=names)
+        return _recorded(merged(stepped, reaudited, f"finding {subject.rule}"))
     raise TypeError(f"verify() takes a watch Event or an audit Finding, got {type(subject).__name__}")
 
 

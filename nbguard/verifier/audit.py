@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import fixes
 from ..auditor.sampling import sample_trainer_batches
 from ..findings import Finding, Severity
 from ..introspect.inputs import is_trainer
@@ -16,11 +15,8 @@ from ..step.targets import resolve_targets
 from . import step_from_batch
 from .candidates import with_options
 from .engine import verify_step
-from .reaudit import reaudit_verdicts
+from .reaudit import merged, reaudit_verdicts, split_by_reaudit
 from .result import FixVerdict, Verification
-
-REAUDIT_NOTE = ("data and config fixes were re-audited on a shadow of the trainer as built (its own batches, "
-                "collator and processing class): no training step ran for them")
 
 
 def verify_audit(result: Any, model: Any, trainer: Any, args: Any, batch: dict | None,
@@ -38,22 +34,15 @@ def verify_audit(result: Any, model: Any, trainer: Any, args: Any, batch: dict |
     names = SESSION.fix_names("trainer" if trainer is not None else "model")
     if trainer is None and args is not None:
         names.setdefault("args", "args")
-    # plan-less fixes are re-audited when there is a trainer (or args) to shadow; the rest run on a step
-    by_reaudit = [f for f in fix_ids if fixes.get(f).plan is None and (trainer is not None or args is not None)]
-    by_step = [f for f in fix_ids if f not in by_reaudit]
+    by_reaudit, by_step = split_by_reaudit(fix_ids, trainer, args)
     options = {fix_id: result.fix_options(fix_id) for fix_id in fix_ids}
     try:
         reaudited: list[FixVerdict] = reaudit_verdicts(
             result.findings, by_reaudit, options, model=model, trainer=trainer, args=args, batch=batch,
             hardware=result.hardware, names=names) if by_reaudit else []
-        if by_step:
-            verification = _verify_steps(result, model, trainer, args, batch, by_step, options, names, memory_budget)
-            verification.verdicts = sorted(verification.verdicts + reaudited, key=lambda v: v.rank)
-        else:
-            verification = Verification("audit re-audited on the trainer as built", reaudited, step_level=False,
-                                        step_skipped="no fix offered here runs on a training step")
-        if reaudited:
-            verification.notes.append(REAUDIT_NOTE)
+        verification = merged(
+            _verify_steps(result, model, trainer, args, batch, by_step, options, names, memory_budget)
+            if by_step else None, reaudited, "audit")
     except Exception as exc:
         result.findings.append(Finding(
             rule="verify-error", severity=Severity.INFO, title="the fixes could not be verified",

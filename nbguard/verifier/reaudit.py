@@ -21,7 +21,7 @@ from ..auditor.registry import RULES
 from ..document.view import REAUDITED
 from ..findings import Finding, jsonable
 from ..fixes.registry import Target
-from .result import NOT_CHECKED, NOT_ENOUGH, VERIFIED, FixVerdict
+from .result import NOT_CHECKED, NOT_ENOUGH, VERIFIED, FixVerdict, Verification
 
 # fixes that change the model only through config fields (a shadow model with its own config holds them)
 CONFIG_ONLY = frozenset({"distinct-pad-token", "sync-pad-token-id", "enable-router-aux-loss"})
@@ -32,6 +32,8 @@ NOT_REAUDITED = {
     "non-reentrant-checkpointing": "it re-enables checkpointing on the model's modules, and a re-audit never copies "
                                    "the model",
 }
+REAUDIT_NOTE = ("data and config fixes were re-audited on a shadow of the trainer as built (its own batches, "
+                "collator and processing class): no training step ran for them")
 MODEL_REASON = ("it changes the model's modules or weights, and a re-audit never copies the model (nor is there a "
                 "step recipe for it)")
 
@@ -129,8 +131,11 @@ def _run_rules(rule_ids: list[str], ctx: AuditContext) -> dict[str, Any]:
 
 def reaudit_verdicts(findings: list[Finding], fix_ids: list[str], options: dict[str, dict[str, Any]], *,
                      model: Any, trainer: Any, args: Any, batch: dict | None, hardware: Any,
-                     names: dict[str, str]) -> list[FixVerdict]:
-    """One verdict per fix in ``fix_ids`` (each plan-less): re-audited on a shadow, or "not checked" and why."""
+                     names: dict[str, str], check_baseline: bool = False) -> list[FixVerdict]:
+    """One verdict per fix in ``fix_ids`` (each plan-less): re-audited on a shadow, or "not checked" and why.
+
+    The rules first run on the trainer itself (no fix) when the findings may come from elsewhere: a given batch,
+    or ``check_baseline`` (a finding handed to ``nbguard.verify``); a rule quiet there cannot be cleared."""
     baseline: dict[str, Any] | None = None
     verdicts = []
     for fix_id in fix_ids:
@@ -149,7 +154,7 @@ def reaudit_verdicts(findings: list[Finding], fix_ids: list[str], options: dict[
             verdict.reason = ("there is no trainer to re-audit: its batches, collator and processing class are "
                               "what this fix changes (pass trainer= to the audit)")
             continue
-        if batch is not None and trainer is not None:  # the finding came from the given batch: is it on the trainer's?
+        if trainer is not None and (batch is not None or check_baseline):  # does the trainer itself show it?
             if baseline is None:  # once, for every rule a re-audit here reads
                 wanted = {f.rule for f in findings if f.rule in RULES and any(
                     x in fix_ids and reauditable(x) for x in f.fixes)}
@@ -157,8 +162,8 @@ def reaudit_verdicts(findings: list[Finding], fix_ids: list[str], options: dict[
                                                                    hardware=hardware))
             quiet = [r for r in rule_ids if not _still_firing(r, baseline.get(r), fix_id, False)]
             if quiet:
-                verdict.reason = (f"{', '.join(quiet)} fired on the batch given to the audit but not on the trainer's "
-                                  "own batches, so a re-audit of the trainer cannot show what this fix changes")
+                verdict.reason = (f"{', '.join(quiet)} does not fire on the trainer as built (its own batches) even "
+                                  "without the fix, so a re-audit of the trainer cannot show what this fix changes")
                 continue
         _reaudit(verdict, raised, rule_ids, model, trainer, args, batch, hardware)
     return verdicts
@@ -217,3 +222,21 @@ def _adds_a_token(tok: Any) -> bool:
     if tok is None or not (tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id):
         return False
     return tok.unk_token is None or tok.unk_token_id == tok.eos_token_id
+
+
+def split_by_reaudit(fix_ids: list[str], trainer: Any, args: Any) -> tuple[list[str], list[str]]:
+    """(re-audited, run on a step): the plan-less fixes are re-audited when there is a trainer (or args) to shadow."""
+    by_reaudit = [f for f in fix_ids if fixes.get(f).plan is None and (trainer is not None or args is not None)]
+    return by_reaudit, [f for f in fix_ids if f not in by_reaudit]
+
+
+def merged(stepped: Verification | None, reaudited: list[FixVerdict], what: str) -> Verification:
+    """One ranked verification of the step's verdicts and the re-audit's (no step at all when none had a recipe)."""
+    if stepped is None:
+        stepped = Verification(f"{what} re-audited on the trainer as built", reaudited, step_level=False,
+                               step_skipped="no fix offered here runs on a training step")
+    else:
+        stepped.verdicts = sorted(stepped.verdicts + reaudited, key=lambda v: v.rank)
+    if reaudited:
+        stepped.notes.append(REAUDIT_NOTE)
+    return stepped
