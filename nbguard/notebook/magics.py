@@ -26,7 +26,10 @@ from . import resolve as R
 from .resolve import MagicError
 from .verdicts import cell_verdict_line
 
+# the watch's policies and rewind schedules (watcher.policies, watcher.rewind), here without importing torch
+# at %load_ext; tests/test_nanwatch_rewind_options.py checks they agree
 POLICIES = ("warn", "skip", "stop", "rewind")
+SCHEDULES = ("keep", "restore")
 NBGUARD_COMMANDS = ("fix", "report", "explain", "export-check")
 ISSUES_HINT = "this is a bug in nbguard, not in your notebook: please report it with the traceback below"
 
@@ -268,6 +271,17 @@ class NbguardMagics(Magics):
                    "stop (stop training; a plain loop gets nbguard.NonFiniteError), rewind (restore the "
                    "last good snapshot, docs/guides/rewind.md); default: "
                    "%%config NbguardMagics.default_policy (warn)")
+    @argument("--every", metavar="K", type=int, default=None,
+              help="--policy rewind: optimizer steps between snapshots (default 50)")
+    @argument("--lr-factor", metavar="F", type=float, default=None,
+              help="--policy rewind: the LR is multiplied by F after a divergence (default 0.5)")
+    @argument("--max-rewinds", metavar="N", type=int, default=None,
+              help="--policy rewind: rewinds before the next trouble stops training (default 3)")
+    @argument("--schedule", choices=SCHEDULES, default=None,
+              help="--policy rewind: keep (the LR scheduler keeps its place; default) or restore (it goes "
+                   "back with the snapshot)")
+    @argument("--scheduler", metavar="NAME", default=None,
+              help="a plain loop's LR scheduler, so a rewind's LR cut (and --schedule restore) reaches it")
     @argument("--optimizer", metavar="NAME", default=None,
               help="the optimizer of a plain PyTorch loop (default: the one optimizer over the model)")
     @argument("--scaler", metavar="NAME", default=None,
@@ -381,12 +395,42 @@ class NbguardMagics(Magics):
         self.state.stop_watches()  # one %nanwatch at a time: never two watches on the same run
         log_to = None if opts.log_to == "none" else opts.log_to if opts.log_to in ("auto", "report_to") \
             else R.lookup(self.ns, opts.log_to)
-        watch = api.watch(target, optimizer=optimizer, scaler=scaler, policy=opts.policy or self.default_policy,
+        policy = opts.policy or self.default_policy
+        rewind, scheduler = self._rewind_options(opts, policy, target)
+        watch = api.watch(target, optimizer=optimizer, scaler=scaler, policy=policy,
                           activations=opts.activations or self.dashboard_activations, verify=self.verify_fixes,
-                          log_to=log_to)
+                          log_to=log_to, rewind=rewind, scheduler=scheduler)
         live = LiveWatch(watch)
         self.state.watches.append(live)
         return live
+
+    def _rewind_options(self, opts, policy: str, target) -> tuple[Any, Any]:
+        """(RewindSettings, the plain loop's scheduler) from --every, --lr-factor, --max-rewinds, --schedule and
+        --scheduler; an option that only rewind reads, given under another policy, is an error, not ignored."""
+        given = {flag: value for flag, value in (("--every", opts.every), ("--lr-factor", opts.lr_factor),
+                                                 ("--max-rewinds", opts.max_rewinds), ("--schedule", opts.schedule))
+                 if value is not None}
+        if given and policy != "rewind":
+            raise MagicError(f"{', '.join(given)} set(s) how policy rewind works, and the policy here is {policy}: "
+                             "add --policy rewind, or drop it")
+        scheduler = None
+        if opts.scheduler:
+            if R.is_trainer(target):
+                raise MagicError("--scheduler is for a plain loop; a Trainer brings its own LR scheduler")
+            scheduler = R.lookup(self.ns, opts.scheduler)
+            if not hasattr(scheduler, "state_dict") or not hasattr(scheduler, "get_last_lr"):
+                raise MagicError(f"--scheduler {opts.scheduler!r} is a {R.describe(scheduler)}, not an LR scheduler "
+                                 "(torch.optim.lr_scheduler)")
+        if policy != "rewind":
+            return None, scheduler
+        from ..watcher import RewindSettings
+
+        fields = {"every": opts.every, "lr_factor": opts.lr_factor, "max_rewinds": opts.max_rewinds,
+                  "schedule": opts.schedule}
+        try:
+            return RewindSettings(**{k: v for k, v in fields.items() if v is not None}), scheduler
+        except ValueError as err:  # the settings' own checks, named by the flag the user typed
+            raise MagicError(str(err).replace("RewindSettings.", "--").replace("_", "-")) from None
 
     def _optimizer_for(self, model, name: str | None):
         if name:
