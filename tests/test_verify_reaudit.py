@@ -337,3 +337,26 @@ def test_verify_a_finding_re_audits_its_data_fix_on_the_trainer(tmp_path):
                          tokenizer=word_tokenizer(pad="unk"))
     v = nbguard.verify(finding, trainer=healthy).verdict("distinct-pad-token")  # a finding this trainer never raised
     assert v.verdict == NOT_CHECKED and "does not fire on the trainer as built" in v.reason, v.reason
+
+
+# ---- TRL's GRPOTrainer: a rule that raises one finding per reward function --------------------------------------------
+def test_finite_rewards_is_judged_on_its_own_function_and_the_users_list_is_untouched(tmp_path):
+    """rl-reward-function-broken raises one finding per broken function: finite-rewards clears the -inf one (the
+    one that offers it) while the function returning the wrong count still fires. Verified, and the trainer's
+    reward_funcs list still holds the user's own functions."""
+    from rl_helpers import grpo_trainer, length_reward, log_match_reward
+
+    def wrong_length(completions, **kwargs):
+        return [1.0]
+
+    funcs = [length_reward, wrong_length, log_match_reward]
+    trainer = grpo_trainer(tmp_path, reward_funcs=list(funcs))
+    held = trainer.reward_funcs
+    result = nbguard.audit(trainer=trainer, verify=True)
+    broken = [f for f in result.findings if f.rule == "rl-reward-function-broken"]
+    assert sorted(f.evidence["reward_function"] for f in broken) == ["log_match_reward", "wrong_length"]
+    v = verdict(result, "finite-rewards")
+    assert v.verdict == VERIFIED and "rl-reward-function-broken no longer fires" in v.reason, v.reason
+    assert v.changes["reward_funcs[2]"] == "log_match_reward: non-finite rewards -> None"  # on the shadow's list
+    assert trainer.reward_funcs is held and trainer.reward_funcs == funcs  # the very functions, unwrapped
+    assert not getattr(trainer.reward_funcs[2], "__nbguard_finite__", False)

@@ -158,19 +158,27 @@ def reaudit_verdicts(findings: list[Finding], fix_ids: list[str], options: dict[
             if baseline is None:  # once, for every rule a re-audit here reads
                 wanted = {f.rule for f in findings if f.rule in RULES and any(
                     x in fix_ids and reauditable(x) for x in f.fixes)}
-                baseline = _run_rules(sorted(wanted), AuditContext(model=model, trainer=trainer, args=args,
-                                                                   hardware=hardware))
+                try:
+                    baseline = _run_rules(sorted(wanted), AuditContext(model=model, trainer=trainer, args=args,
+                                                                       hardware=hardware))
+                except Exception as exc:
+                    baseline = {"": exc}
+            if isinstance(failed := baseline.get(""), Exception):
+                verdict.reason = f"the rules raised on the trainer itself: {type(failed).__name__}: {failed}"
+                continue
             quiet = [r for r in rule_ids if not _still_firing(r, baseline.get(r), fix_id, False)]
             if quiet:
                 verdict.reason = (f"{', '.join(quiet)} does not fire on the trainer as built (its own batches) even "
                                   "without the fix, so a re-audit of the trainer cannot show what this fix changes")
                 continue
-        _reaudit(verdict, raised, rule_ids, model, trainer, args, batch, hardware)
+        several = {r for r in rule_ids if sum(f.rule == r for f in findings) > 1}
+        _reaudit(verdict, several, rule_ids, model, trainer, args, batch, hardware)
     return verdicts
 
 
-def _reaudit(verdict: FixVerdict, raised: list[Finding], rule_ids: list[str], model: Any, trainer: Any, args: Any,
+def _reaudit(verdict: FixVerdict, several: set[str], rule_ids: list[str], model: Any, trainer: Any, args: Any,
              batch: dict | None, hardware: Any) -> None:
+    """``several``: the rules that raised more than one finding (each judged on the findings offering this fix)."""
     fix_id = verdict.fix
     try:
         shadow = build_shadow(trainer, model, args, config=fix_id in CONFIG_ONLY)
@@ -197,7 +205,7 @@ def _reaudit(verdict: FixVerdict, raised: list[Finding], rule_ids: list[str], mo
         verdict.reason = f"{REAUDITED}: a rule raised on the shadow: {type(exc).__name__}: {exc}"
         return
     sample = ctx.__dict__.get("sample")  # read only when a rule looked at batches
-    still = {r: _still_firing(r, outs[r], fix_id, sum(f.rule == r for f in raised) > 1) for r in rule_ids}
+    still = {r: _still_firing(r, outs[r], fix_id, r in several) for r in rule_ids}
     firing = {r: fs for r, fs in still.items() if fs}
     verdict.reaudit = {"rules": rule_ids, "batches": sample.to_evidence() if sample is not None else None,
                        "still_fires": {r: [f.title for f in fs] for r, fs in firing.items()}}
