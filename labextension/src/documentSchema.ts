@@ -174,7 +174,7 @@ export const DOCUMENT_SCHEMA: unknown = {
     },
     "verification": {
       "$ref": "#/$defs/verification",
-      "description": "Candidate fixes run on a shadow of the failing step (nbguard.verify, audit(verify=True)); also inside an event's evidence and a diagnosis."
+      "description": "Candidate fixes run on a shadow of the failing step (nbguard.verify, audit(verify=True)), or, for data and config fixes, re-audited on a shadow of the trainer as built (fixVerdict.reaudit); also inside an event's evidence and a diagnosis."
     },
     "view": {
       "$ref": "#/$defs/view",
@@ -1292,7 +1292,7 @@ export const DOCUMENT_SCHEMA: unknown = {
     },
     "verdict": {
       "type": "object",
-      "description": "Whether a fix was shown to work on the failing step.",
+      "description": "Whether a fix was shown to work on the failing step (or, for a data or config fix, by a re-audit of the trainer as built: detail starts \"re-audited on the trainer as built\").",
       "required": [
         "status",
         "label",

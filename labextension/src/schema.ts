@@ -89,8 +89,9 @@ export interface NbguardDocument {
   /** Remarks shown verbatim by every renderer. */
   notes?: string[];
   /**
-   * Candidate fixes run on a shadow of the failing step (nbguard.verify, audit(verify=True)); also
-   * inside an event's evidence and a diagnosis.
+   * Candidate fixes run on a shadow of the failing step (nbguard.verify, audit(verify=True)), or,
+   * for data and config fixes, re-audited on a shadow of the trainer as built
+   * (fixVerdict.reaudit); also inside an event's evidence and a diagnosis.
    */
   verification?: Verification;
   /**
@@ -467,7 +468,10 @@ export interface Table {
   note: string;
 }
 
-/** Whether a fix was shown to work on the failing step. */
+/**
+ * Whether a fix was shown to work on the failing step (or, for a data or config fix, by a re-audit
+ * of the trainer as built: detail starts "re-audited on the trainer as built").
+ */
 export interface Verdict {
   status: "verified" | "not-enough" | "not-checked";
   label: string;
