@@ -360,3 +360,38 @@ def test_finite_rewards_is_judged_on_its_own_function_and_the_users_list_is_unto
     assert v.changes["reward_funcs[2]"] == "log_match_reward: non-finite rewards -> None"  # on the shadow's list
     assert trainer.reward_funcs is held and trainer.reward_funcs == funcs  # the very functions, unwrapped
     assert not getattr(trainer.reward_funcs[2], "__nbguard_finite__", False)
+
+
+# ---- collator wrappers and a trainer flag: verified on the shadow, the user's trainer as it was ------------------------
+def shifted_labels_trainer(tmp_path):
+    from test_rules_data import _trl_collator, shifted_rows
+
+    return lm_trainer(tiny_llama(), make_args(tmp_path), shifted_rows(), collator=_trl_collator())
+
+
+def packed_with_mask_trainer(tmp_path):
+    from test_rules_packing import FlattenWithMask, packing_trainer
+
+    return packing_trainer(tmp_path, FlattenWithMask())
+
+
+def mean_loss_trainer(tmp_path):
+    from test_rules_data_accumulation import MeanLossTrainer, build
+
+    return build(tmp_path, "broken", MeanLossTrainer)
+
+
+@pytest.mark.parametrize("build, rule, fix_id", [
+    (shifted_labels_trainer, "labels-shifted-twice", "unshift-labels"),
+    (packed_with_mask_trainer, "packed-samples-attend-across", "drop-mask-for-packing"),
+    (mean_loss_trainer, "accumulation-loss-scale", "scale-loss-for-accumulation"),
+])
+def test_wrapper_and_flag_fixes_are_verified_on_the_shadow_only(tmp_path, build, rule, fix_id):
+    trainer = build(tmp_path)
+    collator, flags = trainer.data_collator, {k: v for k, v in vars(trainer).items() if isinstance(v, bool)}
+    result = nbguard.audit(trainer=trainer, verify=True)
+    v = verdict(result, fix_id)
+    assert v.verdict == VERIFIED and f"{rule} no longer fires" in v.reason and v.changes, v.reason
+    assert trainer.data_collator is collator  # the user's collator, not the shadow's wrapper
+    assert {k: v for k, v in vars(trainer).items() if isinstance(v, bool)} == flags
+    assert rule in rules(nbguard.audit(trainer=trainer))
