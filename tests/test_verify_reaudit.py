@@ -395,3 +395,14 @@ def test_wrapper_and_flag_fixes_are_verified_on_the_shadow_only(tmp_path, build,
     assert trainer.data_collator is collator  # the user's collator, not the shadow's wrapper
     assert {k: v for k, v in vars(trainer).items() if isinstance(v, bool)} == flags
     assert rule in rules(nbguard.audit(trainer=trainer))
+
+
+def test_a_step_verdict_for_a_tokenizer_fix_is_the_audits_own_cell_on_a_trainer(tmp_path):
+    """pad-right-for-training has a step recipe: its verdict's cell names the trainer's processing_class, the
+    cell the finding shows, so the finding's fix row carries the verdict (keyed by the exact cell)."""
+    trainer = lm_trainer(tiny_llama(), make_args(tmp_path), ragged_examples(16),
+                         tokenizer=word_tokenizer(pad="unk", padding_side="left"))
+    result = nbguard.audit(trainer=trainer, verify=True)
+    v = verdict(result, "pad-right-for-training")
+    assert v.reaudit is None and "trainer.processing_class.padding_side" in v.code
+    assert v.code == result.to_document()["fix_cells"]["pad-right-for-training"]["code"]

@@ -39,8 +39,9 @@ def fix_code(fix_id: str, options: dict[str, Any], names: dict[str, str] | None 
             names.setdefault("optimizer", "optimizer")
     elif fix.needs in ("args", "model-or-args", "args-or-optimizer") and not (names.get("args") or names.get("trainer")):
         names["args"] = "args"
-    if fix.needs in ("tokenizer", "trainer"):
-        names.setdefault(fix.needs, fix.needs)  # the usual variable name; the cell says what it changes
+    if fix.needs == "trainer" or (fix.needs == "tokenizer" and not names.get("trainer")):
+        # the usual variable name; with a trainer, a tokenizer cell names its processing_class, as the audit's does
+        names.setdefault(fix.needs, fix.needs)
     try:
         return fix.title, fixes.code(fix_id, **names, **options)
     except Exception:  # e.g. a fix whose cell needs a name nbguard does not have here (a tokenizer)
