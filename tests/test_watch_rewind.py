@@ -269,3 +269,34 @@ def test_under_a_gradscaler_rewind_acts_at_the_steps_end():
     [rewind, *_] = [e for e in watch.events if e.kind == "rewind"]
     assert rewind.evidence["trigger"] == "divergence" and "GradScaler scale" in rewind.evidence["what"]
     assert rewind.evidence["restored_after_step"] <= 19 and scaler.get_scale() == 2.0 ** 8
+
+
+def _saturated_loop(policy=None, steps=16):
+    """AdamW at 1e-3 on one batch; the schedule puts the LR at 1e4 for one step (step 3): that update saturates
+    the logits, and from step 4 the gradient is exactly 0 and the loss ln(vocab) for ever (a dead run)."""
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1e7 if s == 3 else 1.0)
+    watch = nbguard.watch(model, optimizer=opt, policy=policy, verify=False, scheduler=sched) if policy else None
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(**DATA[0]).loss
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return watch, losses, sched
+
+
+def test_a_run_that_learned_then_died_is_rewound_and_learns_again():
+    _, dead, _ = _saturated_loop()
+    watch, losses, sched = _saturated_loop("rewind")
+    assert dead[4] == dead[-1] == pytest.approx(math.log(128), abs=1e-3)  # the unwatched run never learns again
+    dead_run, rewind = watch.events  # and nothing else: no update "spike" read off the restore itself
+    assert (dead_run.kind, rewind.kind) == ("dead-run", "rewind")
+    assert dead_run.evidence["dead_since_step"] == 4
+    assert rewind.evidence["restored_after_step"] <= 2 and rewind.evidence["lr_factor"] == 0.5
+    assert sched.base_lrs[0] == pytest.approx(LR / 2)
+    assert losses[-1] < losses[rewind.step + 1] < dead[-1]  # learning again, from the restored state
+    assert losses[-1] < min(losses[:4])  # below anything before the bad update

@@ -303,7 +303,8 @@ class DeadRunDetector:
         if self.reported or self.streak < self.settings.dead_after:
             return None
         self.reported = True
-        evidence: dict[str, Any] = {"dead_since_step": self.start, "steps_dead": step - (self.start or 0) + 1,
+        evidence: dict[str, Any] = {"dead_since_step": self.start, "began_at_step": self.start,
+                                    "steps_dead": step - (self.start or 0) + 1,
                                     "zero_gradient": "zero-gradient" in self.reasons,
                                     "constant_loss": loss if "constant-loss" in self.reasons else None,
                                     "total_grad_norm": total, "loss": loss}

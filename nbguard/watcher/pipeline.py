@@ -134,6 +134,10 @@ class Detector:
     def reset_step(self) -> None:
         """A step (or ``train()``) starts, or an interrupted one is abandoned: forget per-step state."""
 
+    def rewound(self, step: int) -> None:
+        """Policy rewind put an earlier state back at ``step``: a baseline learned from the steps since that
+        state (a dead run's zero updates, a climb's gradient norms) no longer describes the run."""
+
 
 def check_detector(detector: Any) -> Detector:
     """A clear error for anything that is not a detector, before it is wired into a watch."""
@@ -148,7 +152,7 @@ def check_detector(detector: Any) -> Detector:
 
 # what a detector may override; the board calls a hook only on the detectors that implement it (the
 # base's methods do nothing), so a step pays for the detectors it has, not for the protocol
-_HOOKS = ("scalars", "on_micro_batch", "update", "before_update", "reset_step")
+_HOOKS = ("scalars", "on_micro_batch", "update", "before_update", "reset_step", "rewound")
 
 
 def _implements(detector: Any, hook: str) -> bool:
@@ -221,3 +225,7 @@ class DetectorBoard:
         self._asked = []
         for _, reset_step in self._by_hook["reset_step"]:
             reset_step()
+
+    def rewound(self, step: int) -> None:
+        for _, rewound in self._by_hook["rewound"]:
+            rewound(step)

@@ -8,10 +8,11 @@ too) every ``every`` optimizer steps, off the accelerator: on CUDA in pinned hos
 ``copy_(non_blocking=True)`` and an event waited on before the buffers are used; on CPU plain copies
 into preallocated buffers. Two slots are kept, inside ``budget_bytes``.
 
-On a non-finite or divergence event the update is dropped and the last snapshot taken before the
+On a non-finite, divergence or dead-run (after live steps) event the update is dropped and the last
+snapshot taken before the
 trouble began (finite, and at least one step before the bad step, since the update just before it
 may be the damaging one) is restored IN PLACE (``copy_``: every tensor the user holds stays valid).
-Divergence also scales the LR (``lr_factor``, on every param group and the scheduler's
+Divergence and a dead run also scale the LR (``lr_factor``, on every param group and the scheduler's
 ``base_lrs``). The data stream moves forward: the batches in between are skipped, not replayed, and
 the scheduler keeps its place in the schedule (``schedule="restore"`` puts it back too). A
 non-finite step that the replay cannot reproduce is a blip: skipped, not rewound; so is one whose
@@ -42,6 +43,9 @@ register_event_kind("rewind", "policy rewind restored the last good snapshot (or
                     ("restored_after_step", "batches_skipped", "lr_before", "lr_after", "rewinds"))
 
 GIB = 1 << 30
+# the events whose cause is an update too large: the LR is cut after their rewind (a run that learned and then
+# went dead had its logits saturated by one)
+LR_CAUSES = ("divergence", "dead-run")
 SCHEDULES = ("keep", "restore")
 
 
@@ -343,6 +347,13 @@ class Rewinder:
             # the rows, never the rewind)
             guarded_call(lambda exc: event.evidence.update(rows_error=f"{type(exc).__name__}: {exc}"),
                          watch._name_rows, event)
+        if not step_ended and _batch_not_state(event):
+            rows = event.evidence["rows"]
+            event.evidence["rewind"] = {
+                "restored": False, "reason": f"the step's rows mostly kept the run's loss (median {rows['median_row_loss']:.4g}"
+                f", recent {event.evidence['recent_loss_median']:.4g}): the batch exploded, not the weights; its "
+                "update was dropped, nothing to undo"}
+            return
         nonfinite = event.kind in ("nonfinite-loss", "nonfinite-grad")
         if nonfinite and event.cause == "not-reproducible":
             event.evidence["rewind"] = {"restored": False, "reason": "the replay did not reproduce it: a blip, "
@@ -362,6 +373,7 @@ class Rewinder:
             last = self.agreed(watch, self.choose(began, watch.history))
             if last is not None:  # training ends on the last good state, not on the damaged one
                 self.restore(watch, last)
+                watch._board.rewound(step)
             kept = f"the state after step {last.after_step} restored" if last is not None else \
                 "no snapshot from before the trouble to restore"
             stop = Event("rewind", step, f"rewound {self.rewinds} time(s), the most allowed "
@@ -379,12 +391,13 @@ class Rewinder:
                                         "yet: the update was skipped"}
             return
         restored = self.restore(watch, snapshot)
+        watch._board.rewound(step)
         for slot in self.slots:  # taken during the trouble (after the one restored): never come back to them
             if slot.after_step is not None and slot.after_step > (snapshot.after_step or 0):
                 slot.after_step = None
         self.next_due = step + 1  # the restored state, once a step shows it healthy, is the next snapshot
         lr_before = [g["lr"] for g in watch.optimizer.param_groups]
-        factor = self.settings.lr_factor if event.kind == "divergence" else 1.0
+        factor = self.settings.lr_factor if event.kind in LR_CAUSES else 1.0
         if factor != 1.0:
             self.scale_lr(watch, factor)
         lr_after = [g["lr"] for g in watch.optimizer.param_groups]
@@ -488,6 +501,15 @@ def _loss_rose_after(losses: dict[int, float | None], after_step: int, window: i
     if following is None or not before:
         return False
     return not math.isfinite(following) or following > SUSPECT_LOSS_FACTOR * before[len(before) // 2]
+
+
+def _batch_not_state(event: Event) -> bool:
+    """A divergence whose step's rows, replayed, mostly keep the run's recent loss: a few rows pulled the
+    gradient (their shares say which), the weights are as good as before, and dropping the update undid it."""
+    rows = event.evidence.get("rows") or {}
+    median, recent = rows.get("median_row_loss"), event.evidence.get("recent_loss_median")
+    return event.kind == "divergence" and median is not None and recent is not None and recent > 0 \
+        and median <= SUSPECT_LOSS_FACTOR * recent
 
 
 def _loss_level(losses: dict[int, float | None], after_step: int) -> float | None:

@@ -55,8 +55,10 @@ class RunChecks(Detector):
         return self.update(view)
 
     def drops_update(self, event: Event) -> bool:
-        """An exploded (finite) update is dropped like a non-finite one: the weights stay the last good ones."""
-        return event.kind == "divergence"
+        """An exploded (finite) update is dropped like a non-finite one: the weights stay the last good ones. So
+        is the update of a run that learned and then died (an update too large saturated it): under rewind it
+        goes back to before it died."""
+        return event.kind == "divergence" or (event.kind == "dead-run" and event.evidence.get("began_at_step", 0) > 0)
 
     def update(self, view: StepView) -> list[Event]:
         """Once per optimizer step: the reward calls made during it, then the step's norms."""

@@ -267,6 +267,12 @@ class UpdateNorms(Detector):
             self._pending = None
         return self._take(asked[0], values, asked[1])
 
+    def rewound(self, step: int) -> None:
+        """The restored state's updates are judged afresh: the level learned since it (a dead run's near-zero
+        updates) would call the first healthy update after the rewind a spike (it did: 668x)."""
+        self.judge = UpdateSpikeJudge(self.judge.settings)
+        self._copied = None  # this step's "update" would be the restore itself: no reading of it
+
     def take_fresh(self) -> tuple[int, list[float | None], float | None] | None:
         """(step, per-group ratios, total) read since the last call, for the watch's step listeners."""
         fresh, self._fresh = self._fresh, None
