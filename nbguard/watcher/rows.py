@@ -21,6 +21,7 @@ import json
 import math
 from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from .pipeline import Detector
 
 IGNORE = -100
 MOST_ROWS = 8  # rows listed in an event
+DOMINANT_SHARE = 0.5  # a row pulling this share of an exploded step's gradient norm is named for drop-rows
 
 
 class RecordingSampler:
@@ -174,15 +176,24 @@ class RowTracker(Detector):
         return bool(torch.equal(got[:n], expected)) or bool(torch.equal(got[got.numel() - n:], expected))
 
 
-def _per_row(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(loss, supervised tokens) per row: the token loss averaged over the row's supervised tokens."""
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(each token's loss, whether it is supervised), shaped like the labels (a causal LM's shifted as it
+    shifts them inside the model); None for outputs that are not per-token or per-row logits."""
     if logits.dim() == 3 and labels.dim() == 2 and labels.shape == logits.shape[:2]:
         logits, labels = logits[:, :-1], labels[:, 1:]  # a causal LM's labels are shifted inside the model
     elif not (logits.dim() == 2 and labels.dim() == 1 and labels.shape[0] == logits.shape[0]):
         return None
     token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).long(),
                             reduction="none", ignore_index=IGNORE).reshape(labels.shape)
-    supervised = (labels != IGNORE)
+    return token, labels != IGNORE
+
+
+def _per_row(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(loss, supervised tokens) per row: the token loss averaged over the row's supervised tokens."""
+    found = token_losses(logits, labels)
+    if found is None:
+        return None
+    token, supervised = found
     if token.dim() == 1:
         return token, supervised.long()
     counts = supervised.sum(dim=1)
@@ -191,39 +202,52 @@ def _per_row(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, 
     return total / counts.clamp_min(1), counts
 
 
-def row_losses(model: torch.nn.Module, micro_batches: list[MicroBatch]) -> list[dict[str, Any]]:
-    """Each row's loss on these micro-batches, replayed eagerly without gradients (the RNG and the
-    modules' train flags are put back afterwards)."""
+@contextmanager
+def replayed(model: torch.nn.Module, micro_batches: list[MicroBatch], grad: bool = False) \
+        -> Iterator[Iterator[tuple[MicroBatch, torch.Tensor, torch.Tensor]]]:
+    """The step's micro-batches run once more, eagerly, in train mode, each with the RNG and autocast it was
+    captured with: (micro-batch, logits, labels) for each one with labels and logits. The RNG and the
+    modules' train flags are put back on exit."""
     eager, _ = unwrap_compiled(model)
     rng = capture_rng()
     modes = [(m, m.training) for m in eager.modules()]
-    found: list[dict[str, Any]] = []
+
+    def outputs() -> Iterator[tuple[MicroBatch, torch.Tensor, torch.Tensor]]:
+        for mb in micro_batches:
+            labels = mb.labels()
+            if labels is None:
+                continue
+            kwargs = {k: v for k, v in mb.kwargs.items() if k not in ("labels", "num_items_in_batch")}
+            restore_rng(mb.rng)
+            with autocast_as(mb.autocast):
+                output = eager(*mb.args, **kwargs)
+            logits = getattr(output, "logits", None)
+            if logits is None and isinstance(output, (tuple, list)) and output:
+                logits = output[0]
+            if isinstance(logits, torch.Tensor):
+                yield mb, logits, labels.to(logits.device)
+
     try:
-        with eager_everywhere(), torch.no_grad():
+        with eager_everywhere(), torch.set_grad_enabled(grad):
             eager.train()
-            for mb in micro_batches:
-                labels = mb.labels()
-                if labels is None:
-                    continue
-                kwargs = {k: v for k, v in mb.kwargs.items() if k not in ("labels", "num_items_in_batch")}
-                restore_rng(mb.rng)
-                with autocast_as(mb.autocast):
-                    output = eager(*mb.args, **kwargs)
-                logits = getattr(output, "logits", None)
-                if logits is None and isinstance(output, (tuple, list)) and output:
-                    logits = output[0]
-                if not isinstance(logits, torch.Tensor):
-                    continue
-                per_row = _per_row(logits, labels.to(logits.device))
-                if per_row is None:
-                    continue
-                losses, counts = (t.tolist() for t in per_row)
-                found += [{"micro_batch": mb.index, "row": r, "loss": float(v), "tokens": int(n)}
-                          for r, (v, n) in enumerate(zip(losses, counts))]
+            yield outputs()
     finally:
         for module, training in modes:
             module.training = training
         restore_rng(rng)
+
+
+def row_losses(model: torch.nn.Module, micro_batches: list[MicroBatch]) -> list[dict[str, Any]]:
+    """Each row's loss on these micro-batches, replayed eagerly without gradients."""
+    found: list[dict[str, Any]] = []
+    with replayed(model, micro_batches) as outputs:
+        for mb, logits, labels in outputs:
+            per_row = _per_row(logits, labels)
+            if per_row is None:
+                continue
+            losses, counts = (t.tolist() for t in per_row)
+            found += [{"micro_batch": mb.index, "row": r, "loss": float(v), "tokens": int(n)}
+                      for r, (v, n) in enumerate(zip(losses, counts))]
     return found
 
 
@@ -238,7 +262,14 @@ def name_rows(event: Event, model: torch.nn.Module, micro_batches: list[MicroBat
         row["dataset_index"] = _plain(indices[row["row"]]) if indices is not None and row["row"] < len(indices) \
             else None
     bad = [r for r in rows if not math.isfinite(r["loss"])]
-    suspects = bad or sorted(rows, key=lambda r: -r["loss"])[:3]
+    shares_unknown = None
+    if not bad:  # every row finite (an explosion): the rows that pulled the update most are the suspects
+        from .row_grads import row_grad_shares
+
+        shares, shares_unknown = row_grad_shares(model, micro_batches)
+        for row in rows:
+            row["grad_share"] = shares.get((row["micro_batch"], row["row"]))
+    suspects = bad or sorted(rows, key=lambda r: (-(r.get("grad_share") or 0.0), -r["loss"]))[:3]
     by_index = {mb.index: mb for mb in micro_batches}
     for row in suspects:  # an index is named only if that dataset row holds the tokens trained on
         if row["dataset_index"] is not None and tracker is not None \
@@ -248,6 +279,11 @@ def name_rows(event: Event, model: torch.nn.Module, micro_batches: list[MicroBat
         for row in rows:
             row["dataset_index"] = None
     evidence: dict[str, Any] = {"nonfinite": bool(bad), "rows": suspects[:MOST_ROWS], "rows_checked": len(rows)}
+    if shares_unknown is not None:
+        evidence["grad_shares_unknown"] = shares_unknown
+    finite = sorted(r["loss"] for r in rows if math.isfinite(r["loss"]))
+    if finite:  # the weights' state as the other rows see it (a bad batch leaves it; damaged weights raise it)
+        evidence["median_row_loss"] = finite[len(finite) // 2]
     if tracker is not None and tracker.misaligned:
         evidence["dataset_indices_unknown"] = ("the training micro-batches do not match the rows the sampler drew "
                                                "(a collator that packs or drops rows, batches from elsewhere): rows "
@@ -256,10 +292,18 @@ def name_rows(event: Event, model: torch.nn.Module, micro_batches: list[MicroBat
     if bad and len(indices) == len(bad):
         evidence["dataset_indices"] = indices
         evidence["fix"] = "drop-rows"
+    elif not bad and suspects and (suspects[0].get("grad_share") or 0.0) >= DOMINANT_SHARE \
+            and suspects[0]["dataset_index"] is not None:  # one row pulled most of an exploded step
+        evidence["dataset_indices"] = [suspects[0]["dataset_index"]]
+        evidence["fix"] = "drop-rows"
     event.evidence["rows"] = evidence
     if bad:
         event.message += f"; {len(bad)} of {len(rows)} rows have a non-finite loss: " + ", ".join(
             _row_text(r) for r in bad[:MOST_ROWS]) + ("" if len(bad) <= MOST_ROWS else ", ...")
+    elif suspects and suspects[0].get("grad_share") is not None:
+        top = suspects[0]
+        event.message += (f"; {_row_text(top)} pulled {top['grad_share']:.0%} of the gradient norm over the step's "
+                          f"{len(rows)} rows (loss {top['loss']:.4g})")
 
 
 def _row_text(row: dict[str, Any]) -> str:
