@@ -7,6 +7,7 @@ assertion, never as a hung test). A slowdown is a collate function that sleeps f
 """
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -22,8 +23,21 @@ STALL_AFTER_S = 0.25  # the floor, small so the stall shows within a second
 RELEASE_AFTER_S = 10.0  # a collate left blocked this long means no stall event came
 
 
+_EARLIER: set[threading.Thread] = set()
+
+
+@pytest.fixture(autouse=True)
+def _earlier_watches_heartbeats():
+    """Heartbeats of watches other test files in this process left attached (alive until their watch is
+    collected) are not this test's: the counts below are of the threads this test started."""
+    gc.collect()
+    _EARLIER.clear()
+    _EARLIER.update(t for t in threading.enumerate() if t.name == THREAD_NAME)
+    yield
+
+
 def heartbeats() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == THREAD_NAME]
+    return [t for t in threading.enumerate() if t.name == THREAD_NAME and t not in _EARLIER]
 
 
 def kinds(watch) -> list[str]:
