@@ -107,6 +107,14 @@ def test_rewind_goes_back_to_before_the_climb_and_halves_the_lr(tmp_path):
     assert rewind["lr_after"] == [pytest.approx(lr / 2) for lr in rewind["lr_before"]]
     _, unwatched = warmup_to(tmp_path, learning_rate=1.0, steps=40)
     assert losses[climb.step + 1] < 0.5 * unwatched[climb.step + 1]  # the first step on the restored state
+    # the step's rows, replayed through TRL's fused-LM-head model (asked for logits), named by dataset index
+    # with their share of the gradient norm and their text as the trainer's tokenizer decodes TRL's prepared row
+    rows = climb.evidence["rows"]
+    assert rows["rows_checked"] == 4 and "rows_error" not in climb.evidence
+    dataset, tokenizer = watch.trainer.train_dataset, watch.trainer.processing_class
+    for row in rows["rows"]:
+        assert 0 < row["grad_share"] < 1 and row["excerpt"] == " ".join(
+            tokenizer.decode(dataset[row["dataset_index"]]["input_ids"]).split())
 
 
 def memorise(model, lr: float, steps: int):

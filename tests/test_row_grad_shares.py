@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 import nbguard
 from nbguard.step.capture import MicroBatch, capture_rng
-from nbguard.testing import tiny_batch, tiny_llama
+from nbguard.testing import tiny_batch, tiny_llama, word_tokenizer
 from nbguard.watcher.row_grads import row_grad_shares
 from nbguard.watcher.rows import bad_row_indices
 
@@ -35,7 +35,7 @@ def _run(policy: str, poisoned: bool = True):
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     watch = nbguard.watch(model, optimizer=opt, policy=policy, verify=False)
-    watch.track_rows(loader)
+    watch.track_rows(loader, tokenizer=word_tokenizer())
     losses = []
     for batch in loader:
         opt.zero_grad()
@@ -55,7 +55,10 @@ def test_the_row_that_pulled_the_exploded_step_is_named_with_its_share_and_nothi
     rows = event.evidence["rows"]
     top = rows["rows"][0]
     assert top["dataset_index"] == POISONED and top["grad_share"] > 0.95
-    assert f"dataset index {POISONED} pulled" in event.message
+    # its text, decoded by the tokenizer given to track_rows (the row's tokens: all 16 are attended)
+    excerpt = " ".join(word_tokenizer().decode(_rows()[POISONED]["input_ids"].tolist()).split())
+    assert top["excerpt"] == excerpt and excerpt.startswith("w")
+    assert f'dataset index {POISONED} ("{excerpt[:60]}' in event.message and " pulled " in event.message
     assert rows["rows_checked"] == BATCH and bad_row_indices(event) == [POISONED] and rows["fix"] == "drop-rows"
     # the other rows kept the run's loss: the batch exploded, not the weights; dropped, not rewound
     assert rows["median_row_loss"] < 1.5 * event.evidence["recent_loss_median"]

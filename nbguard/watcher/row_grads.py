@@ -34,8 +34,8 @@ def row_grad_shares(model: torch.nn.Module, micro_batches: list[MicroBatch]) \
         return {}, "no trainable parameters"
     norms: dict[tuple[int, int], float] = {}
     with replayed(model, micro_batches, grad=True) as outputs:
-        for mb, logits, labels in outputs:
-            found = token_losses(logits, labels)
+        for mb, logits, labels, shifted in outputs:
+            found = token_losses(logits, labels, shifted)
             if found is None or found[0].dim() != 2:
                 continue
             token, supervised = found

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..document.redact import redact
 from ..findings import Event
 from ..step.capture import MicroBatch, capture_rng, restore_rng
 from ..step.eager import eager_everywhere, unwrap_compiled
@@ -36,7 +37,10 @@ from .integrations.instance_wrap import InstanceWrap
 from .pipeline import Detector
 
 IGNORE = -100
+# what makes a forward compute its own loss: left out of a replay that wants the logits
+LOSS_KWARGS = ("labels", "shift_labels", "num_items_in_batch", "fused_lm_head")
 MOST_ROWS = 8  # rows listed in an event
+EXCERPT_TOKENS, EXCERPT_CHARS = 48, 120  # a named row's decoded excerpt: what a glance needs, no more
 DOMINANT_SHARE = 0.5  # a row pulling this share of an exploded step's gradient norm is named for drop-rows
 
 
@@ -85,6 +89,7 @@ class RowTracker(Detector):
         self.misaligned = False
         self.slack = 64
         self.dataset: Any = None
+        self.tokenizer: Any = None  # decodes a named row's excerpt (the Trainer's processing class, or given)
 
     # ---- where the indices come from ----------------------------------------------------------------
     def follow(self, loader: Any) -> bool:
@@ -112,6 +117,7 @@ class RowTracker(Detector):
 
     def bind_trainer(self, trainer: Any) -> None:
         """Follow every train dataloader the Trainer builds (inside ``train()``)."""
+        self.tokenizer = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
         def get_train_dataloader(original, *args, **kwargs):
             loader = original(*args, **kwargs)
             try:
@@ -176,11 +182,14 @@ class RowTracker(Detector):
         return bool(torch.equal(got[:n], expected)) or bool(torch.equal(got[got.numel() - n:], expected))
 
 
-def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def token_losses(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) \
+        -> tuple[torch.Tensor, torch.Tensor] | None:
     """(each token's loss, whether it is supervised), shaped like the labels (a causal LM's shifted as it
-    shifts them inside the model); None for outputs that are not per-token or per-row logits."""
+    shifts them inside the model, unless ``shifted``: ``shift_labels`` are already); None for outputs that
+    are not per-token or per-row logits."""
     if logits.dim() == 3 and labels.dim() == 2 and labels.shape == logits.shape[:2]:
-        logits, labels = logits[:, :-1], labels[:, 1:]  # a causal LM's labels are shifted inside the model
+        if not shifted:  # a causal LM's labels are shifted inside the model
+            logits, labels = logits[:, :-1], labels[:, 1:]
     elif not (logits.dim() == 2 and labels.dim() == 1 and labels.shape[0] == logits.shape[0]):
         return None
     token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).long(),
@@ -188,9 +197,10 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
     return token, labels != IGNORE
 
 
-def _per_row(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _per_row(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) \
+        -> tuple[torch.Tensor, torch.Tensor] | None:
     """(loss, supervised tokens) per row: the token loss averaged over the row's supervised tokens."""
-    found = token_losses(logits, labels)
+    found = token_losses(logits, labels, shifted)
     if found is None:
         return None
     token, supervised = found
@@ -204,20 +214,24 @@ def _per_row(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, 
 
 @contextmanager
 def replayed(model: torch.nn.Module, micro_batches: list[MicroBatch], grad: bool = False) \
-        -> Iterator[Iterator[tuple[MicroBatch, torch.Tensor, torch.Tensor]]]:
+        -> Iterator[Iterator[tuple[MicroBatch, torch.Tensor, torch.Tensor, bool]]]:
     """The step's micro-batches run once more, eagerly, in train mode, each with the RNG and autocast it was
-    captured with: (micro-batch, logits, labels) for each one with labels and logits. The RNG and the
-    modules' train flags are put back on exit."""
+    captured with: (micro-batch, logits, labels, whether the labels are already shifted) for each one with
+    labels and logits. Without its labels the model returns logits (TRL's fused LM head, which computes the
+    loss from the hidden states, is asked not to fuse). The RNG and the modules' train flags are put back
+    on exit."""
     eager, _ = unwrap_compiled(model)
     rng = capture_rng()
     modes = [(m, m.training) for m in eager.modules()]
 
-    def outputs() -> Iterator[tuple[MicroBatch, torch.Tensor, torch.Tensor]]:
+    def outputs() -> Iterator[tuple[MicroBatch, torch.Tensor, torch.Tensor, bool]]:
         for mb in micro_batches:
-            labels = mb.labels()
+            labels, shifted = mb.labels(), False
+            if labels is None and isinstance(mb.kwargs.get("shift_labels"), torch.Tensor):
+                labels, shifted = mb.kwargs["shift_labels"], True
             if labels is None:
                 continue
-            kwargs = {k: v for k, v in mb.kwargs.items() if k not in ("labels", "num_items_in_batch")}
+            kwargs = {k: v for k, v in mb.kwargs.items() if k not in LOSS_KWARGS}
             restore_rng(mb.rng)
             with autocast_as(mb.autocast):
                 output = eager(*mb.args, **kwargs)
@@ -225,7 +239,7 @@ def replayed(model: torch.nn.Module, micro_batches: list[MicroBatch], grad: bool
             if logits is None and isinstance(output, (tuple, list)) and output:
                 logits = output[0]
             if isinstance(logits, torch.Tensor):
-                yield mb, logits, labels.to(logits.device)
+                yield mb, logits, labels.to(logits.device), shifted
 
     try:
         with eager_everywhere(), torch.set_grad_enabled(grad):
@@ -241,8 +255,8 @@ def row_losses(model: torch.nn.Module, micro_batches: list[MicroBatch]) -> list[
     """Each row's loss on these micro-batches, replayed eagerly without gradients."""
     found: list[dict[str, Any]] = []
     with replayed(model, micro_batches) as outputs:
-        for mb, logits, labels in outputs:
-            per_row = _per_row(logits, labels)
+        for mb, logits, labels, shifted in outputs:
+            per_row = _per_row(logits, labels, shifted)
             if per_row is None:
                 continue
             losses, counts = (t.tolist() for t in per_row)
@@ -296,6 +310,12 @@ def name_rows(event: Event, model: torch.nn.Module, micro_batches: list[MicroBat
             and suspects[0]["dataset_index"] is not None:  # one row pulled most of an exploded step
         evidence["dataset_indices"] = [suspects[0]["dataset_index"]]
         evidence["fix"] = "drop-rows"
+    tokenizer = tracker.tokenizer if tracker is not None else None
+    if tokenizer is not None:
+        for row in suspects[:MOST_ROWS]:
+            text = row_excerpt(tokenizer, by_index[row["micro_batch"]], row["row"])
+            if text is not None:
+                row["excerpt"] = text
     event.evidence["rows"] = evidence
     if bad:
         event.message += f"; {len(bad)} of {len(rows)} rows have a non-finite loss: " + ", ".join(
@@ -306,10 +326,32 @@ def name_rows(event: Event, model: torch.nn.Module, micro_batches: list[MicroBat
                           f"{len(rows)} rows (loss {top['loss']:.4g})")
 
 
+def row_excerpt(tokenizer: Any, mb: MicroBatch, row: int) -> str | None:
+    """The row's first tokens decoded (its padding left out), cut to EXCERPT_CHARS and redacted; None where
+    it cannot be decoded (no input_ids, a processor without decode)."""
+    ids = mb.kwargs.get("input_ids")
+    decode = getattr(tokenizer, "decode", None) or getattr(getattr(tokenizer, "tokenizer", None), "decode", None)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or row >= ids.shape[0] or decode is None:
+        return None
+    tokens = ids[row]
+    mask = mb.kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
+        tokens = tokens[mask[row].bool()]
+    try:
+        text = str(decode(tokens[:EXCERPT_TOKENS].tolist(), skip_special_tokens=False))
+    except Exception:  # a tokenizer that cannot decode these ids: the row stays named without its text
+        return None
+    text = " ".join(text.split())
+    return redact(text if len(text) <= EXCERPT_CHARS else text[:EXCERPT_CHARS - 3] + "...")
+
+
 def _row_text(row: dict[str, Any]) -> str:
-    if row.get("dataset_index") is not None:
-        return f"dataset index {row['dataset_index']}"
-    return f"micro-batch {row['micro_batch']} row {row['row']}"
+    where = f"dataset index {row['dataset_index']}" if row.get("dataset_index") is not None else \
+        f"micro-batch {row['micro_batch']} row {row['row']}"
+    excerpt = row.get("excerpt")
+    if excerpt:
+        where += f' ("{excerpt[:60]}{"..." if len(excerpt) > 60 and not excerpt.endswith("...") else ""}")'
+    return where
 
 
 def _plain(index: Any) -> Any:

@@ -196,11 +196,17 @@ class NanWatch(WatchLifecycle, Displayable):
             for event in detector.on_log(step, dict(logs)):
                 self._emit(event)
 
-    def track_rows(self, loader: Any) -> bool:
+    def track_rows(self, loader: Any, tokenizer: Any = None) -> bool:
         """Record the dataset indices ``loader`` (a DataLoader over a map-style dataset) yields, so a bad
         step's event names its rows by dataset index (a Trainer's train dataloader is followed by
         itself). False where the loader has no sampler to follow; the rows are then named by
-        micro-batch and position."""
+        micro-batch and position. ``tokenizer``: a named row's event then carries a short decoded
+        excerpt of it (redacted), as a Trainer's processing class gives."""
+        if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+            raise TypeError(f"tokenizer must have a decode method (a transformers tokenizer), got "
+                            f"{type(tokenizer).__name__}")
+        if tokenizer is not None:
+            self._rows.tokenizer = tokenizer
         if not self._rows.follow(loader):
             return False
         if self._rows not in self._board.detectors:
