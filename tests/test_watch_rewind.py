@@ -300,3 +300,28 @@ def test_a_run_that_learned_then_died_is_rewound_and_learns_again():
     assert sched.base_lrs[0] == pytest.approx(LR / 2)
     assert losses[-1] < losses[rewind.step + 1] < dead[-1]  # learning again, from the restored state
     assert losses[-1] < min(losses[:4])  # below anything before the bad update
+
+
+def _has_colour(png: bytes, hex_colour: str) -> bool:
+    """Whether the PNG has pixels of that colour (matplotlib's own reader; within 12 of 765 in RGB, so
+    antialiased edges and the heatmap's own greens, 45 away at the closest, do not count)."""
+    import io
+
+    from matplotlib.image import imread
+
+    pixels = (imread(io.BytesIO(png), format="png")[..., :3] * 255).round().astype(int)
+    target = [int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)]
+    return bool((abs(pixels - target).sum(axis=-1) <= 12).sum() >= 20)
+
+
+def test_rewinds_show_on_the_loss_and_heatmap_timelines():
+    from nbguard.document.palette import REWIND_COLOR
+    from nbguard.render import heatmap_png, series_png
+
+    watch, *_ = _poisoned_weights_loop("rewind")
+    history = watch.history.to_dict()
+    assert [r["step"] for r in history["rewinds"]] == [13]
+    without = {k: v for k, v in history.items() if k != "rewinds"}
+    for draw in (series_png, heatmap_png):
+        assert _has_colour(draw(history), REWIND_COLOR), draw.__name__
+        assert not _has_colour(draw(without), REWIND_COLOR), draw.__name__  # the colour is the rewind's alone

@@ -16,6 +16,7 @@ MISSING_COLOR = "#D9D9D9"
 SKIP_COLOR = "#7F7F7F"
 LINE_COLOR = "#0072B2"  # series lines
 GOOD_COLOR = "#1A7F37"  # a finding gone after a fix, a verified fix
+REWIND_COLOR = "#009E73"  # Okabe-Ito bluish green: a rewind, and the steps it undid
 SEVERITY_COLORS = {"error": "#D55E00", "warning": "#E69F00", "info": "#0072B2"}
 # viridis from 0.12 to 1.0 in nine stops: its near-black end is dropped so Inf (black) stands apart.
 SCALE = ("#472a7a", "#3e4c8a", "#306a8e", "#25848e", "#1f9f88", "#37b878", "#6ece58", "#b5de2b", "#fde725")

@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 
 from ..document.grid import decode_grid
-from ..document.palette import INF_COLOR, MISSING_COLOR, NAN_COLOR, OVER_COLOR, SCALE, SKIP_COLOR
+from ..document.palette import INF_COLOR, MISSING_COLOR, NAN_COLOR, OVER_COLOR, REWIND_COLOR, SCALE, SKIP_COLOR
 from ..document.view import plural
 from .grid import Bins, aggregate, column_bins, column_flags, row_bins
+from .series import rewind_spans
 
 DEFAULT_MAX_ROWS = 48
 DEFAULT_MAX_COLS = 400
@@ -136,6 +137,7 @@ def _render(section: dict, *, key: str, limit: float | None, max_rows: int, max_
     cols = column_bins(steps, max_cols)
     agg = aggregate(values, missing, rows, cols)
     skipped = column_flags(steps, section.get("skipped_steps") or [], cols)
+    rewound = column_flags(steps, [at for _, at in rewind_spans(section)], cols)
 
     cmap = LinearSegmentedColormap.from_list("nbguard", list(SCALE), N=256)  # the canvas interpolates the same stops
     norm = _log_norm(agg.values, limit, LogNorm)
@@ -175,6 +177,8 @@ def _render(section: dict, *, key: str, limit: float | None, max_rows: int, max_
     ax.tick_params(labelsize=7, length=2)
     for start, end in _runs(skipped):  # hatch skipped columns over the map as well
         ax.axvspan(start - 0.5, end - 0.5, facecolor="none", edgecolor=SKIP_COLOR, hatch="////", linewidth=0)
+    for column in np.flatnonzero(rewound):  # a rewind: the state before it was put back here
+        ax.axvline(float(column), color=REWIND_COLOR, linewidth=1.4, linestyle="--")
 
     # the track: one row for non-finite columns (x = NaN, ^ = Inf, o = over limit), one for skips
     col_nan = agg.nan.any(axis=0) if agg.nan.size else np.zeros(n_cols, bool)
@@ -213,6 +217,8 @@ def _render(section: dict, *, key: str, limit: float | None, max_rows: int, max_
     if limit is not None:
         handles.insert(2, Line2D([], [], marker="s", linestyle="none", markersize=7, color=OVER_COLOR,
                                  label=f"> limit {limit:g} (●)"))
+    if rewound.any():
+        handles.append(Line2D([], [], color=REWIND_COLOR, linestyle="--", linewidth=1.4, label="rewind"))
     fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=7, frameon=False,
                bbox_to_anchor=(right, 1 - 0.05 / height_in), handlelength=1.2, columnspacing=1.0)
     ax.set_xlabel("optimizer step", fontsize=8)

@@ -1,7 +1,8 @@
 """A PNG of a watch's per-step series: loss, total gradient norm and loss scale.
 
 Non-finite values cannot be plotted as points, so their steps get a vertical vermillion line
-(the same colour as NaN cells in the heatmap), and skipped steps a grey tick along the bottom.
+(the same colour as NaN cells in the heatmap), and skipped steps a grey tick along the bottom. A
+rewind is a dashed bluish-green line at its step over a shaded span back to the state it restored.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import io
 
 import numpy as np
 
-from ..document.palette import LINE_COLOR, NAN_COLOR, SKIP_COLOR
+from ..document.palette import LINE_COLOR, NAN_COLOR, REWIND_COLOR, SKIP_COLOR
 
 SERIES = (("loss", "loss", False), ("total_grad_norm", "total grad norm", True), ("loss_scale", "loss scale", True))
 
@@ -35,6 +36,17 @@ def nonfinite_caption(label: str, n_bad: int, n_finite: int) -> str:
     if not n_finite:
         return f"every {label} recorded is non-finite (NaN/Inf): nothing to plot"
     return f"non-finite at {n_bad} step{'s' if n_bad != 1 else ''} (vermillion lines)"
+
+
+def rewind_spans(history: dict) -> list[tuple[float, float]]:
+    """(the step whose state was restored, the step of the rewind) for each rewind the history records."""
+    spans = []
+    for entry in history.get("rewinds") or []:
+        try:
+            spans.append((float(entry["restored_after_step"]), float(entry["step"])))
+        except (KeyError, TypeError, ValueError):  # an entry this version cannot place: left out, not guessed
+            continue
+    return spans
 
 
 def series_png(history: dict, *, dpi: int = 100) -> bytes | None:
@@ -80,10 +92,17 @@ def series_png(history: dict, *, dpi: int = 100) -> bytes | None:
         elif caption:
             ax.text(0.005, 0.92, caption, transform=ax.transAxes, fontsize=7, color=NAN_COLOR, va="top")
     marks = [s for s in steps if int(s) in skipped]
+    bottom = axes[-1]
     if marks:
-        bottom = axes[-1]
         bottom.plot(marks, [0.02] * len(marks), linestyle="none", marker="|", markersize=9, color=SKIP_COLOR,
                     transform=bottom.get_xaxis_transform(), label="skipped step")
+    rewinds = rewind_spans(history)
+    for i, (restored, at) in enumerate(rewinds):  # the steps a rewind threw away, and the rewind itself
+        for ax in axes:
+            ax.axvspan(restored, at, color=REWIND_COLOR, alpha=0.12, linewidth=0)
+            ax.axvline(at, color=REWIND_COLOR, linewidth=2.0, linestyle="--",
+                       label="rewind (shaded: the steps undone)" if ax is bottom and i == 0 else None)
+    if marks or rewinds:
         bottom.legend(loc="upper right", fontsize=7, frameon=False)
     axes[-1].set_xlabel("optimizer step", fontsize=8)
     fig.subplots_adjust(left=0.08, right=0.98, top=0.97, bottom=0.5 / fig.get_figheight() + 0.04, hspace=0.15)
