@@ -226,3 +226,33 @@ def test_the_same_ramp_with_a_falling_loss_is_quiet():
     """A run that memorises can raise its gradient norm as much while its loss falls: no event."""
     falling = [(norm, 5.0 - 0.1 * i) for i, (norm, _) in enumerate(COLAB_RAMP)]
     assert _judge(falling) == []
+
+
+def test_data_that_got_harder_is_reported_not_rewound():
+    """A model that learned one row meets random rows, in dataset order: its gradient norm jumps 3.6 decades
+    as an LR blow-up's does, yet nothing is damaged. Rewind asks the batch: the snapshot's weights do no
+    better on it, so the update is dropped and no good step is thrown away."""
+    from torch.utils.data import DataLoader
+
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    easy = tiny_batch(1, 16, seed=0)
+    for _ in range(30):  # learned before the watch: its loss starts near 0
+        opt.zero_grad()
+        model(**easy).loss.backward()
+        opt.step()
+    rows = [{k: v[0].clone() for k, v in easy.items()} for _ in range(40)]
+    rows += [{k: v[0] for k, v in tiny_batch(1, 16, seed=100 + i).items()} for i in range(40)]
+    loader = DataLoader(rows, batch_size=4, shuffle=False)
+    watch = nbguard.watch(model, optimizer=opt, verify=False, policy="rewind")
+    watch.track_rows(loader)
+    for batch in loader:
+        opt.zero_grad()
+        model(**batch).loss.backward()
+        opt.step()
+    first = next(e for e in watch.events if e.kind == "divergence")
+    assert first.step == 10  # the first hard rows
+    check = first.evidence["damage_check"]
+    assert check["damaged"] is False and check["snapshot_loss"] > 0.5 * check["current_loss"] > 1
+    assert first.evidence["rewind"]["restored"] is False and "does no better" in first.evidence["rewind"]["reason"]
+    assert not [e for e in watch.events if e.kind == "rewind"]

@@ -2,7 +2,7 @@
 
 A tiny Llama memorises one row repeated through a DataLoader (its gradient norm falls three decades);
 one row in the dataset has random labels. Its step explodes: the event names that row by dataset index
-with nearly all of the gradient, and, since the other rows of the step still have the run's loss, the
+with nearly all of the gradient, and, since the last snapshot's weights do no better on that batch, the
 weights are as good as before: under rewind the update is dropped and nothing is thrown away.
 """
 from __future__ import annotations
@@ -60,8 +60,8 @@ def test_the_row_that_pulled_the_exploded_step_is_named_with_its_share_and_nothi
     assert top["excerpt"] == excerpt and excerpt.startswith("w")
     assert f'dataset index {POISONED} ("{excerpt[:60]}' in event.message and " pulled " in event.message
     assert rows["rows_checked"] == BATCH and bad_row_indices(event) == [POISONED] and rows["fix"] == "drop-rows"
-    # the other rows kept the run's loss: the batch exploded, not the weights; dropped, not rewound
-    assert rows["median_row_loss"] < 1.5 * event.evidence["recent_loss_median"]
+    # the snapshot's weights do no better on this batch: the batch exploded, not the weights; dropped, not rewound
+    assert event.evidence["damage_check"]["damaged"] is False
     assert event.evidence["rewind"]["restored"] is False and "the batch exploded" in event.evidence["rewind"]["reason"]
     assert watch.history.skipped_steps == [step]
     assert losses[step + 1] < 2 * losses[step - 1]  # the next step trains on from the memorised state

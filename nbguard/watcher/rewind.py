@@ -38,6 +38,7 @@ import torch
 from ..findings import Event, register_event_kind
 from ..step.capture import capture_rng, restore_rng
 from .guard import guarded_call
+from .rows import batch_loss
 
 register_event_kind("rewind", "policy rewind restored the last good snapshot (or could not, and said why)",
                     ("restored_after_step", "batches_skipped", "lr_before", "lr_after", "rewinds"))
@@ -347,13 +348,6 @@ class Rewinder:
             # the rows, never the rewind)
             guarded_call(lambda exc: event.evidence.update(rows_error=f"{type(exc).__name__}: {exc}"),
                          watch._name_rows, event)
-        if not step_ended and _batch_not_state(event):
-            rows = event.evidence["rows"]
-            event.evidence["rewind"] = {
-                "restored": False, "reason": f"the step's rows mostly kept the run's loss (median {rows['median_row_loss']:.4g}"
-                f", recent {event.evidence['recent_loss_median']:.4g}): the batch exploded, not the weights; its "
-                "update was dropped, nothing to undo"}
-            return
         nonfinite = event.kind in ("nonfinite-loss", "nonfinite-grad")
         if nonfinite and event.cause == "not-reproducible":
             event.evidence["rewind"] = {"restored": False, "reason": "the replay did not reproduce it: a blip, "
@@ -386,6 +380,18 @@ class Rewinder:
             watch._stop(stop, step_ended=step_ended)
             return
         snapshot = self.agreed(watch, self.choose(began, watch.history))
+        if snapshot is not None and event.kind == "divergence" and not step_ended and watch._ranks is None:
+            judged = guarded_call(lambda exc: event.evidence.update(damage_check_error=f"{type(exc).__name__}: {exc}"),
+                                  self.judge_damage, watch, snapshot)
+            if judged is not None:
+                event.evidence["damage_check"] = judged
+                if not judged["damaged"]:
+                    event.evidence["rewind"] = {
+                        "restored": False, "reason": f"the state after step {snapshot.after_step} does no better on "
+                        f"this step's batch (loss {judged['snapshot_loss']:.4g}, the current weights "
+                        f"{judged['current_loss']:.4g}): the batch exploded, not the weights; its update was dropped, "
+                        "nothing to undo"}
+                    return
         if snapshot is None:
             event.evidence["rewind"] = {"restored": False, "reason": "no finite snapshot from before the trouble "
                                         "yet: the update was skipped"}
@@ -416,6 +422,30 @@ class Rewinder:
                              "lr_factor": factor, "trigger": event.kind})
         watch.history.record_rewind(self.history[-1])
         watch._emit(Event("rewind", step, message, evidence=evidence))
+
+    def judge_damage(self, watch: Any, snapshot: Snapshot) -> dict[str, Any] | None:
+        """Whether the weights are damaged, asked of the batch at hand: its loss on the current weights and on
+        the snapshot's (swapped in and out one tensor at a time; the optimizer state is not touched). A batch
+        the old state handles no better is the batch's trouble (new, harder or poisoned rows), not damage.
+        None where the step's batches cannot be replayed."""
+        micro_batches = list(watch._micro_batches)
+        if not micro_batches:
+            return None
+        snapshot.wait()
+        pairs = [(live, snapshot.buffers[("param", i)]) for i, live in enumerate(_trainable(watch.model, watch.optimizer))
+                 if ("param", i) in snapshot.buffers and snapshot.buffers[("param", i)].shape == live.shape]
+        with watch.paused():
+            current = batch_loss(watch.model, micro_batches)
+            _swap(pairs)
+            try:
+                old = batch_loss(watch.model, micro_batches)
+            finally:
+                _swap(pairs)  # the current weights back, and the snapshot's back in its buffers
+        if current is None or old is None or not math.isfinite(old):
+            return None
+        damaged = not math.isfinite(current) or current > SUSPECT_LOSS_FACTOR * old
+        return {"current_loss": current, "snapshot_loss": old, "snapshot_after_step": snapshot.after_step,
+                "damaged": damaged}
 
     def restore(self, watch: Any, snapshot: Snapshot) -> Restored:
         """Put the snapshot back in place: ``copy_`` into the live tensors, so references stay valid."""
@@ -503,13 +533,13 @@ def _loss_rose_after(losses: dict[int, float | None], after_step: int, window: i
     return not math.isfinite(following) or following > SUSPECT_LOSS_FACTOR * before[len(before) // 2]
 
 
-def _batch_not_state(event: Event) -> bool:
-    """A divergence whose step's rows, replayed, mostly keep the run's recent loss: a few rows pulled the
-    gradient (their shares say which), the weights are as good as before, and dropping the update undid it."""
-    rows = event.evidence.get("rows") or {}
-    median, recent = rows.get("median_row_loss"), event.evidence.get("recent_loss_median")
-    return event.kind == "divergence" and median is not None and recent is not None and recent > 0 \
-        and median <= SUSPECT_LOSS_FACTOR * recent
+def _swap(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Exchange each live tensor's values with its buffer's, one tensor-sized temporary at a time."""
+    with torch.no_grad():
+        for live, buffer in pairs:
+            held = live.detach().clone()
+            live.copy_(buffer)
+            buffer.copy_(held)
 
 
 def _loss_level(losses: dict[int, float | None], after_step: int) -> float | None:

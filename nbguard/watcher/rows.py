@@ -265,6 +265,14 @@ def row_losses(model: torch.nn.Module, micro_batches: list[MicroBatch]) -> list[
     return found
 
 
+def batch_loss(model: torch.nn.Module, micro_batches: list[MicroBatch]) -> float | None:
+    """The micro-batches' loss over every supervised token (each row weighed by its tokens), replayed;
+    None where no row has per-token labels; NaN/inf where a row's loss is."""
+    rows = [r for r in row_losses(model, micro_batches) if r["tokens"] > 0]
+    tokens = sum(r["tokens"] for r in rows)
+    return sum(r["loss"] * r["tokens"] for r in rows) / tokens if tokens else None
+
+
 def name_rows(event: Event, model: torch.nn.Module, micro_batches: list[MicroBatch],
               tracker: RowTracker | None) -> None:
     """Put the rows that broke ``event``'s step into its evidence and message."""
@@ -295,9 +303,6 @@ def name_rows(event: Event, model: torch.nn.Module, micro_batches: list[MicroBat
     evidence: dict[str, Any] = {"nonfinite": bool(bad), "rows": suspects[:MOST_ROWS], "rows_checked": len(rows)}
     if shares_unknown is not None:
         evidence["grad_shares_unknown"] = shares_unknown
-    finite = sorted(r["loss"] for r in rows if math.isfinite(r["loss"]))
-    if finite:  # the weights' state as the other rows see it (a bad batch leaves it; damaged weights raise it)
-        evidence["median_row_loss"] = finite[len(finite) // 2]
     if tracker is not None and tracker.misaligned:
         evidence["dataset_indices_unknown"] = ("the training micro-batches do not match the rows the sampler drew "
                                                "(a collator that packs or drops rows, batches from elsewhere): rows "
