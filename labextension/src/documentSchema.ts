@@ -1434,6 +1434,7 @@ export const DOCUMENT_SCHEMA: unknown = {
         "kind": {
           "enum": [
             "heatmap",
+            "updates",
             "series",
             "activations"
           ]

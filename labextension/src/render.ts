@@ -57,6 +57,7 @@ const VERDICT_CLASS: Record<Verdict['status'], string> = {
 };
 const CHART_CLASS: Record<Chart['kind'], string> = {
   heatmap: 'nbg-chart-heatmap',
+  updates: 'nbg-chart-updates',
   series: 'nbg-chart-series',
   activations: 'nbg-chart-activations'
 };
@@ -342,7 +343,9 @@ export function renderTable(table: Table): HTMLElement {
   return wrap;
 }
 
-const VALUE_NAMES: Record<string, string> = { heatmap: 'grad norm', activations: 'abs-max' };
+const VALUE_NAMES: Record<string, string> = { heatmap: 'grad norm', updates: 'update/weight', activations: 'abs-max' };
+/** The grid each heatmap kind draws from its section. */
+const VALUE_KEYS: Record<string, string> = { heatmap: 'grad_norm', updates: 'update_norm', activations: 'absmax' };
 
 /** A chart drawn from the document part its `source` names; its `empty` text when there is nothing to draw. */
 export function renderChart(chart: Chart, doc: NbguardDocument, palette: Palette): HTMLElement {
@@ -368,7 +371,7 @@ export function renderChart(chart: Chart, doc: NbguardDocument, palette: Palette
 }
 
 function heatmap(chart: Chart, data: unknown, palette: Palette): HTMLElement | null {
-  const values = chart.kind === 'activations' ? 'absmax' : 'grad_norm';
+  const values = classFor(VALUE_KEYS, chart.kind) || 'grad_norm';
   if (!isObject(data) || !Array.isArray(data.groups) || !Array.isArray(data.steps) || !Array.isArray(data[values])) {
     return null;
   }

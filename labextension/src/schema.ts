@@ -506,7 +506,7 @@ export interface Card {
 
 /** A picture drawn from the document. */
 export interface Chart {
-  kind: "heatmap" | "series" | "activations";
+  kind: "heatmap" | "updates" | "series" | "activations";
   alt: string;
   /** Path of the drawn section in the document, e.g. ["watches", 0, "history"]. */
   source: (string | number)[];

@@ -28,6 +28,7 @@ KEY_PACKAGES = ("torch", "transformers", "peft", "accelerate", "trl", "bitsandby
 MAX_PROBE_ROWS = 40
 MAX_EVENTS = 100
 SERIES_ALT = "loss, total grad norm and loss scale per step"
+UPDATES_ALT = "update-norm heatmap (‖Δw‖ / ‖w‖ per step)"
 MISSING = "—"
 
 
@@ -165,7 +166,7 @@ class Chart:
     """A picture drawn from the document: ``source`` is the path of its section in the document
     (e.g. ["watches", 0, "history"]); ``empty`` says why there is nothing to draw."""
 
-    kind: str  # "heatmap", "series" or "activations"
+    kind: str  # "heatmap", "updates", "series" or "activations"
     alt: str
     source: list[Any]
     empty: str = ""
@@ -816,6 +817,8 @@ def _watch(doc: dict, path: list[Any]) -> list[Section]:
         if overview.get("n_steps") and overview.get("n_groups"):
             charts.append(Chart("heatmap", "gradient-norm heatmap", [*at, "history"],
                                 empty=_all_nonfinite(overview, "gradient norm")))
+        if overview.get("n_steps") and overview.get("n_groups") and _has_update_norms(history, overview):
+            charts.append(Chart("updates", UPDATES_ALT, [*at, "history"]))
         if overview.get("n_steps") and (overview.get("has_loss") or _has_series(history)):
             charts.append(Chart("series", SERIES_ALT, [*at, "history"]))
         if isinstance(acts, dict) and acts.get("steps") and acts.get("groups"):
@@ -834,6 +837,19 @@ def _watch(doc: dict, path: list[Any]) -> list[Section]:
 def _has_series(history: Any) -> bool:
     return isinstance(history, dict) and any(
         any(v is not None for v in history.get(key) or []) for key in ("total_grad_norm", "loss_scale"))
+
+
+def _has_update_norms(history: dict, overview: dict) -> bool:
+    """Whether the watch recorded an update norm to draw: none where it could not read them (the
+    overview's fact says why) or in a document from before update norms."""
+    if not isinstance(history, dict) or history.get("update_norm_unavailable") or "update_norm" not in history:
+        return False
+    import numpy as np
+
+    from .grid import decode_grid
+
+    values, missing = decode_grid(history.get("update_norm"), overview["n_groups"], overview["n_steps"])
+    return bool((np.isfinite(values) & ~missing).any())
 
 
 def _all_nonfinite(overview: dict, what: str) -> str:

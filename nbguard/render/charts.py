@@ -4,10 +4,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .heatmap import activations_png, heatmap_png
+from .heatmap import activations_png, heatmap_png, update_norms_png
 from .series import series_png
 
-DRAW: dict[str, Callable[[dict], bytes | None]] = {"heatmap": heatmap_png, "series": series_png, "activations": activations_png}
+DRAW: dict[str, Callable[[dict], bytes | None]] = {
+    "heatmap": heatmap_png, "updates": update_norms_png, "series": series_png, "activations": activations_png}
 
 
 def chart_png(kind: str, section: Any) -> bytes | None:
