@@ -94,3 +94,42 @@ def prompt_end_not_trained(ctx):
         "prompt-end-not-trained",
         f"{len(cut)} of {checked} checked rows train without the end of their prompt ({dropped[0]!r})",
         cause, evidence)
+
+
+def _excerpt(text: str, limit: int = 40) -> str:
+    from ...document.redact import redact
+
+    short = text if len(text) <= limit else text[:limit] + "…"
+    return str(redact(short))
+
+
+@rule("prompt-encodes-empty", "error")
+def prompt_encodes_empty(ctx):
+    """Rows whose non-empty prompt or text the tokenizer encodes to no tokens at all (e.g. a word-level tokenizer.json reloaded as another model's tokenizer class): nothing of the row reaches the model, and SFT logs loss 0 and grad norm 0 every step."""
+    dataset = getattr(ctx.trainer, "train_dataset", None)
+    columns = [c for c in ("prompt", "text") if c in set(getattr(dataset, "column_names", None) or [])]
+    if ctx.tokenizer is None or not columns:
+        return None
+    checked, empty = 0, []
+    for index in range(min(len(dataset), SAMPLED_ROWS)):
+        row = dataset[index]
+        text = next((row[c] for c in columns if isinstance(row.get(c), str) and row[c].strip()), None)
+        if text is None:
+            continue  # conversational or empty: rendered by the chat template, not compared here
+        checked += 1
+        ids = ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) == 0:
+            empty.append((index, text))
+    if not empty:
+        return None
+    return finding(
+        "prompt-encodes-empty",
+        f"the tokenizer encodes {len(empty)} of {checked} checked non-empty prompts to no tokens",
+        f"{type(ctx.tokenizer).__name__} turns text such as {_excerpt(empty[0][1])!r} into an empty list of ids: "
+        "the training rows hold only special tokens, so there is nothing to learn from (SFT logs loss 0 and grad "
+        "norm 0 every step). Its vocabulary or pre-tokenizer does not match its class: a tokenizer.json saved "
+        "beside another model's config reloads as that model's tokenizer class. Load the tokenizer the data was "
+        "meant for (PreTrainedTokenizerFast(tokenizer_file=...) for a hand-built one) and check that "
+        "tokenizer(prompt)['input_ids'] is not empty before building the trainer.",
+        {"rows_checked": checked, "rows_empty": capped([i for i, _ in empty]),
+         "excerpts": capped([_excerpt(t) for _, t in empty], 3), "tokenizer_class": type(ctx.tokenizer).__name__})
