@@ -67,3 +67,38 @@ def test_same_vocabulary_loaded_as_itself_stays_quiet():
     assert tok("the capital of france is")["input_ids"] == [3, 4, 5, 6, 7]
     report = nbguard.audit(trainer=sft(tok))
     assert by_id(report, "prompt-encodes-empty") == []
+
+
+def merging_bpe():
+    """A byte-level BPE trained here without the pre-tokenizer's regex: "Question: 2+2=4" is one token, so the prompt
+    "Question: 2+2=" and its completion "4" merge across the boundary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(["Question: 2+2=4", "Question: 3+3=6", "Question: 1+1=2"] * 50,
+                                trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"],
+                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+@pytest.mark.parametrize("completion, cut", [("4", True), (" 4", False)])
+def test_prompt_and_completion_joined_without_a_space_are_named_from_trls_rows(completion, cut):
+    """Item 7 (a): TRL warns "The tokenized prompt is not a prefix of the tokenized prompt+completion" once per
+    process; prompt-end-not-trained predicts it from the trainer's prepared rows, naming the rows. The completion
+    with its separating space is the quiet twin."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from nbguard.testing import tiny_llama
+
+    tok = merging_bpe()
+    assert tok.tokenize("Question: 2+2=4")[:1] != tok.tokenize("Question: 2+2=")[:1]  # the merge is real
+    rows = [{"prompt": "Question: 2+2=", "completion": completion}, {"prompt": "Question: 3+3=", "completion": "6"},
+            {"prompt": "Question: 1+1=", "completion": " 2"}]
+    trainer = SFTTrainer(model=tiny_llama(), processing_class=tok, train_dataset=Dataset.from_list(rows),
+                         args=SFTConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to=[]))
+    found = by_id(nbguard.audit(trainer=trainer), "prompt-end-not-trained")
+    assert found[0].evidence["rows_cut"]["first"] == ([0, 1] if cut else [1])
