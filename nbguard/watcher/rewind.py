@@ -38,7 +38,7 @@ import torch
 from ..findings import Event, register_event_kind
 from ..step.capture import capture_rng, restore_rng
 from .guard import guarded_call
-from .rows import batch_loss
+from .row_replay import batch_loss
 
 register_event_kind("rewind", "policy rewind restored the last good snapshot (or could not, and said why)",
                     ("restored_after_step", "batches_skipped", "lr_before", "lr_after", "rewinds"))

@@ -15,7 +15,7 @@ import torch
 
 from ..step.capture import MicroBatch
 from ..step.eager import unwrap_compiled
-from .rows import replayed, token_losses
+from .row_replay import replayed, token_losses
 
 MOST_ROWS = 64  # rows replayed with a backward each; a step with more is not split
 

@@ -10,7 +10,7 @@ misalign them. Where the loader is not known, rows are named by micro-batch and 
 are where a named row's tokens are not ``dataset[index]``'s (a collator that packs or drops rows):
 an index is never given for a row it may not be.
 
-On a bad step (:func:`row_losses`) the step's micro-batches are run once more, without gradients,
+On a bad step (:func:`.row_replay.row_losses`) the step's micro-batches are run once more, without gradients,
 with the RNG and autocast they were captured with: each row's loss is the token loss with
 ``reduction="none"`` averaged over its supervised tokens. Rows whose loss is not finite are the ones
 that broke it; where every row is finite, the highest losses are listed as suspects.
@@ -21,24 +21,19 @@ import json
 import math
 from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..document.redact import redact
 from ..findings import Event
-from ..step.capture import MicroBatch, capture_rng, restore_rng
-from ..step.eager import eager_everywhere, unwrap_compiled
-from ..step.precision import autocast_as
+from ..step.capture import MicroBatch
 from .integrations.instance_wrap import InstanceWrap
 from .pipeline import Detector
+from .row_grads import row_grad_shares
+from .row_replay import row_losses
 
-IGNORE = -100
-# what makes a forward compute its own loss: left out of a replay that wants the logits
-LOSS_KWARGS = ("labels", "shift_labels", "num_items_in_batch", "fused_lm_head")
 MOST_ROWS = 8  # rows listed in an event
 EXCERPT_TOKENS, EXCERPT_CHARS = 48, 120  # a named row's decoded excerpt: what a glance needs, no more
 DOMINANT_SHARE = 0.5  # a row pulling this share of an exploded step's gradient norm is named for drop-rows
@@ -182,97 +177,6 @@ class RowTracker(Detector):
         return bool(torch.equal(got[:n], expected)) or bool(torch.equal(got[got.numel() - n:], expected))
 
 
-def token_losses(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) \
-        -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(each token's loss, whether it is supervised), shaped like the labels (a causal LM's shifted as it
-    shifts them inside the model, unless ``shifted``: ``shift_labels`` are already); None for outputs that
-    are not per-token or per-row logits."""
-    if logits.dim() == 3 and labels.dim() == 2 and labels.shape == logits.shape[:2]:
-        if not shifted:  # a causal LM's labels are shifted inside the model
-            logits, labels = logits[:, :-1], labels[:, 1:]
-    elif not (logits.dim() == 2 and labels.dim() == 1 and labels.shape[0] == logits.shape[0]):
-        return None
-    token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).long(),
-                            reduction="none", ignore_index=IGNORE).reshape(labels.shape)
-    return token, labels != IGNORE
-
-
-def _per_row(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) \
-        -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(loss, supervised tokens) per row: the token loss averaged over the row's supervised tokens."""
-    found = token_losses(logits, labels, shifted)
-    if found is None:
-        return None
-    token, supervised = found
-    if token.dim() == 1:
-        return token, supervised.long()
-    counts = supervised.sum(dim=1)
-    # a NaN/inf on a supervised token stays in the sum (masking with where keeps ignored tokens out)
-    total = torch.where(supervised, token, torch.zeros_like(token)).sum(dim=1)
-    return total / counts.clamp_min(1), counts
-
-
-@contextmanager
-def replayed(model: torch.nn.Module, micro_batches: list[MicroBatch], grad: bool = False) \
-        -> Iterator[Iterator[tuple[MicroBatch, torch.Tensor, torch.Tensor, bool]]]:
-    """The step's micro-batches run once more, eagerly, in train mode, each with the RNG and autocast it was
-    captured with: (micro-batch, logits, labels, whether the labels are already shifted) for each one with
-    labels and logits. Without its labels the model returns logits (TRL's fused LM head, which computes the
-    loss from the hidden states, is asked not to fuse). The RNG and the modules' train flags are put back
-    on exit."""
-    eager, _ = unwrap_compiled(model)
-    rng = capture_rng()
-    modes = [(m, m.training) for m in eager.modules()]
-
-    def outputs() -> Iterator[tuple[MicroBatch, torch.Tensor, torch.Tensor, bool]]:
-        for mb in micro_batches:
-            labels, shifted = mb.labels(), False
-            if labels is None and isinstance(mb.kwargs.get("shift_labels"), torch.Tensor):
-                labels, shifted = mb.kwargs["shift_labels"], True
-            if labels is None:
-                continue
-            kwargs = {k: v for k, v in mb.kwargs.items() if k not in LOSS_KWARGS}
-            restore_rng(mb.rng)
-            with autocast_as(mb.autocast):
-                output = eager(*mb.args, **kwargs)
-            logits = getattr(output, "logits", None)
-            if logits is None and isinstance(output, (tuple, list)) and output:
-                logits = output[0]
-            if isinstance(logits, torch.Tensor):
-                yield mb, logits, labels.to(logits.device), shifted
-
-    try:
-        with eager_everywhere(), torch.set_grad_enabled(grad):
-            eager.train()
-            yield outputs()
-    finally:
-        for module, training in modes:
-            module.training = training
-        restore_rng(rng)
-
-
-def row_losses(model: torch.nn.Module, micro_batches: list[MicroBatch]) -> list[dict[str, Any]]:
-    """Each row's loss on these micro-batches, replayed eagerly without gradients."""
-    found: list[dict[str, Any]] = []
-    with replayed(model, micro_batches) as outputs:
-        for mb, logits, labels, shifted in outputs:
-            per_row = _per_row(logits, labels, shifted)
-            if per_row is None:
-                continue
-            losses, counts = (t.tolist() for t in per_row)
-            found += [{"micro_batch": mb.index, "row": r, "loss": float(v), "tokens": int(n)}
-                      for r, (v, n) in enumerate(zip(losses, counts))]
-    return found
-
-
-def batch_loss(model: torch.nn.Module, micro_batches: list[MicroBatch]) -> float | None:
-    """The micro-batches' loss over every supervised token (each row weighed by its tokens), replayed;
-    None where no row has per-token labels; NaN/inf where a row's loss is."""
-    rows = [r for r in row_losses(model, micro_batches) if r["tokens"] > 0]
-    tokens = sum(r["tokens"] for r in rows)
-    return sum(r["loss"] * r["tokens"] for r in rows) / tokens if tokens else None
-
-
 def name_rows(event: Event, model: torch.nn.Module, micro_batches: list[MicroBatch],
               tracker: RowTracker | None) -> None:
     """Put the rows that broke ``event``'s step into its evidence and message."""
@@ -286,8 +190,6 @@ def name_rows(event: Event, model: torch.nn.Module, micro_batches: list[MicroBat
     bad = [r for r in rows if not math.isfinite(r["loss"])]
     shares_unknown = None
     if not bad:  # every row finite (an explosion): the rows that pulled the update most are the suspects
-        from .row_grads import row_grad_shares
-
         shares, shares_unknown = row_grad_shares(model, micro_batches)
         for row in rows:
             row["grad_share"] = shares.get((row["micro_batch"], row["row"]))
