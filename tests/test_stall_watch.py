@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from typing import IO, cast
 
 import pytest
 import torch
@@ -258,3 +259,120 @@ def test_a_failure_inside_the_heartbeat_is_one_watch_error_and_training_goes_on(
         assert watch.step == 4 and kinds(watch) == ["watch-error"]
     finally:
         watch.detach()
+
+
+SAVE_LOOKS = 5  # heartbeat looks that found the training thread inside the save, before the test lets it end
+SAVE_BOUNDS = 4  # ... and the save has lasted this many stall bounds (a silence that long would be a stall)
+
+
+def slow_save_pretrained(model, watch, released: list[bool]):
+    """Patch the model instance's ``save_pretrained`` (what the Trainer's checkpoint save calls) so it returns
+    only once the heartbeat has looked at the save SAVE_LOOKS times and it has lasted SAVE_BOUNDS bounds: a
+    save far past the bound, made long by the heartbeat's own progress, never by a fixed sleep."""
+    real = model.save_pretrained
+    clock = watch._step_clock
+
+    def save_pretrained(*args, **kwargs):
+        deadline = time.monotonic() + RELEASE_AFTER_S
+        done = threading.Event()
+        while time.monotonic() < deadline:
+            seen = clock.saving
+            if (seen is not None and seen["looks"] >= SAVE_LOOKS
+                    and time.monotonic() - seen["since"] >= SAVE_BOUNDS * clock.bound()[0]):
+                released.append(True)
+                break
+            done.wait(0.01)  # a poll of the heartbeat's state, not the proof
+        else:
+            released.append(False)
+        return real(*args, **kwargs)
+
+    model.save_pretrained = save_pretrained
+
+
+def test_a_checkpoint_save_longer_than_the_bound_is_no_stall_and_a_block_after_it_still_is(tmp_path):
+    """A Trainer saving every 5 steps whose first save lasts 4 bounds (learned from the run, at the floor)
+    is no stall and its gap is not learned; its collator blocking 3 steps later is one stall, as before."""
+    gate = Gate()
+    calls = []
+
+    def stuck_collator(features):
+        calls.append(len(features))
+        if len(calls) == 9:  # the batch of step 8 (after the save at step 5)
+            gate.released_by_stall = gate.event.wait(RELEASE_AFTER_S)
+        return default_data_collator(features)
+
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="steps",
+                             save_steps=5, save_only_model=True, per_device_train_batch_size=4, max_steps=10,
+                             logging_steps=1, learning_rate=1e-4, disable_tqdm=True, dataloader_num_workers=0)
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=TinyDataset(16, 16), data_collator=stuck_collator)
+    watch = nbguard.watch(trainer, verify=False, log_to=None, stall_after_s=STALL_AFTER_S)
+    watch.add_listener(gate.listener)
+    released: list[bool] = []
+    slow_save_pretrained(trainer.model, watch, released)
+    clock = watch._step_clock
+    try:
+        trainer.train()
+    finally:
+        watch.detach()
+    assert released[:1] == [True], "the heartbeat never saw the training thread inside the save"
+    assert (tmp_path / "checkpoint-5" / "model.safetensors").exists() and watch.step == 10
+    # the save: no event; the heartbeat saw it, from the Trainer's _save_checkpoint, and timed it
+    [(where, seconds), *_] = clock.saves
+    assert where.startswith("_save_checkpoint ") and "transformers" in where
+    assert seconds >= SAVE_BOUNDS * STALL_AFTER_S
+    assert max(clock.gaps) < seconds  # the save's gap was not learned as a step time
+    # the collator that blocks after it: one stall, the save nowhere in it
+    assert gate.released_by_stall is True
+    assert kinds(watch) == ["stall"], watch.summary()
+    event = watch.events[0]
+    assert event.step == 8 and event.evidence["user_frame"].startswith("stuck_collator ")
+    assert "saving" not in event.evidence and "checkpoint save" not in event.message
+    assert heartbeats() == []
+
+
+def test_a_save_that_never_ends_is_a_stall_that_says_it_is_inside_the_save():
+    """A torch.save in a plain loop that blocks (a hung filesystem): past SAVE_FACTOR bounds it is a stall,
+    and the event names the save; released by the event itself."""
+    from nbguard.watcher.stall import SAVE_FACTOR
+
+    model, optimizer, watch = watched()
+    gate = Gate()
+    watch.add_listener(gate.listener)
+
+    class HungFile:
+        """A file whose write blocks until the stall event (torch.save writes through it)."""
+
+        def __init__(self) -> None:
+            self.chunks: list[bytes] = []
+
+        def write(self, data) -> int:
+            if gate.released_by_stall is None:
+                gate.released_by_stall = gate.event.wait(RELEASE_AFTER_S + 5 * SAVE_FACTOR * STALL_AFTER_S)
+            self.chunks.append(bytes(data))
+            return len(data)
+
+        def flush(self) -> None:
+            pass
+
+    def train_and_save(data) -> None:
+        for index, batch in enumerate(data):
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if index == 5:
+                torch.save({"step": index, "lm_head": model.lm_head.weight.detach()}, cast(IO[bytes], HungFile()))
+
+    try:
+        train_and_save(loader(8))
+    finally:
+        watch.detach()
+    assert gate.released_by_stall is True
+    assert kinds(watch) == ["stall"], watch.summary()
+    event = watch.events[0]
+    evidence = event.evidence
+    assert evidence["after_step"] == 5 and evidence["saving"].startswith("save ") and "serialization.py" in \
+        evidence["saving"]
+    assert evidence["bound_s"] >= SAVE_FACTOR * STALL_AFTER_S and "inside a checkpoint save" in evidence["bound_from"]
+    assert "inside a checkpoint save (save " in event.message and "resumed at step 6" in event.message
+    assert "in write" in evidence["stacks"][0]["stack"]

@@ -11,7 +11,12 @@ stall_after_s`` before (a first step compiles, allocates, fills caches). Past th
 ``stall`` event carrying every thread's Python stack (``sys._current_frames``, the training thread's
 first) and the step it waits after; the training thread's next step end says on the same event when
 the run resumed. Under torch.distributed the event names the rank and, where the training thread is
-inside ``torch.distributed``, the collective it waits in. It judges only while a loop runs: armed by a
+inside ``torch.distributed``, DistributedDataParallel's forward (its buffer broadcast) or, with several ranks,
+autograd's backward (where DDP's gradient all-reduce waits), the collective it waits in. A checkpoint save
+(``SAVE_FRAMES``: the Trainer's ``_save_checkpoint``, ``save_pretrained``, ``torch.save``, safetensors,
+accelerate's ``save_state``...) on the training thread's stack is not silence: each wake-up looks for one, the
+bound counts from the last look that saw it, and the gap around it is not learned; only a save that lasts
+``SAVE_FACTOR`` bounds is a stall (``evidence.saving`` names it). It judges only while a loop runs: armed by a
 training forward, a step end or ``Trainer.train()``, and disarmed when the frame that ran the loop (the
 innermost frame of the user's code on the training thread's stack at the last step) is gone: a notebook
 kernel idle between cells, or a loop function that returned, is not a stall.
@@ -37,7 +42,7 @@ import time
 import traceback
 import weakref
 from collections import deque
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 from ..document.model import register_event_kind
@@ -48,8 +53,8 @@ STALL = "stall"
 SLOW = "slow-steps"
 register_event_kind(STALL, "no optimizer step completed within the bound learned from the run's own step times "
                            "(every thread's Python stack at that moment)",
-                    ("after_step", "waited_s", "bound_s", "waiting_in", "user_frame", "collective", "stacks",
-                     "resumed_at_step", "stalled_s"))
+                    ("after_step", "waited_s", "bound_s", "waiting_in", "user_frame", "collective", "saving",
+                     "stacks", "resumed_at_step", "stalled_s"))
 register_event_kind(SLOW, "optimizer steps took several times the run's median step time, several steps in a row",
                     ("first_step", "steps", "median_s", "ratio", "recent_s", "recovered_at_step"))
 
@@ -65,6 +70,7 @@ SLOW_WARMUP = 5
 SLOW_BASELINE = 8
 MEDIAN_EVERY = 8
 SLOW_MIN_EXTRA_S = 0.02  # a slow step is also this much slower than the median (a 1 ms step at 3 ms is noise)
+SAVE_FACTOR = 10.0  # a checkpoint save is a stall only once it has lasted this many bounds
 STACK_FRAMES = 24  # innermost frames kept per thread
 STACK_THREADS = 16
 THREAD_NAME = "nbguard-heartbeat"
@@ -108,6 +114,43 @@ def where(frame: FrameType) -> str:
     return f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"
 
 
+# Checkpoint saves: (a path fragment of the library, the function names that save). The outermost one on the
+# training thread's stack names the save (the Trainer's _save_checkpoint rather than the torch.save inside it).
+SAVE_FRAMES = (
+    ("/transformers/", ("_save_checkpoint", "save_model", "_save", "save_pretrained", "_save_optimizer_and_scheduler",
+                        "_save_rng_state", "_save_tpu", "_save_fsdp")),
+    ("/peft/", ("save_pretrained",)),
+    ("/accelerate/", ("save_state", "save_model", "save", "save_accelerator_state")),
+    ("/torch/serialization.py", ("save",)),
+    ("/torch/distributed/checkpoint/", ("save", "async_save", "save_state_dict")),
+    ("/safetensors/", ("save_file", "save_model", "save")),
+    ("/huggingface_hub/", ("save_torch_state_dict", "save_torch_model")),
+)
+
+
+_SAVES: dict[CodeType, bool] = {}  # code object -> is it a save? (the heartbeat walks the stack at every wake-up)
+
+
+def _is_save(code: CodeType) -> bool:
+    known = _SAVES.get(code)
+    if known is None:
+        path = code.co_filename.replace("\\", "/")
+        known = any(code.co_name in names and fragment in path for fragment, names in SAVE_FRAMES)
+        if len(_SAVES) < 4096:
+            _SAVES[code] = known
+    return known
+
+
+def saving(frame: FrameType | None) -> FrameType | None:
+    """The outermost checkpoint-saving frame on this stack (``SAVE_FRAMES``), or None."""
+    found = None
+    while frame is not None:
+        if _is_save(frame.f_code):
+            found = frame
+        frame = frame.f_back
+    return found
+
+
 class StepClock(Detector):
     """The step times (a timestamp per step end), the ``slow-steps`` check, and what the heartbeat reads."""
 
@@ -124,6 +167,9 @@ class StepClock(Detector):
         self.loop: tuple[int, Any] | None = None  # (id, code) of the innermost user frame that stepped
         self._loop_depth = -1  # how far up from update() that frame was
         self.stall: tuple[Event, float] | None = None  # the open stall and when its silence began
+        self.save_seen = -math.inf  # monotonic time the heartbeat last saw the training thread inside a save
+        self.saving: dict[str, Any] | None = None  # the save it sees now: {"in", "since", "looks"}
+        self.saves: deque[tuple[str, float]] = deque(maxlen=WINDOW)  # recent saves the heartbeat saw, and their seconds
         self.timed = 0  # step times seen
         self.baseline: deque[float] = deque(maxlen=WINDOW)  # ordinary step times (slow-steps)
         self.streak: list[tuple[int, float]] = []
@@ -162,6 +208,8 @@ class StepClock(Detector):
         if self.stall is not None:
             self._resumed(view.step, now)
             last = None  # a stall is not a step time to learn
+        if last is not None and self.save_seen >= last:
+            last = None  # a checkpoint save ran in this gap: not a step time (nor a slow step)
         if last is None:
             return []
         gap = now - last
@@ -198,6 +246,7 @@ class StepClock(Detector):
         """The loop ended (``Trainer.train()`` returned, or the frame that ran it is gone)."""
         self.armed = False
         self.last_end = None
+        self.saving = None
 
     # ---- slow steps ----------------------------------------------------------------------------------
     def _judge_slow(self, step: int, gap: float) -> list[Event]:
@@ -283,14 +332,24 @@ def thread_stacks(frames: dict[int, FrameType], first: int | None, skip: int) ->
     return stacks
 
 
-def collective(frame: FrameType | None) -> str | None:
-    """The innermost ``torch.distributed`` function on this stack (``all_reduce``, ``barrier``...)."""
+def collective(frame: FrameType | None, distributed: bool = False) -> str | None:
+    """The collective this stack waits in: the innermost ``torch.distributed`` function (``all_reduce``,
+    ``barrier``...); DistributedDataParallel's own (its forward's buffer broadcast, from
+    ``torch/nn/parallel/distributed.py``), as ``DistributedDataParallel.<function>``; and, where
+    ``distributed`` (a process group of several ranks), autograd's backward, where DDP's gradient all-reduce
+    waits in C++ with no Python frame of its own, as ``backward (DistributedDataParallel gradient all-reduce)``."""
+    backward = False
     while frame is not None:
         path = frame.f_code.co_filename.replace("\\", "/")
-        if "/torch/distributed/" in path and frame.f_code.co_name not in ("wrapper", "_wrapper", "inner"):
-            return frame.f_code.co_name
+        name = frame.f_code.co_name
+        if "/torch/distributed/" in path and name not in ("wrapper", "_wrapper", "inner"):
+            return name
+        if path.endswith("/torch/nn/parallel/distributed.py"):
+            return f"DistributedDataParallel.{name}"
+        if path.endswith("/torch/autograd/graph.py") and name == "_engine_run_backward":
+            backward = True
         frame = frame.f_back
-    return None
+    return "backward (DistributedDataParallel gradient all-reduce)" if backward and distributed else None
 
 
 def this_rank() -> tuple[int, int] | None:
@@ -344,14 +403,44 @@ class Heartbeat:
                     pass
                 return
 
+    def look_for_save(self, now: float) -> float | None:
+        """Is the training thread inside a checkpoint save? Its start (monotonic) if so; the clock keeps the
+        time of this look (the step after it is not a step time) and, once the save ends, its seconds."""
+        clock = self.clock
+        training = sys._current_frames().get(clock.thread) if clock.thread is not None else None
+        try:
+            save = saving(training)
+            if save is None:
+                if clock.saving is not None:
+                    clock.saves.append((clock.saving["in"], clock.save_seen - clock.saving["since"]))
+                    clock.saving = None
+                return None
+            if clock.saving is None or clock.saving["frame"] != id(save):
+                clock.saving = {"in": where(save), "frame": id(save), "since": now, "looks": 0}
+            clock.saving["looks"] += 1
+            clock.save_seen = now
+            return float(clock.saving["since"])
+        finally:
+            del training
+
     def check(self) -> bool:
         """One look; False once the watch is gone (the thread then ends)."""
         clock = self.clock
         if not clock.armed or clock.stall is not None:
             return True
-        silent_since = clock.last_beat
-        waited = time.monotonic() - silent_since
+        now = time.monotonic()
         bound, how = clock.bound()
+        save_since = self.look_for_save(now)
+        if save_since is not None:
+            # inside a checkpoint save: not a hang unless the save itself lasts SAVE_FACTOR bounds
+            silent_since = clock.last_beat
+            if now - save_since < SAVE_FACTOR * bound:
+                return True
+            bound, how = SAVE_FACTOR * bound, f"{SAVE_FACTOR:g} x the bound, inside a checkpoint save"
+        else:
+            # the silence counts from the last step, forward, or look that saw a save: a save is not silence
+            silent_since = max(clock.last_beat, clock.save_seen)
+        waited = now - silent_since
         if waited < bound:
             return True
         watch = self.watch()
@@ -363,7 +452,7 @@ class Heartbeat:
             if not self._loop_running(training):
                 clock.disarm()  # the loop that stepped returned (an idle kernel, a finished function)
                 return True
-            if clock.last_beat != silent_since or not clock.armed:
+            if clock.last_beat > silent_since or not clock.armed:
                 return True  # a step or a forward came meanwhile
             event = self._event(watch, frames, training, waited, bound, how)
         finally:
@@ -391,8 +480,8 @@ class Heartbeat:
         stacks = thread_stacks(frames, clock.thread, threading.get_ident())
         waiting_in = where(training) if training is not None else None
         user, _ = innermost_user_frame(training)
-        in_collective = collective(training)
         rank = this_rank()
+        in_collective = collective(training, distributed=rank is not None and rank[1] > 1)
         after = clock.after_step
         text = (f"no optimizer step completed for {waited:.1f} s "
                 + (f"after step {after}" if after is not None else "before the first step")
@@ -401,12 +490,19 @@ class Heartbeat:
         if user is not None and user is not training:
             text += f", called from {where(user)}"
         if in_collective is not None:
-            text += (f"; it is inside torch.distributed.{in_collective}: a collective waits for a rank that does not "
+            label = in_collective if in_collective[:1].isupper() or " " in in_collective else \
+                f"torch.distributed.{in_collective}"
+            text += (f"; it is inside {label}: a collective waits for a rank that does not "
                      f"join it (a rank that crashed, hangs, or took another branch)")
         text += ". Every thread's stack is on the event (evidence.stacks)"
         evidence: dict[str, Any] = {
             "after_step": after, "waited_s": waited, "bound_s": bound, "bound_from": how, "waiting_in": waiting_in,
             "user_frame": where(user) if user is not None else None, "collective": in_collective, "stacks": stacks}
+        if clock.saving is not None:
+            evidence["saving"] = clock.saving["in"]
+            text += (f"; the training thread has been inside a checkpoint save ({clock.saving['in']}) for "
+                     f"{time.monotonic() - clock.saving['since']:.1f} s: a save that long is a hang too (a full disk, "
+                     f"a network filesystem that stopped answering, a rank missing from a collective save)")
         if rank is not None:
             evidence.update(rank=rank[0], world_size=rank[1])
         step = after + 1 if after is not None else 0  # the step it waits for
