@@ -81,6 +81,27 @@ def watch_with_nan_origin(steps: int = 8, bad_step: int = 3) -> NanWatch:
     return watched_run_with_planted_fault(steps, bad_step, policy="skip", activations=True)[1]
 
 
+def watch_rewound(steps: int = 16, spike_at: int = 8) -> NanWatch:
+    """A watch under policy rewind over a tiny Llama whose schedule puts the LR at 0.3 for two steps: the loss
+    climbs, the watch rewinds to an earlier snapshot and cuts the LR (the history records the rewind)."""
+    from nbguard.testing import tiny_batch, tiny_llama
+    from nbguard.watcher import RewindSettings
+
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 300.0 if s in (spike_at, spike_at + 1) else 1.0)
+    watch = nbguard.watch(model, optimizer=opt, policy="rewind", verify=False, scheduler=sched,
+                          rewind=RewindSettings(every=2))
+    batch = tiny_batch()
+    for _ in range(steps):
+        opt.zero_grad()
+        model(**batch).loss.backward()
+        opt.step()
+        sched.step()
+    watch.detach()
+    return watch
+
+
 def diagnosis_of_real_exception() -> Diagnosis:
     """The exception torch really raises on a float32 x bfloat16 linear, explained."""
     try:
@@ -114,7 +135,8 @@ RESULTS: dict[str, Callable[[], object]] = {
     "watch": watch_with_nan_origin,
     "diagnosis": diagnosis_of_real_exception,
     "healthy": healthy_audit,
-    "report": session_report,  # last: the session then holds every run above
+    "report": session_report,  # the session then holds every run above
+    "rewound": watch_rewound,  # after the report: its story stays that of the runs above
 }
 
 

@@ -585,6 +585,34 @@ export const DOCUMENT_SCHEMA: unknown = {
         "update_norm_unavailable": {
           "type": "string",
           "description": "Why this watch has no update norms (a budget, sharded weights)."
+        },
+        "rewinds": {
+          "type": "array",
+          "description": "Policy rewind: one entry per rewind (the watch's step, the step whose state was restored, the batches skipped, the LR factor, what triggered it).",
+          "items": {
+            "type": "object",
+            "required": [
+              "step",
+              "restored_after_step"
+            ],
+            "properties": {
+              "step": {
+                "type": "integer"
+              },
+              "restored_after_step": {
+                "type": "integer"
+              },
+              "batches_skipped": {
+                "type": "integer"
+              },
+              "lr_factor": {
+                "type": "number"
+              },
+              "trigger": {
+                "type": "string"
+              }
+            }
+          }
         }
       }
     },
@@ -1501,6 +1529,11 @@ export const DOCUMENT_SCHEMA: unknown = {
         "good": {
           "type": "string",
           "pattern": "^#[0-9A-Fa-f]{6}$"
+        },
+        "rewind": {
+          "type": "string",
+          "pattern": "^#[0-9A-Fa-f]{6}$",
+          "description": "A policy rewind: its step and the steps it undid, on the timelines (optional: views from before it have none, and draw no rewinds)."
         },
         "severity": {
           "type": "object",

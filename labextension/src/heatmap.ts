@@ -13,7 +13,7 @@ import { setText } from './text';
 
 /** The colours a heatmap needs, from the view's palette (nbguard/document/palette.py): the canvas
  * keeps no colour of its own, so it matches the static HTML's matplotlib picture. */
-export type HeatPalette = Pick<Palette, 'nan' | 'inf' | 'over' | 'missing' | 'skipped' | 'scale'>;
+export type HeatPalette = Pick<Palette, 'nan' | 'inf' | 'over' | 'missing' | 'skipped' | 'scale'> & Partial<Pick<Palette, 'rewind'>>;
 
 export type CellKind = 'finite' | 'nan' | 'inf' | 'missing';
 
@@ -27,6 +27,8 @@ export interface HeatColumn {
   first: number;
   last: number;
   skipped: boolean;
+  /** A policy rewind happened at a step of this column (the state before it was put back). */
+  rewound: boolean;
 }
 
 export interface HeatRow {
@@ -54,6 +56,8 @@ export interface HeatmapInput {
   steps: number[];
   values: Num[][];
   skippedSteps?: number[];
+  /** Steps at which policy rewind restored an earlier state. */
+  rewindSteps?: number[];
   limit?: number | null;
 }
 
@@ -109,15 +113,18 @@ export function buildHeatmapModel(input: HeatmapInput, options: HeatmapOptions =
   const maxRows = options.maxRows ?? DEFAULT_MAX_ROWS;
   const nSteps = input.steps.length;
   const skipped = new Set(input.skippedSteps ?? []);
+  const rewinds = new Set(input.rewindSteps ?? []);
   const columnBins = bins(nSteps, maxColumns);
   const rowBins = bins(input.groups.length, maxRows);
 
   const columns: HeatColumn[] = columnBins.map(([a, b]) => {
     let isSkipped = false;
+    let rewound = false;
     for (let i = a; i < b; i++) {
       isSkipped = isSkipped || skipped.has(input.steps[i]);
+      rewound = rewound || rewinds.has(input.steps[i]);
     }
-    return { first: input.steps[a], last: input.steps[b - 1], skipped: isSkipped };
+    return { first: input.steps[a], last: input.steps[b - 1], skipped: isSkipped, rewound };
   });
   const rows: HeatRow[] = rowBins.map(([a, b]) => {
     const groups = input.groups.slice(a, b);
@@ -265,7 +272,8 @@ export function describeCell(model: HeatmapModel, row: number, column: number, v
   const value = cell.kind === 'missing' ? 'no value' : `${valueName} ${formatNumber(cell.value)}`;
   const group = r.groups.length > 1 ? `${r.label} (${r.groups.length} groups)` : r.label;
   const over = cell.kind === 'finite' && model.limit !== null && (cell.value as number) > model.limit;
-  const marks = `${over ? ` · over the limit ${formatNumber(model.limit)}` : ''}${c.skipped ? ' · optimizer step skipped' : ''}`;
+  const marks = `${over ? ` · over the limit ${formatNumber(model.limit)}` : ''}${c.skipped ? ' · optimizer step skipped' : ''}` +
+    `${c.rewound ? ' · rewound here' : ''}`;
   return `${group} · ${steps} · ${value}${marks}`;
 }
 
@@ -316,6 +324,20 @@ export function drawHeatmap(canvas: HTMLCanvasElement, model: HeatmapModel, layo
       }
     });
   });
+  // Policy rewinds: a line down the column, over the cells (the state before it was put back there).
+  if (palette.rewind) {
+    ctx.strokeStyle = palette.rewind;
+    ctx.lineWidth = 2;
+    model.columns.forEach((col, c) => {
+      if (col.rewound) {
+        const x = labelWidth + c * w + w / 2;
+        ctx.beginPath();
+        ctx.moveTo(x, markerHeight);
+        ctx.lineTo(x, markerHeight + model.rows.length * h);
+        ctx.stroke();
+      }
+    });
+  }
   // Labels: all of them when they fit, otherwise every k-th.
   const fontSize = Math.min(11, Math.max(8, h));
   ctx.font = `${fontSize}px ${font}`;
@@ -414,6 +436,9 @@ function legend(model: HeatmapModel, valueName: string, palette: HeatPalette): H
   }
   el.appendChild(swatch(palette.missing, 'no value', 'nbg-swatch-missing'));
   el.appendChild(swatch(palette.skipped, 'skipped step (strip above)', 'nbg-swatch-skip'));
+  if (palette.rewind && model.columns.some(c => c.rewound)) {
+    el.appendChild(swatch(palette.rewind, 'rewind (line over the column)', 'nbg-swatch-rewind'));
+  }
   if (model.columns.length > 0 && model.columns[0].first !== model.columns[0].last) {
     const note = document.createElement('span');
     note.className = 'nbg-legend-item nbg-muted';

@@ -382,6 +382,7 @@ function heatmap(chart: Chart, data: unknown, palette: Palette): HTMLElement | n
       steps: data.steps.map(Number),
       values: (data[values] as unknown[]).map(row => (Array.isArray(row) ? row.map(decodeNumber) : [])),
       skippedSteps: Array.isArray(data.skipped_steps) ? data.skipped_steps.map(Number) : [],
+      rewindSteps: Array.isArray(data.rewinds) ? data.rewinds.filter(isObject).map(r => Number(r.step)) : [],
       limit: chart.kind === 'activations' ? decodeNumber(data.limit) : null // cells above it: the "over" colour
     },
     VALUE_NAMES[chart.kind] ?? 'value',

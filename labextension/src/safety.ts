@@ -40,6 +40,7 @@ export function safePalette(raw: unknown): Palette {
     skipped: safeColor(source.skipped),
     line: safeColor(source.line),
     good: safeColor(source.good),
+    ...(source.rewind === undefined ? {} : { rewind: safeColor(source.rewind) }),
     severity: { error: safeColor(severity.error), warning: safeColor(severity.warning), info: safeColor(severity.info) },
     scale: scale.length > 0 ? scale : [FALLBACK_COLOR]
   };

@@ -239,6 +239,17 @@ export interface History {
   total_update_norm?: EncodedNumberOrNull[];
   /** Why this watch has no update norms (a budget, sharded weights). */
   update_norm_unavailable?: string;
+  /**
+   * Policy rewind: one entry per rewind (the watch's step, the step whose state was restored, the
+   * batches skipped, the LR factor, what triggered it).
+   */
+  rewinds?: {
+    step: number;
+    restored_after_step: number;
+    batches_skipped?: number;
+    lr_factor?: number;
+    trigger?: string;
+  }[];
 }
 
 export interface Activations {
@@ -523,6 +534,11 @@ export interface Palette {
   skipped: string;
   line: string;
   good: string;
+  /**
+   * A policy rewind: its step and the steps it undid, on the timelines (optional: views from
+   * before it have none, and draw no rewinds).
+   */
+  rewind?: string;
   severity: {
     error: string;
     warning: string;

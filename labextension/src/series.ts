@@ -64,7 +64,11 @@ export function seriesPanels(history: unknown): SeriesPanel[] {
 }
 
 /** The SVG element for `history`, or null when it records no series. */
-export function createSeries(alt: string, history: unknown, palette: Pick<Palette, 'line' | 'nan' | 'skipped'>): SVGSVGElement | null {
+export function createSeries(
+  alt: string,
+  history: unknown,
+  palette: Pick<Palette, 'line' | 'nan' | 'skipped'> & Partial<Pick<Palette, 'rewind'>>
+): SVGSVGElement | null {
   const panels = seriesPanels(history);
   if (!panels.length || !isObject(history)) {
     return null;
@@ -72,7 +76,9 @@ export function createSeries(alt: string, history: unknown, palette: Pick<Palett
   const steps = (history.steps as unknown[]).map(s => Number(s));
   const skipped = new Set(Array.isArray(history.skipped_steps) ? history.skipped_steps.map(Number) : []);
   const [first, last] = [steps[0], steps[steps.length - 1]];
-  const x = (i: number) => LABEL + ((steps[i] - first) / Math.max(1, last - first)) * (WIDTH - LABEL - 8);
+  const atStep = (step: number) => LABEL + ((step - first) / Math.max(1, last - first)) * (WIDTH - LABEL - 8);
+  const x = (i: number) => atStep(steps[i]);
+  const rewinds = rewindSpans(history);
   const height = panels.length * (PANEL + GAP) + 6;
   const svg = svgEl('svg', { class: 'nbg-series', width: WIDTH, height, viewBox: `0 0 ${WIDTH} ${height}`, role: 'img' }) as SVGSVGElement;
   svg.setAttribute('aria-label', alt);
@@ -93,6 +99,16 @@ export function createSeries(alt: string, history: unknown, palette: Pick<Palett
       svgEl('text', { x: LABEL - 6, y: top + PANEL - 4, 'text-anchor': 'end', class: 'nbg-series-range' },
         `${formatNumber(range[0])} – ${formatNumber(range[1])}`)
     );
+    for (const r of palette.rewind ? rewinds : []) {
+      // the steps a rewind undid (shaded back to the state it restored) and the rewind itself (dashed)
+      const [from, to] = [atStep(Math.max(first, r.restored)), atStep(Math.min(last, r.step))];
+      g.appendChild(svgEl('rect', { x: from, y: top, width: Math.max(1, to - from), height: PANEL, fill: palette.rewind as string,
+        'fill-opacity': 0.12, class: 'nbg-series-undone' }));
+      g.appendChild(
+        svgEl('line', { x1: to, x2: to, y1: top, y2: top + PANEL, stroke: palette.rewind as string, 'stroke-width': 2,
+          'stroke-dasharray': '4 3', class: 'nbg-series-rewind' }, `step ${r.step}: rewound to the state after step ${r.restored}`)
+      );
+    }
     for (const i of panel.nonFinite) {
       g.appendChild(
         svgEl('line', { x1: x(i), x2: x(i), y1: top, y2: top + PANEL, stroke: palette.nan, 'stroke-width': 1.5, class: 'nbg-series-bad' },
@@ -126,6 +142,15 @@ export function createSeries(alt: string, history: unknown, palette: Pick<Palett
     svg.appendChild(g);
   });
   return svg;
+}
+
+/** (restored_after_step, step) of each rewind the history records; an entry without both is left out. */
+export function rewindSpans(history: Record<string, unknown>): Array<{ restored: number; step: number }> {
+  const entries = Array.isArray(history.rewinds) ? history.rewinds : [];
+  return entries
+    .filter(isObject)
+    .map(e => ({ restored: Number(e.restored_after_step), step: Number(e.step) }))
+    .filter(r => Number.isFinite(r.restored) && Number.isFinite(r.step));
 }
 
 function svgEl(tag: string, attrs: Record<string, string | number>, title?: string): SVGElement {

@@ -26,5 +26,5 @@ def palette() -> dict[str, Any]:
     """The palette as data, as the view and the Lab canvas read it."""
     return {
         "nan": NAN_COLOR, "inf": INF_COLOR, "over": OVER_COLOR, "missing": MISSING_COLOR, "skipped": SKIP_COLOR,
-        "line": LINE_COLOR, "good": GOOD_COLOR, "severity": dict(SEVERITY_COLORS), "scale": list(SCALE),
+        "line": LINE_COLOR, "good": GOOD_COLOR, "rewind": REWIND_COLOR, "severity": dict(SEVERITY_COLORS), "scale": list(SCALE),
     }
