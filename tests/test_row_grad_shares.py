@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 import nbguard
 from nbguard.step.capture import MicroBatch, capture_rng
 from nbguard.testing import tiny_batch, tiny_llama, word_tokenizer
+from nbguard.watcher import RewindSettings
 from nbguard.watcher.row_grads import row_grad_shares
 from nbguard.watcher.rows import bad_row_indices
 
@@ -30,11 +31,11 @@ def _rows(poisoned: bool = True) -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-def _run(policy: str, poisoned: bool = True):
+def _run(policy: str, poisoned: bool = True, **rewind):
     loader = DataLoader(_rows(poisoned), batch_size=BATCH, shuffle=False)
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    watch = nbguard.watch(model, optimizer=opt, policy=policy, verify=False)
+    watch = nbguard.watch(model, optimizer=opt, policy=policy, verify=False, rewind=RewindSettings(**rewind))
     watch.track_rows(loader, tokenizer=word_tokenizer())
     losses = []
     for batch in loader:
@@ -89,3 +90,10 @@ def test_shares_sum_to_one_and_follow_the_rows_gradients():
     for r in range(4):
         assert shares[(0, r)] == pytest.approx(norms[r] / sum(norms), rel=1e-3)
     assert max(shares, key=shares.get) == (0, POISONED - 180)
+
+
+def test_a_bad_batch_does_not_stop_a_run_that_has_no_rewinds_left():
+    """With no rewinds allowed, trouble that needs one stops training; a bad batch does not need one."""
+    watch, losses = _run("rewind", max_rewinds=0)
+    assert len(losses) == ROWS // BATCH  # every batch trained on
+    assert [e.kind for e in watch.events] == ["divergence"] and watch.events[0].evidence["damage_check"]["damaged"] is False

@@ -363,8 +363,22 @@ class Rewinder:
         # where the trouble began: a streak's first bad step (its event), not the step that ended the patience;
         # a climb's lowest loss, from where it rose
         began = min(step, event.step, event.evidence.get("began_at_step", step))
+        snapshot = self.agreed(watch, self.choose(began, watch.history))
+        if snapshot is not None and event.kind == "divergence" and not step_ended and watch._ranks is None:
+            # (before the most-rewinds stop too: a bad batch is no reason to end the run)
+            judged = guarded_call(lambda exc: event.evidence.update(damage_check_error=f"{type(exc).__name__}: {exc}"),
+                                  self.judge_damage, watch, snapshot)
+            if judged is not None:
+                event.evidence["damage_check"] = judged
+                if not judged["damaged"]:
+                    event.evidence["rewind"] = {
+                        "restored": False, "reason": f"the state after step {snapshot.after_step} does no better on "
+                        f"this step's batch (loss {judged['snapshot_loss']:.4g}, the current weights "
+                        f"{judged['current_loss']:.4g}): the batch exploded, not the weights; its update was dropped, "
+                        "nothing to undo"}
+                    return
         if self.rewinds >= self.settings.max_rewinds:
-            last = self.agreed(watch, self.choose(began, watch.history))
+            last = snapshot
             if last is not None:  # training ends on the last good state, not on the damaged one
                 self.restore(watch, last)
                 watch._board.rewound(step)
@@ -379,19 +393,6 @@ class Rewinder:
             watch._emit(stop)
             watch._stop(stop, step_ended=step_ended)
             return
-        snapshot = self.agreed(watch, self.choose(began, watch.history))
-        if snapshot is not None and event.kind == "divergence" and not step_ended and watch._ranks is None:
-            judged = guarded_call(lambda exc: event.evidence.update(damage_check_error=f"{type(exc).__name__}: {exc}"),
-                                  self.judge_damage, watch, snapshot)
-            if judged is not None:
-                event.evidence["damage_check"] = judged
-                if not judged["damaged"]:
-                    event.evidence["rewind"] = {
-                        "restored": False, "reason": f"the state after step {snapshot.after_step} does no better on "
-                        f"this step's batch (loss {judged['snapshot_loss']:.4g}, the current weights "
-                        f"{judged['current_loss']:.4g}): the batch exploded, not the weights; its update was dropped, "
-                        "nothing to undo"}
-                    return
         if snapshot is None:
             event.evidence["rewind"] = {"restored": False, "reason": "no finite snapshot from before the trouble "
                                         "yet: the update was skipped"}
