@@ -435,13 +435,17 @@ class Rewinder:
         snapshot.wait()
         pairs = [(live, snapshot.buffers[("param", i)]) for i, live in enumerate(_trainable(watch.model, watch.optimizer))
                  if ("param", i) in snapshot.buffers and snapshot.buffers[("param", i)].shape == live.shape]
+        swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
         with watch.paused():
             current = batch_loss(watch.model, micro_batches)
-            _swap(pairs)
             try:
+                for pair in pairs:
+                    _swap(*pair)
+                    swapped.append(pair)
                 old = batch_loss(watch.model, micro_batches)
-            finally:
-                _swap(pairs)  # the current weights back, and the snapshot's back in its buffers
+            finally:  # the current weights back, and the snapshot's back in its buffers: every pair swapped
+                for pair in swapped:
+                    _swap(*pair)
         if current is None or old is None or not math.isfinite(old):
             return None
         damaged = not math.isfinite(current) or current > SUSPECT_LOSS_FACTOR * old
@@ -534,13 +538,12 @@ def _loss_rose_after(losses: dict[int, float | None], after_step: int, window: i
     return not math.isfinite(following) or following > SUSPECT_LOSS_FACTOR * before[len(before) // 2]
 
 
-def _swap(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Exchange each live tensor's values with its buffer's, one tensor-sized temporary at a time."""
+def _swap(live: torch.Tensor, buffer: torch.Tensor) -> None:
+    """Exchange a live tensor's values with its buffer's, through one tensor-sized temporary."""
     with torch.no_grad():
-        for live, buffer in pairs:
-            held = live.detach().clone()
-            live.copy_(buffer)
-            buffer.copy_(held)
+        held = live.detach().clone()
+        live.copy_(buffer)
+        buffer.copy_(held)
 
 
 def _loss_level(losses: dict[int, float | None], after_step: int) -> float | None:
