@@ -97,3 +97,17 @@ def test_a_bad_batch_does_not_stop_a_run_that_has_no_rewinds_left():
     watch, losses = _run("rewind", max_rewinds=0)
     assert len(losses) == ROWS // BATCH  # every batch trained on
     assert [e.kind for e in watch.events] == ["divergence"] and watch.events[0].evidence["damage_check"]["damaged"] is False
+
+
+def test_rows_stay_named_by_loss_when_their_gradients_cannot_be_taken(monkeypatch):
+    """A model whose per-row backward fails (here: autograd.grad raising) keeps the rows and their losses."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("planted: no per-row backward")
+
+    monkeypatch.setattr(torch.autograd, "grad", refuse)
+    watch, _ = _run("rewind")
+    [event] = [e for e in watch.events if e.kind == "divergence"]
+    rows = event.evidence["rows"]
+    assert "rows_error" not in event.evidence and rows["rows_checked"] == BATCH
+    assert rows["grad_shares_unknown"] == "RuntimeError: planted: no per-row backward"
+    assert rows["rows"][0]["dataset_index"] == POISONED  # the highest loss, still first

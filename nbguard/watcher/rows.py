@@ -190,7 +190,10 @@ def name_rows(event: Event, model: torch.nn.Module, micro_batches: list[MicroBat
     bad = [r for r in rows if not math.isfinite(r["loss"])]
     shares_unknown = None
     if not bad:  # every row finite (an explosion): the rows that pulled the update most are the suspects
-        shares, shares_unknown = row_grad_shares(model, micro_batches)
+        try:
+            shares, shares_unknown = row_grad_shares(model, micro_batches)
+        except Exception as exc:  # (a backward per row the model cannot give, e.g. reentrant checkpointing):
+            shares, shares_unknown = {}, f"{type(exc).__name__}: {exc}"  # the rows stay named by their losses
         for row in rows:
             row["grad_share"] = shares.get((row["micro_batch"], row["row"]))
     suspects = bad or sorted(rows, key=lambda r: (-(r.get("grad_share") or 0.0), -r["loss"]))[:3]
