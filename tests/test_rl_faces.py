@@ -1,23 +1,20 @@
 """Issue 20 item 4: the faces of the RL checks: the dashboard's reward/margin sparklines, the event cards."""
 from __future__ import annotations
 
-import itertools
-
 import torch
+from dashboard_helpers import every_step_dashboard
 from rl_helpers import dpo_trainer, grpo_trainer, length_reward, log_match_reward
 
 import nbguard
 import nbguard.fixes
 from nbguard.document.view import event_card
-from nbguard.notebook.widgets.dashboard import WatchDashboard
 
 torch.set_num_threads(1)
 
 
 def dashboard_of_run(trainer):
     watch = nbguard.watch(trainer, verify=False)
-    ticks = itertools.count(0, 100.0)  # every call 100 s later: every step draws everything
-    dash = WatchDashboard(watch, "out-1", clock=lambda: next(ticks)).attach()
+    dash = every_step_dashboard(watch)
     trainer.train()
     dash.finish()
     assert dash.errors == []
@@ -52,8 +49,7 @@ def test_a_plain_run_draws_no_logged_series():
     model = tiny_llama()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with nbguard.watch(model, optimizer=opt) as watch:
-        ticks = itertools.count(0, 100.0)
-        dash = WatchDashboard(watch, "out-1", clock=lambda: next(ticks)).attach()
+        dash = every_step_dashboard(watch)
         for _ in range(2):
             model(**tiny_batch()).loss.backward()
             opt.step()

@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 import torch
+from dashboard_helpers import every_step_dashboard
 from notebook_helpers import MIME, WIDGET_MIME, run, shell  # noqa: F401
 
 
@@ -105,13 +106,6 @@ def _train(model, opt, steps, poison_at=None):
         opt.step()
 
 
-def _dashboard(watch, **kwargs):
-    from nbguard.notebook.widgets.dashboard import WatchDashboard
-
-    ticks = itertools.count(0, 100.0)  # every call 100 s later: every step draws everything
-    return WatchDashboard(watch, "out-1", clock=lambda: next(ticks), **kwargs).attach()
-
-
 def test_dashboard_draws_heatmap_layers_events_and_origins():
     import nbguard
     from nbguard.testing import tiny_llama
@@ -120,7 +114,7 @@ def test_dashboard_draws_heatmap_layers_events_and_origins():
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     announced = []
     with nbguard.watch(model, optimizer=opt, policy="skip") as watch:
-        dash = _dashboard(watch, on_new_events=lambda: announced.append(len(dash.events)))
+        dash = every_step_dashboard(watch, on_new_events=lambda: announced.append(len(dash.events)))
         _train(model, opt, 5, poison_at=3)
         dash.finish()
     assert dash.errors == []
@@ -149,7 +143,7 @@ def test_dashboard_draws_the_activation_heatmap_when_the_watch_probes_and_zooms_
     model = tiny_llama()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with nbguard.watch(model, optimizer=opt, activations=True) as watch:
-        dash = _dashboard(watch)
+        dash = every_step_dashboard(watch)
         _train(model, opt, 4)
         dash.finish()
     assert dash.errors == [] and dash.activations_heatmap.layout.display != "none"
@@ -193,7 +187,7 @@ def test_dashboard_adds_no_host_sync(monkeypatch):
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         with nbguard.watch(model, optimizer=opt) as watch:
             # no time budget: every step draws, however slow a busy machine makes the drawing
-            dash = _dashboard(watch, heavy_budget=0, light_budget=0) if with_dashboard else None
+            dash = every_step_dashboard(watch) if with_dashboard else None
             counts["n"] = 0
             _train(model, opt, 4)
             n = counts["n"]
