@@ -18,6 +18,7 @@ from . import (  # noqa: F401  (registers the fixes)
     data_fixes,
     export_fixes,
     model_fixes,
+    moe_fixes,
     optimizer_fixes,
     rl_fixes,
     setup_fixes,
