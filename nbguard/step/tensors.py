@@ -93,7 +93,21 @@ def nonfinite_params(module: torch.nn.Module) -> dict[str, int]:
     bad = {}
     for name, p in module.named_parameters(recurse=False):
         if p.is_floating_point():
-            n = int((~torch.isfinite(p.detach())).sum())
+            n = _nonfinite_count(p.detach())
             if n:
                 bad[name] = n
     return bad
+
+
+def _nonfinite_count(t: torch.Tensor) -> int:
+    """NaN/Inf values in ``t``; a quantised tensor subclass without ``isfinite`` (torchao's Float8Tensor)
+    is read through the plain tensors it is made of (``__tensor_flatten__``: its data and scales)."""
+    try:
+        return int((~torch.isfinite(t)).sum())
+    except (NotImplementedError, RuntimeError):
+        flatten = getattr(t, "__tensor_flatten__", None)
+        if not callable(flatten):
+            return 0
+        inner = [getattr(t, attr, None) for attr in flatten()[0]]
+        return sum(_nonfinite_count(x.float()) for x in inner
+                   if isinstance(x, torch.Tensor) and x.is_floating_point())
