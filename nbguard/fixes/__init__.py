@@ -20,6 +20,7 @@ from . import (  # noqa: F401  (registers the fixes)
     model_fixes,
     moe_fixes,
     optimizer_fixes,
+    quantized_fixes,
     rl_fixes,
     setup_fixes,
     trainer_fixes,

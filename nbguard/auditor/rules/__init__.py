@@ -22,6 +22,7 @@ from . import (  # noqa: F401  (registers them)
     precision,
     prompt_boundary,
     quantization,
+    quantized_dry_pass,
     resume,
     rl,
     serving_template,
