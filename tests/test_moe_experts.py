@@ -128,6 +128,13 @@ def test_attention_only_adapter_is_quiet():
     assert not findings(model)
 
 
+def test_every_attention_projection_named_is_quiet():
+    """q/k/v/o are all of Mixtral's Linear modules: still a deliberate attention adapter, not "all-linear"."""
+    model = lora(tiny_mixtral(), target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert not expert_adapter_params(model)
+    assert not findings(model)
+
+
 def test_full_fine_tuning_is_quiet():
     assert not findings(tiny_mixtral())
 
@@ -208,3 +215,20 @@ def test_verdict_is_not_checked_with_the_reason():
     assert verdict.verdict == "not checked"
     assert "adds adapter modules" in verdict.reason
     assert not expert_adapter_params(model)  # verifying never changed the user's model
+
+
+def test_all_linear_fires_where_peft_leaves_the_experts_out():
+    """"all-linear" meant every Linear, experts included, under transformers v4; PhiMoE's fused experts get none."""
+    model = lora(tiny_phimoe(), target_modules="all-linear")
+    assert not expert_adapter_params(model)
+    [f] = findings(model)
+    assert f.evidence["target_modules_naming_experts"] == ["all-linear"]
+
+
+def test_fix_keeps_modules_to_save_training():
+    model = lora(tiny_mixtral(), target_modules=LLAMA_NAMES, modules_to_save=["lm_head"])
+    saved = {n for n, p in model.named_parameters() if p.requires_grad and "modules_to_save" in n}
+    assert saved
+    nbguard.fixes.apply(FIX, model=model)
+    assert saved <= {n for n, p in model.named_parameters() if p.requires_grad}
+    assert len(expert_adapter_params(model)) == 8

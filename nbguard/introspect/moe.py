@@ -95,3 +95,17 @@ def names_experts(target_modules) -> list[str]:
             return [target_modules]
         return [target_modules] if any(n in target_modules for n in EXPERT_TARGET_NAMES) else []
     return sorted(t for t in target_modules if str(t).rsplit(".", 1)[-1] in EXPERT_TARGET_NAMES)
+
+
+def targets_every_linear(model: torch.nn.Module, target_modules) -> bool:
+    """Whether a list ``target_modules`` reaches every Linear but the output head: what PEFT writes back into the
+    config once it resolved ``"all-linear"`` (full module names), so the user's "all-linear" can still be told."""
+    if target_modules is None or isinstance(target_modules, str):
+        return False
+    targets = {str(t) for t in target_modules}
+    if not targets or not all("." in t for t in targets):  # a user's own list names leaves (q_proj), not paths
+        return False
+    linears = {clean_param_name(name) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and "lora_" not in name and not name.endswith("lm_head")
+               and not name.endswith("lm_head.base_layer")}
+    return bool(linears) and all(n in targets or n.rsplit(".", 1)[-1] in targets for n in linears)

@@ -21,6 +21,7 @@ from ...introspect.moe import (
     names_experts,
     router_module_names,
     target_parameter_pattern,
+    targets_every_linear,
 )
 from ..registry import capped, finding, rule
 
@@ -71,6 +72,8 @@ def moe_experts_not_adapted(ctx):
         return None
     configs = _lora_configs(ctx.model)
     named = sorted({n for _, c in configs for n in names_experts(c.target_modules)})
+    if not named and any(targets_every_linear(ctx.model, c.target_modules) for _, c in configs):
+        named = ["all-linear"]  # PEFT wrote the Linear modules it resolved "all-linear" to back into the config
     if not named:  # an adapter on attention only (q_proj, v_proj) is a choice, not this mistake
         return None
     frozen = frozen_unadapted_experts(ctx.model)
