@@ -207,3 +207,11 @@ def test_leaves_no_trace(float8_on_cpu, build):
     assert modes == before[3] and hooks == before[4]
     assert torch.equal(torch.get_rng_state(), rng[0]) and random.getstate() == rng[1]
     assert numpy.array_equal(numpy.random.get_state()[1], rng[2])
+
+
+def test_verify_says_why_the_fix_is_not_run_on_a_step(float8_on_cpu):
+    result = nbguard.audit(model=float8_llama(), batch=tiny_batch(pad_rows=1), verify=True)
+    assert [f.rule for f in result.findings if f.rule == RULE] == [RULE]
+    if not torch.cuda.is_available():  # the step verify captures runs a backward torch cannot take on CPU
+        [error] = [f for f in result.findings if f.rule == "verify-error"]
+        assert "derivative for aten::_scaled_mm is not implemented" in error.evidence["exception"]
