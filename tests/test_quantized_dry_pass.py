@@ -127,6 +127,9 @@ def test_through_nbguard_audit(float8_on_cpu):
     result = nbguard.audit(model=float8_llama(), batch=tiny_batch(pad_rows=1))
     [found] = [f for f in result.findings if f.rule == RULE]
     assert found.evidence["module"] == "model.layers.0.self_attn.q_proj"
+    # the other rules read the Float8Tensor weights as quantised storage: none raises on them (the
+    # quantised lm_head once broke zero-embedding-rows, whose storage walk a tensor subclass refuses)
+    assert [f for f in result.findings if f.rule == "rule-error"] == []
 
 
 def test_activation_value_lb_is_quiet_about_nonfinite(float8_on_cpu):

@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-# bitsandbytes (4-bit, 8-bit), optimum-quanto, torchao: their parameters carry no float dtype to audit
-QUANTIZED_PARAM_CLASSES = ("Params4bit", "Int8Params", "QTensor", "AffineQuantizedTensor")
+# bitsandbytes (4-bit, 8-bit), optimum-quanto, torchao (AffineQuantizedTensor; quantize_'s Float8Tensor, which
+# reports the float dtype it was quantised from): their parameters carry no float dtype to audit
+QUANTIZED_PARAM_CLASSES = ("Params4bit", "Int8Params", "QTensor", "AffineQuantizedTensor", "Float8Tensor")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

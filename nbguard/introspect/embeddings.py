@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .dtypes import QUANTIZED_PARAM_CLASSES
+
 
 def embedding_shape(model) -> tuple[int, int] | None:
     getter = getattr(model, "get_input_embeddings", None)
@@ -48,7 +50,8 @@ def embedding_matrices(model) -> list[tuple[str, torch.nn.Parameter]]:
         return []
     seen, out = set(), []
     for name, param in model.named_parameters():
-        if tuple(param.shape) != shape or param.is_meta or not param.is_floating_point():
+        if tuple(param.shape) != shape or param.is_meta or not param.is_floating_point() \
+                or type(param).__name__ in QUANTIZED_PARAM_CLASSES:  # a quantised lm_head (torchao): no rows to read
             continue
         key = (param.untyped_storage().data_ptr(), param.storage_offset())
         if key in seen:
