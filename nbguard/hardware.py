@@ -58,13 +58,17 @@ PROFILES: dict[str, Hardware] = {
     "rtx4090": _gpu("rtx4090", "NVIDIA GeForce RTX 4090", (8, 9), 24.0),
     "h100": _gpu("h100", "NVIDIA H100", (9, 0), 80.0),
     "h200": _gpu("h200", "NVIDIA H200", (9, 0), 141.0),
+    # Blackwell: data-centre sm_100 and consumer sm_120 need builds made with CUDA 12.8 or newer
+    "b200": _gpu("b200", "NVIDIA B200", (10, 0), 180.0),
+    "rtx5090": _gpu("rtx5090", "NVIDIA GeForce RTX 5090", (12, 0), 32.0),
 }
 
 # Model numbers in torch.cuda.get_device_name() that identify a profile, as whole words: "NVIDIA L40S"
 # is not an L4, nor "NVIDIA GH200 480GB" an H200 ("Tesla V100-SXM2-16GB" is a V100)
 _NAME_HINTS = (
     ("T4", "t4"), ("V100", "v100"), ("A10G", "a10g"), ("L4", "l4"), ("A100", "a100"),
-    ("3090", "rtx3090"), ("4090", "rtx4090"), ("H100", "h100"), ("H200", "h200"),
+    ("3090", "rtx3090"), ("4090", "rtx4090"), ("H100", "h100"), ("H200", "h200"), ("B200", "b200"),
+    ("5090", "rtx5090"),
 )
 _WORDS = re.compile(r"[A-Za-z0-9]+")
 

@@ -11,12 +11,14 @@ from nbguard.hardware import PROFILES, Hardware, detect, profile_name, resolve_h
 
 
 def test_all_named_profiles_exist():
-    assert set(PROFILES) == {"cpu", "t4", "v100", "a10g", "l4", "a100", "rtx3090", "rtx4090", "h100", "h200"}
+    assert set(PROFILES) == {"cpu", "t4", "v100", "a10g", "l4", "a100", "rtx3090", "rtx4090", "h100", "h200",
+                             "b200", "rtx5090"}
 
 
 @pytest.mark.parametrize("name, native", [
     ("t4", False), ("v100", False), ("a10g", True), ("l4", True), ("a100", True),
-    ("rtx3090", True), ("rtx4090", True), ("h100", True), ("h200", True), ("cpu", True),
+    ("rtx3090", True), ("rtx4090", True), ("h100", True), ("h200", True), ("b200", True), ("rtx5090", True),
+    ("cpu", True),
 ])
 def test_native_bf16_is_compute_capability_8(name, native):
     hw = PROFILES[name]
@@ -54,9 +56,11 @@ def test_detect_on_this_machine():
     ("Tesla T4", "t4"), ("Tesla V100-SXM2-16GB", "v100"), ("NVIDIA A10G", "a10g"), ("NVIDIA L4", "l4"),
     ("NVIDIA A100-SXM4-40GB", "a100"), ("NVIDIA A100 80GB PCIe", "a100"), ("NVIDIA GeForce RTX 3090", "rtx3090"),
     ("NVIDIA GeForce RTX 3090 Ti", "rtx3090"), ("NVIDIA GeForce RTX 4090", "rtx4090"),
-    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA B200", "b200"),
+    ("NVIDIA GeForce RTX 5090", "rtx5090"), ("NVIDIA GeForce RTX 5090 D", "rtx5090"),
     # other GPUs whose names contain a profile's model number are not that GPU
     ("NVIDIA L40S", "cuda"), ("NVIDIA L40", "cuda"), ("NVIDIA GH200 480GB", "cuda"), ("NVIDIA RTX A4000", "cuda"),
+    ("NVIDIA GB200", "cuda"),
 ])
 def test_profile_is_named_by_the_whole_model_number(device_name, profile):
     assert profile_name(device_name) == profile

@@ -193,6 +193,6 @@ def test_every_signature_names_a_real_channel():
     assert set(WARNING_SIGNATURES) == {"response-key-not-found", "checkpoint-inputs-no-grad",
                                        "gemma2-eager-attention", "linear4bit-input-dtype",
                                        "generation-keyword-missing", "mistral-regex-warning",  # issue 21's
-                                       "prompt-not-a-prefix"}
+                                       "prompt-not-a-prefix", "cuda-arch-not-compatible"}
     assert {s.source for s in WARNING_SIGNATURES.values()} == {"warnings", "logging:transformers",
                                                                "logging:bitsandbytes", "logging:trl"}

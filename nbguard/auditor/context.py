@@ -126,6 +126,13 @@ class AuditContext:
         return read_unsloth(self.model, self.trainer, self.args)
 
     @cached_property
+    def cuda_build(self):
+        """What this environment's torch and CUDA extensions carry kernels for (introspect/cuda_archs.py)."""
+        from ..introspect.cuda_archs import read_cuda_build
+
+        return read_cuda_build()
+
+    @cached_property
     def is_peft(self) -> bool:
         return hasattr(self.model, "peft_config") or any(
             c.__module__.startswith("peft.") for c in type(self.model).__mro__

@@ -587,3 +587,61 @@ def vlm_image_tokens_mismatch(exc):
     )
     return _diagnosis("vlm-image-tokens-mismatch", exc, "image tokens and image features do not match", detail,
                       image_tokens=tokens, image_features=features)
+
+
+# The CUDA runtime's error, raised by torch (c10) and by any extension's first kernel launch on a GPU
+# its build carries no kernels for: "CUDA error: no kernel image is available for execution on the device"
+_EXTENSION_PACKAGES = {"bitsandbytes": "bitsandbytes", "flash_attn": "flash-attn", "xformers": "xformers"}
+
+
+def _package_in_traceback(exc: BaseException) -> str | None:
+    """The innermost CUDA extension package the traceback went through, if any."""
+    found, tb = None, exc.__traceback__
+    while tb is not None:
+        module = str(tb.tb_frame.f_globals.get("__name__", ""))
+        found = _EXTENSION_PACKAGES.get(module.split(".", 1)[0], found)
+        tb = tb.tb_next
+    return found
+
+
+def _this_gpu_and_build() -> tuple[object, object] | tuple[None, None]:
+    try:
+        from ..hardware import detect
+        from ..introspect.cuda_archs import read_cuda_build
+
+        hardware = detect()
+        return (hardware, read_cuda_build()) if hardware.device_type == "cuda" else (None, None)
+    except Exception:  # a CUDA context broken by the error itself: explain without the machine's facts
+        return None, None
+
+
+@rule("cuda-no-kernel-image")
+def cuda_no_kernel_image(exc):
+    """The CUDA runtime found no kernel for this GPU's architecture in torch or an extension: a build made before the GPU (Blackwell sm_100/sm_120 on a CUDA 12.6 build) or after it was dropped (sm_70 from CUDA 12.8+ builds)."""
+    if "no kernel image is available for execution on the device" not in str(exc):
+        return None
+    package = _package_in_traceback(exc)
+    hardware, build = _this_gpu_and_build()
+    evidence: dict = {"raised_in": package or "torch"}
+    here = ""
+    if hardware is not None and hardware.compute_capability is not None:
+        cc = hardware.compute_capability
+        sm = f"sm_{cc[0]}{cc[1]}"
+        evidence.update(gpu=hardware.display_name, compute_capability=f"{cc[0]}.{cc[1]}",
+                        torch=build.torch_version, torch_arch_list=[code.label for code in build.torch_codes])
+        here = f" This machine's {hardware.display_name} is {sm}; torch {build.torch_version} carries " \
+               f"{' '.join(evidence['torch_arch_list']) or 'no CUDA kernels'}."
+        if package is None and not build.torch_runs_on(cc):
+            from ..introspect.cuda_archs import torch_remedy
+
+            here += " " + torch_remedy(build, cc)
+    who = f"{package}'s compiled kernels" if package else "the installed torch (or an extension it called)"
+    detail = (
+        f"A CUDA kernel was launched on a GPU that {who} carry no code for. Every build is compiled for a list of "
+        "GPU architectures: builds made with CUDA 12.6 and older stop at sm_90 (Hopper), so Blackwell GPUs (B200 "
+        "sm_100, RTX 50xx sm_120) need builds made with CUDA 12.8 or newer; builds for CUDA 12.8 and newer dropped "
+        f"Volta (V100, sm_70).{here} Install builds that carry the GPU's architecture (torch from the cu128 index or "
+        "newer for Blackwell; bitsandbytes >= 0.45.3; a flash-attn or xformers wheel built for that CUDA), then "
+        "restart the kernel. %precision_check names each installed build that lacks it before training.")
+    return _diagnosis("cuda-no-kernel-image", exc, f"no CUDA kernels for this GPU in {package or 'torch'}",
+                      detail, **evidence)

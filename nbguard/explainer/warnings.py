@@ -154,6 +154,42 @@ def linear4bit_input_dtype(text: str, origin: str):
         input_dtype=match.group("input"), compute_dtype=match.group("compute"))
 
 
+# torch.cuda (_check_cubins and, in newer releases, _warn_unsupported_code) on a GPU the torch build has no
+# kernels for: "NVIDIA GeForce RTX 5090 with CUDA capability sm_120 is not compatible with the current PyTorch
+# installation. The current PyTorch install supports CUDA capabilities sm_50 ... sm_90." / "Found GPU0 NVIDIA
+# GeForce RTX 5090 which is of compute capability (CC) 12.0. ... does not include kernels for this GPU."
+_ARCH_OLD = re.compile(r"(?P<gpu>\S.*?) with CUDA capability sm_(?P<sm>\d+) is not compatible with the current PyTorch "
+                       r"installation\.\s*The current PyTorch install supports CUDA capabilities (?P<archs>[^.\n]*)")
+_ARCH_NEW = re.compile(r"Found GPU\d+ (?P<gpu>.+?) which is of compute capability \(CC\) (?P<major>\d+)\.(?P<minor>\d+)\."
+                       r".*?(?:does not include kernels for this GPU|No published PyTorch CUDA builds)", re.S)
+_ARCH_INSTALL = re.compile(r"pip install torch==\S+ --index-url \S+")
+
+
+@warning_signature("cuda-arch-not-compatible", source="warnings")
+def cuda_arch_not_compatible(text: str, origin: str):
+    """torch warns at start-up that the GPU's architecture (e.g. sm_120, an RTX 50xx) is not in its build ("is not compatible with the current PyTorch installation"): every CUDA op will fail with "no kernel image is available"."""
+    old, new = _ARCH_OLD.search(text), _ARCH_NEW.search(text)
+    if old is None and new is None:
+        return None
+    if old is not None:
+        gpu, sm, built = old.group("gpu").strip(), f"sm_{old.group('sm')}", old.group("archs").split()
+    else:
+        gpu, sm, built = new.group("gpu").strip(), f"sm_{new.group('major')}{new.group('minor')}", []
+    install = _ARCH_INSTALL.findall(text)
+    return _diagnosis(
+        "cuda-arch-not-compatible", text, origin,
+        f"the installed torch has no kernels for the {gpu} ({sm}): every CUDA op on it will fail",
+        f"torch warns when it starts on a GPU whose architecture ({sm}) its build carries no kernels for; the first "
+        "CUDA op then raises \"no kernel image is available for execution on the device\". Builds made with CUDA "
+        "12.6 and older stop at sm_90, so Blackwell GPUs (B200 sm_100, RTX 50xx sm_120) need a torch from the cu128 "
+        "index or newer; builds for CUDA 12.8 and newer dropped Volta (sm_70). "
+        + (f"torch names the build to install: {install[0]}. " if install else
+           "Install a torch built for a CUDA version that carries it (pip install torch --index-url "
+           "https://download.pytorch.org/whl/cu128 for Blackwell). ")
+        + "Then restart the kernel: torch is already loaded.",
+        gpu=gpu, compute_capability=sm, torch_arch_list=built, install=install)
+
+
 # transformers.utils.chat_template_utils: logger.warning_once("return_assistant_tokens_mask==True but chat template
 # does not contain `{% generation %}` keyword.")
 @warning_signature("generation-keyword-missing", source="logging:transformers")

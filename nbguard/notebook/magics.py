@@ -147,7 +147,7 @@ class NbguardMagics(Magics):
                    "one top-level model)")
     @argument("--hardware", metavar="NAME", default=None,
               help="audit for this GPU instead of this machine: cpu, t4, v100, a10g, l4, a100, rtx3090, "
-                   "rtx4090, h100, h200")
+                   "rtx4090, h100, h200, b200, rtx5090")
     @argument("--probe", action="store_true",
               help="also run one forward/backward pass and check activations against the fp16 limit")
     @argument("--batch", metavar="NAME", default=None,

@@ -6,6 +6,7 @@ from . import (  # noqa: F401  (registers them)
     bos,
     cache,
     chat_loss,
+    cuda_arch,
     ddp_checkpointing,
     dry_forward,
     embeddings,
