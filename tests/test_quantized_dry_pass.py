@@ -218,3 +218,43 @@ def test_verify_says_why_the_fix_is_not_run_on_a_step(float8_on_cpu):
     if not torch.cuda.is_available():  # the step verify captures runs a backward torch cannot take on CPU
         [error] = [f for f in result.findings if f.rule == "verify-error"]
         assert "derivative for aten::_scaled_mm is not implemented" in error.evidence["exception"]
+
+
+def test_lora_on_float8_names_the_base_layer(float8_on_cpu):
+    """The case of pytorch/ao#3356: LoRA adapters on a per-row float8 model (PEFT wraps each Float8Tensor Linear)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(float8_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    batch = tiny_batch(pad_rows=1)
+    expected = first_nonfinite_module(model, batch)
+    assert expected == "base_model.model.model.layers.0.self_attn.q_proj.base_layer"
+    [found] = run_rule(model, batch)
+    assert found.evidence["module"] == expected
+    assert found.evidence["quantization"] == "torchao Float8Tensor per-row, activation_value_lb None"
+    assert found.fixes == ["float8-activation-lb"]
+    nbguard.fixes.apply("float8-activation-lb", model=model)
+    assert first_nonfinite_module(model, batch) is None
+
+
+class PaddedRows(torch.utils.data.Dataset):
+    """Eight rows of 16 tokens, the last two padding only (attention_mask 0, labels -100)."""
+
+    def __init__(self):
+        batch = tiny_batch(8, 16, pad_rows=2)
+        self.rows = [{k: v[i] for k, v in batch.items()} for i in range(8)]
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return self.rows[index]
+
+
+def test_takes_the_trainers_padded_batch(float8_on_cpu, tmp_path):
+    from audit_helpers import make_args
+    from transformers import Trainer
+
+    trainer = Trainer(model=float8_llama(), args=make_args(tmp_path), train_dataset=PaddedRows())
+    found = quantized_dry_pass_nonfinite(AuditContext(model=trainer.model, trainer=trainer, args=trainer.args))
+    assert found.evidence["batch_source"] == "trainer" and found.evidence["padded_rows"]
+    assert found.evidence["module"] == "model.layers.0.self_attn.q_proj"
