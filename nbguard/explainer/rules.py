@@ -9,6 +9,8 @@ import re
 from collections.abc import Callable
 
 from .. import fixes as fix_registry
+from ..hardware import Hardware, detect
+from ..introspect.cuda_archs import CudaBuild, read_cuda_build, torch_remedy
 from .diagnosis import Diagnosis, exception_text
 from .frames import ModelFacts, model_facts
 from .match import normalised
@@ -604,36 +606,33 @@ def _package_in_traceback(exc: BaseException) -> str | None:
     return found
 
 
-def _this_gpu_and_build() -> tuple[object, object] | tuple[None, None]:
+def _this_gpu_and_build() -> tuple[Hardware, CudaBuild] | None:
+    """This machine's GPU and builds, or None without a GPU (or when the broken CUDA context cannot say)."""
     try:
-        from ..hardware import detect
-        from ..introspect.cuda_archs import read_cuda_build
-
         hardware = detect()
-        return (hardware, read_cuda_build()) if hardware.device_type == "cuda" else (None, None)
+        return (hardware, read_cuda_build()) if hardware.compute_capability is not None else None
     except Exception:  # a CUDA context broken by the error itself: explain without the machine's facts
-        return None, None
+        return None
 
 
 @rule("cuda-no-kernel-image")
-def cuda_no_kernel_image(exc):
+def cuda_no_kernel_image(exc: BaseException) -> Diagnosis | None:
     """The CUDA runtime found no kernel for this GPU's architecture in torch or an extension: a build made before the GPU (Blackwell sm_100/sm_120 on a CUDA 12.6 build) or after it was dropped (sm_70 from CUDA 12.8+ builds)."""
     if "no kernel image is available for execution on the device" not in str(exc):
         return None
     package = _package_in_traceback(exc)
-    hardware, build = _this_gpu_and_build()
+    machine = _this_gpu_and_build()
     evidence: dict = {"raised_in": package or "torch"}
     here = ""
-    if hardware is not None and hardware.compute_capability is not None:
-        cc = hardware.compute_capability
+    if machine is not None and machine[0].compute_capability is not None:
+        hardware, build = machine
+        cc = machine[0].compute_capability
         sm = f"sm_{cc[0]}{cc[1]}"
         evidence.update(gpu=hardware.display_name, compute_capability=f"{cc[0]}.{cc[1]}",
                         torch=build.torch_version, torch_arch_list=[code.label for code in build.torch_codes])
         here = f" This machine's {hardware.display_name} is {sm}; torch {build.torch_version} carries " \
                f"{' '.join(evidence['torch_arch_list']) or 'no CUDA kernels'}."
         if package is None and not build.torch_runs_on(cc):
-            from ..introspect.cuda_archs import torch_remedy
-
             here += " " + torch_remedy(build, cc)
     who = f"{package}'s compiled kernels" if package else "the installed torch (or an extension it called)"
     detail = (

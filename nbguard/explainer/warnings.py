@@ -169,10 +169,10 @@ _ARCH_INSTALL = re.compile(r"pip install torch==\S+ --index-url \S+")
 def cuda_arch_not_compatible(text: str, origin: str):
     """torch warns at start-up that the GPU's architecture (e.g. sm_120, an RTX 50xx) is not in its build ("is not compatible with the current PyTorch installation"): every CUDA op will fail with "no kernel image is available"."""
     old, new = _ARCH_OLD.search(text), _ARCH_NEW.search(text)
-    if old is None and new is None:
-        return None
     if old is not None:
         gpu, sm, built = old.group("gpu").strip(), f"sm_{old.group('sm')}", old.group("archs").split()
+    elif new is None:
+        return None
     else:
         gpu, sm, built = new.group("gpu").strip(), f"sm_{new.group('major')}{new.group('minor')}", []
     install = _ARCH_INSTALL.findall(text)

@@ -20,7 +20,7 @@ def _target_experts(target: Target, patterns: list[str] | None = None, **_: Any)
     patterns = sorted(patterns) if patterns else _expert_patterns(model)
     if not patterns:
         return {}
-    tuner = getattr(model, "base_model", None)
+    tuner: Any = getattr(model, "base_model", None)
     adapter = getattr(model, "active_adapter", None)
     configs = getattr(model, "peft_config", None)
     if not callable(getattr(tuner, "inject_adapter", None)) or not isinstance(configs, dict) or adapter not in configs:
