@@ -32,7 +32,7 @@ VENV := .venv
 COLAB_VENV := .venv-colab
 TF450_VENV := .venv-tf450
 NEWEST_VENV := .venv-newest
-EXTRAS := hf,test,browser,trackers,docs
+EXTRAS := hf,test,quant,browser,trackers,docs
 # How many times test-loaded runs the multi-rank tests under load (three in a row before a stop).
 RUNS ?= 1
 # pytest workers per lane (pytest-xdist; 0: one process). A test file stays on one worker.
