@@ -11,6 +11,7 @@ import random
 import numpy
 import pytest
 import torch
+from report_helpers import _first_nonfinite
 
 pytest.importorskip("torchao", reason="torchao is installed in the main lane only (pyproject extra 'quant')")
 import torchao.quantization.quant_api as quant_api  # noqa: E402
@@ -44,21 +45,8 @@ def float8_llama(lb=None):
 
 def first_nonfinite_module(model, batch) -> str | None:
     """Independently of nbguard: the first module, in execution order, whose output holds NaN/Inf."""
-    names = {m: n for n, m in model.named_modules()}
-    seen: list[str] = []
-
-    def post(module, args, output):
-        if isinstance(output, torch.Tensor) and output.is_floating_point() and not torch.isfinite(output).all():
-            seen.append(names[module])
-
-    handles = [m.register_forward_hook(post) for m in names]
-    try:
-        with torch.no_grad():
-            model(**batch)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen[0] if seen else None
+    origin = _first_nonfinite(model, batch)
+    return origin.module if origin is not None else None
 
 
 def run_rule(model, batch=None):
