@@ -194,3 +194,17 @@ def test_no_kernel_image_from_torch_itself_names_torch():
     assert diagnosis is not None and diagnosis.title == "no CUDA kernels for this GPU in torch"
     assert diagnosis.evidence == {"raised_in": "torch"}
     assert getattr(nbguard.explain(RuntimeError("CUDA error: out of memory")), "signature", None) != "cuda-no-kernel-image"
+
+
+def test_the_scan_skips_padding_to_the_next_aligned_container():
+    import io
+    import struct
+
+    from nbguard.introspect.cuda_archs import _next_magic
+
+    magic = struct.pack("<I", 0xBA55ED50)
+    data = bytes(20) + magic + bytes(8) + magic + bytes(16)  # the first copy sits at 20: not 8-byte aligned
+    assert _next_magic(io.BytesIO(data), 8, len(data)) == 32
+    assert _next_magic(io.BytesIO(data), 8, len(data), chunk=8) == 32  # found across chunk edges too
+    assert _next_magic(io.BytesIO(data), 36, len(data)) == len(data)
+    assert _next_magic(io.BytesIO(bytes(64)), 0, 64) == 64

@@ -67,6 +67,21 @@ def _sections(handle) -> dict[str, tuple[int, int]]:
     return {names[h[0]:names.index(b"\0", h[0])].decode(errors="replace"): (h[4], h[5]) for h in headers}
 
 
+def _next_magic(handle, position: int, end: int, chunk: int = 1 << 20) -> int:
+    """The offset of the next fatbin container (8-byte aligned) at or after ``position``, else ``end``."""
+    magic = struct.pack("<I", _FATBIN_MAGIC)
+    while position < end:
+        handle.seek(position)
+        data = handle.read(min(chunk, end - position) + 3)
+        found = data.find(magic)
+        while found != -1 and (position + found) % 8:
+            found = data.find(magic, found + 1)
+        if found != -1:
+            return position + found
+        position += chunk
+    return end
+
+
 def fatbin_codes(path: str | os.PathLike) -> tuple[KernelCode, ...]:
     """The architectures a CUDA shared library carries kernels for (empty: none, e.g. a CPU build)."""
     codes: set[KernelCode] = set()
@@ -76,8 +91,8 @@ def fatbin_codes(path: str | os.PathLike) -> tuple[KernelCode, ...]:
         while position + 16 <= end:
             handle.seek(position)
             magic, _version, header_size, body_size = struct.unpack("<IHHQ", handle.read(16))
-            if magic != _FATBIN_MAGIC:  # containers are 8-byte aligned; padding between them
-                position += 8
+            if magic != _FATBIN_MAGIC:  # padding between containers: jump to the next magic
+                position = _next_magic(handle, position + 8, end)
                 continue
             entry, body_end = position + header_size, position + header_size + body_size
             while entry + 32 <= body_end:
