@@ -256,3 +256,6 @@ def test_data_that_got_harder_is_reported_not_rewound():
     assert check["damaged"] is False and check["snapshot_loss"] > 0.5 * check["current_loss"] > 1
     assert first.evidence["rewind"]["restored"] is False and "does no better" in first.evidence["rewind"]["reason"]
     assert not [e for e in watch.events if e.kind == "rewind"]
+    # the diagnosis says so: the batch, not the learning rate; clipping (which bounds one batch) offered first
+    assert "the batch's rows, not the weights or the learning rate, are the likely cause" in first.message
+    assert first.evidence["fixes"][0] == "enable-grad-clipping" and "lower-learning-rate" in first.evidence["fixes"]

@@ -376,6 +376,7 @@ class Rewinder:
                         f"this step's batch (loss {judged['snapshot_loss']:.4g}, the current weights "
                         f"{judged['current_loss']:.4g}): the batch exploded, not the weights; its update was dropped, "
                         "nothing to undo"}
+                    _blame_the_batch(event, judged)
                     return
         if self.rewinds >= self.settings.max_rewinds:
             last = snapshot
@@ -562,3 +563,14 @@ def _lrs(values: list[Any]) -> str:
     shown = sorted({float(v) for v in values})
     text = ", ".join(f"{v:.3g}" for v in shown[:3])
     return text if len(shown) == 1 else f"[{text}{', ...' if len(shown) > 3 else ''}]"
+
+
+def _blame_the_batch(event: Event, judged: dict[str, Any]) -> None:
+    """The damage check cleared the weights: the event says the batch is the trouble, and offers gradient
+    clipping (which bounds what one batch can do) before the learning-rate fixes the run checks put first."""
+    event.message += (f"; the state after step {judged['snapshot_after_step']} does no better on this batch (loss "
+                      f"{judged['snapshot_loss']:.4g}, now {judged['current_loss']:.4g}): the batch's rows, not the "
+                      "weights or the learning rate, are the likely cause")
+    fixes = event.evidence.get("fixes")
+    if isinstance(fixes, list) and "enable-grad-clipping" in fixes:
+        event.evidence["fixes"] = ["enable-grad-clipping"] + [f for f in fixes if f != "enable-grad-clipping"]
