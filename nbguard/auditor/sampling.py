@@ -61,7 +61,7 @@ def _tensor_batch(batch: Any) -> dict[str, torch.Tensor] | None:
     return out or None
 
 
-def _forget_loader(trainer: Any, loader: Any) -> None:
+def forget_loader(trainer: Any, loader: Any) -> None:
     """Undo what ``accelerator.prepare`` and a half-consumed ``DataLoaderShard`` left behind."""
     end = getattr(loader, "end", None)
     if callable(end):  # an unfinished iteration stays the accelerator's "active dataloader" otherwise
@@ -98,7 +98,7 @@ def sample_trainer_batches(trainer: Any, count: int = SAMPLE_BATCHES) -> BatchSa
             if callable(close):
                 close()
             del iterator  # shuts down worker processes, if any
-            _forget_loader(trainer, loader)
+            forget_loader(trainer, loader)
     if not batches:
         return BatchSample(source="trainer", note="the trainer's dataloader gave no batch of tensors")
     return BatchSample(batches=batches, source="trainer")

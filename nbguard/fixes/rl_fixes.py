@@ -184,8 +184,8 @@ def _raise_temperature(target, temperature: float = 1.2, **_):
 
 def _raise_temperature_code(names, temperature: float = 1.2, **_):
     temperature = _check_positive("temperature", temperature, 4.0)
-    return f"""# The policy narrowed onto a few answers while its reward stayed flat (entropy or completion length
-# collapsed): sample hotter, so a prompt's completions differ again and their rewards can teach.
+    return f"""# Sample hotter, so a prompt's completions differ and their rewards can teach: the policy narrowed onto a
+# few answers (entropy or completion length collapsed), or sampling too cold gave every group equal rewards.
 # GRPOTrainer/RLOOTrainer read the temperature when they are built: build the trainer again from these
 # args (pass it the same model: the policy keeps its weights). The logged `entropy` rises at once.
 {names.args}.temperature = max({names.args}.temperature, {temperature!r})

@@ -410,7 +410,10 @@ def _number(value: Any) -> float | None:
 
 
 KIND_FIXES = {"nonfinite-reward": ["finite-rewards"], "ratio-mismatch": ["disable-dropout"],
-              "policy-collapse": ["raise-temperature", "add-entropy-bonus"]}
+              "policy-collapse": ["raise-temperature", "add-entropy-bonus"],
+              # equal rewards in every group from sampling too cold for a group's completions to differ;
+              # nbguard.verify(event) samples a generation under it (verifier/generation.py)
+              "no-learning-signal": ["raise-temperature"]}
 
 
 class TRLChecks:
