@@ -2,6 +2,7 @@
 generation step can verify: raise-temperature, sampled on a shadow of the real trainer with TRL's own code."""
 from __future__ import annotations
 
+import pytest
 import torch
 from rl_helpers import grpo_trainer, length_reward
 
@@ -37,9 +38,10 @@ def _same(before, after):
     assert all(torch.equal(a, b) for a, b in zip(weights, weights_after)) and torch.equal(rng, rng_after)
 
 
-def test_sampling_too_cold_is_fixed_by_a_higher_temperature_verified_on_a_generation(tmp_path):
+@pytest.mark.parametrize("rloo", [False, True], ids=["grpo", "rloo"])
+def test_sampling_too_cold_is_fixed_by_a_higher_temperature_verified_on_a_generation(tmp_path, rloo):
     # near-greedy: each prompt's four completions are the same text, so their length rewards are equal
-    trainer = grpo_trainer(tmp_path, reward_funcs=[length_reward], temperature=1e-3, max_steps=4)
+    trainer = grpo_trainer(tmp_path, reward_funcs=[length_reward], temperature=1e-3, max_steps=4, rloo=rloo)
     watch, event = _run(trainer)
     assert event.evidence["fixes"] == ["raise-temperature"]
     logged = [h["frac_reward_zero_std"] for h in trainer.state.log_history if "frac_reward_zero_std" in h]
@@ -74,8 +76,6 @@ def test_a_reward_that_scores_everything_alike_is_not_fixed_by_sampling(tmp_path
 
 
 def test_an_event_without_its_trainer_is_refused_by_name():
-    import pytest
-
     from nbguard.findings import Event
 
     with pytest.raises(ValueError, match="verified on a generation of its trainer: pass trainer="):
