@@ -91,6 +91,9 @@ FLASH_TRANSFORMERS = ("FlashAttention4 has been toggled on, but it cannot be use
                       "FlashAttention4 requires compute capability >= 9, but found (8, 0) with compute capability 8.x")
 SRC_INDEX = ("../aten/src/ATen/native/cuda/Indexing.cu:1289: indexSelectLargeIndex: block: [0,0,0], thread: [0,0,0] "
              "Assertion `srcIndex < srcSelectDimSize` failed.")
+# the CUDA runtime's error on a GPU the build has no kernels for (a CUDA 12.6 torch on an RTX 5090)
+NO_KERNEL = ("CUDA error: no kernel image is available for execution on the device\nCUDA kernel errors might be "
+             "asynchronously reported at some other API call, so the stacktrace below might be incorrect.")
 DEVICE_ASSERT = ("CUDA error: device-side assert triggered\nCUDA kernel errors might be asynchronously reported at "
                  "some other API call, so the stacktrace below might be incorrect.\nFor debugging consider passing "
                  "CUDA_LAUNCH_BLOCKING=1")
@@ -102,6 +105,7 @@ CASES = {
     "softcap-unsupported-attention": softcap_with_sdpa,
     "token-ids-out-of-range": embedding_out_of_range,
     "trl-reward-count-mismatch": grpo_reward_count,
+    "cuda-no-kernel-image": message(RuntimeError, NO_KERNEL),
 }
 # Signatures widened in this issue, with the new message they must recognise.
 WIDENED = {
@@ -110,7 +114,7 @@ WIDENED = {
     "token-ids-out-of-range": message(RuntimeError, DEVICE_ASSERT),
     "matmul-dtype-mismatch": mixed_dtype_model,
 }
-EXACT = [UNSCALE_BF16, ADDMM_HALF, VLLM_BF16, FLASH_AMPERE, FLASH_TRANSFORMERS, SRC_INDEX, DEVICE_ASSERT,
+EXACT = [UNSCALE_BF16, ADDMM_HALF, VLLM_BF16, FLASH_AMPERE, FLASH_TRANSFORMERS, SRC_INDEX, DEVICE_ASSERT, NO_KERNEL,
          "value cannot be converted to type at::Half without overflow",
          "expected mat1 and mat2 to have the same dtype, but got: c10::Half != float",
          "element 0 of tensors does not require grad and does not have a grad_fn"]

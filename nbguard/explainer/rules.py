@@ -593,6 +593,7 @@ def vlm_image_tokens_mismatch(exc):
 
 # The CUDA runtime's error, raised by torch (c10) and by any extension's first kernel launch on a GPU
 # its build carries no kernels for: "CUDA error: no kernel image is available for execution on the device"
+_NO_KERNEL_IMAGE = re.compile(r"no kernel image is available for execution on the device")
 _EXTENSION_PACKAGES = {"bitsandbytes": "bitsandbytes", "flash_attn": "flash-attn", "xformers": "xformers"}
 
 
@@ -618,7 +619,7 @@ def _this_gpu_and_build() -> tuple[Hardware, CudaBuild] | None:
 @rule("cuda-no-kernel-image")
 def cuda_no_kernel_image(exc: BaseException) -> Diagnosis | None:
     """The CUDA runtime found no kernel for this GPU's architecture in torch or an extension: a build made before the GPU (Blackwell sm_100/sm_120 on a CUDA 12.6 build) or after it was dropped (sm_70 from CUDA 12.8+ builds)."""
-    if "no kernel image is available for execution on the device" not in str(exc):
+    if not match(_NO_KERNEL_IMAGE, str(exc)):
         return None
     package = _package_in_traceback(exc)
     machine = _this_gpu_and_build()

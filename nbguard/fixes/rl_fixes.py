@@ -222,6 +222,33 @@ register(Fix("add-entropy-bonus", "Add an entropy bonus",
              _entropy_bonus, _entropy_bonus_code, needs="args"))
 
 
+# ---- lower-beta -------------------------------------------------------------------------------
+def _lower_beta(target, beta: float = 0.01, **_):
+    beta = _check_positive("beta", beta, 10.0)
+    args = _rl_args(target, "lower-beta", "beta")
+    old = args.beta
+    if old <= beta:  # already as low: keep the user's
+        return {}
+    args.beta = beta
+    return {"args.beta": f"{old} -> {beta} ({REBUILD})"}
+
+
+def _lower_beta_code(names, beta: float = 0.01, **_):
+    beta = _check_positive("beta", beta, 10.0)
+    return f"""# The preference loss is ~0 from the first step: beta x (the policy's log-ratio margin to its reference)
+# is so large that the sigmoid is saturated and the gradient vanishes (a reference far from the policy, or
+# beta too large). A smaller beta brings the loss back where it has a gradient; a reference made from the
+# policy's own starting weights is the other cure. DPOTrainer/KTOTrainer read beta when they are built:
+# build the trainer again from these args (pass it the same model and reference).
+{names.args}.beta = min({names.args}.beta, {beta!r})
+"""
+
+
+register(Fix("lower-beta", "Lower the preference beta",
+             "Set DPOConfig/KTOConfig's beta (default 0.01) so beta x the log-ratio margin no longer saturates the loss.",
+             _lower_beta, _lower_beta_code, needs="args"))
+
+
 # ---- full-vocabulary-sampling ----------------------------------------------------------------
 TRUNCATION = {"top_p": 1.0, "top_k": 0, "min_p": None}  # GRPOConfig's defaults: nothing cut from the distribution
 

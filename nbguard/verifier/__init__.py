@@ -20,15 +20,16 @@ from ..step.precision import PrecisionUnavailable, args_mixed_precision, trainer
 from ..step.targets import resolve_targets
 from .candidates import CAUSE_FIXES, for_event, with_options
 from .engine import verify_step
-from .generation import verify_generation
 from .reaudit import merged, reaudit_verdicts, split_by_reaudit
 from .result import NOT_CHECKED, NOT_ENOUGH, VERDICTS, VERIFIED, FixVerdict, ModuleCheck, StepEvidence, Verification
+from .rl_signal import PROBES, verify_rl_signal
 
 AUTO_MAX_STEP_RUNS = 2  # plus the module level: automatic verification stays within 3 step times
 # GradScaler overflows: "skipped-steps" (a streak), and "scaler-skip" (each skipped step; branch stacks adds it)
 VERIFIABLE_KINDS = ("nonfinite-loss", "nonfinite-grad", "skipped-steps", "scaler-skip")
-# events no backward can prove a fix for: their sampling fixes are verified on a generation (generation.py)
-GENERATION_KINDS = ("no-learning-signal",)
+# events no backward can prove a fix for: their settings fixes are verified on the trainer's first batch
+# (a generation, a preference loss: rl_signal.py)
+RL_SIGNAL_KINDS = tuple(PROBES)
 
 
 def _subject_of_event(event: Any) -> str:
@@ -86,16 +87,16 @@ def verify(subject: Any, fix_id: str | None = None, *, model: Any = None, batch:
         fix_registry.get(fix_id)  # an unknown id: the error lists the valid ones
     if options is not None and not isinstance(options, dict):
         raise TypeError(f"options must be a dict of fix id -> options, got {type(options).__name__}")
-    if isinstance(subject, Event) and subject.kind in GENERATION_KINDS:
-        watch = watch if watch is not None else next((w for w in SESSION.watches if subject in w.events), None)
+    if isinstance(subject, Event) and subject.kind in RL_SIGNAL_KINDS:
+        watch = watch if watch is not None else next((w for w in SESSION.watches if subject in getattr(w, "events", ())), None)
         trainer = trainer if trainer is not None else getattr(watch, "trainer", None)
         if trainer is None:
-            raise ValueError(f"a {subject.kind} event's fixes are verified on a generation of its trainer: pass "
-                             "trainer= (the GRPOTrainer or RLOOTrainer that ran)")
+            raise ValueError(f"a {subject.kind} event's fixes are verified on its trainer's first batch: pass "
+                             "trainer= (the TRL trainer that ran)")
         fix_ids = [fix_id] if fix_id else list(subject.evidence.get("fixes") or [])
         given = options or {}
-        return _recorded(verify_generation(
-            f"step {subject.step} {subject.kind}", trainer, fix_ids,
+        return _recorded(verify_rl_signal(
+            subject.kind, f"step {subject.step} {subject.kind}", trainer, fix_ids,
             {f: {**fix_registry.get(f).options_for(hardware), **given.get(f, {})} for f in fix_ids},
             SESSION.fix_names("trainer")))
     if isinstance(subject, Event):

@@ -189,7 +189,7 @@ class PreferenceChecks:
             return [("no-preference-signal", f"the preference loss is already {loss:.3g} at the first logged step: "
                      f"the sigmoid is saturated, so the gradient is ~0 (a reference model far from the policy, "
                      f"or beta too large)", {"reason": "loss-near-zero-at-start", "loss": loss, "step": step,
-                                             "rewards/margins": margins, "beta_hint": "lower beta"})]
+                                             "rewards/margins": margins, "fixes": ["lower-beta"]})]
         if margins != 0.0:
             self.flat_logs = []
             return []
@@ -412,7 +412,7 @@ def _number(value: Any) -> float | None:
 KIND_FIXES = {"nonfinite-reward": ["finite-rewards"], "ratio-mismatch": ["disable-dropout"],
               "policy-collapse": ["raise-temperature", "add-entropy-bonus"],
               # equal rewards in every group from sampling too cold for a group's completions to differ;
-              # nbguard.verify(event) samples a generation under it (verifier/generation.py)
+              # nbguard.verify(event) samples a generation under it (verifier/rl_signal.py)
               "no-learning-signal": ["raise-temperature"]}
 
 
