@@ -140,3 +140,19 @@ def test_a_margin_too_large_for_the_lower_beta_is_not_enough(tmp_path):
     # a lower beta still: verified (measured 1.96e-44 -> 0.201), the option reaches the shadow and the cell
     verdict = nbguard.verify(event, options={"lower-beta": {"beta": 0.001}}).verdict("lower-beta")
     assert verdict.verdict == "verified" and "min(trainer.args.beta, 0.001)" in verdict.code
+
+
+def test_a_trainer_whose_code_refuses_the_shadow_gets_not_checked_never_an_exception(tmp_path, monkeypatch):
+    trainer = _far_reference_dpo(tmp_path, max_steps=3)
+    watch = nbguard.watch(trainer, verify=False)
+    trainer.train()
+    (event,) = [e for e in watch.events if e.kind == "no-preference-signal"]
+
+    def refuses(self, *args, **kwargs):
+        raise RuntimeError("this TRL cannot run a copied trainer")
+
+    monkeypatch.setattr(type(trainer), "compute_loss", refuses)
+    verdict = nbguard.verify(event).verdict("lower-beta")
+    assert verdict.verdict == "not checked"
+    assert verdict.reason == ("the trainer's first batch could not be run on a shadow: RuntimeError: this TRL cannot "
+                              "run a copied trainer")

@@ -149,9 +149,14 @@ def verify_rl_signal(kind: str, subject: str, trainer: Any, fix_ids: list[str], 
         return Verification(subject, verdicts, step_level=False, seconds=time.perf_counter() - started)
     notes: list[str] = []
     with quiet_watches(trainer.model), preserved_rng():
-        batch = first_train_batch(trainer)
-        state = capture_rng()  # one RNG state for every run below: what differs comes from the fix
-        before = probe.measure(trainer_shadow(trainer), batch)
+        try:
+            batch = first_train_batch(trainer)
+            state = capture_rng()  # one RNG state for every run below: what differs comes from the fix
+            before = probe.measure(trainer_shadow(trainer), batch)
+        except Exception as exc:  # this trainer's TRL code refused the shadow: say so, never raise into the notebook
+            for v in verdicts:
+                v.reason = f"the trainer's first batch could not be run on a shadow: {type(exc).__name__}: {exc}"
+            return Verification(subject, verdicts, step_level=False, seconds=time.perf_counter() - started)
         notes.append(f"without a fix: {probe.metric} {before:.3g} on the trainer's first batch")
         for verdict in verdicts:
             if verdict.fix not in probe.fixes:
@@ -169,7 +174,11 @@ def verify_rl_signal(kind: str, subject: str, trainer: Any, fix_ids: list[str], 
                 continue
             _args_as_built(shadow)
             restore_rng(state)
-            after = probe.measure(shadow, batch)
+            try:
+                after = probe.measure(shadow, batch)
+            except Exception as exc:
+                verdict.reason = f"the first batch raised under the fix: {type(exc).__name__}: {exc}"
+                continue
             verdict.changes[probe.metric] = f"{before:.3g} -> {after:.3g}"
             if probe.failing(after):
                 verdict.verdict = NOT_ENOUGH
