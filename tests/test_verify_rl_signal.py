@@ -128,6 +128,12 @@ def test_a_saturated_dpo_loss_is_fixed_by_a_lower_beta_verified_on_the_preferenc
     # the verified cell is the fix: a trainer built again from the fixed args starts with a loss that has a gradient
     exec(verdict.code, {"trainer": trainer})
     assert trainer.args.beta == 0.01
+    rebuilt = type(trainer)(model=trainer.model, ref_model=trainer.ref_model, args=trainer.args,
+                            train_dataset=trainer.train_dataset, processing_class=trainer.processing_class)
+    again = nbguard.watch(rebuilt, verify=False)
+    rebuilt.train()
+    assert [e.kind for e in again.events] == []
+    assert next(h["loss"] for h in rebuilt.state.log_history if "loss" in h) > 1e-3
 
 
 def test_a_margin_too_large_for_the_lower_beta_is_not_enough(tmp_path):
