@@ -109,7 +109,7 @@ def build_shadow(trainer: Any, model: Any, args: Any, config: bool) -> Shadow:
     return Shadow(shadow, shadow_model, shadow_args, _tokenizer_of(shadow))
 
 
-def _cell(fix_id: str, options: dict[str, Any], names: dict[str, str]) -> tuple[str, str | None]:
+def fix_cell(fix_id: str, options: dict[str, Any], names: dict[str, str]) -> tuple[str, str | None]:
     """(title, the cell) as the audit's own fix cells write it: a trainer's tokenizer is its processing_class."""
     fix = fixes.get(fix_id)
     try:
@@ -139,7 +139,7 @@ def reaudit_verdicts(findings: list[Finding], fix_ids: list[str], options: dict[
     baseline: dict[str, Any] | None = None
     verdicts = []
     for fix_id in fix_ids:
-        title, code = _cell(fix_id, options.get(fix_id, {}), names)
+        title, code = fix_cell(fix_id, options.get(fix_id, {}), names)
         verdict = FixVerdict(fix_id, NOT_CHECKED, "", dict(options.get(fix_id, {})), title, code)
         verdicts.append(verdict)
         if not reauditable(fix_id):

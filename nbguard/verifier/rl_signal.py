@@ -31,6 +31,7 @@ from ..fixes.registry import Target
 from ..introspect.trl import GENERATING, PREFERENCE, TAPPED, trl_stack
 from ..step.capture import capture_rng, restore_rng
 from ..watcher.rl import RLSettings
+from .reaudit import fix_cell
 from .result import NOT_CHECKED, NOT_ENOUGH, VERIFIED, FixVerdict, Verification
 from .shadow import quiet_watches
 
@@ -129,12 +130,8 @@ PROBES = {
 
 
 def _verdict(fix_id: str, options: dict[str, Any], names: dict[str, str]) -> FixVerdict:
-    fix = fix_registry.get(fix_id)
-    try:
-        code = fix_registry.code(fix_id, **names, **options)
-    except ValueError:  # a cell that needs a name the session does not have
-        code = None
-    return FixVerdict(fix_id, NOT_CHECKED, "", dict(options), fix.title, code)
+    title, code = fix_cell(fix_id, options, names)
+    return FixVerdict(fix_id, NOT_CHECKED, "", dict(options), title, code)
 
 
 def verify_rl_signal(kind: str, subject: str, trainer: Any, fix_ids: list[str], options: dict[str, dict[str, Any]],
