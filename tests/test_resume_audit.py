@@ -11,7 +11,8 @@ import nbguard
 from nbguard.testing import TinyDataset, tiny_llama
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-RESUME_RULES = {"resume-checkpoint-incomplete", "resume-batch-changed", "resume-lr-jump", "resume-model-mismatch"}
+RESUME_RULES = {"resume-checkpoint-incomplete", "resume-batch-changed", "resume-lr-jump", "resume-model-mismatch",
+                "checkpoint-pickle-runs-code"}
 
 
 def trainer_for(out, model=None, **overrides):
@@ -73,6 +74,32 @@ def test_a_changed_batch_size_is_flagged(tmp_path, checkpoint):
     f = result.finding("resume-batch-changed")
     assert f is not None
     assert f.evidence["changed"] == {"per_device_train_batch_size": [4, 2], "gradient_accumulation_steps": [1, 2]}
+
+
+class _RunsCode:
+    """What a poisoned checkpoint's pickle holds: unpickling it calls os.system."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+@pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy"])
+def test_auditing_a_poisoned_checkpoint_runs_none_of_its_pickle(tmp_path, checkpoint, zip_format):
+    import torch
+
+    marker = tmp_path / "ran"
+    # the arguments' fields beside the trap, as an attacker would keep the checkpoint looking normal
+    torch.save({"trap": _RunsCode(f"touch {marker}"), "per_device_train_batch_size": 4},
+               checkpoint / "training_args.bin", _use_new_zipfile_serialization=zip_format)
+    result = nbguard.audit(trainer=trainer_for(tmp_path), resume_from_checkpoint=str(checkpoint))
+    assert not marker.exists()
+    f = result.finding("checkpoint-pickle-runs-code")
+    assert f is not None and f.evidence["callables"] == [f"{os.system.__module__}.system"]
+    assert "weights_only=False" in f.detail and str(checkpoint) in f.detail
+    assert resume_rules(result) == {"checkpoint-pickle-runs-code"}  # the rest of the checkpoint is intact
 
 
 def test_a_longer_schedule_makes_the_learning_rate_jump(tmp_path, checkpoint):

@@ -12,9 +12,12 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+from ..introspect.inert_pickle import InertObject, plain, read_torch_save
 
 OPTIMIZER, SCHEDULER, SCALER, STATE, ARGS = "optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin"
 WEIGHTS = ("model.safetensors", "adapter_model.safetensors", "pytorch_model.bin", "adapter_model.bin",
@@ -28,7 +31,8 @@ class CheckpointFacts:
     missing: list[str] = field(default_factory=list)  # files a resume needs that are not there
     unreadable: dict[str, str] = field(default_factory=dict)  # file -> the error loading it gave
     state: dict[str, Any] = field(default_factory=dict)  # trainer_state.json without its log
-    saved_args: Any = None  # the TrainingArguments in training_args.bin
+    saved_args: Any = None  # the TrainingArguments' fields in training_args.bin (a namespace), read inertly
+    args_pickle_calls: list[str] = field(default_factory=list)  # callables training_args.bin would run if unpickled
     scheduler: dict[str, Any] = field(default_factory=dict)  # base_lrs, last_epoch, _last_lr
     optimizer_params: int | None = None  # parameters the saved optimizer state covers
     last_lr_logged: tuple[int, float] | None = None  # (step, learning_rate) of the last log entry with one
@@ -107,11 +111,23 @@ def read_checkpoint(path: str, args: Any, hardware: Any = None) -> CheckpointFac
         except (OSError, ValueError) as exc:
             facts.unreadable["adapter_config.json"] = f"{type(exc).__name__}: {exc}"
     if ARGS in files:
-        try:  # the Trainer pickles its TrainingArguments here; this is the user's own checkpoint
-            facts.saved_args = torch.load(os.path.join(path, ARGS), map_location="cpu", weights_only=False)
-        except Exception as exc:
-            facts.unreadable[ARGS] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        _read_saved_args(os.path.join(path, ARGS), facts)
     return facts
+
+
+def _read_saved_args(path: str, facts: CheckpointFacts) -> None:
+    """The Trainer pickles its TrainingArguments into training_args.bin, and a downloaded checkpoint's pickle can
+    name any callable: it is read with inert stand-ins (nothing it names is imported or run), never torch.load."""
+    try:
+        read = read_torch_save(path)
+    except Exception as exc:  # a truncated or foreign file: not the Trainer's arguments
+        facts.unreadable[ARGS] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        return
+    facts.args_pickle_calls = read.unexpected_callables
+    if isinstance(read.value, InertObject):
+        fields = plain(read.value)
+        if isinstance(fields, dict):
+            facts.saved_args = SimpleNamespace(**fields)
 
 
 def saved_shapes(path: str, files: list[str]) -> dict[str, list[int]] | None:

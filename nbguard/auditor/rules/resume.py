@@ -53,6 +53,23 @@ def resume_checkpoint_incomplete(ctx):
          "optimizer_params": facts.optimizer_params, "trainable_params": trainable})
 
 
+@rule("checkpoint-pickle-runs-code", "error")
+def checkpoint_pickle_runs_code(ctx):
+    """The checkpoint's training_args.bin names callables no saved TrainingArguments needs: unpickling it runs them."""
+    facts = _facts(ctx)
+    if facts is None or not facts.args_pickle_calls:
+        return None
+    calls = facts.args_pickle_calls
+    return finding(
+        "checkpoint-pickle-runs-code", f"training_args.bin would run {', '.join(calls[:3])} when unpickled",
+        f"{facts.path}: training_args.bin is a pickle, and this one names {', '.join(calls[:10])}, which a saved "
+        "TrainingArguments never needs. nbguard read it without running anything, and the Trainer does not load it "
+        "to resume; but torch.load(..., weights_only=False) on it, or any tool that unpickles it, runs that code. "
+        "Do not load this file; resume only from checkpoints you or a source you trust wrote, and delete "
+        "training_args.bin from this one.",
+        {"checkpoint": facts.path, "callables": calls[:20], "callables_count": len(calls)})
+
+
 @rule("resume-batch-changed", "warning")
 def resume_batch_changed(ctx):
     """The batch size or gradient accumulation of the resumed run differ from the checkpoint's run."""
