@@ -5,6 +5,7 @@ cannot hide in a gap of the line.
 """
 from __future__ import annotations
 
+import html
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +29,7 @@ def sparkline_svg(values: Sequence[Any], *, width: int = 240, height: int = 40, 
     drawn = _envelope(vals, width, log)  # at most ~2 points per pixel column: cheap for long runs
     finite = [v for v in vals if v is not None and math.isfinite(v) and (v > 0 or not log)]
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'viewBox="0 0 {width} {height}" role="img" aria-label="{label}">']
+             f'viewBox="0 0 {width} {height}" role="img" aria-label="{html.escape(str(label), quote=True)}">']
     if n and finite:
         tr = (lambda v: math.log10(v)) if log else (lambda v: v)
         lo, hi = min(map(tr, finite)), max(map(tr, finite))
