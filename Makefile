@@ -29,6 +29,9 @@ export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
 VENV := .venv
+# make demo's own venv: nbguard with only what the quickstart needs (no test, docs, browser, quant or tracker
+# extras), so a first run installs a fraction of the development venv.
+DEMO_VENV := .venv-demo
 COLAB_VENV := .venv-colab
 TF450_VENV := .venv-tf450
 NEWEST_VENV := .venv-newest
@@ -39,7 +42,7 @@ RUNS ?= 1
 WORKERS ?= 2
 PYTEST_PARALLEL = -n $(WORKERS) --dist loadfile
 
-.PHONY: demo docs wheel test test-main test-main-parallel test-main-serial test-loaded test-labextension test-colab test-tf450 test-newest lock \
+.PHONY: demo check docs wheel test test-main test-main-parallel test-main-serial test-loaded test-labextension test-colab test-tf450 test-newest lock \
 	install clean lint
 
 install: $(VENV)/.stamp
@@ -83,8 +86,13 @@ $(NEWEST_VENV)/.stamp: pyproject.toml | $(UV)
 	$(UV_INSTALL) -p $(NEWEST_VENV) -e ".[$(EXTRAS)]" -c $(CONSTRAINTS)/torch.txt
 	touch $@
 
-demo: $(VENV)/.stamp
-	$(VENV)/bin/python notebooks/run.py --out build/demo notebooks/00_quickstart.ipynb
+$(DEMO_VENV)/.stamp: pyproject.toml $(CONSTRAINTS)/main.txt | $(UV)
+	$(call new_venv,$(DEMO_VENV))
+	$(UV_INSTALL) -p $(DEMO_VENV) -e ".[hf,demo]" -c $(CONSTRAINTS)/main.txt
+	touch $@
+
+demo: $(DEMO_VENV)/.stamp
+	$(DEMO_VENV)/bin/python notebooks/run.py --out build/demo notebooks/00_quickstart.ipynb
 
 # The site, built strictly (a warning fails it) and offline; the executed quickstart is one of its pages.
 # tests/test_docs.py runs the same build in test-main, beside the check that no registry entry lacks its page.
@@ -177,5 +185,5 @@ test-tf450: $(TF450_VENV)/.stamp
 	$(TF450_VENV)/bin/python -m pytest -m tf450
 
 clean:
-	rm -rf $(VENV) $(COLAB_VENV) $(TF450_VENV) $(NEWEST_VENV) $(UV_TOOL) build dist test-artifacts
+	rm -rf $(VENV) $(DEMO_VENV) $(COLAB_VENV) $(TF450_VENV) $(NEWEST_VENV) $(UV_TOOL) build dist test-artifacts
 	rm -rf labextension/node_modules labextension/lib labextension/build labextension/tsconfig.tsbuildinfo nbguard/labextension
