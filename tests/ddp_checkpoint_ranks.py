@@ -2,6 +2,7 @@
 
 ``python -m torch.distributed.run --nproc_per_node 2 tests/ddp_checkpoint_ranks.py MODE OUT_DIR``; MODE is
 "reentrant" or "non-reentrant". Each rank audits its model, takes one DDP step, and writes rank{N}.json.
+The tests run both modes in one launch, one after the other (ddp_helpers.train_checkpoint_rank, CHECKPOINT_BATCH).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def main(mode: str, out_dir: str) -> None:
     import nbguard
     from nbguard.testing import tiny_batch, tiny_llama
 
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # a scenario before this one in the launch may have started the group
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
@@ -43,9 +45,11 @@ def main(mode: str, out_dir: str) -> None:
     del ddp
     gc.collect()
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     main(sys.argv[1], sys.argv[2])
+    dist.destroy_process_group()

@@ -24,17 +24,31 @@ Scenarios (faults on rank 1 only; rank 0's batches are healthy):
               leaving rank 0 blocked in the step's collective
 ``train_rewind_rank``: an LR blow-up on every rank, for policy rewind across ranks.
 ``train_uneven_rank``: uneven supervised tokens per rank, with and without normalising across ranks.
+
+Several scenarios per launch: a launch costs ~13-17 s of process start-up (torch, transformers,
+accelerate, the gloo group) where a scenario takes under a second, so ``launch_batch`` runs a list of
+scenarios one after another in one process group (``run_scenarios``), each with a fresh model, optimizer
+and watch, in its own folder; it checks before each scenario (and after the last) that no watch is attached
+and torch's clipping functions are torch's own, so a scenario starts clean and detach leaves nothing behind.
+A scenario that raises records its traceback in its folder and ends the launch; the scenarios after it are
+launched again without it, so a failure fails its own test only, with its own output
+(``Batch.ranks``). ``NOTEBOOK_BATCH`` / ``TORCHRUN_BATCH`` are the shared launches (``shared_batch``: one
+launch per pytest run, whichever xdist worker asks first). Scenarios that cannot share a process keep a
+launch of their own: ``uncaught`` (it kills the ranks), the stall tests (a rank blocks), the streamed run
+(the kernel side is the launcher's parent).
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +58,10 @@ import psutil
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+# torch's clipping functions as imported, before any watch patched them (nbguard.watcher.clip_tap's targets)
+_CLIP_FUNCTIONS = {(module, name): getattr(module, name, None)
+                   for module in (torch.nn.utils, torch.nn.utils.clip_grad)
+                   for name in ("clip_grad_norm_", "clip_grads_with_norm_", "clip_grad_value_")}
 STEPS = 4
 BAD_STEP = 1
 HOT_TOKEN = 7
@@ -255,6 +273,7 @@ def train_trainer_rank(scenario: str, policy: str, out_dir: str) -> None:
               "weights_abs_sum": float(weights.double().abs().sum()),
               "exchanges": watch._ranks.exchanges if watch._ranks is not None else 0,
               "gradient_read": gradient_read, "distributed_type": str(trainer.accelerator.distributed_type)}
+    watch.detach()  # the next scenario in this process starts with no watch attached
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
 
@@ -360,22 +379,35 @@ def train_fsdp_rank(scenario: str, policy: str, out_dir: str) -> None:
     watch's, which come from the shards. ``backward-unread``: as ``backward``, on a torch whose FSDP
     internals the pre-reduce read needs are absent (made to raise here): the watch reads as before."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
-    import nbguard
-    from nbguard.errors import NonFiniteError
     from nbguard.testing import tiny_llama
-    from nbguard.watcher import fsdp_grads, group_name
+    from nbguard.watcher import fsdp_grads
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # a scenario before this one in the launch may have started the group
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = tiny_llama()
+    real_fsdp_params = fsdp_grads.fsdp_params
     if scenario == "backward-unread":
         def absent(model):
             raise AttributeError("'FSDPState' object has no attribute '_fsdp_param_groups'")
 
         fsdp_grads.fsdp_params = absent
+    try:
+        _train_fsdp(model, rank, scenario, policy, out_dir)
+    finally:
+        fsdp_grads.fsdp_params = real_fsdp_params  # the next scenario reads FSDP's internals again
+
+
+def _train_fsdp(model, rank: int, scenario: str, policy: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import nbguard
+    from nbguard.errors import NonFiniteError
+    from nbguard.watcher import group_name
+
     if scenario.startswith("backward"):
         from watch_helpers import PoisonedSiLU
 
@@ -419,7 +451,6 @@ def train_fsdp_rank(scenario: str, policy: str, out_dir: str) -> None:
               "distributed_type": "FSDP2"}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 # Launcher failures that are the machine's, not the run's: a port taken in between by another test
@@ -429,11 +460,15 @@ def train_fsdp_rank(scenario: str, policy: str, out_dir: str) -> None:
 INFRASTRUCTURE_FAILURES = ("address already in use", "terminate called without an active exception")
 
 
-def _run(make_cmd: Callable[[int], list[str]], stall: float) -> subprocess.CompletedProcess:
+def _run(make_cmd: Callable[[int], list[str]], stall: float,
+         prepare: Callable[[], None] | None = None) -> subprocess.CompletedProcess:
     """Run the launcher on a free port; once more if it failed for one of INFRASTRUCTURE_FAILURES.
 
-    ``stall``: how long the launch may make no progress at all before it counts as hung (``_run_once``)."""
+    ``stall``: how long the launch may make no progress at all before it counts as hung (``_run_once``).
+    ``prepare``: called before each attempt (a batch clears its scenarios' folders: a retry starts fresh)."""
     for _attempt in range(2):
+        if prepare is not None:
+            prepare()
         done = _run_once(make_cmd(free_port()), stall)
         if done.returncode == 0 or not any(text in done.stdout.lower() for text in INFRASTRUCTURE_FAILURES):
             break
@@ -557,7 +592,217 @@ def launch_torchrun(scenario: str, policy: str, out_dir: Path, stall: float = 15
                 stall)
 
 
+# --- several scenarios per launch -------------------------------------------------------------------
+
+def train_checkpoint_rank(scenario: str, policy: str, out_dir: str) -> None:
+    """tests/ddp_checkpoint_ranks.py's run: LoRA + activation checkpointing (``scenario``: "reentrant" or
+    "non-reentrant") under DDP(find_unused_parameters=True); no watch (``policy`` unused)."""
+    from ddp_checkpoint_ranks import main
+
+    torch.set_num_threads(1)
+    main(scenario, out_dir)
+
+
+SCENARIO_FUNCTIONS = {f.__name__: f for f in (train_rank, train_trainer_rank, train_rewind_rank, train_uneven_rank,
+                                              train_fsdp_rank, train_checkpoint_rank)}
+Scenario = tuple[str, str, str]  # (training function, scenario, policy)
+
+# The shared launches (``shared_batch``), each scenario a test (or several) reads. The Trainer goes after
+# the loops (its TrainingArguments reset accelerate's shared state). ``rank0only`` goes last: the watches of
+# the ranks pair by count (the n-th attach of each rank with the n-th of the others,
+# nbguard.watcher.distributed._SERIAL), and its rank 1 attaches none, so a watch on every rank after it
+# would pair rank 0's with rank 1's previous one and wait for a peer that never joins (seen: ``fail`` after
+# it hung).
+NOTEBOOK_BATCH: list[Scenario] = [
+    ("train_rank", "healthy", "warn"), ("train_rank", "unwatched", "warn"),
+    ("train_rank", "accumulate", "warn"), ("train_rank", "accumulate-hooks", "warn"),
+    ("train_rank", "forward", "skip"), ("train_rank", "forward", "warn"), ("train_rank", "forward", "stop"),
+    ("train_rank", "backward", "skip"), ("train_rank", "loss", "skip"), ("train_rank", "scaler", "warn"),
+    ("train_rank", "fail", "warn"),
+    ("train_rewind_rank", "rewind", "rewind"),
+    ("train_uneven_rank", "uneven", "warn"), ("train_uneven_rank", "normalised", "warn"),
+    ("train_trainer_rank", "backward", "stop"),
+    ("train_rank", "rank0only", "warn"),
+]
+TORCHRUN_BATCH: list[Scenario] = [
+    ("train_rank", "healthy", "warn"), ("train_rank", "forward", "skip"), ("train_rank", "forward", "stop"),
+    ("train_rank", "backward", "skip"), ("train_rank", "loss", "skip"),
+    ("train_fsdp_rank", "healthy", "skip"), ("train_fsdp_rank", "loss", "skip"),
+    ("train_fsdp_rank", "backward", "skip"), ("train_fsdp_rank", "backward-unread", "skip"),
+    ("train_trainer_rank", "backward", "skip"),
+]
+
+# tests/test_rules_ddp_checkpointing.py: both modes in one torchrun launch of their own (the reentrant one
+# leaves its DDP reducer failed mid-backward; the other scenarios need not share a process with that)
+CHECKPOINT_BATCH: list[Scenario] = [("train_checkpoint_rank", "reentrant", "-"),
+                                    ("train_checkpoint_rank", "non-reentrant", "-")]
+
+
+def scenario_dir(fn: str, scenario: str, policy: str) -> str:
+    return f"{fn}-{scenario}-{policy}"
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+
+
+def assert_clean(where: str) -> None:
+    """No watch attached in this process, torch's clipping functions its own: what a scenario starts from
+    (and what every detach must leave)."""
+    from nbguard.watcher.watch import attached_watches
+
+    attached = attached_watches()
+    assert not attached, f"{where}: watches still attached: {attached}"
+    patched = [f"{module.__name__}.{name}" for (module, name), original in _CLIP_FUNCTIONS.items()
+               if getattr(module, name, None) is not original]
+    assert not patched, f"{where}: torch's functions still patched: {patched}"
+
+
+def run_scenarios(scenarios: list[Scenario], out_dir: str) -> None:
+    """Every rank's function for a batch: each scenario in turn, in ``out_dir/<scenario_dir>``, checked clean
+    before it starts (and after the last). A scenario that raises leaves its traceback in its folder
+    (``error{rank}.txt``) and ends the launch: its peer may wait in a collective it will never join."""
+    rank = _rank()
+    previous = "the launch's start"
+    for fn, scenario, policy in scenarios:
+        name = scenario_dir(fn, scenario, policy)
+        sub = Path(out_dir, name)
+        sub.mkdir(parents=True, exist_ok=True)
+        (sub / f"started{rank}").write_text("")
+        try:
+            assert_clean(f"before {name} (after {previous})")
+            SCENARIO_FUNCTIONS[fn](scenario, policy, str(sub))
+        except BaseException:
+            (sub / f"error{rank}.txt").write_text(traceback.format_exc())
+            raise
+        previous = name
+    try:
+        assert_clean(f"after {previous}, the last scenario")
+    except BaseException:
+        (Path(out_dir, previous) / f"error{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def _batch_cmd(launcher: str, scenarios: list[Scenario], out_dir: Path) -> Callable[[int], list[str]]:
+    todo = json.dumps([list(s) for s in scenarios])
+    if launcher == "notebook_launcher":  # forked workers, as in a notebook
+        return lambda port: [sys.executable, "-c", "from accelerate import notebook_launcher; "
+                             f"from ddp_helpers import run_scenarios; notebook_launcher(run_scenarios, "
+                             f"args=({json.loads(todo)!r}, {str(out_dir)!r}), num_processes=2, use_port='{port}')"]
+    assert launcher == "torchrun", launcher
+    return lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                         "127.0.0.1", "--master_port", str(port), __file__, "batch", todo, str(out_dir)]
+
+
+def _finished(sub: Path, world_size: int = 2) -> bool:
+    return not list(sub.glob("error*.txt")) and all((sub / f"rank{r}.json").exists() for r in range(world_size))
+
+
+def launch_batch(launcher: str, scenarios: list[Scenario], out_dir: Path, stall: float = 150) -> Batch:
+    """Run ``scenarios`` in as few launches as they allow: one, unless a scenario fails; then the ones after it
+    go to a new launch. Each launch (its scenarios, exit status, output, and the scenario that ended it) is
+    written to ``out_dir/launches.json``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    launches: list[dict[str, Any]] = []
+    todo = list(scenarios)
+    while todo:
+        names = [scenario_dir(*s) for s in todo]
+
+        def fresh(names=names) -> None:
+            for name in names:
+                shutil.rmtree(out_dir / name, ignore_errors=True)
+
+        try:
+            done = _run(_batch_cmd(launcher, todo, out_dir), stall, prepare=fresh)
+            code, output = done.returncode, done.stdout
+        except AssertionError as hung:  # the guard stopped a launch that stopped using the CPU
+            code, output = None, str(hung)
+        started = [s for s, name in zip(todo, names) if (out_dir / name).exists()]
+        culprit = next((s for s in started if not _finished(out_dir / scenario_dir(*s))), None)
+        launches.append({"scenarios": names, "returncode": code, "output": output[-12000:],
+                         "ended_by": scenario_dir(*culprit) if culprit else None})
+        if code == 0 or culprit is None:
+            break  # done, or failed outside any scenario (each test of the launch shows its output)
+        todo = todo[todo.index(culprit) + 1:]
+    (out_dir / "launches.json").write_text(json.dumps(launches))
+    return Batch(out_dir)
+
+
+class Batch:
+    """The results of a ``launch_batch``, read back from its folder (by any xdist worker)."""
+
+    def __init__(self, out_dir: Path):
+        self.out_dir = out_dir
+        self.launches = json.loads((out_dir / "launches.json").read_text())
+
+    def ranks(self, scenario: str, policy: str, fn: str = "train_rank", world_size: int = 2) -> list[dict[str, Any]]:
+        """Each rank's result of one scenario; its own failure (with its traceback and its launch's output)
+        if it raised, left no result, or its launch failed with no scenario to blame."""
+        name = scenario_dir(fn, scenario, policy)
+        launch = next((x for x in reversed(self.launches) if name in x["scenarios"]), None)
+        assert launch is not None, f"{name} is not in this batch: {[x['scenarios'] for x in self.launches]}"
+        sub = self.out_dir / name
+        errors = "".join(f"--- {p.name} ---\n{p.read_text()}" for p in sorted(sub.glob("error*.txt")))
+        how = f"launch exit {launch['returncode']} (None: stopped as hung), ended by {launch['ended_by']}"
+        if errors or launch["ended_by"] == name:
+            raise AssertionError(f"scenario {name} failed; {how}:\n{errors}\n--- launch output ---\n"
+                                 f"{launch['output'][-6000:]}")
+        if not _finished(sub, world_size) or (launch["returncode"] != 0 and launch["ended_by"] is None):
+            raise AssertionError(f"scenario {name} left no result; {how}:\n{launch['output'][-6000:]}")
+        return read_ranks(sub, world_size)
+
+
+def shared_root(tmp_path_factory) -> Path:
+    """A folder of this pytest run that every xdist worker sees (the workers' base temp's parent)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "multirank-batches"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def shared_batch(tmp_path_factory, name: str, launcher: str, scenarios: list[Scenario],
+                 stall: float = 150) -> Batch:
+    """One launch of ``scenarios`` per pytest run: the first test (on whichever worker) to ask launches it,
+    the others wait for it (a file lock) and read its results."""
+    from filelock import FileLock
+
+    root = shared_root(tmp_path_factory)
+    out_dir = root / name
+    with FileLock(str(root / f"{name}.lock")):
+        if not (out_dir / "launches.json").exists():
+            launch_batch(launcher, scenarios, out_dir, stall)
+    return Batch(out_dir)
+
+
+def notebook_batch(tmp_path_factory) -> Batch:
+    return shared_batch(tmp_path_factory, "notebook", "notebook_launcher", NOTEBOOK_BATCH)
+
+
+def torchrun_batch(tmp_path_factory) -> Batch:
+    return shared_batch(tmp_path_factory, "torchrun", "torchrun", TORCHRUN_BATCH)
+
+
+def batch_ranks(tmp_path_factory, launcher: str, scenario: str, policy: str,
+                fn: str = "train_rank") -> list[dict[str, Any]]:
+    """One scenario's ranks from this pytest run's shared launch for ``launcher`` (launched on first use)."""
+    batch = notebook_batch if launcher == "notebook_launcher" else torchrun_batch
+    return batch(tmp_path_factory).ranks(scenario, policy, fn)
+
+
+def _main_batch(scenarios_json: str, out_dir: str) -> None:
+    """torchrun's entry for a batch: the scenarios, then every rank leaves the group together."""
+    import torch.distributed as dist
+
+    run_scenarios([tuple(s) for s in json.loads(scenarios_json)], out_dir)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 ENTRIES = {"loop": train_rank, "trainer": train_trainer_rank, "fsdp": train_fsdp_rank}
 
 if __name__ == "__main__":
-    ENTRIES[sys.argv[1]](*sys.argv[2:5])
+    if sys.argv[1] == "batch":
+        _main_batch(sys.argv[2], sys.argv[3])
+    else:
+        ENTRIES[sys.argv[1]](*sys.argv[2:5])

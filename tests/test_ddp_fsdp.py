@@ -8,27 +8,28 @@ non-finite loss or gradient names its rank. Replay localisation is not run under
 every rank to replay in lockstep through FSDP's all-gathers); the bad rank's own read names the
 parameters around the origin instead. Where FSDP's internals are absent, the watch reads the reduced
 shards as before: the bad step is caught, and the event says why its rank cannot be told.
+
+The scenarios run in this pytest run's shared torchrun launch (ddp_helpers.TORCHRUN_BATCH), each in its own
+folder, checked clean before it starts.
 """
 import math
 
 import pytest
-from ddp_helpers import BAD_STEP, STEPS, launch_torchrun, read_ranks
+from ddp_helpers import BAD_STEP, STEPS, batch_ranks
 
 pytestmark = pytest.mark.multirank  # launches ranks: run by make test-loaded, with both cores busy
 
 
-def _run(scenario: str, tmp_path):
-    done = launch_torchrun(scenario, "skip", tmp_path, fsdp=True)
-    assert done.returncode == 0, done.stdout[-4000:]
-    ranks = read_ranks(tmp_path)
+def _run(scenario: str, tmp_path_factory):
+    ranks = batch_ranks(tmp_path_factory, "torchrun", scenario, "skip", fn="train_fsdp_rank")
     assert all(r["sharded"] and r["steps"] == STEPS and r["watch_steps"] == STEPS for r in ranks)
     read_first = scenario != "backward-unread"
     assert all(r["pre_reduce"]["available"] == read_first and bool(r["warned"]) != read_first for r in ranks)
     return ranks
 
 
-def test_fsdp_group_norms_are_the_whole_gradients_in_the_users_names(tmp_path):
-    ranks = _run("healthy", tmp_path)
+def test_fsdp_group_norms_are_the_whole_gradients_in_the_users_names(tmp_path_factory):
+    ranks = _run("healthy", tmp_path_factory)
     for r in ranks:
         assert r["events"] == []
         assert "model.layers.1.self_attn" in r["groups"] and "lm_head" in r["groups"]
@@ -40,8 +41,8 @@ def test_fsdp_group_norms_are_the_whole_gradients_in_the_users_names(tmp_path):
     assert ranks[0]["watch_norms"] == ranks[1]["watch_norms"]
 
 
-def test_fsdp_nan_loss_on_rank_1_names_rank_1_and_skip_keeps_weights_finite(tmp_path):
-    ranks = _run("loss", tmp_path)
+def test_fsdp_nan_loss_on_rank_1_names_rank_1_and_skip_keeps_weights_finite(tmp_path_factory):
+    ranks = _run("loss", tmp_path_factory)
     events = [[e for e in r["events"] if e["kind"] == "nonfinite-loss"] for r in ranks]
     assert all(len(e) == 1 for e in events)
     for (event,) in events:
@@ -50,8 +51,8 @@ def test_fsdp_nan_loss_on_rank_1_names_rank_1_and_skip_keeps_weights_finite(tmp_
     assert all(r["weights_finite"] for r in ranks) and ranks[0]["weights_sum"] == ranks[1]["weights_sum"]
 
 
-def test_fsdp_backward_nan_on_rank_1_names_rank_1_before_the_reduce_scatter(tmp_path):
-    ranks = _run("backward", tmp_path)
+def test_fsdp_backward_nan_on_rank_1_names_rank_1_before_the_reduce_scatter(tmp_path_factory):
+    ranks = _run("backward", tmp_path_factory)
     assert all(r["losses_finite"] == [True] * STEPS for r in ranks)  # only rank 1's backward makes NaN
     for r in ranks:
         (event,) = [e for e in r["events"] if e["kind"] == "nonfinite-grad"]
@@ -78,8 +79,8 @@ def test_fsdp_backward_nan_on_rank_1_names_rank_1_before_the_reduce_scatter(tmp_
     assert ranks[0]["weights_sum"] == ranks[1]["weights_sum"]
 
 
-def test_fsdp_without_the_internals_it_reads_the_backward_nan_is_caught_but_its_rank_is_not_claimed(tmp_path):
-    ranks = _run("backward-unread", tmp_path)
+def test_fsdp_without_the_internals_it_reads_the_backward_nan_is_caught_but_its_rank_is_not_claimed(tmp_path_factory):
+    ranks = _run("backward-unread", tmp_path_factory)
     for r in ranks:
         assert "after the reduce-scatter" in r["warned"][0] and "_fsdp_param_groups" in r["warned"][0]
         (event,) = [e for e in r["events"] if e["kind"] == "nonfinite-grad"]

@@ -1,9 +1,10 @@
 """Uneven supervised tokens across two DDP ranks (gloo, CPU, notebook_launcher): the watch predicts from
 the token counts its step exchange carries that the ranks' mean losses weigh tokens unequally, and the
-mechanism is checked against one process over the same rows (transformers#39392)."""
+mechanism is checked against one process over the same rows (transformers#39392). Both runs are scenarios
+of this pytest run's shared notebook_launcher launch (ddp_helpers.NOTEBOOK_BATCH)."""
 import pytest
 import torch
-from ddp_helpers import launch_notebook, read_ranks, uneven_batch
+from ddp_helpers import batch_ranks, uneven_batch
 
 pytestmark = pytest.mark.multirank
 
@@ -24,13 +25,9 @@ def _relative_gap(ddp: list[float], reference: torch.Tensor) -> float:
     return float((got - reference).norm() / reference.norm())
 
 
-def test_uneven_tokens_per_rank_get_one_event_on_every_rank_and_really_skew_the_gradient(tmp_path):
-    (tmp_path / "uneven").mkdir()
-    (tmp_path / "normalised").mkdir()
-    for scenario in ("uneven", "normalised"):
-        done = launch_notebook(scenario, "warn", tmp_path / scenario, fn="train_uneven_rank")
-        assert done.returncode == 0, done.stdout[-4000:]
-    uneven, normalised = read_ranks(tmp_path / "uneven"), read_ranks(tmp_path / "normalised")
+def test_uneven_tokens_per_rank_get_one_event_on_every_rank_and_really_skew_the_gradient(tmp_path_factory):
+    uneven, normalised = (batch_ranks(tmp_path_factory, "notebook_launcher", scenario, "warn", fn="train_uneven_rank")
+                          for scenario in ("uneven", "normalised"))
     reference = _single_process_grad()
     # the mechanism: per-rank means averaged by DDP are not one process's token mean; normalised they are
     assert _relative_gap(uneven[0]["first_grad"], reference) > 0.3

@@ -1,20 +1,19 @@
-"""policy="rewind" across two DDP ranks (gloo, CPU, notebook_launcher): every rank rewinds alike."""
+"""policy="rewind" across two DDP ranks (gloo, CPU, notebook_launcher): every rank rewinds alike. The run is a
+scenario of this pytest run's shared notebook_launcher launch (ddp_helpers.NOTEBOOK_BATCH)."""
 import math
 
 import pytest
-from ddp_helpers import REWIND_STEPS, SPIKE_STEPS, launch_notebook, read_ranks
+from ddp_helpers import REWIND_STEPS, SPIKE_STEPS, batch_ranks
 
 pytestmark = pytest.mark.multirank
 
 
-def test_two_ranks_rewind_together_and_end_with_identical_finite_weights(tmp_path):
+def test_two_ranks_rewind_together_and_end_with_identical_finite_weights(tmp_path_factory):
     """An LR blow-up on both ranks: the update at the spike's first step makes the weights huge, the next
     steps' gradients non-finite on both ranks (skipped: the weights are still finite; the second bad step
     in a row rewinds). Both rewind at the same step to the same snapshot (taken before the
     spike), the run goes on, and the ranks end with the same finite weights and finite losses."""
-    done = launch_notebook("rewind", "rewind", tmp_path, fn="train_rewind_rank")
-    assert done.returncode == 0, done.stdout[-4000:]
-    ranks = read_ranks(tmp_path)
+    ranks = batch_ranks(tmp_path_factory, "notebook_launcher", "rewind", "rewind", fn="train_rewind_rank")
     first_spike = SPIKE_STEPS[0]
     rewinds = []
     for r in ranks:

@@ -1,29 +1,24 @@
 """DDP + reentrant checkpointing + find_unused_parameters, predicted by the audit and reproduced on 2 gloo ranks."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-from ddp_helpers import _run, read_ranks
+from ddp_helpers import CHECKPOINT_BATCH, shared_batch
 
 import nbguard
 from nbguard.testing import tiny_llama
 
-RANKS = Path(__file__).with_name("ddp_checkpoint_ranks.py")
 
-
-def launch(mode: str, out_dir: Path):
-    return _run(lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                              "127.0.0.1", "--master_port", str(port), str(RANKS), mode, str(out_dir)], 240)
+def ranks(tmp_path_factory, mode: str) -> list[dict]:
+    """Both modes run in one torchrun launch per pytest run (tests/ddp_checkpoint_ranks.py, one after the
+    other, each in its own folder); each test reads its mode's ranks (or that mode's own failure)."""
+    batch = shared_batch(tmp_path_factory, "checkpointing", "torchrun", CHECKPOINT_BATCH, stall=240)
+    return batch.ranks(mode, "-", fn="train_checkpoint_rank")
 
 
 @pytest.mark.slow
 @pytest.mark.multirank  # launches ranks: run by make test-loaded, with both cores busy
-def test_reentrant_checkpointing_under_ddp_is_flagged_and_marks_a_variable_ready_twice(tmp_path):
-    done = launch("reentrant", tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:]
-    for rank in read_ranks(tmp_path):
+def test_reentrant_checkpointing_under_ddp_is_flagged_and_marks_a_variable_ready_twice(tmp_path_factory):
+    for rank in ranks(tmp_path_factory, "reentrant"):
         assert "ddp-reentrant-checkpointing" in rank["rules"]
         assert "mark a variable ready only once" in rank["error"]
         assert rank["signature"] == "ddp-variable-ready-twice"
@@ -31,10 +26,8 @@ def test_reentrant_checkpointing_under_ddp_is_flagged_and_marks_a_variable_ready
 
 @pytest.mark.slow
 @pytest.mark.multirank  # launches ranks: run by make test-loaded, with both cores busy
-def test_non_reentrant_checkpointing_under_ddp_trains_and_stays_quiet(tmp_path):
-    done = launch("non-reentrant", tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:]
-    for rank in read_ranks(tmp_path):
+def test_non_reentrant_checkpointing_under_ddp_trains_and_stays_quiet(tmp_path_factory):
+    for rank in ranks(tmp_path_factory, "non-reentrant"):
         assert "ddp-reentrant-checkpointing" not in rank["rules"] and rank["error"] is None
 
 
