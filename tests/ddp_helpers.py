@@ -743,7 +743,9 @@ class Batch:
         assert launch is not None, f"{name} is not in this batch: {[x['scenarios'] for x in self.launches]}"
         sub = self.out_dir / name
         errors = "".join(f"--- {p.name} ---\n{p.read_text()}" for p in sorted(sub.glob("error*.txt")))
-        how = f"launch exit {launch['returncode']} (None: stopped as hung), ended by {launch['ended_by']}"
+        code = launch["returncode"]
+        how = (f"launch {'stopped as hung' if code is None else f'exit {code}'}, "
+               f"ended by {launch['ended_by'] or 'no scenario'}")
         if errors or launch["ended_by"] == name:
             raise AssertionError(f"scenario {name} failed; {how}:\n{errors}\n--- launch output ---\n"
                                  f"{launch['output'][-6000:]}")
