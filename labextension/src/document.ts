@@ -10,6 +10,7 @@
  */
 import type { EncodedNumberOrNull, NbguardDocument, View } from './schema';
 import { safePalette } from './safety';
+import { checkLimits } from './limits';
 import { validateDocument } from './validate';
 
 export const MIME_TYPE = 'application/vnd.nbguard.v1+json';
@@ -34,6 +35,16 @@ export class InvalidDocumentError extends DocumentError {
   }
 }
 
+/** A payload over the document limits (src/limits.ts, mirrored from nbguard/document/codec.py): refused whole. */
+export class DocumentLimitError extends DocumentError {
+  constructor(
+    readonly path: string,
+    readonly reason: string
+  ) {
+    super(`nbguard: this output is over nbguard's document limits, so it is not shown (${path}: ${reason}).`);
+  }
+}
+
 /** A displayed payload: the document, and its view (null in outputs saved by an older nbguard). */
 export interface Payload {
   doc: NbguardDocument;
@@ -55,6 +66,11 @@ export function readPayload(raw: unknown): Payload {
       `nbguard: unsupported schema_version ${JSON.stringify(raw.schema_version)}; ` +
         `this extension reads version ${SCHEMA_VERSION} (update the nbguard package or extension)`
     );
+  }
+  // the limits first (one iterative pass): the schema walk and the heatmap come after, within them
+  const over = checkLimits(raw);
+  if (over) {
+    throw new DocumentLimitError(over.path, over.message);
   }
   const invalid = validateDocument(raw);
   if (invalid) {

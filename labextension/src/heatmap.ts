@@ -138,15 +138,38 @@ export function buildHeatmapModel(input: HeatmapInput, options: HeatmapOptions =
   let infCount = 0;
   let overCount = 0;
   const limit = input.limit ?? null;
-  const cells = rowBins.map(([ra, rb]) =>
-    columnBins.map(([ca, cb]) => {
-      const values: Num[] = [];
-      for (let r = ra; r < rb; r++) {
-        const row = input.values[r] ?? [];
-        for (let c = ca; c < cb; c++) {
-          values.push(c < row.length ? row[c] : null);
-        }
+  // One pass over the values the rows hold (cells past a short row are missing, never visited):
+  // linear in the values plus the bins, not in groups x steps, which names alone can make huge.
+  const columnOf = (c: number): number => {
+    let lo = 0;
+    let hi = columnBins.length - 1;
+    while (lo < hi) {
+      const mid = (lo + hi + 1) >> 1;
+      if (columnBins[mid][0] <= c) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
       }
+    }
+    return lo;
+  };
+  const cells = rowBins.map(([ra, rb]) => {
+    const gathered: Num[][] = columnBins.map(() => []);
+    for (let r = ra; r < rb; r++) {
+      const row = input.values[r];
+      if (!Array.isArray(row)) {
+        continue;
+      }
+      const n = Math.min(row.length, nSteps);
+      let column = 0;
+      for (let c = 0; c < n; c++) {
+        if (c === 0 || c >= columnBins[column][1]) {
+          column = columnOf(c);
+        }
+        gathered[column].push(row[c]);
+      }
+    }
+    return gathered.map(values => {
       const cell = aggregate(values);
       if (cell.kind === 'nan') {
         nanCount++;
@@ -159,8 +182,8 @@ export function buildHeatmapModel(input: HeatmapInput, options: HeatmapOptions =
         max = max === null || v > max ? v : max;
       }
       return cell;
-    })
-  );
+    });
+  });
   return { rows, columns, cells, min, max, nanCount, infCount, limit, overCount };
 }
 

@@ -7,13 +7,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from .codec import MAX_GRID_CELLS, DocumentLimitError
+
 
 def decode_grid(grid, n_rows: int, n_cols: int) -> tuple[np.ndarray, np.ndarray]:
     """(values, missing) arrays of shape (n_rows, n_cols) from a JSON grid.
 
     Cells may be numbers, "nan"/"inf"/"-inf" or null (missing); short or ragged rows are padded
-    as missing, so a history still being written renders.
+    as missing, so a history still being written renders. A grid of more than MAX_GRID_CELLS
+    cells is refused (:class:`DocumentLimitError`) before anything is allocated: the shape comes
+    from the group and step lists, so a few bytes of names could otherwise ask for gigabytes.
     """
+    if n_rows * n_cols > MAX_GRID_CELLS:
+        raise DocumentLimitError(f"a history grid of {n_rows} groups x {n_cols} steps = {n_rows * n_cols} cells is "
+                                 f"over the limit of {MAX_GRID_CELLS} cells (MAX_GRID_CELLS)")
     values = np.full((n_rows, n_cols), np.nan, dtype=np.float64)
     missing = np.ones((n_rows, n_cols), dtype=bool)
     if grid is None or n_rows == 0 or n_cols == 0:
@@ -23,7 +30,7 @@ def decode_grid(grid, n_rows: int, n_cols: int) -> tuple[np.ndarray, np.ndarray]
         values[: block.shape[0], : block.shape[1]] = block
         missing[: block.shape[0], : block.shape[1]] = False
         return values, missing
-    for r, row in enumerate(list(grid)[:n_rows]):
+    for r, row in enumerate(list(grid[:n_rows]) if isinstance(grid, (list, tuple)) else list(grid)[:n_rows]):
         if not isinstance(row, (list, tuple)):
             continue
         row = list(row[:n_cols])

@@ -12,33 +12,67 @@ from typing import Any
 from nbconvert.exporters import Exporter
 from traitlets import Bool, Unicode, default, observe
 
+from ..document.codec import MAX_DEPTH, DocumentLimitError, check_limits, json_depth, load_document_text
 from ..document.merge import merge_documents
 from ..environment import environment_info
 from ..findings import MIME_TYPE
 from .report import Report
 
 _EXTENSIONS = {"html": ".html", "md": ".md", "json": ".json"}
+
 _MIMETYPES = {"html": "text/html", "md": "text/markdown", "json": "application/json"}
 
 
-def notebook_documents(nb: Any) -> list[dict]:
-    """Every nbguard document in the outputs of ``nb``'s code cells, in notebook order."""
+def notebook_documents(nb: Any, refused: list[str] | None = None) -> list[dict]:
+    """Every nbguard document in the outputs of ``nb``'s code cells, in notebook order. A document over
+    the document limits (nbguard/document/codec.py) is left out, and ``refused`` gets a line naming the
+    cell and the limit: one bad output must not stall or crash the export of the others."""
     docs = []
-    for cell in nb.get("cells", []):
+    for index, cell in enumerate(nb.get("cells", [])):
         if cell.get("cell_type") != "code":
             continue
         for output in cell.get("outputs", []):
             if output.get("output_type") not in ("display_data", "execute_result", "update_display_data"):
                 continue
             data = (output.get("data") or {}).get(MIME_TYPE)
-            if isinstance(data, str):  # some writers store JSON mime data as text
-                try:
-                    data = json.loads(data)
-                except json.JSONDecodeError:
-                    continue
+            try:
+                if isinstance(data, str):  # some writers store JSON mime data as text
+                    try:
+                        data = load_document_text(data)
+                    except json.JSONDecodeError:
+                        continue
+                elif isinstance(data, (dict, list)):
+                    check_limits(data)
+            except DocumentLimitError as exc:
+                if refused is not None:
+                    refused.append(f"An nbguard output of cell {index + 1} was not read: {exc}.")
+                continue
             if isinstance(data, dict) and data.get("schema_version") is not None and "kind" in data:
                 docs.append(data)
     return docs
+
+
+def refuse_over_limit_outputs(nb: dict) -> list[str]:
+    """Remove from a notebook's raw JSON (before nbformat turns it into nodes, recursively) every nbguard output
+    over the document limits; one line per output removed, naming the cell and the limit."""
+    refused = []
+    for index, cell in enumerate(nb.get("cells") or []):
+        for output in (cell.get("outputs") or []) if isinstance(cell, dict) else []:
+            data = output.get("data") if isinstance(output, dict) else None
+            if not isinstance(data, dict) or MIME_TYPE not in data:
+                continue
+            try:
+                payload = data[MIME_TYPE]
+                if isinstance(payload, str):
+                    load_document_text(payload)
+                else:
+                    check_limits(payload)
+            except DocumentLimitError as exc:
+                del data[MIME_TYPE]
+                refused.append(f"An nbguard output of cell {index + 1} was not read: {exc}.")
+            except ValueError:  # text that is not JSON: notebook_documents skips it
+                continue
+    return refused
 
 
 class NbguardExporter(Exporter):
@@ -61,14 +95,34 @@ class NbguardExporter(Exporter):
         self.file_extension = _EXTENSIONS[change["new"]]
         self.output_mimetype = _MIMETYPES[change["new"]]
 
+    def from_file(self, file_stream, resources=None, **kw):
+        """The notebook read within the document limits: an nbguard output over them is dropped (and named in the
+        report's notes) before nbformat builds its nodes, which recurse per level of nesting."""
+        text = file_stream.read()
+        try:
+            raw = json.loads(text)
+        except RecursionError:  # too deep for Python's parser: no part of it can be read
+            raise DocumentLimitError(f"the notebook is nested {json_depth(text)} levels deep, too deep to parse: an "
+                                     f"nbguard output in it is far over the limit of {MAX_DEPTH} levels (MAX_DEPTH); "
+                                     "nothing was exported") from None
+        refused = refuse_over_limit_outputs(raw) if isinstance(raw, dict) else []
+        resources = dict(resources or {})
+        resources["nbguard_refused"] = refused
+        import nbformat
+
+        return self.from_notebook_node(nbformat.reads(json.dumps(raw), as_version=4), resources=resources, **kw)
+
     def from_notebook_node(self, nb, resources=None, **kw):
+        refused: list[str] = list((resources or {}).pop("nbguard_refused", None) or [])
         nb_copy, resources = super().from_notebook_node(nb, resources, **kw)
         name = (resources.get("metadata") or {}).get("name") or "notebook"
-        docs = notebook_documents(nb_copy)
+        docs = notebook_documents(nb_copy, refused)
         merged = merge_documents(docs, title=f"nbguard report: {name}")
         if not docs:
             merged["notes"] = [f"The notebook {name!r} has no saved nbguard outputs: run it with nbguard "
                                "(audit, watch, explained exceptions) and save it before exporting."]
+        if refused:
+            merged["notes"] = [*(merged.get("notes") or []), *refused]
         if "environment" not in merged:
             merged["environment"] = environment_info()
             merged.setdefault("notes", []).append(
