@@ -10,7 +10,6 @@ saved files and the parameters say *what* differs. :class:`ExportFacts` holds bo
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from ..introspect.inputs import is_trainer
+from ..introspect.user_files import UserFileError, field_of, read_json_object, safetensors_header, special_kind
 
 PROBE_ROWS = 4
 PROBE_LEN = 24
@@ -229,21 +229,47 @@ def read_lora(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def read_saved_adapter(path: str) -> dict[str, Any]:
-    """The tensors of the saved adapter file: how many lora_B there are, and which are all zeros."""
-    file = next((os.path.join(path, f) for f in ADAPTER_FILES if os.path.isfile(os.path.join(path, f))), None)
+    """The tensors of the saved adapter file: how many lora_B there are, and which are all zeros. A file that
+    cannot be read (a special file, a header out of bounds, a pickle weights_only refuses) gives ``error``."""
+    file = next((os.path.join(path, f) for f in ADAPTER_FILES if os.path.lexists(os.path.join(path, f))), None)
     if file is None:
         return {"file": None}
-    if file.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        state = load_file(file)
-    else:
-        state = torch.load(file, map_location="cpu", weights_only=True)
+    try:
+        state = _load_adapter_tensors(file)
+    except Exception as exc:  # whatever the file holds, what it does is a finding, not a crash
+        reason = exc.reason if isinstance(exc, UserFileError) else f"{type(exc).__name__}: {str(exc)[:300]}"
+        return {"file": os.path.basename(file), "error": f"{os.path.basename(file)}: {reason}"}
     b_keys = [k for k in state if ".lora_B." in k or k.endswith("lora_B.weight")]
     zero = [k for k in b_keys if not bool(state[k].ne(0).any())]
     return {"file": os.path.basename(file), "keys": len(state), "lora_B": len(b_keys), "zero_lora_B": zero[:10],
             "zero_lora_B_count": len(zero), "embedding_keys": sorted(k for k in state if "embed" in k or "lm_head" in k)[:10],
             "other_keys": sorted(k for k in state if "lora_" not in k)[:20]}
+
+
+def _load_adapter_tensors(file: str) -> dict[str, torch.Tensor]:
+    kind = special_kind(file)
+    if kind is not None:
+        raise UserFileError(file, f"is {kind}, not a regular file: nbguard does not read it")
+    if file.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        safetensors_header(file)  # the header's length and every tensor's bytes bounded by the file, first
+        return load_file(file)
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserFileError(file, f"holds {type(state).__name__} where a state dict of tensors belongs")
+    return state
+
+
+def _special_files(path: str) -> list[str]:
+    """The folder's entries that are FIFOs, devices or sockets: PEFT and transformers open files by name, and a
+    FIFO under a name they read would hang the check."""
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return []
+    return [f"{n} is {kind}" for n in names[:10000] if (kind := special_kind(os.path.join(path, n))) is not None
+            and kind != "a directory"]
 
 
 def _strip(name: str) -> str:
@@ -390,11 +416,11 @@ def merge_fidelity(trained: Any, merged: torch.nn.Module) -> dict[str, Any]:
 
 # ---- loading the artifact back ------------------------------------------------------------------
 def _base_path(path: str, base: Any) -> str:
+    file = os.path.join(path, "adapter_config.json")
+    cfg = read_json_object(file)  # checked even with base= given: PEFT reads it to load the adapter
     if base is not None:
         return os.fspath(base)
-    with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as fh:
-        cfg = json.load(fh)
-    name = cfg.get("base_model_name_or_path")
+    name = field_of(cfg, "base_model_name_or_path", str, file)
     if not name:
         raise ValueError(f"{path}/adapter_config.json names no base_model_name_or_path (the base was built from a "
                          "config): pass base= the folder where you saved the base model")
@@ -494,7 +520,11 @@ def measure(model: Any, exported: Any, *, trainer: Any = None, tokenizer: Any = 
     if kind == "adapter":
         facts.saved = read_saved_adapter(path)  # type: ignore[arg-type]
     artifact: Any = None
+    special = _special_files(path) if path is not None else []
     try:
+        if special:  # what the libraries would open and wait on: not handed to them
+            raise UserFileError(path or "", "holds files that are not regular files (" + "; ".join(special[:5])
+                                + "): loading the folder would wait on them for ever")
         if kind == "adapter":
             artifact, facts.load = load_adapter(model, path, base)  # type: ignore[arg-type]
             facts.base_vocab = facts.load.get("base_vocab")
@@ -502,12 +532,16 @@ def measure(model: Any, exported: Any, *, trainer: Any = None, tokenizer: Any = 
             artifact, facts.load = load_merged(model, path)  # type: ignore[arg-type]
         else:
             artifact = exported
+    except UserFileError as exc:  # a file of the folder is not what it should be: the reload fails on it too
+        facts.load = {"error": str(exc)}
     except ValueError as exc:
         if "nbguard downloads nothing" in str(exc) or "pass base=" in str(exc):
             raise  # the caller's to fix: which base to load
         facts.load = {"error": f"{type(exc).__name__}: {exc}"}
-    except (RuntimeError, OSError, KeyError) as exc:  # the user's reload fails the same way: a finding
-        facts.load = {"error": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # the user's reload fails the same way (a refused pickle, a corrupt file): a finding
+        facts.load = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+    if special:
+        return model, trainer, facts  # nothing more is read from a folder like this one
     facts.tokenizer = read_tokenizer(path, tokenizer, training_template(trainer, tokenizer))
     if "error" in facts.load:
         return model, trainer, facts

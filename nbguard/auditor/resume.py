@@ -8,7 +8,6 @@ max_steps or warmup moves the learning rate at the resume step. :func:`read_chec
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -18,16 +17,19 @@ from typing import Any
 import torch
 
 from ..introspect.inert_pickle import InertObject, plain, read_torch_save
+from ..introspect.user_files import UserFileError, field_of, read_json_object, safetensors_header, special_kind, str_map
 
 OPTIMIZER, SCHEDULER, SCALER, STATE, ARGS = "optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin"
 WEIGHTS = ("model.safetensors", "adapter_model.safetensors", "pytorch_model.bin", "adapter_model.bin",
            "model.safetensors.index.json")
+FILES_SHOWN = 200  # names of the folder's files kept in the facts (and so in the document); files_total counts all
+MAX_ARGS_BYTES = 64 * 1024 * 1024  # a TrainingArguments pickle is a few KB
 
 
 @dataclass
 class CheckpointFacts:
     path: str
-    files: list[str]
+    files: list[str]  # the first FILES_SHOWN names, sorted
     missing: list[str] = field(default_factory=list)  # files a resume needs that are not there
     unreadable: dict[str, str] = field(default_factory=dict)  # file -> the error loading it gave
     state: dict[str, Any] = field(default_factory=dict)  # trainer_state.json without its log
@@ -40,6 +42,7 @@ class CheckpointFacts:
     adapter: bool = False  # an adapter checkpoint (adapter_config.json), else the whole model's weights
     weight_shapes: dict[str, list[int]] | None = None
     adapter_config: dict[str, Any] = field(default_factory=dict)
+    files_total: int = 0  # how many files the folder holds
 
 
 def resolve_checkpoint(value: Any, args: Any) -> str:
@@ -70,7 +73,7 @@ def _uses_scaler(args: Any, hardware: Any) -> bool:
 
 def read_checkpoint(path: str, args: Any, hardware: Any = None) -> CheckpointFacts:
     files = sorted(os.listdir(path))
-    facts = CheckpointFacts(path=path, files=files)
+    facts = CheckpointFacts(path=path, files=files[:FILES_SHOWN], files_total=len(files))
     needed = [STATE, OPTIMIZER, SCHEDULER]
     if _uses_scaler(args, hardware):
         needed.append(SCALER)
@@ -81,16 +84,15 @@ def read_checkpoint(path: str, args: Any, hardware: Any = None) -> CheckpointFac
         facts.missing.append("model weights (model.safetensors or adapter_model.safetensors)")
     if STATE in files:
         try:
-            with open(os.path.join(path, STATE), encoding="utf-8") as fh:
-                state = json.load(fh)
-            logged = [(e["step"], e["learning_rate"]) for e in state.get("log_history", [])
-                      if "learning_rate" in e and "step" in e]
-            facts.last_lr_logged = (int(logged[-1][0]), float(logged[-1][1])) if logged else None
-            facts.state = {k: v for k, v in state.items() if k != "log_history"}
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            facts.unreadable[STATE] = f"{type(exc).__name__}: {exc}"
+            _read_state(os.path.join(path, STATE), facts)
+        except UserFileError as exc:
+            facts.unreadable[STATE] = exc.reason
     for name in (OPTIMIZER, SCHEDULER, SCALER):
         if name not in files:
+            continue
+        kind = special_kind(os.path.join(path, name))
+        if kind is not None:  # torch.load would wait on a FIFO for ever
+            facts.unreadable[name] = f"is {kind}, not a regular file: nbguard does not read it"
             continue
         try:
             loaded = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
@@ -103,21 +105,49 @@ def read_checkpoint(path: str, args: Any, hardware: Any = None) -> CheckpointFac
         if name == SCHEDULER and isinstance(loaded, dict):
             facts.scheduler = {k: loaded.get(k) for k in ("base_lrs", "last_epoch", "_last_lr")}
     facts.adapter = "adapter_config.json" in files
-    facts.weight_shapes = saved_shapes(path, files)
+    facts.weight_shapes = saved_shapes(path, files, problems=facts.unreadable)
     if facts.adapter:
         try:
-            with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as fh:
-                facts.adapter_config = json.load(fh)
-        except (OSError, ValueError) as exc:
-            facts.unreadable["adapter_config.json"] = f"{type(exc).__name__}: {exc}"
+            facts.adapter_config = read_json_object(os.path.join(path, "adapter_config.json"))
+        except UserFileError as exc:
+            facts.unreadable["adapter_config.json"] = exc.reason
     if ARGS in files:
         _read_saved_args(os.path.join(path, ARGS), facts)
     return facts
 
 
+def _read_state(path: str, facts: CheckpointFacts) -> None:
+    """trainer_state.json, bounded (bytes, nesting) and checked field by field: the last logged learning
+    rate, and everything but the log."""
+    state = read_json_object(path)
+    logged = []
+    for entry in field_of(state, "log_history", list, path, default=[]):
+        if not isinstance(entry, dict) or "learning_rate" not in entry or "step" not in entry:
+            continue
+        step, lr = entry["step"], entry["learning_rate"]
+        if isinstance(step, bool) or not isinstance(step, (int, float)) \
+                or isinstance(lr, bool) or not isinstance(lr, (int, float)):
+            raise UserFileError(path, f"log_history has a step {str(step)[:40]!r} / learning_rate {str(lr)[:40]!r} "
+                                      "that is not a number")
+        logged.append((step, lr))
+    for key in ("global_step", "max_steps", "train_batch_size", "num_train_epochs"):
+        field_of(state, key, (int, float), path)  # the rules read these as numbers
+    facts.last_lr_logged = (int(logged[-1][0]), float(logged[-1][1])) if logged else None
+    facts.state = {k: v for k, v in state.items() if k != "log_history"}
+
+
 def _read_saved_args(path: str, facts: CheckpointFacts) -> None:
     """The Trainer pickles its TrainingArguments into training_args.bin, and a downloaded checkpoint's pickle can
     name any callable: it is read with inert stand-ins (nothing it names is imported or run), never torch.load."""
+    kind = special_kind(path)
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        size = 0
+    if kind is not None or size > MAX_ARGS_BYTES:
+        facts.unreadable[ARGS] = (f"is {kind}, not a regular file: nbguard does not read it" if kind else
+                                  f"is {size} bytes, over nbguard's limit of {MAX_ARGS_BYTES} for this file")
+        return
     try:
         read = read_torch_save(path)
     except Exception as exc:  # a truncated or foreign file: not the Trainer's arguments
@@ -130,28 +160,33 @@ def _read_saved_args(path: str, facts: CheckpointFacts) -> None:
             facts.saved_args = SimpleNamespace(**fields)
 
 
-def saved_shapes(path: str, files: list[str]) -> dict[str, list[int]] | None:
-    """Every saved tensor's name and shape, read from the safetensors headers (the weights are not loaded;
-    a sharded model's index names its shards). None where the weights are not in safetensors files."""
-    names = [f for f in ("adapter_model.safetensors", "model.safetensors") if f in files]
-    if "model.safetensors.index.json" in files:
+def saved_shapes(path: str, files: list[str], problems: dict[str, str] | None = None) -> dict[str, list[int]] | None:
+    """Every saved tensor's name and shape, read from the safetensors headers alone (bounded, checked against
+    the file's size; the weights are not loaded; a sharded model's index names its shards). None where the
+    weights are not in safetensors files, or a file cannot be read: ``problems`` (file -> what was wrong) says which."""
+    problems = {} if problems is None else problems
+    names: list[str] = [f for f in ("adapter_model.safetensors", "model.safetensors") if f in files]
+    index = "model.safetensors.index.json"
+    if index in files:
         try:
-            with open(os.path.join(path, "model.safetensors.index.json"), encoding="utf-8") as fh:
-                names = sorted(set(json.load(fh).get("weight_map", {}).values()))
-        except (OSError, ValueError):
+            weight_map = str_map(read_json_object(os.path.join(path, index)), "weight_map", os.path.join(path, index))
+            names = sorted(set(weight_map.values()))
+            outside = next((n for n in names if os.path.basename(n) != n or n in ("", ".", "..")), None)
+            if outside is not None:
+                raise UserFileError(index, f"names a shard {outside[:200]!r} outside the checkpoint folder")
+        except UserFileError as exc:
+            problems[index] = exc.reason
             return None
     if not names:
         return None
-    from safetensors import safe_open
-
     shapes: dict[str, list[int]] = {}
-    try:
-        for name in names:
-            with safe_open(os.path.join(path, name), framework="pt") as fh:
-                for key in fh.keys():
-                    shapes[key] = list(fh.get_slice(key).get_shape())
-    except Exception:  # a truncated or foreign file: the resume's own load will say so
-        return None
+    for name in names:
+        try:
+            header = safetensors_header(os.path.join(path, name))
+        except UserFileError as exc:  # a truncated or foreign file: the resume's own load would fail on it
+            problems[name] = exc.reason
+            return None
+        shapes.update({key: list(entry["shape"]) for key, entry in header.items()})
     return shapes
 
 
