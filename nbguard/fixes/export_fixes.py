@@ -18,6 +18,16 @@ def _path(path: Any) -> str:
     return path
 
 
+def _path_code(path: Any) -> tuple[str, str]:
+    """(the folder as Python code, the import it needs): a folder under the user's home is written
+    ``os.path.expanduser('~/…')``, so the cell names the same folder once the home directory is redacted
+    to ``~`` (a literal ``'~/…'`` is not expanded by Python: save_pretrained would write into ``./~/``)."""
+    home = os.path.expanduser("~").rstrip("/\\")
+    if isinstance(path, str) and len(home) > 1 and (path == home or path.startswith((home + "/", home + os.sep))):
+        return f"os.path.expanduser({('~' + path[len(home):])!r})", "import os\n"
+    return repr(path), ""
+
+
 # ---- resave-adapter --------------------------------------------------------------------------
 def _resave(target: Target, path: str | None = None, **_: Any) -> dict:
     path = _path(path)
@@ -26,9 +36,10 @@ def _resave(target: Target, path: str | None = None, **_: Any) -> dict:
 
 
 def _resave_code(names: Names, **options: Any) -> str:
-    return f"""# Save the adapter as it is now, after training (a save before training, or from a fresh
+    path, needs = _path_code(options.get("path", "adapter_dir"))
+    return f"""{needs}# Save the adapter as it is now, after training (a save before training, or from a fresh
 # get_peft_model copy, writes lora_B as zeros: an adapter with no effect).
-{names.model}.save_pretrained({options.get('path', 'adapter_dir')!r})
+{names.model}.save_pretrained({path})
 """
 
 
@@ -45,10 +56,11 @@ def _save_embeddings(target: Target, path: str | None = None, **_: Any) -> dict:
 
 
 def _save_embeddings_code(names: Names, **options: Any) -> str:
-    return f"""# Save the input and output embeddings with the adapter: rows added by resize_token_embeddings (and
+    path, needs = _path_code(options.get("path", "adapter_dir"))
+    return f"""{needs}# Save the input and output embeddings with the adapter: rows added by resize_token_embeddings (and
 # embeddings trained outside LoRA) are not in the base model, so without them the reload differs.
 # Next time, name them in the config instead: LoraConfig(..., modules_to_save=["embed_tokens", "lm_head"]).
-{names.model}.save_pretrained({options.get('path', 'adapter_dir')!r}, save_embedding_layers=True)
+{names.model}.save_pretrained({path}, save_embedding_layers=True)
 """
 
 
@@ -69,13 +81,13 @@ def _save_tokenizer(target: Target, path: str | None = None, chat_template: str 
 
 
 def _save_tokenizer_code(names: Names, **options: Any) -> str:
-    path = options.get("path", "adapter_dir")
+    path, needs = _path_code(options.get("path", "adapter_dir"))
     keep = ("# the template training used (TRL's training template, if it swapped one in)\n"
             f"{names.tokenizer}.chat_template = {names.trainer}.chat_template or {names.tokenizer}.chat_template\n"
             if names.trainer else "")
-    return f"""# Save the tokenizer beside the model: its vocabulary (added tokens) and the chat template training used,
+    return f"""{needs}# Save the tokenizer beside the model: its vocabulary (added tokens) and the chat template training used,
 # so whoever loads the folder renders prompts as the model was trained.
-{keep}{names.tokenizer}.save_pretrained({path!r})
+{keep}{names.tokenizer}.save_pretrained({path})
 """
 
 
@@ -106,17 +118,18 @@ def _merge_fp32_code(names: Names, **options: Any) -> str:
     path = options.get("path", "merged_dir")
     base = options.get("base", "BASE_MODEL")
     dtype = options.get("dtype") or "float32"
-    adapter = f"{path.rstrip(os.sep)}-adapter"
-    return f"""import torch
+    adapter, needs = _path_code(f"{path.rstrip(os.sep)}-adapter")
+    path, _ = _path_code(path)
+    return f"""{needs}import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 # Merge into a float32, unquantised copy of the base: merged into 4-bit or bf16 weights, the adapter's small
 # delta is rounded away. Cast after merging, to the dtype you serve in.
-{names.model}.save_pretrained({adapter!r})
+{names.model}.save_pretrained({adapter})
 _base = AutoModelForCausalLM.from_pretrained({base!r}, dtype=torch.float32)
-_merged = PeftModel.from_pretrained(_base, {adapter!r}).merge_and_unload()
-_merged.to(torch.{dtype}).save_pretrained({path!r})
+_merged = PeftModel.from_pretrained(_base, {adapter}).merge_and_unload()
+_merged.to(torch.{dtype}).save_pretrained({path})
 """
 
 
