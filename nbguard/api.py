@@ -34,7 +34,7 @@ def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, pro
 
 def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, activations=False, verify=True,
           detectors=(), run_checks=True, log_to="auto", log_every=10, rewind=None, scheduler=None,
-          stall_after_s=120.0):
+          stall_after_s=120.0, log_rows=False, save_report=None):
     """Attach a NaN/Inf watch to a model (with its optimizer) or a Trainer; returns a ``NanWatch``.
 
     ``activations=True`` also records each module group's output abs-max per step (fp16 headroom).
@@ -47,7 +47,10 @@ def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, 
     (a SummaryWriter, a wandb/trackio/MLflow run, an accelerate.Accelerator) every ``log_every``
     steps, events at once; ``log_to="report_to"`` adds them to a Trainer's own logs, which is what the
     default ``log_to="auto"`` does for a Trainer whose ``report_to`` names integrations; ``log_to=None``
-    sends nothing.
+    sends nothing. Nothing goes out that you did not ask for: the rows an event names are quoted (a short
+    excerpt of their text) only locally unless ``log_rows=True``; a watched Trainer's report file is written
+    into its ``output_dir`` (the folder ``push_to_hub`` uploads) only with ``save_report=True`` (or
+    ``save_report=PATH``); docs/guides/threat-model.md, "What goes where by default".
     ``policy="rewind"`` restores the last good snapshot on a NaN/Inf or divergence instead of losing the
     run (``rewind=nbguard.watcher.RewindSettings(every=50, budget_bytes=..., lr_factor=0.5,
     max_rewinds=3)``); pass ``scheduler=`` (a plain loop's LR scheduler) so a divergence's LR cut
@@ -63,13 +66,18 @@ def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, 
 
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be True or False, got {type(verify).__name__}")
+    if not isinstance(log_rows, bool):
+        raise TypeError(f"log_rows must be True or False, got {type(log_rows).__name__}")
+    if log_to is None and save_report is not None:
+        raise ValueError("save_report writes the report at the end of a watched Trainer's run, which needs "
+                         "log_to='auto' or 'report_to' (log_to=None sends and saves nothing)")
     watch = NanWatch(target, optimizer=optimizer, scaler=scaler, policy=policy, localize=localize,
                      activations=activations, verifier=auto_verify if verify else None, detectors=detectors,
                      run_checks=run_checks, rewind=rewind, scheduler=scheduler, stall_after_s=stall_after_s)
     if log_to is not None:  # checked before attaching: a bad log_to leaves no hooks behind
         from .trackers import connect
 
-        connect(watch, log_to, every=log_every)
+        connect(watch, log_to, every=log_every, rows=log_rows, save_report=save_report)
     return watch.attach()
 
 

@@ -15,7 +15,7 @@ from .result import AuditResult
 EXPORT_FIXES = ("resave-adapter", "save-embedding-layers", "save-tokenizer", "merge-in-fp32")
 
 
-@dataclass
+@dataclass(repr=False)  # repr: through the output boundary (Displayable / dataclass_repr)
 class ExportResult(AuditResult):
     """The export check's findings (worst first), the logit comparisons and the facts behind them."""
 

@@ -10,7 +10,7 @@ from ..findings import Displayable, Finding, FixOffer, Severity, document, jsona
 from ..hardware import Hardware
 
 
-@dataclass
+@dataclass(repr=False)  # repr: through the output boundary (Displayable / dataclass_repr)
 class AuditResult(Displayable):
     findings: list[Finding]
     hardware: Hardware

@@ -9,6 +9,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from .outward import dataclass_repr, outward, outward_text
+
 Bundle = Callable[[dict[str, Any]], dict[str, Any]]
 Text = Callable[[dict[str, Any]], str]
 _formatters: dict[str, Any] = {}
@@ -29,9 +31,15 @@ class Displayable:
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
         bundle = _formatters.get("bundle")
         if bundle is None:  # nbguard.render was never imported: the document as JSON is all there is
-            return {"application/json": self.to_document()}
-        return bundle(self.to_document())
+            return {"application/json": outward(self.to_document())}
+        return bundle(outward(self.to_document()))  # the document redacted before any format sees it
 
     def __str__(self) -> str:
         text = _formatters.get("text")
-        return text(self.to_document()) if text is not None else json.dumps(self.to_document(), default=str)
+        return outward_text(text(self.to_document()) if text is not None
+                            else json.dumps(self.to_document(), default=str))
+
+    def __repr__(self) -> str:
+        """The dataclass repr (a result class declares ``@dataclass(repr=False)`` to keep this one), redacted:
+        ``repr([nbguard.explain(exc)])`` quotes the exception."""
+        return dataclass_repr(self)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
 from .codec import decode_float, encode_float, jsonable
-from .redact import redact
+from .outward import outward_text
 
 # The version every document is stamped with; nbguard/__init__.py and the build read it from here.
 __version__ = "0.1.0"
@@ -46,7 +46,7 @@ class FixOffer:
 def _clip(text: Any, width: int = 100) -> str:
     """One line of at most ``width`` characters (reprs stay a few lines; to_dict() has everything),
     redacted whole before it is cut: a repr in a cell's output is saved in the notebook."""
-    line = " ".join(redact(str(text)).split())
+    line = " ".join(outward_text(text).split())
     return line if len(line) <= width else line[:width - 1] + "…"
 
 
@@ -82,7 +82,7 @@ class Finding:
         lines = [f"Finding({self.severity.value} {self.rule}: {_clip(self.title)})", f"  {_clip(self.detail)}"]
         if self.fixes:
             lines.append(f"  fixes: {', '.join(self.fixes)}")
-        return "\n".join(filter(None, [*lines, _keys(self.evidence)]))
+        return outward_text("\n".join(filter(None, [*lines, _keys(self.evidence)])))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Finding:
@@ -113,7 +113,8 @@ class Origin:
         where = f"{self.module}" + (f".{self.tensor}" if self.tensor else "")
         sizes = ", ".join(f"{k} {v:.4g}" for k, v in (("input abs-max", self.input_absmax),
                                                       ("output abs-max", self.output_absmax)) if v is not None)
-        return f"Origin({self.phase} {where}" + (f" [{self.dtype}]" if self.dtype else "") + (f", {sizes})" if sizes else ")")
+        return outward_text(f"Origin({self.phase} {where}" + (f" [{self.dtype}]" if self.dtype else "")
+                            + (f", {sizes})" if sizes else ")"))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Origin:
@@ -165,7 +166,7 @@ class _KindNames(Sequence[str]):
         return kind in EVENT_KIND_REGISTRY
 
     def __repr__(self) -> str:
-        return repr(tuple(EVENT_KIND_REGISTRY))
+        return outward_text(repr(tuple(EVENT_KIND_REGISTRY)))
 
 
 EVENT_KINDS: Sequence[str] = _KindNames()
@@ -259,7 +260,7 @@ class Event:
         if self.origins:
             more = f" (+{len(self.origins) - 1} more)" if len(self.origins) > 1 else ""
             lines.append(f"  origin: {self.origins[0]!r}{more}")
-        return "\n".join(filter(None, [*lines, _keys(self.evidence)]))
+        return outward_text("\n".join(filter(None, [*lines, _keys(self.evidence)])))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Event:

@@ -14,7 +14,7 @@ def exception_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
-@dataclass
+@dataclass(repr=False)  # repr: through the output boundary (Displayable / dataclass_repr)
 class Diagnosis(Displayable):
     signature: str  # the stable id of the rule that recognised the error
     title: str

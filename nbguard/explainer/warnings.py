@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..document.redact import redact
+from ..document.outward import outward
 from .diagnosis import Diagnosis
 
 WarningRule = Callable[[str, str], "Diagnosis | None"]
@@ -61,7 +61,7 @@ def diagnose_warning(text: str, origin: str) -> Diagnosis | None:
 
 def _first_line(origin: str, text: str) -> str:
     line = text.strip().splitlines()[0] if text.strip() else ""
-    return f"{origin}: {redact(line)[:300]}"  # redacted whole, then cut: half a token has no shape left
+    return f"{origin}: {outward(line)[:300]}"  # redacted whole, then cut: half a token has no shape left
 
 
 def _diagnosis(signature: str, text: str, origin: str, title: str, detail: str, fixes=(), **evidence) -> Diagnosis:

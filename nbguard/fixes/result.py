@@ -7,7 +7,7 @@ from typing import Any
 from ..findings import Displayable, document, jsonable
 
 
-@dataclass
+@dataclass(repr=False)  # repr: through the output boundary (Displayable / dataclass_repr)
 class FixResult(Displayable):
     fix: str
     changed: Any  # a dict or list describing each change; empty when there was nothing to do

@@ -21,6 +21,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from ..document.outward import say
+
 
 class _Handler(logging.Handler):
     def __init__(self, on_record: Callable[[str, str], None]):
@@ -119,6 +121,6 @@ class WarningExplainer:
             self.show(diagnosis)
             return diagnosis
         except Exception as err:  # an explanation must never become a second problem
-            print(f"nbguard: could not explain a warning ({type(err).__name__}: {err}); this is a bug in "
-                  "nbguard, please report it", file=sys.stderr)
+            say(f"nbguard: could not explain a warning ({type(err).__name__}: {err}); this is a bug in "
+                "nbguard, please report it", file=sys.stderr)
             return None

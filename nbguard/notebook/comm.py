@@ -27,6 +27,8 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
+from ..document.outward import outward
+
 TARGET_NAME = "nbguard"
 
 Reply = Callable[[dict[str, Any]], None]
@@ -89,7 +91,8 @@ class LabChannel:
             return False
         if on_reply is not None:
             self._pending[output_id].append(on_reply)
-        self.comm.send({"action": "insert-cell", "code": code, "output_id": output_id, "run": bool(run)})
+        # the cell as the card shows it (documents are redacted at the same boundary): shown and inserted are one text
+        self.comm.send(outward({"action": "insert-cell", "code": code, "output_id": output_id, "run": bool(run)}))
         return True
 
     # -- messages from the front end ------------------------------------------------------------

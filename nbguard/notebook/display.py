@@ -11,6 +11,8 @@ import sys
 import uuid
 from typing import Any
 
+from ..document.outward import outward, outward_text
+
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 NO_WIDGETS_HINT = (
     "Interactive view unavailable (ipywidgets is not installed or has no front end here): "
@@ -65,7 +67,8 @@ def bundle(doc: dict[str, Any], widget=None, hint: str | None = None) -> dict[st
     """The MIME bundle of ``doc`` (plus the widget view when given, plus a hint line when given)."""
     from ..render import mime_bundle
 
-    data = dict(mime_bundle(doc))
+    data = dict(mime_bundle(outward(doc)))
+    hint = outward_text(hint) if hint else hint
     if hint:
         data["text/plain"] = f"{data['text/plain']}\n\n{hint}"
         data["text/html"] = f"{data['text/html']}<p class=\"nbguard-hint\"><em>{_escape(hint)}</em></p>"

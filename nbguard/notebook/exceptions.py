@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ..document.outward import say
+
 
 class ExplainerHandler:
     """Listens to one shell's ``post_run_cell``; ``uninstall()`` removes only what ``install()`` added."""
@@ -51,15 +53,15 @@ class ExplainerHandler:
 
             diagnosis = explain(value)
         except Exception as err:  # a bug in a rule must not hide the user's own error
-            print(f"nbguard: the explainer failed ({type(err).__name__}: {err}); this is a bug in nbguard, "
-                  "please report it", file=sys.stderr)
+            say(f"nbguard: the explainer failed ({type(err).__name__}: {err}); this is a bug in nbguard, "
+                "please report it", file=sys.stderr)
             return None
         if diagnosis is not None:
             self.last_diagnosis = diagnosis
             try:
                 self.show(diagnosis)
             except Exception as err:
-                print(f"nbguard: could not show the diagnosis ({type(err).__name__}: {err})", file=sys.stderr)
+                say(f"nbguard: could not show the diagnosis ({type(err).__name__}: {err})", file=sys.stderr)
         return diagnosis
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from ..document.outward import say
 from ..session import SESSION
 from . import present
 from . import resolve as R
@@ -127,7 +128,7 @@ def load(ipython) -> ExtensionState:
     try:
         CHANNEL.open(ipython)
     except Exception as err:  # no comm: "Insert cell" falls back to a code block
-        print(f"nbguard: the lab extension channel could not open ({err}); continuing without it", file=sys.stderr)
+        say(f"nbguard: the lab extension channel could not open ({err}); continuing without it", file=sys.stderr)
     _STATES[id(ipython)] = state
     return state
 

@@ -9,7 +9,6 @@ traceback chained below it.
 from __future__ import annotations
 
 import sys
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +18,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Enum, TraitError, Unicode
 
-from ..document.redact import redact
+from ..document.outward import outward_text, say, warn
 from ..errors import NbguardError
 from ..session import SESSION
 from . import resolve as R
@@ -94,8 +93,7 @@ def _drop_refused_config(config: Any, cls: type) -> None:
             trait.validate(None, value)
         except TraitError as exc:
             del section[name]
-            warnings.warn(f"nbguard: ignoring c.{cls.__name__}.{name} = {value!r}: {exc}", RuntimeWarning,
-                          stacklevel=3)
+            warn(f"nbguard: ignoring c.{cls.__name__}.{name} = {value!r}: {exc}", RuntimeWarning, stacklevel=3)
 
 
 @magics_class
@@ -348,7 +346,7 @@ class NbguardMagics(Magics):
             inner = self.ip.run_cell(cell, store_history=False)
         finally:
             self.state.stop_watch(live)
-            print(redact(live.summary()))  # saved as the cell's output; an event can quote an exception
+            say(live.summary())  # saved as the cell's output; an event can quote an exception
         error = inner.error_before_exec or inner.error_in_exec
         if error is not None:
             # The inner cell already showed its traceback and diagnosis; make THIS cell fail with the
@@ -539,7 +537,7 @@ class NbguardMagics(Magics):
             api.report().save(path)
         except OSError as err:
             raise MagicError(f"could not write {path!r}: {err.strerror or err}") from None
-        print(f"nbguard: report written to {path}")
+        say(f"nbguard: report written to {path}")
 
     def _fix(self, fix_id: str, apply_now: bool) -> None:
         from .. import fixes
@@ -557,13 +555,13 @@ class NbguardMagics(Magics):
             code = fixes.code(fix_id, **names, **options)
         except ValueError as err:  # the cell needs a name the notebook does not have
             raise MagicError(f"{err.args[0]}; no such variable in the notebook") from None
-        print(cell_verdict_line(fix_id, options, code, names))
+        say(cell_verdict_line(fix_id, options, code, names))
         if apply_now:
             try:
                 applied = fixes.apply(fix_id, **objects, names=names, **options)
             except (TypeError, ValueError) as err:  # the fix's own checks of the objects it was given
                 raise MagicError(f"{fix_id} cannot apply here: {err}") from None
-            print(redact(f"nbguard: applied {fix_id}: {applied.changed or 'nothing to change'}"))
+            say(f"nbguard: applied {fix_id}: {applied.changed or 'nothing to change'}")
         self.ip.set_next_input(code, replace=False)
 
     def _fix_objects(self, fix, names: dict[str, str]) -> dict[str, Any]:
@@ -580,8 +578,7 @@ class NbguardMagics(Magics):
         if exc is None:
             raise MagicError("no exception to explain yet in this session")
         if self.state.handler.explain(exc) is None:
-            from ..document.redact import redact
             from ..explainer import exception_text
 
-            shown = redact(exception_text(exc))[:200]  # redacted whole, then cut, like every shown text
-            print(f"nbguard: no known signature in the last exception ({shown})")
+            shown = outward_text(exception_text(exc))[:200]  # redacted whole, then cut, like every shown text
+            say(f"nbguard: no known signature in the last exception ({shown})")

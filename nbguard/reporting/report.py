@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..document.merge import as_document, check_document, gather, merge_documents
-from ..document.redact import redact
+from ..document.outward import outward, outward_text
 from ..document.view import lookup, view
 from ..environment import environment_info
 from ..findings import Displayable
@@ -30,7 +30,7 @@ class Report(Displayable):
 
     def __init__(self, doc: dict, *, redact_home: bool = True):
         self.redact_home = redact_home
-        self._doc = redact(encode_document(check_document(doc, "doc")), home=redact_home)
+        self._doc = outward(encode_document(check_document(doc, "doc")), home=redact_home)
 
     # -- data -------------------------------------------------------------------------------
     def to_document(self) -> dict:
@@ -41,7 +41,7 @@ class Report(Displayable):
         return self._written()
 
     def _written(self) -> dict:
-        return redact(self._doc, home=self.redact_home)  # again: secrets set since build are caught too
+        return outward(self._doc, home=self.redact_home)  # again: secrets set since build are caught too
 
     @classmethod
     def from_dict(cls, data: dict, *, redact_home: bool = True) -> Report:
@@ -117,10 +117,10 @@ class Report(Displayable):
         parts = [f"{len(gather(doc, name))} {label}" for name, label in (
             ("findings", "findings"), ("watches", "watches"), ("diagnoses", "diagnoses"),
             ("fixes_applied", "fixes applied"))]
-        return f"<nbguard Report: {', '.join(parts)}>"
+        return outward_text(f"<nbguard Report: {', '.join(parts)}>")
 
     def __str__(self) -> str:
-        return render_text(self._written())
+        return outward_text(render_text(self._written()))
 
 
 def _as_path(path: Any) -> Path:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..document.redact import redact
+from ..document.outward import dataclass_repr, outward_text
 from ..findings import Displayable, decode_float, document, encode_float, jsonable
 
 VERIFIED = "verified"
@@ -19,9 +19,10 @@ NOT_CHECKED = "not checked"
 VERDICTS = (VERIFIED, NOT_ENOUGH, NOT_CHECKED)  # also the ranking order
 
 
-@dataclass
+@dataclass(repr=False)  # repr: through the output boundary (Displayable / dataclass_repr)
 class StepEvidence:
     """What one shadow run of the step measured."""
+    __repr__ = dataclass_repr
 
     loss: float | None = None
     total_grad_norm: float | None = None
@@ -59,9 +60,10 @@ class StepEvidence:
                    micro_batches=int(data.get("micro_batches", 0)), supervised_tokens=data.get("supervised_tokens"))
 
 
-@dataclass
+@dataclass(repr=False)  # repr: through the output boundary (Displayable / dataclass_repr)
 class ModuleEvidence:
     """The origin module re-run alone on its captured inputs under one fix."""
+    __repr__ = dataclass_repr
 
     module: str
     dtype: str | None
@@ -76,9 +78,10 @@ class ModuleEvidence:
         return cls(data["module"], data.get("dtype"), decode_float(data.get("absmax")), bool(data.get("finite")))
 
 
-@dataclass
+@dataclass(repr=False)  # repr: through the output boundary (Displayable / dataclass_repr)
 class ModuleCheck:
     """The origin module's output in full precision, and which dtypes it fits."""
+    __repr__ = dataclass_repr
 
     module: str
     phase: str
@@ -114,9 +117,10 @@ class ModuleCheck:
                    dict(data.get("fits", {})), float(data.get("seconds", 0.0)), data.get("skipped"))
 
 
-@dataclass
+@dataclass(repr=False)  # repr: through the output boundary (Displayable / dataclass_repr)
 class FixVerdict:
     """One candidate fix on the failing step."""
+    __repr__ = dataclass_repr
 
     fix: str
     verdict: str  # one of VERDICTS
@@ -155,7 +159,7 @@ class FixVerdict:
                    reaudit=dict(data["reaudit"]) if isinstance(data.get("reaudit"), dict) else None)
 
 
-@dataclass
+@dataclass(repr=False)  # repr: through the output boundary (Displayable / dataclass_repr)
 class Verification(Displayable):
     """Every candidate fix for one event or finding, verified first, then not enough, then not checked."""
 
@@ -217,7 +221,7 @@ class Verification(Displayable):
                              f"{'finite' if v.module.finite else 'non-finite'}")
         for note in self.notes:
             lines.append(f"  note: {note}")
-        return redact("\n".join(lines))  # a reason or note can quote an exception's message
+        return outward_text("\n".join(lines))  # a reason or note can quote an exception's message
 
 
 def _step_line(s: StepEvidence) -> str:

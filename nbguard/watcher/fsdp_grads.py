@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..document.outward import warn
 from .distributed import local_tensor
 from .guard import guarded, guarded_call
 from .history import group_name
@@ -198,9 +199,7 @@ def read_before_reduce(model: torch.nn.Module, named: Sequence[tuple[str, torch.
     that cannot read (``missing``) warns once and stays inert."""
     reader = PreReduceGrads(model, named, collector)
     if reader.missing is not None:
-        import warnings
-
-        guarded_call(lambda exc: None, warnings.warn,
+        guarded_call(lambda exc: None, warn,
                      f"nbguard: under FSDP2 the watch reads gradients after the reduce-scatter here "
                      f"({reader.missing}): a non-finite gradient is caught, but not the rank it came from",
                      RuntimeWarning, stacklevel=3)

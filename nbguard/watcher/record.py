@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import traceback
-import warnings
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..document.outward import outward_text, warn
 from ..document.view import plural
 from ..findings import Event, document
 from ..step.capture import MicroBatch
@@ -162,7 +162,7 @@ class WatchRecord(ABC):
                          f"{type(exc).__name__}: {exc}",
                          evidence={"exception": repr(exc), "traceback": traceback.format_exc(limit=6)}))
         try:
-            warnings.warn(f"nbguard watch detached after an internal error: {exc!r}", RuntimeWarning, stacklevel=2)
+            warn(f"nbguard watch detached after an internal error: {exc!r}", RuntimeWarning, stacklevel=2)
         except Exception:  # warnings turned into errors (-W error, pytest): the event above is the record
             pass
         if safe:
@@ -246,5 +246,5 @@ class WatchRecord(ABC):
         return document("watch", title=title, watch_id=self.watch_id, **sections)
 
     def __repr__(self) -> str:
-        return (f"<NanWatch {type(self.target).__name__} policy={self.policy} step={self.step} "
-                f"events={len(self.events)} {'attached' if self.attached else 'detached'}>")
+        return outward_text(f"<NanWatch {type(self.target).__name__} policy={self.policy} step={self.step} "
+                            f"events={len(self.events)} {'attached' if self.attached else 'detached'}>")

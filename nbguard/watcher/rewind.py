@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..document.outward import warn
 from ..findings import Event, register_event_kind
 from ..step.capture import capture_rng, restore_rng
 from .guard import guarded_call
@@ -259,7 +259,7 @@ class Rewinder:
                       evidence={"available": False, "reason": why})
         watch._emit(event)
         try:
-            warnings.warn(f"nbguard: {event.message}", RuntimeWarning, stacklevel=3)
+            warn(f"nbguard: {event.message}", RuntimeWarning, stacklevel=3)
         except Exception:  # warnings turned into errors: the event is the record
             pass
 

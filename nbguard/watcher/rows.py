@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..document.redact import redact
+from ..document.outward import outward, outward_text
 from ..findings import Event
 from ..step.capture import MicroBatch
 from .integrations.instance_wrap import InstanceWrap
@@ -35,7 +36,7 @@ from .row_grads import row_grad_shares
 from .row_replay import row_losses
 
 MOST_ROWS = 8  # rows listed in an event
-EXCERPT_TOKENS, EXCERPT_CHARS = 48, 120  # a named row's decoded excerpt: what a glance needs, no more
+EXCERPT_CHARS = 120  # a named row's decoded excerpt (redacted whole, then cut): what a glance needs, no more
 DOMINANT_SHARE = 0.5  # a row pulling this share of an exploded step's gradient norm is named for drop-rows
 
 
@@ -237,8 +238,12 @@ def name_rows(event: Event, model: torch.nn.Module, micro_batches: list[MicroBat
 
 
 def row_excerpt(tokenizer: Any, mb: MicroBatch, row: int) -> str | None:
-    """The row's first tokens decoded (its padding left out), cut to EXCERPT_CHARS and redacted; None where
-    it cannot be decoded (no input_ids, a processor without decode)."""
+    """The row decoded whole (its padding left out), redacted, then cut to EXCERPT_CHARS; None where it
+    cannot be decoded (no input_ids, a processor without decode).
+
+    Redacted before it is cut, so a secret that straddles the cut has no prefix left. A WordPiece
+    tokenizer decodes ``hf_abc…`` as ``hf _ abc…`` (a space on each side of punctuation), which has no
+    secret's shape: the text with those spaces closed is redacted too, and is the excerpt when it held one."""
     ids = mb.kwargs.get("input_ids")
     decode = getattr(tokenizer, "decode", None) or getattr(getattr(tokenizer, "tokenizer", None), "decode", None)
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or row >= ids.shape[0] or decode is None:
@@ -248,11 +253,28 @@ def row_excerpt(tokenizer: Any, mb: MicroBatch, row: int) -> str | None:
     if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
         tokens = tokens[mask[row].bool()]
     try:
-        text = str(decode(tokens[:EXCERPT_TOKENS].tolist(), skip_special_tokens=False))
+        text = str(decode(tokens.tolist(), skip_special_tokens=False))
     except Exception:  # a tokenizer that cannot decode these ids: the row stays named without its text
         return None
+    return excerpt_of(text)
+
+
+_SPACED_PUNCTUATION = re.compile(r"\s*([!-/:-@\[-`{-~])\s*")  # ASCII punctuation and the spaces around it
+
+
+def excerpt_of(text: str) -> str:
+    """A decoded row's text as an excerpt: whitespace runs as one space, redacted whole, then cut."""
     text = " ".join(text.split())
-    return redact(text if len(text) <= EXCERPT_CHARS else text[:EXCERPT_CHARS - 3] + "...")
+    closed = _SPACED_PUNCTUATION.sub(r"\1", text)  # "hf _ abc" -> "hf_abc": WordPiece's spacing undone
+    shown = outward_text(closed)
+    if shown == closed:  # no secret there: the text as decoded
+        shown = outward_text(text)
+    return shown if len(shown) <= EXCERPT_CHARS else shown[:EXCERPT_CHARS - 3] + "..."
+
+
+def excerpt_quote(excerpt: str) -> str:
+    """How an excerpt is quoted after a row's name in an event's message."""
+    return f' ("{excerpt[:60]}{"..." if len(excerpt) > 60 and not excerpt.endswith("...") else ""}")'
 
 
 def _row_text(row: dict[str, Any]) -> str:
@@ -260,8 +282,40 @@ def _row_text(row: dict[str, Any]) -> str:
         f"micro-batch {row['micro_batch']} row {row['row']}"
     excerpt = row.get("excerpt")
     if excerpt:
-        where += f' ("{excerpt[:60]}{"..." if len(excerpt) > 60 and not excerpt.endswith("...") else ""}")'
+        where += excerpt_quote(excerpt)
     return where
+
+
+def without_row_text(data: Any) -> Any:
+    """A copy of ``data`` (an event's or a document's JSON-like data) without the rows' excerpts: each
+    named row's ``excerpt`` dropped, and its quote taken out of every message that carries it. What goes
+    to a tracker or a published report by default: a row's text is the user's data."""
+    quotes: list[str] = []
+
+    def collect(value: Any) -> None:
+        if isinstance(value, dict):
+            if isinstance(value.get("excerpt"), str) and "micro_batch" in value:
+                quotes.append(excerpt_quote(value["excerpt"]))
+            for item in value.values():
+                collect(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                collect(item)
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, str):
+            for quote in quotes:
+                value = value.replace(quote, "")
+            return value
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if not (k == "excerpt" and "micro_batch" in value)}
+        if isinstance(value, (list, tuple)):
+            return [strip(v) for v in value]
+        return value
+
+    collect(data)
+    quotes.sort(key=len, reverse=True)
+    return strip(data) if quotes else data
 
 
 def _plain(index: Any) -> Any:
@@ -280,5 +334,5 @@ def save_rows(event: Event, path: str | Path) -> Path:
             "rows": [{**r, "loss": r["loss"] if math.isfinite(r["loss"]) else str(r["loss"])}
                      for r in rows.get("rows", [])]}
     out = Path(path)
-    out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    out.write_text(json.dumps(outward(data), indent=1) + "\n", encoding="utf-8")
     return out

@@ -12,13 +12,13 @@ and a watch that steps aside still joins one exchange so no peer waits for it.
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..document.outward import warn
 from ..errors import NonFiniteError
 from ..findings import Event
 from ..step.capture import MicroBatch, capture_rng, find_loss
@@ -134,9 +134,9 @@ class WatchSteps(WatchRecord):
     def _read(self) -> StepStats:
         if self._stats is None and self._ranks is not None and self._ranks.exchanges == 0 \
                 and not self._ranks.all_ranks_watch():
-            warnings.warn(f"nbguard: the watch runs on rank {self._ranks.rank} but not on every rank: it watches "
-                          f"this rank alone (no agreement across ranks); call nbguard.watch on every rank",
-                          RuntimeWarning, stacklevel=2)
+            warn(f"nbguard: the watch runs on rank {self._ranks.rank} but not on every rank: it watches "
+                 f"this rank alone (no agreement across ranks); call nbguard.watch on every rank",
+                 RuntimeWarning, stacklevel=2)
             self._ranks = None
         if self._stats is None:
             binding = self._scaler_binding

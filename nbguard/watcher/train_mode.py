@@ -7,11 +7,11 @@ step)`` returns the record or None).
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from transformers import TrainerCallback
 
+from ..document.outward import warn
 from ..introspect.modes import dropout_in_eval
 
 
@@ -33,8 +33,8 @@ class DropoutModeCheck(TrainerCallback):
             return None
         record = {"step": step, "dropout_in_eval": off[:10], "count": len(off)}
         if not self.records:
-            warnings.warn(f"nbguard: step {step} trained with {len(off)} dropout layer(s) in eval mode "
-                          f"({', '.join(off[:3])}...): a wrapper's train() did not reach them", stacklevel=2)
+            warn(f"nbguard: step {step} trained with {len(off)} dropout layer(s) in eval mode "
+                 f"({', '.join(off[:3])}...): a wrapper's train() did not reach them", stacklevel=2)
         self.steps_with_dropout_off += 1
         if len(self.records) < self.KEEP:
             self.records.append(record)

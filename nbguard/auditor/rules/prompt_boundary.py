@@ -97,10 +97,10 @@ def prompt_end_not_trained(ctx):
 
 
 def _excerpt(text: str, limit: int = 40) -> str:
-    from ...document.redact import redact
+    from ...document.outward import outward
 
     short = text if len(text) <= limit else text[:limit] + "…"
-    return str(redact(short))
+    return str(outward(short))
 
 
 @rule("prompt-encodes-empty", "error")

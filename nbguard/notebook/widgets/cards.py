@@ -10,7 +10,7 @@ from typing import Any
 
 import ipywidgets as W
 
-from ...document.redact import redact
+from ...document.outward import outward
 from ...document.view import Card, view
 from ...render.html import table_html
 from .fixrow import ApplyFn, FixRow
@@ -64,7 +64,7 @@ class FindingsView:
         self.render()
 
     def render(self) -> None:
-        v = view(redact(self.result.to_document(names=self.names)))  # a live card is shared like a report
+        v = view(outward(self.result.to_document(names=self.names)))  # a live card is shared like a report
         findings = v.section("findings")
         hardware = v.section("hardware")
         summary = (findings.facts[0].text if findings and findings.facts else "no findings")
@@ -107,7 +107,7 @@ class DiagnosisView:
     """One diagnosis card under an exception's traceback."""
 
     def __init__(self, doc: dict, output_id: str, apply: ApplyFn | None):
-        section = view(redact(doc)).section("diagnoses")
+        section = view(outward(doc)).section("diagnoses")
         if section is None or not section.cards:
             raise ValueError("DiagnosisView needs a document with one diagnosis")
         card = section.cards[0]

@@ -22,7 +22,7 @@ from typing import Any
 
 import ipywidgets as W
 
-from ...document.redact import redact
+from ...document.outward import outward, say
 from ...document.view import event_card
 from ...render import activations_png, heatmap_png
 from ...render.html import card_html, styled
@@ -69,7 +69,7 @@ def logged_series(trainer: Any, lo: int, hi: int) -> list[tuple[str, list[Any]]]
 
 def _event_dict(event: Any) -> dict:
     # redacted here: the card shown live is as shareable (screenshots, saved widget state) as a report
-    return redact(event.to_dict() if hasattr(event, "to_dict") else dict(event))
+    return outward(event.to_dict() if hasattr(event, "to_dict") else dict(event))
 
 
 class WatchDashboard:
@@ -157,7 +157,7 @@ class WatchDashboard:
         except Exception as err:  # the dashboard must never break or detach the user's watch
             self.errors.append(f"{type(err).__name__}: {err}")
             if len(self.errors) == 1:
-                print(f"nbguard: dashboard update failed ({self.errors[0]}); training goes on", file=sys.stderr)
+                say(f"nbguard: dashboard update failed ({self.errors[0]}); training goes on", file=sys.stderr)
 
     def _append(self, payload: dict) -> None:
         if payload.get("rank", 0) != 0:

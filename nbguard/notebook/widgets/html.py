@@ -5,8 +5,8 @@ import html
 import json
 from typing import Any
 
+from ...document.outward import outward
 from ...document.palette import GOOD_COLOR, SEVERITY_COLORS
-from ...document.redact import redact
 from ...document.view import Verdict
 
 
@@ -31,14 +31,14 @@ def verdict_badge(verdict: Verdict | None) -> str:
 
 def short(value: Any, limit: int = 300) -> str:
     """A live value (what a fix changed), redacted whole and then cut: the card is shared like a report."""
-    value = redact(value)
+    value = outward(value)
     text = value if isinstance(value, str) else json.dumps(value, default=str)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def failure(text: str) -> str:
     """A failed action, in the palette's error colour; redacted (an error can quote a secret)."""
-    return f'<span style="color:{SEVERITY_COLORS["error"]}">{esc(redact(text))}</span>'
+    return f'<span style="color:{SEVERITY_COLORS["error"]}">{esc(outward(text))}</span>'
 
 
 def success(html_text: str) -> str:
