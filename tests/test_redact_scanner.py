@@ -48,6 +48,7 @@ V = "Zq8Wm3Kd9Lp2Xr7T"  # built here, not a real secret
      f"Thread 7: File train.py, line 3, in f: client(api_key='{REDACTED}')"),
     (f'api_key: str = "{V}"', f'api_key: str = "{REDACTED}"'),
     (f"password: correct horse {V}\nnext: 1", f"password: {REDACTED}\nnext: 1"),  # YAML: to the line's end
+    (f"- password: correct horse {V}\n", f"- password: {REDACTED}\n"),  # a YAML list item
 ])
 def test_a_secret_after_other_text_is_removed_and_the_rest_kept(text, expected):
     assert redact(text, env={}, home=False) == expected
@@ -62,6 +63,7 @@ SHA = "0123456789abcdef0123456789abcdef01234567"
     f"the regression came in with {SHA}, reverted since", f"{SHA}", "HF_TOKEN_PATH=/root/.cache/huggingface/token",
     "MODEL_KEY=gpt2-medium", "ssh://git@github.com/org/repo.git", "git clone git@github.com:org/repo.git",
     'token = tokenizer(text)["input_ids"]', "Password: not set", "api_key: Optional[str] = None",
+    "login(token=hf_token)", "client = OpenAI(api_key=OPENAI_API_KEY)",
 ])
 def test_ordinary_text_the_old_patterns_broke_is_byte_identical(text):
     env = {"HF_TOKEN_PATH": "/root/.cache/huggingface/token", "MODEL_KEY": "gpt2-medium"}

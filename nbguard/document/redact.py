@@ -388,9 +388,12 @@ def _hidden_items(value: str) -> str:
 
 def _keeps_unquoted(name: str, value: str, colon: bool) -> bool:
     """An unquoted value after a secret's name that is not its value: a literal, a placeholder, a code
-    reference, a type annotation, prose after a colon, a token id or a plain word after a bare ``token``."""
+    reference or a variable named for a secret, a type annotation, prose after a colon, a token id or a
+    plain word after a bare ``token``."""
     if _PLACEHOLDER.fullmatch(value) or _CODE_REFERENCE.fullmatch(value) or _CALL.match(value) or value in TYPE_NAMES:
         return True
+    if value.isidentifier() and is_secret_key(value) and (value.lower() == name.lower() or len(_name_words(value)) > 1):
+        return True  # login(token=hf_token), api_key=api_key: a variable named for the secret
     if colon and value.lower() in PROSE_WORDS:
         return True
     if name.lower() in AMBIGUOUS_NAMES:
@@ -403,7 +406,7 @@ def _at_line_start(text: str, start: int) -> bool:
     i = start
     while i > 0 and text[i - 1] in " \t":
         i -= 1
-    if i >= 2 and text[i - 1] == "-" and text[i - 2] in " \t\n":
+    if i >= 1 and text[i - 1] == "-" and (i == 1 or text[i - 2] in " \t\n"):
         i -= 1
         while i > 0 and text[i - 1] in " \t":
             i -= 1
