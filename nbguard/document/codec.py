@@ -57,7 +57,8 @@ def check_limits(doc: Any, nbytes: int | None = None) -> None:
             if len(node) > MAX_LIST:
                 raise DocumentLimitError(f"a list of the nbguard document holds {len(node)} items, over the limit of "
                                          f"{MAX_LIST} (MAX_LIST) at {_where(path)}")
-            stack.extend((v, depth + 1, path + [i]) for i, v in enumerate(node) if isinstance(v, (dict, list)))
+            if not set(map(type, node)) <= _PLAIN:  # a row of plain values (a grid's) has nothing below it
+                stack.extend((v, depth + 1, path + [i]) for i, v in enumerate(node) if isinstance(v, (dict, list)))
             continue
         groups, steps = node.get("groups"), node.get("steps")
         if isinstance(groups, list) and isinstance(steps, list) and len(groups) * len(steps) > MAX_GRID_CELLS:
