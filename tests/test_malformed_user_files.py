@@ -206,3 +206,27 @@ def test_an_adapter_config_that_is_a_fifo_does_not_hang(trained_adapter, tmp_pat
     os.remove(tmp_path / "a" / "adapter_config.json")
     os.mkfifo(tmp_path / "a" / "adapter_config.json")
     assert "adapter_config.json is a FIFO" in _export_error(trained_adapter, tmp_path / "a")
+
+
+# ---- the other readers of a model's folder ------------------------------------------------------
+def test_a_saved_config_that_is_a_list_leaves_the_dtype_to_the_loaded_config(tmp_path):
+    from nbguard.auditor.checkpoint import checkpoint_dtype
+
+    model = tiny_llama(dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text("[]")
+    model.config._name_or_path = str(tmp_path / "m")
+    assert checkpoint_dtype(model.config) == ("bfloat16", "model.config.dtype")  # before: AttributeError
+
+
+def test_checkpoint_keys_read_bounded_headers(tmp_path):
+    from nbguard.auditor.rules.loading import checkpoint_keys
+
+    tiny_llama().save_pretrained(tmp_path / "m")
+    keys = checkpoint_keys(str(tmp_path / "m"))
+    assert keys is not None and "model.embed_tokens.weight" in keys
+    path = tmp_path / "m" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[:8] = struct.pack("<Q", 2 ** 62)
+    path.write_bytes(bytes(data))
+    assert checkpoint_keys(str(tmp_path / "m")) is None  # before: SafetensorError out of the rule

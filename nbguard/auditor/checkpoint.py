@@ -7,7 +7,6 @@ sits in the local hub cache (``try_to_load_from_cache`` never touches the networ
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -46,12 +45,14 @@ def checkpoint_dtype(config: Any) -> tuple[str, str] | None:
         return None
     path = _saved_config_file(str(getattr(config, "_name_or_path", "") or ""))
     if path is not None:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                saved = json.load(fh)
-        except (OSError, ValueError):
+        from ..introspect.user_files import UserFileError, read_json_object
+
+        try:  # bounded, a FIFO refused, a list where the config's object belongs refused
+            saved = read_json_object(path)
+        except UserFileError:
             saved = {}
-        text_config = saved.get("text_config") if isinstance(saved.get("text_config"), dict) else {}
+        nested = saved.get("text_config")
+        text_config: dict = nested if isinstance(nested, dict) else {}
         for raw in (saved.get("dtype"), saved.get("torch_dtype"), text_config.get("dtype"), text_config.get("torch_dtype")):
             dtype = _dtype_text(raw)
             if dtype is not None:
