@@ -151,6 +151,9 @@ def test_the_save_tokenizer_cell_for_a_home_folder_saves_there_after_redaction(t
     assert not (tmp_path / "~").exists()
     outside = fixes.code("save-tokenizer", tokenizer="tok", path="/data/adapter")
     assert "save_pretrained('/data/adapter')" in outside and "expanduser" not in outside
+    merge = redact(fixes.code("merge-in-fp32", model="m", path="/data/merged", base=str(home / "models" / "base")), env={})
+    assert "import os\n" in merge and "from_pretrained(os.path.expanduser('~/models/base')" in merge
+    assert "from_pretrained('org/base'" in fixes.code("merge-in-fp32", model="m", path="/data/merged", base="org/base")
 
 
 # ---- property tests: secrets in random text and syntaxes ---------------------------------------------

@@ -120,6 +120,8 @@ def _merge_fp32_code(names: Names, **options: Any) -> str:
     dtype = options.get("dtype") or "float32"
     adapter, needs = _path_code(f"{path.rstrip(os.sep)}-adapter")
     path, _ = _path_code(path)
+    base, base_needs = _path_code(base)  # a local base folder under $HOME, or a hub id (kept as it is)
+    needs = needs or base_needs
     return f"""{needs}import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
@@ -127,7 +129,7 @@ from transformers import AutoModelForCausalLM
 # Merge into a float32, unquantised copy of the base: merged into 4-bit or bf16 weights, the adapter's small
 # delta is rounded away. Cast after merging, to the dtype you serve in.
 {names.model}.save_pretrained({adapter})
-_base = AutoModelForCausalLM.from_pretrained({base!r}, dtype=torch.float32)
+_base = AutoModelForCausalLM.from_pretrained({base}, dtype=torch.float32)
 _merged = PeftModel.from_pretrained(_base, {adapter}).merge_and_unload()
 _merged.to(torch.{dtype}).save_pretrained({path})
 """
