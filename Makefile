@@ -2,7 +2,7 @@
 #   make demo   run the quickstart notebook headless; executed copies and reports land in build/
 #   make test   every test lane: the pinned releases (constraints/main.txt; the docs build and the wheel check
 #               included), its multi-rank tests with both cores busy, the Colab profile, transformers 4.50
-# Also: make docs (the site, strictly, into build/site/), make wheel (dist/, with the prebuilt Lab extension),
+# Also: make check (lint, types and the fast tests, the inner loop), make docs (the site, strictly, into build/site/), make wheel (dist/, with the prebuilt Lab extension),
 # make test-newest (the newest releases, unpinned: reports drift, gates nothing), make lock (re-pin main),
 # make test-loaded RUNS=3 (the multi-rank tests with both cores busy, three times in a row).
 SHELL := /bin/bash
@@ -34,15 +34,18 @@ VENV := .venv
 DEMO_VENV := .venv-demo
 COLAB_VENV := .venv-colab
 TF450_VENV := .venv-tf450
+# torchao has a venv of its own: transformers imports it at every model import wherever it is installed (about
+# 5 s of CPU per process: every kernel, docs page and rank the other lanes start), so only its tests see it.
+QUANT_VENV := .venv-quant
 NEWEST_VENV := .venv-newest
-EXTRAS := hf,test,quant,browser,trackers,docs
+EXTRAS := hf,test,browser,trackers,docs
 # How many times test-loaded runs the multi-rank tests under load (three in a row before a stop).
 RUNS ?= 1
 # pytest workers per lane (pytest-xdist; 0: one process). A test file stays on one worker.
 WORKERS ?= 2
 PYTEST_PARALLEL = -n $(WORKERS) --dist loadfile
 
-.PHONY: demo check docs wheel test test-main test-main-parallel test-main-serial test-loaded test-labextension test-colab test-tf450 test-newest lock \
+.PHONY: demo check docs wheel test test-main test-main-parallel test-main-serial test-loaded test-labextension test-colab test-tf450 test-quant test-newest lock \
 	install clean lint
 
 install: $(VENV)/.stamp
@@ -80,10 +83,16 @@ $(TF450_VENV)/.stamp: pyproject.toml $(CONSTRAINTS)/transformers-4.50.txt | $(UV
 	$(UV_INSTALL) -p $(TF450_VENV) -e ".[test]" -c $(CONSTRAINTS)/transformers-4.50.txt
 	touch $@
 
+# The quantised dry pass on real torchao layers (tests marked quant), on the main lock.
+$(QUANT_VENV)/.stamp: pyproject.toml $(CONSTRAINTS)/main.txt | $(UV)
+	$(call new_venv,$(QUANT_VENV))
+	$(UV_INSTALL) -p $(QUANT_VENV) -e ".[hf,quant]" pytest pytest-timeout -c $(CONSTRAINTS)/main.txt
+	touch $@
+
 # The newest releases, unpinned, rebuilt each time: what a user who pip-installs today gets.
 $(NEWEST_VENV)/.stamp: pyproject.toml | $(UV)
 	$(call new_venv,$(NEWEST_VENV))
-	$(UV_INSTALL) -p $(NEWEST_VENV) -e ".[$(EXTRAS)]" -c $(CONSTRAINTS)/torch.txt
+	$(UV_INSTALL) -p $(NEWEST_VENV) -e ".[$(EXTRAS),quant]" -c $(CONSTRAINTS)/torch.txt
 	touch $@
 
 $(DEMO_VENV)/.stamp: pyproject.toml $(CONSTRAINTS)/main.txt | $(UV)
@@ -115,9 +124,10 @@ wheel: $(VENV)/.stamp
 # docs/contributing.md for the figures since. Lines of the side-by-side steps interleave (each carries its
 # elapsed seconds in CI): a run cut off still shows every lane's progress.
 test: $(VENV)/.stamp
-	$(MAKE) --no-print-directory -j3 lint $(COLAB_VENV)/.stamp $(TF450_VENV)/.stamp
+	$(MAKE) --no-print-directory -j4 lint $(COLAB_VENV)/.stamp $(TF450_VENV)/.stamp $(QUANT_VENV)/.stamp
 	$(MAKE) --no-print-directory test-main-parallel
 	$(MAKE) --no-print-directory -j2 test-main-serial test-tf450
+	$(MAKE) --no-print-directory test-quant
 	$(MAKE) --no-print-directory test-labextension
 	$(MAKE) --no-print-directory -j2 BURNER_NICE=19 test-loaded test-colab
 
@@ -125,7 +135,7 @@ test: $(VENV)/.stamp
 # runs every one, on the releases notebook users have; executing them twice did not fit CI's 90 minutes),
 # on every core; after them, in one process, the tests that rewrite files others read (isolated: the wheel
 # build) and those marked serial (see pyproject.toml).
-MAIN_TESTS := not tf450 and not multirank and not notebooks
+MAIN_TESTS := not tf450 and not multirank and not notebooks and not quant
 test-main: lint
 	$(MAKE) --no-print-directory test-main-parallel
 	$(MAKE) --no-print-directory test-main-serial
@@ -135,6 +145,12 @@ test-main-parallel: $(VENV)/.stamp
 
 test-main-serial: $(VENV)/.stamp
 	$(VENV)/bin/python -m pytest -m "$(MAIN_TESTS) and (isolated or serial)"
+
+# The inner loop, a few minutes: ruff, mypy and the fast tests of the main lane (those the last profile found
+# under 2 s: tests/lanes/slow_tests.txt, written by tests/lanes/profile.py from a --junitxml run). make test
+# stays the gate.
+check: lint
+	$(VENV)/bin/python -m pytest $(PYTEST_PARALLEL) -q -m "$(MAIN_TESTS) and not isolated and not serial and not browser and not profiled_slow"
 
 # Multi-rank verdicts must not depend on timing: two burners keep both cores busy while the multi-rank
 # tests (and notebook 07) run RUNS times in a row; the burners stop however the run ends. A gate: make test
@@ -184,6 +200,9 @@ test-colab: $(COLAB_VENV)/.stamp
 test-tf450: $(TF450_VENV)/.stamp
 	$(TF450_VENV)/bin/python -m pytest -m tf450
 
+test-quant: $(QUANT_VENV)/.stamp
+	$(QUANT_VENV)/bin/python -m pytest -m quant -p no:cacheprovider tests/test_quantized_dry_pass.py
+
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) $(COLAB_VENV) $(TF450_VENV) $(NEWEST_VENV) $(UV_TOOL) build dist test-artifacts
+	rm -rf $(VENV) $(DEMO_VENV) $(COLAB_VENV) $(TF450_VENV) $(QUANT_VENV) $(NEWEST_VENV) $(UV_TOOL) build dist test-artifacts
 	rm -rf labextension/node_modules labextension/lib labextension/build labextension/tsconfig.tsbuildinfo nbguard/labextension

@@ -1,8 +1,8 @@
 """The quantised dry pass (rule quantized-dry-pass-nonfinite) on real torchao layers (pytorch/ao#3356).
 
-torchao is the main lane's own extra (pyproject's `quant`, pinned in constraints/main.txt): the Colab and
-transformers 4.50 lanes do not install it (transformers imports torchao whenever it is installed), and
-they collect this file too, so it skips there; only the main lane runs it.
+torchao is its own extra (pyproject's `quant`, pinned in constraints/main.txt) with its own venv (make
+test-quant, the tests marked quant): transformers imports torchao at every model import wherever it is
+installed, so the other lanes leave it out; where it is absent this file skips.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from nbguard.introspect.quantized_layers import quant_method, read_quantized_lay
 from nbguard.testing import tiny_batch, tiny_llama
 
 torch.set_num_threads(1)
+pytestmark = pytest.mark.quant
 
 
 @pytest.fixture
