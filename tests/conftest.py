@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
@@ -39,12 +40,19 @@ COLAB_FILES = frozenset(
 )
 
 
+def _profiled_slow() -> frozenset[str]:
+    """The tests over 2 s in the last profiled run (tests/lanes/profile.py writes the list): make check skips them."""
+    listed = Path(__file__).parent / "lanes" / "slow_tests.txt"
+    return frozenset(listed.read_text().split()) if listed.exists() else frozenset()
+
+
 def pytest_collection_modifyitems(config, items):
     """tf450 tests only run where transformers 4.50.x is installed; browser tests need Chromium;
     cuda tests need a CUDA device (none in CI: they run on a GPU machine, benchmarks/on_gpu.sh).
 
     In CI (CI=true) a missing Chromium is an error, not a skip: the browser test must really run.
     """
+    slow_listed = _profiled_slow()
     on_450 = _transformers_is_450()
     has_chromium = shutil.which("chromium") is not None
     in_ci = os.environ.get("CI") == "true"
@@ -52,6 +60,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in COLAB_FILES:
             item.add_marker(pytest.mark.colab)
+        if item.nodeid in slow_listed:
+            item.add_marker(pytest.mark.profiled_slow)
         if "tf450" in item.keywords and not on_450:
             item.add_marker(pytest.mark.skip(reason="needs transformers 4.50.x (make test-tf450)"))
         if "browser" in item.keywords and not has_chromium and not in_ci:
