@@ -72,7 +72,9 @@ def test_a_fast_loop_sends_a_message_per_interval_and_every_step_arrives():
     rank = view.ranks[3]
     assert rank.history.steps == list(range(STEPS)) and rank.history.skipped_steps[0] == 40
     # the NaN in the weight stays: the bad step's event, then the skip that cannot save the run
-    assert [(e.step, e.kind) for e in rank.events][:1] in ([(40, "nonfinite-loss")], [(40, "nonfinite-grad")])
+    # (a loaded machine may add a slow-steps event: the step clock reads real time, which this test does not drive)
+    numeric = [(e.step, e.kind) for e in rank.events if e.kind != "slow-steps"]
+    assert numeric[:1] in ([(40, "nonfinite-loss")], [(40, "nonfinite-grad")])
     # attach, the first step at once, a message per 0.25 s of steps (0.6 s of them), each event with the
     # steps before it, the rest at detach: a message per step would be 61
     assert channel.received <= 2 + int(STEPS * 0.01 / stream.STEP_INTERVAL_S) + 2 * len(rank.events) + 1
