@@ -12,11 +12,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..document.codec import MAX_DOCUMENT_BYTES, load_document_text
 from ..document.merge import as_document, check_document, gather, merge_documents
 from ..document.outward import outward, outward_text
 from ..document.view import lookup, view
 from ..environment import environment_info
 from ..findings import Displayable
+from ..introspect.user_files import read_bytes
 from ..render import encode_document, render_html, render_text
 from ..render.charts import chart_png
 from ..render.markdown import render_markdown
@@ -51,8 +53,10 @@ class Report(Displayable):
     def load(cls, path: str | os.PathLike) -> Report:
         """A report saved with ``save("....json")`` (or any saved v1 document)."""
         path = _as_path(path)
+        # a saved report may come from anyone: read within the document limits (bytes, nesting, lists, grids),
+        # never a FIFO, before json parses it
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = load_document_text(read_bytes(str(path), limit=MAX_DOCUMENT_BYTES))
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not a JSON nbguard report ({exc}); load the .json file that save() wrote") from None
         return cls.from_dict(data)
