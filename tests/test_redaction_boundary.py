@@ -83,6 +83,17 @@ def test_a_listener_error_reaches_tensorboard_text_redacted(tmp_path):
     assert leaks_in(text) == [] and leaks_under(tmp_path) == {}
 
 
+def _train_logging_a_failure_to(run) -> None:
+    """Two steps watched into ``run``, whose listener fails with the planted secrets; the run finished."""
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    watch = nbguard.watch(model, optimizer=opt, verify=False, log_to=run, log_every=1)
+    watch.add_listener(_failing_listener)
+    train(model, opt, batches(2))
+    watch.detach()
+    run.finish()
+
+
 def test_trackio_alert_printed_and_stored_holds_no_secret(capfd):
     if "trackio" not in sys.modules:  # trackio reads TRACKIO_DIR once, at import
         os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="nbguard-trackio-"))
@@ -91,13 +102,7 @@ def test_trackio_alert_printed_and_stored_holds_no_secret(capfd):
 
     project = f"nbguard-{uuid.uuid4().hex[:8]}"
     run = trackio.init(project=project, name="leak")
-    model = tiny_llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    watch = nbguard.watch(model, optimizer=opt, verify=False, log_to=run, log_every=1)
-    watch.add_listener(_failing_listener)
-    train(model, opt, batches(2))
-    watch.detach()
-    run.finish()
+    _train_logging_a_failure_to(run)
     printed = capfd.readouterr()
     [alert] = SQLiteStorage.get_alerts(project, run_name="leak")
     assert alert["title"].startswith("nbguard: watch-error") and "[REDACTED]" in alert["text"]
@@ -113,14 +118,7 @@ def test_offline_wandb_run_file_holds_no_secret(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_PROJECT", "nbguard-test")
     try:
-        run = wandb.init()
-        model = tiny_llama()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        watch = nbguard.watch(model, optimizer=opt, verify=False, log_to=run, log_every=1)
-        watch.add_listener(_failing_listener)
-        train(model, opt, batches(2))
-        watch.detach()
-        run.finish()
+        _train_logging_a_failure_to(wandb.init())
     finally:
         wandb.teardown()  # only then is the run file written out whole
     [path] = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
