@@ -273,16 +273,21 @@ def test_memorising_runs_whose_gradient_norm_swings_10x_while_their_loss_falls_s
     """One repeated batch: the loss falls from 4.9 to about 1 while the gradient norm swings (the
     issue's 24-layer LoRA run at 1e-4 swung 10.6x at step 147; tiny LoRA runs here stay under 6x, so
     a tiny Llama at a high learning rate makes the same swing in 40 steps, on one batch of three)."""
-    swung = 0
-    for seed in (1, 0, 2):
+    # Which seeds swing 10x at a falling loss depends on the CPU's float rounding (on an AMD EPYC seeds 5 and 15
+    # of 0-15 do, where seeds 0-2 did elsewhere): take seeds in turn until one has, every run quiet.
+    swung = tried = 0
+    for seed in range(16):
         watch, losses = memorise(seed)
         norms = watch.history.total_grad_norm
         # the ratio the old grad-spike check used: the norm over the median of the last 50, after 10 steps
         swung += any(norms[i] > 10 * statistics.median(norms[max(0, i - 50):i]) and losses[i] < losses[i - 1]
                      for i in range(10, len(norms)))
+        tried += 1
         assert losses[-1] < losses[0] / 2  # it learns
         assert watch.events == [], watch.summary()
-    assert swung
+        if swung and tried >= 3:
+            break
+    assert swung, f"none of {tried} memorising runs swung 10x at a falling loss: the case is not exercised"
 
 
 def test_the_overflow_read_costs_two_more_reads_on_its_step_and_none_on_the_others(monkeypatch):
