@@ -7,7 +7,7 @@ a cell's output), a ``display``, the Lab comm, ``repr``/``str`` of a public resu
 
 :func:`outward` is :func:`nbguard.document.redact.redact` (the redaction algorithm lives there); this
 module is the one place the exits call it, so an exit that bypasses it is visible:
-``tests/test_redaction_boundary.py`` walks nbguard's source, finds every exit and fails on one whose
+``tests/test_redaction_exits.py`` walks nbguard's source, finds every exit and fails on one whose
 text does not come from here. :func:`warn` and :func:`say` are ``warnings.warn`` and ``print`` with
 their text passed through it.
 """
