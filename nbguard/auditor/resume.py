@@ -23,7 +23,6 @@ OPTIMIZER, SCHEDULER, SCALER, STATE, ARGS = "optimizer.pt", "scheduler.pt", "sca
 WEIGHTS = ("model.safetensors", "adapter_model.safetensors", "pytorch_model.bin", "adapter_model.bin",
            "model.safetensors.index.json")
 FILES_SHOWN = 200  # names of the folder's files kept in the facts (and so in the document); files_total counts all
-MAX_ARGS_BYTES = 64 * 1024 * 1024  # a TrainingArguments pickle is a few KB
 
 
 @dataclass
@@ -139,17 +138,11 @@ def _read_state(path: str, facts: CheckpointFacts) -> None:
 def _read_saved_args(path: str, facts: CheckpointFacts) -> None:
     """The Trainer pickles its TrainingArguments into training_args.bin, and a downloaded checkpoint's pickle can
     name any callable: it is read with inert stand-ins (nothing it names is imported or run), never torch.load."""
-    kind = special_kind(path)
-    try:
-        size = os.stat(path).st_size
-    except OSError:
-        size = 0
-    if kind is not None or size > MAX_ARGS_BYTES:
-        facts.unreadable[ARGS] = (f"is {kind}, not a regular file: nbguard does not read it" if kind else
-                                  f"is {size} bytes, over nbguard's limit of {MAX_ARGS_BYTES} for this file")
-        return
     try:
         read = read_torch_save(path)
+    except UserFileError as exc:  # a FIFO, a device, or far too large for a TrainingArguments
+        facts.unreadable[ARGS] = exc.reason
+        return
     except Exception as exc:  # a truncated or foreign file: not the Trainer's arguments
         facts.unreadable[ARGS] = f"{type(exc).__name__}: {str(exc)[:300]}"
         return

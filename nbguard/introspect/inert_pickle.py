@@ -15,6 +15,8 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from .user_files import read_bytes
+
 # torch.save writes a few KB of arguments; anything far larger is not a TrainingArguments.
 MAX_PICKLE_BYTES = 4 * 1024 * 1024
 # The packages whose classes a saved TrainingArguments (or a subclass: TRL's configs) is built from, and the
@@ -121,12 +123,10 @@ def _unpickle(data: bytes) -> InertPickle:
 
 def read_torch_save(path: str, max_bytes: int = MAX_PICKLE_BYTES) -> InertPickle:
     """The object ``torch.save`` wrote to ``path``, as inert stand-ins. Reads the zip format's ``data.pkl`` and
-    the legacy format (a magic number, a protocol, system info, then the object). Raises ValueError on a file that
-    is neither, or larger than ``max_bytes``; pickle's own errors on malformed data."""
-    with open(path, "rb") as fh:
-        raw = fh.read(max_bytes + 1)
-    if len(raw) > max_bytes:
-        raise ValueError(f"{path}: over {max_bytes} bytes, not a saved TrainingArguments")
+    the legacy format (a magic number, a protocol, system info, then the object). Raises UserFileError (a
+    ValueError) on a special file or one over ``max_bytes``, ValueError on one of neither format, pickle's own
+    errors on malformed data."""
+    raw = read_bytes(path, limit=max_bytes)  # refuses FIFOs and devices, and anything over max_bytes
     if zipfile.is_zipfile(io.BytesIO(raw)):
         with zipfile.ZipFile(io.BytesIO(raw)) as archive:
             entries = [i for i in archive.infolist() if i.filename.endswith("data.pkl")]
