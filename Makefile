@@ -34,8 +34,8 @@ VENV := .venv
 DEMO_VENV := .venv-demo
 COLAB_VENV := .venv-colab
 TF450_VENV := .venv-tf450
-# torchao has a venv of its own: transformers imports it at every model import wherever it is installed (about
-# 5 s of CPU per process: every kernel, docs page and rank the other lanes start), so only its tests see it.
+# torchao has a venv of its own: transformers imports it at every model import wherever it is installed, which
+# changes how every other lane loads models and prints its "Failed to load" lines into every kernel's output.
 QUANT_VENV := .venv-quant
 NEWEST_VENV := .venv-newest
 EXTRAS := hf,test,browser,trackers,docs
