@@ -26,7 +26,6 @@ falls; a noisy batch moves one value, not a median.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 from collections import deque
@@ -34,10 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .rolling import RollingMedian, sorted_median
-
-# One MAD of a normal sample is 0.6745 standard deviations; scaled, it estimates the std robustly.
-MAD_TO_STD = 1.4826
+from .rolling import RobustBaseline, RollingMedian
 
 
 @dataclass
@@ -86,9 +82,8 @@ class DivergenceDetector:
 
     def __init__(self, settings: DivergenceSettings | None = None):
         self.settings = settings or DivergenceSettings()
-        self.recent: deque[float] = deque(maxlen=self.settings.window)
-        # |step-to-step change| between consecutive healthy log norms, kept sorted (the noise's median)
-        self.changes = RollingMedian(max(self.settings.window - 1, 1))  # (window 1: no change is ever judged)
+        # the last healthy log norms: the run's level and its step-to-step noise
+        self.baseline = RobustBaseline(self.settings.window, self.settings.level_steps)
         self.recent_loss: deque[float] = deque(maxlen=self.settings.window)
         # the last healthy steps' per-group norms, raw (in the order of the groups then known): logs are
         # taken only when an explosion is named
@@ -101,19 +96,17 @@ class DivergenceDetector:
 
     def level(self) -> float | None:
         """The run's recent log10 gradient norm (None before any healthy step)."""
-        if not self.recent:
-            return None
-        return sorted_median(sorted(itertools.islice(reversed(self.recent), self.settings.level_steps)))
+        return self.baseline.level()
 
     def threshold(self, loss_falling: bool = False) -> float | None:
         """Decades above the level that count as an explosion (None: not enough history)."""
         s = self.settings
-        if len(self.recent) < s.warmup:
+        if len(self.baseline) < s.warmup:
             return None
-        if len(self.recent) < s.early_steps:
+        if len(self.baseline) < s.early_steps:
             return max(s.early_decades, s.falling_loss_decades) if loss_falling else s.early_decades
         floor = max(s.min_decades, s.falling_loss_decades) if loss_falling else s.min_decades
-        return max(floor, s.robust_z * MAD_TO_STD * self.changes.median())
+        return max(floor, self.baseline.noise_bound(s.robust_z))
 
     def update(self, step: int, loss: float | None, total: float, groups: Sequence[str],
                norms: Sequence[float], overflow: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -125,7 +118,7 @@ class DivergenceDetector:
         limit, median = self.threshold(), self.level()
         jumped = limit is not None and median is not None and value - median > limit
         s = self.settings
-        rising = not jumped and median is not None and len(self.recent) >= s.early_steps \
+        rising = not jumped and median is not None and len(self.baseline) >= s.early_steps \
             and value - median > s.rising_loss_decades
         loss_median: float | None = None
         loss_falling = False
@@ -158,7 +151,7 @@ class DivergenceDetector:
         self.evidence = {
             "total_grad_norm": total, "recent_level": 10 ** median if median is not None else None,
             "ratio": 10 ** above if above is not None else None, "decades_above_level": above,
-            "threshold_decades": limit, "healthy_steps_seen": len(self.recent), "loss": loss,
+            "threshold_decades": limit, "healthy_steps_seen": len(self.baseline), "loss": loss,
             "recent_loss_median": loss_median, "loss_falling": loss_falling, "peak_grad_norm": total, "peak_step": step,
             "exploded_groups": self._exploded_groups(groups, norms, limit if limit is not None else 0.0)}
         if overflow is not None:
@@ -180,9 +173,7 @@ class DivergenceDetector:
                 "over_steps": len(self.trail)}
 
     def _remember(self, value: float, loss: float | None, norms: Sequence[float]) -> None:
-        if self.recent:
-            self.changes.append(abs(value - self.recent[-1]))
-        self.recent.append(value)
+        self.baseline.append(value)
         if loss is not None and math.isfinite(loss):
             self.recent_loss.append(loss)
         self.group_recent.append(norms)

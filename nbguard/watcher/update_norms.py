@@ -35,7 +35,6 @@ gradient norm see the damaged weights.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import operator
 from collections import deque
@@ -46,9 +45,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..findings import Event
-from .divergence import MAD_TO_STD, RUN_FIXES, log_norm
+from .divergence import RUN_FIXES, log_norm
 from .pipeline import Detector, StepView, WatchedRun
-from .rolling import RollingMedian, sorted_median
+from .rolling import RobustBaseline, sorted_median
 
 if TYPE_CHECKING:
     from .history import GradHistory
@@ -71,22 +70,19 @@ class UpdateSpikeJudge:
 
     def __init__(self, settings: UpdateSpikeSettings | None = None):
         self.settings = settings or UpdateSpikeSettings()
-        self.recent: deque[float] = deque(maxlen=self.settings.window)
-        self.changes = RollingMedian(max(self.settings.window - 1, 1))
+        self.baseline = RobustBaseline(self.settings.window, self.settings.level_steps)  # healthy log ratios
         self.group_recent: deque[Sequence[float | None]] = deque(maxlen=self.settings.level_steps)
         self.spiking = False
         self.evidence: dict[str, Any] | None = None
 
     def level(self) -> float | None:
-        if not self.recent:
-            return None
-        return sorted_median(sorted(itertools.islice(reversed(self.recent), self.settings.level_steps)))
+        return self.baseline.level()
 
     def threshold(self) -> float | None:
         s = self.settings
-        if len(self.recent) < s.warmup or not self.changes:
+        if len(self.baseline) < s.warmup or not self.baseline.changes:
             return None
-        return max(s.min_decades, s.robust_z * MAD_TO_STD * self.changes.median())
+        return max(s.min_decades, self.baseline.noise_bound(s.robust_z))
 
     def update(self, step: int, total: float | None, groups: Sequence[str],
                ratios: Sequence[float | None]) -> dict[str, Any] | None:
@@ -97,9 +93,7 @@ class UpdateSpikeJudge:
         limit, level = self.threshold(), self.level()
         spiked = limit is not None and level is not None and value - level > limit
         if not spiked:
-            if self.recent:
-                self.changes.append(abs(value - self.recent[-1]))
-            self.recent.append(value)
+            self.baseline.append(value)
             self.group_recent.append(ratios)
             self.spiking = False
             return None
@@ -112,7 +106,7 @@ class UpdateSpikeJudge:
         self.evidence = {
             "update_ratio": total, "recent_level": 10 ** level, "ratio": 10 ** (value - level),
             "decades_above_level": value - level, "threshold_decades": limit,
-            "healthy_steps_seen": len(self.recent), "peak_update_ratio": total, "peak_step": step,
+            "healthy_steps_seen": len(self.baseline), "peak_update_ratio": total, "peak_step": step,
             "largest_groups": self._largest(groups, ratios)}
         return self.evidence
 
