@@ -6,8 +6,8 @@ Three measurements, in one process:
    with its own copy of model and optimizer, one step each per round in a rotating order, so drift on a
    shared machine hits all alike:
    - ``no step clock``: the watch with the step clock taken out (the watch as it was before this feature),
-   - ``stall_after_s=None``: the step clock (slow-steps) without the heartbeat thread,
-   - ``heartbeat``: the default (the step clock and the heartbeat thread, stall_after_s=120).
+   - ``after_s=None``: the step clock (slow-steps) without the heartbeat thread,
+   - ``heartbeat``: the default (the step clock and the heartbeat thread, after_s=120).
    Reported: each variant's median step (wall clock and this thread's CPU time) and the median per-round
    ratio against ``no step clock``, with its quartiles. Two sizes: a tiny Llama (where a fixed per-step
    cost shows most) and a 4-layer hidden-256 one.
@@ -35,7 +35,7 @@ import nbguard  # noqa: E402
 from nbguard.watcher.pipeline import StepView  # noqa: E402
 from nbguard.watcher.stall import Heartbeat, StepClock  # noqa: E402
 
-VARIANTS = ("no step clock", "stall_after_s=None", "heartbeat")
+VARIANTS = ("no step clock", "after_s=None", "heartbeat")
 
 
 def build_model(hidden: int, layers: int, vocab: int, seq_len: int):
@@ -47,13 +47,19 @@ def build_model(hidden: int, layers: int, vocab: int, seq_len: int):
     return LlamaForCausalLM(config)
 
 
-def without_step_clock(watch) -> None:
-    """The watch as it was before the step clock: out of the detector list, its forward a no-op."""
-    clock = watch._step_clock
-    clock.stop()
-    watch._board.detectors.remove(clock)
-    watch._board._index_hooks()
-    clock.forward = lambda: None
+def without_step_clock(model, optimizer):
+    """The watch as it was before the step clock: a watch whose components do not include it (the stall
+    component's factory returns None while this watch is made)."""
+    import dataclasses
+
+    from nbguard.watcher import registry
+
+    spec = registry.registered_components()["stall"]
+    registry._COMPONENTS["stall"] = dataclasses.replace(spec, make=lambda setup: None)
+    try:
+        return nbguard.watch(model, optimizer=optimizer, verify=False, log_to=None)
+    finally:
+        registry._COMPONENTS["stall"] = spec
 
 
 class Variant:
@@ -61,9 +67,11 @@ class Variant:
         self.name, self.model = name, model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         stall = None if name != "heartbeat" else 120.0
-        self.watch = nbguard.watch(model, optimizer=self.opt, verify=False, log_to=None, stall_after_s=stall)
         if name == "no step clock":
-            without_step_clock(self.watch)
+            self.watch = without_step_clock(model, self.opt)
+        else:
+            self.watch = nbguard.watch(model, optimizer=self.opt, verify=False, log_to=None,
+                                       config=nbguard.WatchConfig(stall={"after_s": stall}))
         self.wall: list[float] = []
         self.cpu: list[float] = []
 

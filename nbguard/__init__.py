@@ -55,6 +55,10 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")
+    if name == "WatchConfig":  # the watch's settings: importing the watcher imports torch, so only when asked
+        from .watcher.config import WatchConfig
+
+        return WatchConfig
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -63,6 +67,6 @@ def _jupyter_labextension_paths():
 
 
 __all__ = [
-    "Event", "Finding", "Hardware", "NbguardError", "NonFiniteError", "Origin", "Severity",
+    "Event", "Finding", "Hardware", "NbguardError", "NonFiniteError", "Origin", "Severity", "WatchConfig",
     "audit", "check_export", "explain", "fixes", "report", "resolve_hardware", "verify", "watch", "__version__",
 ]

@@ -32,9 +32,9 @@ def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, pro
     return result
 
 
-def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, activations=False, verify=True,
-          detectors=(), run_checks=True, log_to="auto", log_every=10, rewind=None, scheduler=None,
-          stall_after_s=120.0, log_rows=False, save_report=None):
+def watch(target, *, optimizer=None, scaler=None, policy="warn", config=None, log_to="auto", localize=True,
+          activations=False, verify=True, detectors=(), run_checks=True, log_every=10, rewind=None, scheduler=None,
+          log_rows=False, save_report=None, **deprecated):
     """Attach a NaN/Inf watch to a model (with its optimizer) or a Trainer; returns a ``NanWatch``.
 
     ``activations=True`` also records each module group's output abs-max per step (fp16 headroom).
@@ -56,10 +56,9 @@ def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, 
     max_rewinds=3)``); pass ``scheduler=`` (a plain loop's LR scheduler) so a divergence's LR cut
     reaches it too. A bad step's event names its rows by dataset index (a Trainer's own loader; a
     plain loop's with ``watch.track_rows(loader)``).
-    A heartbeat thread records a ``stall`` event (every thread's Python stack) when no optimizer step
-    completes within a bound learned from the run's step times, never sooner than ``stall_after_s``
-    seconds; ``stall_after_s=None`` turns it off. Steps several times slower than the run's median,
-    several in a row, are a ``slow-steps`` event (docs/guides/detectors.md, "Stalls and slowdowns").
+    ``config=nbguard.WatchConfig(section={...})`` sets the watch's components, one section each
+    (docs/guides/detectors.md, "Components", lists them with their settings); a component's older keyword works
+    for one release, with a DeprecationWarning naming its section.
     """
     from .verifier import auto_verify
     from .watcher import NanWatch
@@ -73,7 +72,7 @@ def watch(target, *, optimizer=None, scaler=None, policy="warn", localize=True, 
                          "log_to='auto' or 'report_to' (log_to=None sends and saves nothing)")
     watch = NanWatch(target, optimizer=optimizer, scaler=scaler, policy=policy, localize=localize,
                      activations=activations, verifier=auto_verify if verify else None, detectors=detectors,
-                     run_checks=run_checks, rewind=rewind, scheduler=scheduler, stall_after_s=stall_after_s)
+                     run_checks=run_checks, rewind=rewind, scheduler=scheduler, config=config, **deprecated)
     if log_to is not None:  # checked before attaching: a bad log_to leaves no hooks behind
         from .trackers import connect
 

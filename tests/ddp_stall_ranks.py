@@ -2,7 +2,7 @@
 
 ``python -m torch.distributed.run --nproc_per_node 2 tests/ddp_stall_ranks.py WHERE OUT_DIR``. Each rank trains a
 tiny Llama under DistributedDataParallel in a plain loop fed by a real DataLoader, with ``nbguard.watch``
-(``stall_after_s=STALL_AFTER_S``). At batch ``BLOCK_AT`` rank 1 blocks on a key of the process group's own
+(``WatchConfig(stall={"after_s": STALL_AFTER_S})``). At batch ``BLOCK_AT`` rank 1 blocks on a key of the process group's own
 TCP store (``store.wait``: no sleep, no polling): WHERE ``collate`` in its DataLoader's collate function (rank 0
 then waits in DDP's next forward, in its buffer broadcast), ``backward`` between its forward and its backward
 (rank 0 then waits in its backward, where DDP all-reduces the gradients). Rank 0's watch listener sets the key once rank 0's ``stall`` event is
@@ -75,7 +75,8 @@ def main(where: str, out_dir: str) -> None:
     torch.manual_seed(0)
     model = DistributedDataParallel(tiny_llama())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    watch = nbguard.watch(model, optimizer=optimizer, verify=False, log_to=None, stall_after_s=STALL_AFTER_S)
+    watch = nbguard.watch(model, optimizer=optimizer, verify=False, log_to=None,
+                          config=nbguard.WatchConfig(stall={"after_s": STALL_AFTER_S}))
     watch.add_listener(release)
     data = torch.utils.data.DataLoader(Indices(), batch_size=1, collate_fn=rank1_collate)
     try:

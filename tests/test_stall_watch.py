@@ -18,7 +18,7 @@ from transformers import Trainer, TrainingArguments, default_data_collator
 
 import nbguard
 from nbguard.testing import TinyDataset, tiny_batch, tiny_llama
-from nbguard.watcher.stall import THREAD_NAME, check_stall_after
+from nbguard.watcher.components.stall import THREAD_NAME, StepClock, check_stall_after
 
 STALL_AFTER_S = 0.25  # the floor, small so the stall shows within a second
 RELEASE_AFTER_S = 10.0  # a collate left blocked this long means no stall event came
@@ -91,11 +91,18 @@ def train(model, optimizer, data) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
+def clock_of(watch) -> StepClock:
+    """The watch's stall component (one of its detectors, as every component is)."""
+    (clock,) = [d for d in watch.detectors if isinstance(d, StepClock)]
+    return clock
+
+
 def watched(stall_after_s=STALL_AFTER_S):
     torch.manual_seed(0)
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    watch = nbguard.watch(model, optimizer=optimizer, verify=False, log_to=None, stall_after_s=stall_after_s)
+    watch = nbguard.watch(model, optimizer=optimizer, verify=False, log_to=None,
+                          config=nbguard.WatchConfig(stall={"after_s": stall_after_s}))
     return model, optimizer, watch
 
 
@@ -138,13 +145,13 @@ def test_a_healthy_run_is_quiet_and_an_idle_watch_after_its_loop_is_no_stall():
         train(model, optimizer, loader(24))
         assert watch.step == 24 and watch.events == [], watch.summary()
         # the loop's frame (train) returned: nothing is awaited, however long the watch stays attached
-        bound, _ = watch._step_clock.bound()
+        bound, _ = clock_of(watch).bound()
         time.sleep(bound + 0.3)
         assert watch.events == [], watch.summary()
         assert len(heartbeats()) == 1  # still running, only not judging
         train(model, optimizer, loader(3))  # a new loop arms it again; the pause between loops is not a step time
         assert watch.step == 27 and watch.events == []
-        assert max(watch._step_clock.gaps) < bound
+        assert max(clock_of(watch).gaps) < bound
     finally:
         watch.detach()
     assert heartbeats() == []
@@ -184,7 +191,7 @@ def test_a_trainer_whose_collator_blocks_is_one_stall_event_and_its_twin_is_quie
         return default_data_collator(features)
 
     trainer = tiny_trainer(tmp_path / "stuck", stuck_collator, max_steps=8)
-    watch = nbguard.watch(trainer, verify=False, log_to=None, stall_after_s=STALL_AFTER_S)
+    watch = nbguard.watch(trainer, verify=False, log_to=None, config=nbguard.WatchConfig(stall={"after_s": STALL_AFTER_S}))
     watch.add_listener(gate.listener)
     try:
         trainer.train()
@@ -198,12 +205,12 @@ def test_a_trainer_whose_collator_blocks_is_one_stall_event_and_its_twin_is_quie
     assert evidence["user_frame"].startswith("stuck_collator ") and "resumed_at_step" in evidence
 
     healthy = tiny_trainer(tmp_path / "healthy", default_data_collator, max_steps=8)
-    twin = nbguard.watch(healthy, verify=False, log_to=None, stall_after_s=STALL_AFTER_S)
+    twin = nbguard.watch(healthy, verify=False, log_to=None, config=nbguard.WatchConfig(stall={"after_s": STALL_AFTER_S}))
     try:
         healthy.train()
         assert twin.step == 8 and twin.events == [], twin.summary()
         # train() returned: the test's own frame is still running, but no step is awaited any more
-        time.sleep(twin._step_clock.bound()[0] + 0.3)
+        time.sleep(clock_of(twin).bound()[0] + 0.3)
         assert twin.events == [], twin.summary()
     finally:
         twin.detach()
@@ -233,14 +240,29 @@ def test_a_bad_stall_after_s_is_a_clear_error(value, error):
     with pytest.raises(error, match="stall_after_s"):
         check_stall_after(value)
     model = tiny_llama()
-    with pytest.raises(error, match="stall_after_s"):
+    with pytest.raises(error, match="after_s"):
+        nbguard.watch(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                      config=nbguard.WatchConfig(stall={"after_s": value}))
+    with pytest.raises(error, match="stall_after_s"), pytest.warns(DeprecationWarning, match="WatchConfig"):
         nbguard.watch(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), stall_after_s=value)
     assert heartbeats() == []
 
 
+def test_the_old_stall_after_s_keyword_still_sets_the_stall_section():
+    """One release of grace: stall_after_s= is the stall section's after_s, with a DeprecationWarning."""
+    model = tiny_llama()
+    with pytest.warns(DeprecationWarning, match=r"WatchConfig\(stall="):
+        watch = nbguard.watch(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), verify=False,
+                              log_to=None, stall_after_s=None)
+    try:
+        assert watch.config.section("stall").after_s is None and heartbeats() == []
+    finally:
+        watch.detach()
+
+
 def test_a_failure_inside_the_heartbeat_is_one_watch_error_and_training_goes_on(monkeypatch):
     model, optimizer, watch = watched()
-    clock = watch._step_clock
+    clock = clock_of(watch)
 
     def broken_bound():
         raise RuntimeError("bound exploded")
@@ -270,7 +292,7 @@ def slow_save_pretrained(model, watch, released: list[bool]):
     only once the heartbeat has looked at the save SAVE_LOOKS times and it has lasted SAVE_BOUNDS bounds: a
     save far past the bound, made long by the heartbeat's own progress, never by a fixed sleep."""
     real = model.save_pretrained
-    clock = watch._step_clock
+    clock = clock_of(watch)
 
     def save_pretrained(*args, **kwargs):
         deadline = time.monotonic() + RELEASE_AFTER_S
@@ -306,11 +328,11 @@ def test_a_checkpoint_save_longer_than_the_bound_is_no_stall_and_a_block_after_i
                              save_steps=5, save_only_model=True, per_device_train_batch_size=4, max_steps=10,
                              logging_steps=1, learning_rate=1e-4, disable_tqdm=True, dataloader_num_workers=0)
     trainer = Trainer(model=tiny_llama(), args=args, train_dataset=TinyDataset(16, 16), data_collator=stuck_collator)
-    watch = nbguard.watch(trainer, verify=False, log_to=None, stall_after_s=STALL_AFTER_S)
+    watch = nbguard.watch(trainer, verify=False, log_to=None, config=nbguard.WatchConfig(stall={"after_s": STALL_AFTER_S}))
     watch.add_listener(gate.listener)
     released: list[bool] = []
     slow_save_pretrained(trainer.model, watch, released)
-    clock = watch._step_clock
+    clock = clock_of(watch)
     tick = clock.heartbeat.tick
     try:
         trainer.train()
@@ -337,7 +359,7 @@ def test_a_checkpoint_save_longer_than_the_bound_is_no_stall_and_a_block_after_i
 def test_a_save_that_never_ends_is_a_stall_that_says_it_is_inside_the_save():
     """A torch.save in a plain loop that blocks (a hung filesystem): past SAVE_FACTOR bounds it is a stall,
     and the event names the save; released by the event itself."""
-    from nbguard.watcher.stall import SAVE_FACTOR
+    from nbguard.watcher.components.stall import SAVE_FACTOR
 
     model, optimizer, watch = watched()
     gate = Gate()

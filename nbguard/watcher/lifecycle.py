@@ -89,7 +89,7 @@ class WatchLifecycle(WatchSteps):
         from ..session import record_watch
 
         record_watch(self)
-        self._step_clock.start(self)  # the stall heartbeat's thread (none with stall_after_s=None)
+        self._board.attach(self._context)  # the components' own attach (threads, patches)
         if "deepspeed" in sys.modules and self._deepspeed is None:
             self._deepspeed = self._read_deepspeed()
         if self._ranks is not None:
@@ -131,7 +131,8 @@ class WatchLifecycle(WatchSteps):
                 module_hooks.register_module_parameter_registration_hook(registered)]
 
     def detach(self: W) -> W:
-        self._step_clock.stop()  # its thread ends here: nothing of the watch is left running
+        if self._board.context is not None:
+            self._board.detach()  # the components' threads end here: nothing of the watch is left running
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -196,7 +197,7 @@ class WatchLifecycle(WatchSteps):
         left (its step's batches, losses, read and bad streak), bind the optimizer and scaler."""
         self._stop_requested = False
         self._bad_streak = 0
-        self._step_clock.arm()  # the stall heartbeat judges from here until end_training
+        self._board.dispatch("on_train_begin")
         self.begin_step()
         self.bind_trainer_step(control)
         self._switch_to_ddp_buckets()

@@ -1,4 +1,18 @@
-"""The detector pipeline: what a detector is, and the read-only view of a step it is given.
+"""The component pipeline: what a watch component is, the read-only view of a step it is given, and the
+board that dispatches the watch's lifecycle points to the components that implement them.
+
+Every part of the watch that is not its core is a :class:`WatchComponent`: the user's detectors, the
+built-in ones, the update norms, the run checks, the rows a bad step names, every module of
+:mod:`nbguard.watcher.components`. A
+component overrides only the hooks it needs; the board calls a hook only on the components that
+implement it, so a step pays for what it has. Lifecycle points (all optional): ``attach(context)`` /
+``detach()`` with the watch, ``on_forward_start()`` (every forward of the watched model),
+``on_train_begin()`` / ``on_train_end()`` (a loop starts and ends), ``on_micro_batch``,
+``before_optimizer_step(step)`` / ``after_optimizer_step(step)`` around ``optimizer.step``, the step's
+``scalars`` / ``before_update`` / ``update``, ``on_log``, ``reset_step`` and ``rewound``. The
+:class:`~nbguard.watcher.context.WatchContext` given to ``attach`` is all a component may use of the watch.
+
+A detector is the commonest component.
 
 A detector is one class: it may ask for device scalars that ride along in the step's single host
 read (``scalars``), judges the step at its end (``update``) and the trainer's logged metrics after
@@ -31,6 +45,7 @@ from ..findings import Event
 
 if TYPE_CHECKING:
     from ..step.capture import MicroBatch
+    from .context import WatchContext
     from .history import GradHistory
 
 
@@ -88,8 +103,8 @@ def all_finite(values: Iterable[float]) -> bool:
     return all(map(math.isfinite, values))
 
 
-class Detector:
-    """Base of every detector (subclass it and override what you need; every method is optional).
+class WatchComponent:
+    """Base of every watch component and detector (subclass it, override what you need; every method is optional).
 
     Methods run inside the user's training step: keep them host-side and cheap. An exception in
     one is caught: it is recorded as a ``watch-error`` event and the watch steps aside.
@@ -99,6 +114,28 @@ class Detector:
     # Its events are decided from values every rank agreed on (the step's exchange, the GradScaler's
     # all-reduced found_inf): recorded as one agreed event, and the policy acts on them across ranks.
     agreed = False
+
+    def attach(self, context: WatchContext) -> None:
+        """The watch attaches (or the component is added to an attached watch): keep ``context``, start what runs
+        beside training. Everything it starts must end in ``detach``."""
+
+    def detach(self) -> None:
+        """The watch detaches: undo what ``attach`` did (threads ended, patches removed)."""
+
+    def on_forward_start(self) -> None:
+        """A forward of the watched model starts (every one, training or not): keep it to a timestamp."""
+
+    def on_train_begin(self) -> None:
+        """A training loop starts (``Trainer.train()``)."""
+
+    def on_train_end(self) -> None:
+        """The training loop ended (``Trainer.train()`` returned)."""
+
+    def before_optimizer_step(self, step: int) -> None:
+        """``optimizer.step`` is about to run for the watch's step ``step`` (after the policy's decision)."""
+
+    def after_optimizer_step(self, step: int) -> None:
+        """``optimizer.step`` returned for step ``step``."""
 
     def scalars(self, watch: WatchedRun) -> dict[str, torch.Tensor]:
         """Device tensors to fold into this step's single host read, by name (any shape, flattened).
@@ -139,6 +176,9 @@ class Detector:
         state (a dead run's zero updates, a climb's gradient norms) no longer describes the run."""
 
 
+Detector = WatchComponent  # the name users subclass for their own detectors (docs/guides/detectors.md)
+
+
 def check_detector(detector: Any) -> Detector:
     """A clear error for anything that is not a detector, before it is wired into a watch."""
     if isinstance(detector, type):
@@ -150,38 +190,85 @@ def check_detector(detector: Any) -> Detector:
     return detector
 
 
-# what a detector may override; the board calls a hook only on the detectors that implement it (the
-# base's methods do nothing), so a step pays for the detectors it has, not for the protocol
-_HOOKS = ("scalars", "on_micro_batch", "update", "before_update", "reset_step", "rewound")
+# what a component may override; the board calls a hook only on the components that implement it (the
+# base's methods do nothing), so a step pays for the components it has, not for the protocol
+_HOOKS = ("attach", "detach", "on_forward_start", "on_train_begin", "on_train_end", "before_optimizer_step",
+          "after_optimizer_step", "scalars", "on_micro_batch", "update", "before_update", "on_log", "reset_step",
+          "rewound")
 
 
 def _implements(detector: Any, hook: str) -> bool:
     method = getattr(type(detector), hook, None)
     if method is None or hook in getattr(detector, "__dict__", {}):  # duck-typed, or set on the instance
         return callable(getattr(detector, hook, None))
-    return method is not getattr(Detector, hook)
+    return method is not getattr(WatchComponent, hook)
 
 
 class DetectorBoard:
-    """The watch's list of detectors: collects their scalars for the read, hands out the values."""
+    """The watch's components, in order: collects their scalars for the read, hands out the values, and
+    dispatches each lifecycle point to the components that implement it."""
 
     def __init__(self, detectors: list[Detector], last: list[Detector] | tuple[Detector, ...] = ()):
-        """``last``: detectors that stay at the end of the list (an added one goes before them)."""
+        """``last``: components that stay at the end of the list (an added one goes before them)."""
         self.detectors = [check_detector(d) for d in [*detectors, *last]]
         self._last = len(last)
         self._asked: list[tuple[Detector, str, int]] = []  # (detector, name, numel) in read order
-        # hook -> (detector, its bound method) for the detectors that implement it (bound once: a
+        # hook -> (component, its bound method) for the components that implement it (bound once: a
         # step dispatches a dozen of them)
         self._by_hook: dict[str, list[tuple[Detector, Callable[..., Any]]]] = {}
+        self.context: WatchContext | None = None  # set while the watch is attached
         self._index_hooks()
 
     def add(self, detector: Detector) -> None:
+        """A component joins (before the ``last`` ones); on an attached watch it is attached at once."""
         self.detectors.insert(len(self.detectors) - self._last, check_detector(detector))
         self._index_hooks()
+        if self.context is not None and _implements(detector, "attach"):
+            detector.attach(self.context)
 
     def _index_hooks(self) -> None:
         self._by_hook = {hook: [(d, getattr(d, hook)) for d in self.detectors if _implements(d, hook)]
                          for hook in _HOOKS}
+
+    def implementing(self, hook: str) -> list[Detector]:
+        """The components that implement ``hook``, in order."""
+        return [d for d, _ in self._by_hook[hook]]
+
+    def attach(self, context: WatchContext) -> None:
+        """Every component's ``attach``, in order; all or nothing: one that fails detaches those before it."""
+        attached: list[Callable[[], None]] = []
+        try:
+            for detector, attach in self._by_hook["attach"]:
+                attach(context)
+                if _implements(detector, "detach"):
+                    attached.append(detector.detach)
+        except BaseException:
+            for detach in reversed(attached):
+                detach()
+            raise
+        self.context = context
+
+    def detach(self) -> None:
+        """Every component's ``detach``, last attached first; each runs even if one before it failed."""
+        self.context = None
+        failure: BaseException | None = None
+        for _, detach in reversed(self._by_hook["detach"]):
+            try:
+                detach()
+            except Exception as exc:  # the others still detach; the first failure is raised after
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
+    def dispatch(self, hook: str, *args: Any) -> None:
+        """A lifecycle point without events (forward start, loop begin/end, around the optimizer step)."""
+        for _, method in self._by_hook[hook]:
+            method(*args)
+
+    def on_log(self, step: int, logs: dict[str, Any], emit: Callable[[Detector, Event], None]) -> None:
+        for detector, on_log in self._by_hook["on_log"]:
+            for event in on_log(step, dict(logs)):
+                emit(detector, event)
 
     def on_micro_batch(self, micro_batch: MicroBatch) -> None:
         for _, on_micro_batch in self._by_hook["on_micro_batch"]:

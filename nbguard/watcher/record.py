@@ -35,7 +35,6 @@ from .pipeline import DetectorBoard, StepView
 from .rows import name_rows
 from .run_checks import RunChecks
 from .sentinel import GradNormCollector, StepStats
-from .stall import StepClock
 from .update_norms import UpdateNorms
 
 Listener = Callable[[Any, str, Any], None]  # callback(watch, kind, payload)
@@ -65,7 +64,8 @@ class WatchRecord(ABC):
     _board: DetectorBoard
     _run_checks: RunChecks | None
     _updates: UpdateNorms | None  # per-group update norms around optimizer.step (update_norms.py)
-    _step_clock: StepClock  # step times, slow-steps and the stall heartbeat (stall.py)
+    config: Any  # each component's settings (config.WatchConfig)
+    _context: Any  # what components may use of the watch (context.WatchContext)
     _localiser: Localiser
     events: list[Event]
     step: int

@@ -44,7 +44,7 @@ class WatchSteps(WatchRecord):
 
     def end_training(self) -> None:
         """The loop ended: drop every reference to the unfinished step's batches."""
-        self._step_clock.disarm()  # no step is awaited until the next train()
+        self._board.dispatch("on_train_end")
         self._release_step()
         self._flush_update_norms()
 
@@ -62,7 +62,7 @@ class WatchSteps(WatchRecord):
         if self._broken and self.attached:
             self._step_aside()  # a safe point: module hooks were copied before being called
             return None
-        self._step_clock.forward()  # a sign of life for the stall heartbeat (a timestamp)
+        self._board.dispatch("on_forward_start")  # a sign of life (components keep it to a timestamp)
         if self._coverage_stale:
             self._cover_new_parameters()
         training = self._training_forward(module)

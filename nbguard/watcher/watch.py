@@ -21,6 +21,8 @@ from ..step.eager import eager_name
 from . import distributed as ranks
 from .activations import FP16_LIMIT, ActivationProbe
 from .builtin import builtin_detectors
+from .config import WatchConfig, config_from_keywords
+from .context import WatchContext
 from .detectors import WatchSettings
 from .events import Localiser, fold_skip_streaks, skip_streaks
 from .fsdp_grads import read_before_reduce
@@ -31,12 +33,12 @@ from .lifecycle import WatchLifecycle, attached_watch, attached_watches
 from .pipeline import Detector, DetectorBoard
 from .policies import check_policy
 from .rank_tokens import RankTokenBalance
+from .registry import make_components
 from .rewind import Rewinder, RewindSettings
 from .rows import RowTracker
 from .run_checks import RunChecks
 from .scaler_skips import ScalerSkips
 from .sentinel import GradNormCollector
-from .stall import DEFAULT_STALL_AFTER_S, StepClock
 from .update_norms import make_update_norms
 
 __all__ = ["NanWatch", "attached_watch", "attached_watches", "fold_skip_streaks", "skip_streaks"]
@@ -63,8 +65,8 @@ class NanWatch(WatchLifecycle, Displayable):
                  settings: WatchSettings | None = None, activations: bool = False,
                  verifier: Callable[[NanWatch, Event], None] | None = None,
                  detectors: list[Detector] | tuple[Detector, ...] = (), run_checks: bool = True,
-                 rewind: RewindSettings | None = None, scheduler: Any = None,
-                 stall_after_s: float | None = DEFAULT_STALL_AFTER_S):
+                 rewind: RewindSettings | None = None, scheduler: Any = None, config: WatchConfig | None = None,
+                 **deprecated: Any):
         if not isinstance(detectors, (list, tuple)):
             raise TypeError(f"detectors must be a list of Detector instances, got {type(detectors).__name__}")
         if not isinstance(activations, bool):
@@ -76,8 +78,9 @@ class NanWatch(WatchLifecycle, Displayable):
         # verifier(watch, event) for the first localised non-finite event: nbguard.watch passes
         # nbguard.verifier.auto_verify (which runs the fixes on a shadow of the step) unless verify=False
         self._verifier = verifier
-        # the step times, slow-steps, and (stall_after_s not None) the stall heartbeat's thread (stall.py)
-        self._step_clock = StepClock(stall_after_s)
+        # each registered component's settings (registry.py); a component's old keywords fold in, deprecated
+        self.config = config_from_keywords(config, deprecated)
+        self._context = WatchContext(self)  # all a component may use of the watch (context.py)
         self.verification = None  # the Verification it left
         self._kept_step = None  # (event, CapturedStep) that nbguard.verify(event) reuses
         self.policy = check_policy(policy)
@@ -161,7 +164,8 @@ class NanWatch(WatchLifecycle, Displayable):
         # per-group update norms (||Δw|| / ||w||), read around optimizer.step, judged for update-spike events
         self._updates = make_update_norms(self._collector, self.history, self.settings)
         updates = [self._updates] if self._updates is not None else []
-        self._board = DetectorBoard([scaler_skips, *builtin_detectors(self.settings), self._step_clock, *updates,
+        components = make_components(self.config.sections(), self.policy, self.trainer is not None)
+        self._board = DetectorBoard([scaler_skips, *builtin_detectors(self.settings), *components, *updates,
                                      *detectors],
                                     last=[self._run_checks] if self._run_checks is not None else [])
         self._micro_batches = []
@@ -192,9 +196,8 @@ class NanWatch(WatchLifecycle, Displayable):
     def record_log(self, logs: dict[str, Any]) -> None:
         """The trainer logged metrics after a step (``Trainer.log``): every detector's ``on_log``."""
         step = max(self.step - 1, 0)  # the optimizer step the metrics are about
-        for detector in self._board.detectors:  # the run checks (last) read TRL's rewards, margins, ratios
-            for event in detector.on_log(step, dict(logs)):
-                self._emit(event)
+        # the run checks (last) read TRL's rewards, margins, ratios; a logged metric is this rank's own
+        self._board.on_log(step, logs, lambda _, event: self._emit(event))
 
     def track_rows(self, loader: Any, tokenizer: Any = None) -> bool:
         """Record the dataset indices ``loader`` (a DataLoader over a map-style dataset) yields, so a bad

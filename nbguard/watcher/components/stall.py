@@ -1,6 +1,9 @@
 """Stalls and slowdowns: a heartbeat for steps that never come, and an event for steps that got slow.
 
-**The step clock** (:class:`StepClock`, a detector) writes a timestamp at each optimizer step's end and
+A watch component (:mod:`nbguard.watcher.registry`), section ``stall`` of ``WatchConfig``
+(``after_s``: the floor of the bound; None turns the heartbeat off, slow steps are still judged).
+
+**The step clock** (:class:`StepClock`) writes a timestamp at each optimizer step's end and
 at each forward's start; nothing else runs on the step path but one frame check (is the loop that
 stepped last time still the one stepping?). The gaps between step ends are the run's step times.
 
@@ -40,14 +43,16 @@ import sysconfig
 import threading
 import time
 import traceback
-import weakref
 from collections import deque
+from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
 
-from ..document.model import register_event_kind
-from ..findings import Event
-from .pipeline import Detector, StepView
+from ...document.model import register_event_kind
+from ...findings import Event
+from ..context import WatchContext
+from ..pipeline import StepView, WatchComponent
+from ..registry import ComponentSetup, register_component
 
 STALL = "stall"
 SLOW = "slow-steps"
@@ -81,15 +86,15 @@ _LIBRARY = tuple(sorted({os.path.join(os.path.abspath(p), "") for key in ("stdli
 
 
 def check_stall_after(value: Any) -> float | None:
-    """``stall_after_s``: a positive number of seconds, or None (no heartbeat)."""
+    """``after_s`` (``stall_after_s``): a positive number of seconds, or None (no heartbeat)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"stall_after_s must be a number of seconds (the floor of the stall bound) or None to turn "
-                        f"the heartbeat off, got {type(value).__name__}")
+        raise TypeError(f"the stall section's after_s (stall_after_s) must be a number of seconds (the floor of the "
+                        f"stall bound) or None to turn the heartbeat off, got {type(value).__name__}")
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"stall_after_s must be a positive, finite number of seconds, got {value!r} "
-                         f"(None turns the heartbeat off)")
+        raise ValueError(f"the stall section's after_s (stall_after_s) must be a positive, finite number of seconds, "
+                         f"got {value!r} (None turns the heartbeat off)")
     return float(value)
 
 
@@ -151,7 +156,17 @@ def saving(frame: FrameType | None) -> FrameType | None:
     return found
 
 
-class StepClock(Detector):
+@dataclass(frozen=True)
+class StallSettings:
+    """``WatchConfig(stall=...)``."""
+
+    after_s: float | None = DEFAULT_STALL_AFTER_S  # the floor of the stall bound, seconds; None: no heartbeat
+
+    def __post_init__(self) -> None:
+        check_stall_after(self.after_s)
+
+
+class StepClock(WatchComponent):
     """The step times (a timestamp per step end), the ``slow-steps`` check, and what the heartbeat reads."""
 
     name = "step-clock"
@@ -177,6 +192,22 @@ class StepClock(Detector):
         self._median = 0.0  # the baseline's median, recomputed every MEDIAN_EVERY ordinary steps (a sort of 32)
         self._fresh = 0  # ordinary step times added since
         self.heartbeat: Heartbeat | None = None
+
+    # ---- the watch's lifecycle points -----------------------------------------------------------------
+    def attach(self, context: WatchContext) -> None:
+        self.start(context)
+
+    def detach(self) -> None:
+        self.stop()
+
+    def on_forward_start(self) -> None:
+        self.forward()
+
+    def on_train_begin(self) -> None:
+        self.arm()
+
+    def on_train_end(self) -> None:
+        self.disarm()  # no step is awaited until the next train()
 
     # ---- the training thread -------------------------------------------------------------------------
     def forward(self) -> None:
@@ -306,10 +337,10 @@ class StepClock(Detector):
                          f"the last {len(gaps)}")
 
     # ---- the watch's attach and detach ---------------------------------------------------------------
-    def start(self, watch: Any) -> None:
+    def start(self, context: WatchContext) -> None:
         if self.stall_after_s is None or (self.heartbeat is not None and self.heartbeat.alive):
             return
-        self.heartbeat = Heartbeat(self, watch).start()
+        self.heartbeat = Heartbeat(self, context).start()
 
     def stop(self) -> None:
         heartbeat, self.heartbeat = self.heartbeat, None
@@ -365,9 +396,9 @@ def this_rank() -> tuple[int, int] | None:
 class Heartbeat:
     """The daemon thread: wakes a few times per bound, records one ``stall`` event per silence."""
 
-    def __init__(self, clock: StepClock, watch: Any):
+    def __init__(self, clock: StepClock, context: WatchContext):
         self.clock = clock
-        self.watch = weakref.ref(watch)  # the thread must not keep the watch (and the model) alive
+        self.context = context  # it holds the watch weakly: the thread must not keep the watch (and model) alive
         floor = clock.stall_after_s or DEFAULT_STALL_AFTER_S
         self.tick = min(1.0, max(0.01, floor / 8))
         self._stop = threading.Event()
@@ -392,9 +423,9 @@ class Heartbeat:
                 if not self.check():
                     return
             except Exception as exc:  # never into the run: one event, and the heartbeat stops
-                watch = self.watch()
+                watch = self.context
                 try:
-                    if watch is not None:
+                    if watch.alive:
                         watch.emit(Event("watch-error", watch.step, f"nbguard's stall heartbeat failed and stopped; "
                                          f"the watch and training go on: {type(exc).__name__}: {exc}",
                                          evidence={"exception": repr(exc),
@@ -443,8 +474,8 @@ class Heartbeat:
         waited = now - silent_since
         if waited < bound:
             return True
-        watch = self.watch()
-        if watch is None:
+        watch = self.context
+        if not watch.alive:
             return False
         frames = sys._current_frames()
         try:
@@ -474,7 +505,7 @@ class Heartbeat:
             frame = frame.f_back
         return False
 
-    def _event(self, watch: Any, frames: dict[int, FrameType], training: FrameType | None, waited: float,
+    def _event(self, watch: WatchContext, frames: dict[int, FrameType], training: FrameType | None, waited: float,
                bound: float, how: str) -> Event:
         clock = self.clock
         stacks = thread_stacks(frames, clock.thread, threading.get_ident())
@@ -507,3 +538,12 @@ class Heartbeat:
             evidence.update(rank=rank[0], world_size=rank[1])
         step = after + 1 if after is not None else 0  # the step it waits for
         return Event(STALL, step, text, evidence=evidence)
+
+
+def _make(setup: ComponentSetup) -> StepClock:
+    return StepClock(setup.settings.after_s)
+
+
+register_component("stall", _make, settings=StallSettings,
+                   aliases={"stall_after_s": "after_s"},
+                   summary="the stall heartbeat and the slow-steps check (after_s: the bound's floor, None: off)")
