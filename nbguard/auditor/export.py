@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..introspect.inputs import is_trainer
+from ..introspect.modes import in_eval_mode
 from ..introspect.user_files import UserFileError, field_of, read_json_object, safetensors_header, special_kind
 
 PROBE_ROWS = 4
@@ -173,20 +174,15 @@ def probe_batches(trainer: Any, batch: Any, vocab: int) -> tuple[list[dict[str, 
 
 
 def logits_of(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], vocab: int) -> list[torch.Tensor]:
-    """float32 logits on the CPU, in eval mode (no dropout), the model's train/eval mode put back."""
-    was_training = model.training
+    """float32 logits on the CPU, in eval mode (no dropout), every module's train/eval mode put back."""
     device = model_device(model)
     out = []
-    model.eval()
-    try:
-        with torch.no_grad():
-            for b in batches:
-                ids = b["input_ids"].clamp(max=vocab - 1).to(device)
-                mask = b.get("attention_mask")
-                kwargs = {"attention_mask": mask.to(device)} if mask is not None else {}
-                out.append(model(input_ids=ids, **kwargs).logits.float().cpu())
-    finally:
-        model.train(was_training)
+    with in_eval_mode(model), torch.no_grad():
+        for b in batches:
+            ids = b["input_ids"].clamp(max=vocab - 1).to(device)
+            mask = b.get("attention_mask")
+            kwargs = {"attention_mask": mask.to(device)} if mask is not None else {}
+            out.append(model(input_ids=ids, **kwargs).logits.float().cpu())
     return out
 
 

@@ -21,6 +21,7 @@ import torch
 
 from ..findings import encode_float
 from ..introspect.dtypes import dtype_name
+from ..introspect.modes import apply_modes, module_modes
 from ..step.batch import forward_kwargs, model_device, synthetic_batch
 
 FP16_MAX = 65504.0
@@ -117,7 +118,7 @@ def run_probe(model: torch.nn.Module, batch: dict | None = None) -> ProbeResult:
     batch = {k: v.to(device) for k, v in (synthetic_batch(model) if batch is None else batch).items()}
 
     names = {m: n or type(model).__name__ for n, m in model.named_modules()}
-    modes = {m: m.training for m in names}
+    modes = module_modes(model)
     params = list(model.parameters())
     saved_grads = [p.grad for p in params]
     trainable = any(p.requires_grad for p in params)
@@ -161,8 +162,7 @@ def run_probe(model: torch.nn.Module, batch: dict | None = None) -> ProbeResult:
     finally:
         for h in handles:
             h.remove()
-        for m, mode in modes.items():
-            m.training = mode
+        apply_modes(modes)
         for p, g in zip(params, saved_grads):
             p.grad = g
     # A module called more than once (shared rotary embedding, tied layers) keeps its largest output.

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..introspect.modes import ModuleModes, apply_modes, module_modes
 from .capture import MicroBatch
 from .eager import unwrap_compiled
 
@@ -65,18 +66,17 @@ class CapturedStep:
     reproduced: bool = True  # the replay saw the failure (False: it stayed finite in eager)
     args: Any = None  # the TrainingArguments the step ran under (None: a plain loop, its autocast its own)
     weights: list[tuple[str, torch.Tensor, int, int, torch.dtype]] = field(default_factory=list)
-    modes: list[tuple[torch.nn.Module, bool]] = field(default_factory=list)
+    modes: ModuleModes = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # in-place version counters, storage and dtype: a later optimizer step or fix shows as a change
         self.weights = [(n, p, p._version, p.data_ptr(), p.dtype) for n, p in self.eager.named_parameters()]
         # train/eval flags as the step ran (a module the user keeps in eval keeps its dropout off)
-        self.modes = [(m, m.training) for m in self.eager.modules()]
+        self.modes = module_modes(self.eager)
 
     def set_modes(self) -> None:
         """Every module's train/eval flag as when the step was captured (inside ``preserved``)."""
-        for module, training in self.modes:
-            module.training = training
+        apply_modes(self.modes)
 
     @property
     def eager(self) -> torch.nn.Module:
