@@ -75,7 +75,7 @@ def test_every_run_check_kind_is_known_to_the_document_and_its_schema():
     from nbguard.watcher.run_checks import FIXES
 
     schema = json.loads((Path(nbguard.__file__).parent / "document" / "schema.json").read_text())
-    enum = schema["$defs"]["event"]["properties"]["kind"]["enum"]
+    enum = schema["$defs"]["eventKind"]["enum"]
     assert set(RUN_KINDS) <= set(EVENT_KINDS) and set(RUN_KINDS) <= set(enum)
     assert all(len(text) > 20 for text in RUN_KINDS.values())
     assert {f for fixes in FIXES.values() for f in fixes} <= set(nbguard.fixes.available())

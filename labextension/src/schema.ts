@@ -192,8 +192,16 @@ export interface Origin {
   };
 }
 
+/**
+ * An event kind: one registered with nbguard.document.register_event_kind. This enum is generated
+ * from that registry (labextension/scripts/write_schemas.py); kinds a detector outside nbguard
+ * registers are added at run time by nbguard.document.schema.schema(), and the Lab extension
+ * accepts any short lower-case name here.
+ */
+export type EventKind = "completions-truncated" | "dead-run" | "divergence" | "few-supervised-tokens" | "frozen-eval-loss" | "frozen-params" | "grad-spike" | "kl-at-start" | "no-learning-signal" | "no-preference-signal" | "nonfinite-grad" | "nonfinite-loss" | "nonfinite-reward" | "policy-collapse" | "rank-token-imbalance" | "ratio-mismatch" | "resume-jump" | "rewind" | "scaler-skip" | "skip-cannot-save" | "skipped-steps" | "slow-steps" | "stall" | "trained-in-eval-mode" | "update-spike" | "watch-error";
+
 export interface NbEvent {
-  kind: "nonfinite-loss" | "nonfinite-grad" | "skipped-steps" | "scaler-skip" | "frozen-params" | "frozen-eval-loss" | "grad-spike" | "few-supervised-tokens" | "watch-error" | "divergence" | "dead-run" | "update-spike" | "nonfinite-reward" | "no-learning-signal" | "completions-truncated" | "no-preference-signal" | "ratio-mismatch" | "policy-collapse" | "kl-at-start" | "rank-token-imbalance";
+  kind: EventKind;
   /** 0-based optimizer step, skipped steps counted. */
   step: number;
   message: string;

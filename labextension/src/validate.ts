@@ -11,8 +11,9 @@
  * type, properties/required/additionalProperties, items, minItems, maxItems, minimum, pattern.
  *
  * Beyond the schema, two rules the Python side keeps in code:
- * - an event's kind is any registered kind (detectors add their own; nbguard/document/schema.py
- *   widens the enum at run time), so here it is any short lower-case name;
+ * - an event's kind (the $def eventKind) is any registered kind: schema.json lists nbguard's own,
+ *   generated from the registry, and a user's detector registers more at run time
+ *   (nbguard/document/schema.py adds them to its enum), so here it is any short lower-case name;
  * - a fix id is a plain word (text.ts isPlainId): it is quoted in the confirmation's warning and
  *   selected by, so no bidirectional, invisible or control character may hide in it.
  */
@@ -48,10 +49,8 @@ function isObject(value: unknown): value is Node {
   return typeof value === 'object' && value !== null && !Array.isArray(value);
 }
 
-/** The event-kind enumeration (nbguard/document/schema.py's _registered_kinds finds it the same way). */
-function isEventKindEnum(values: unknown[]): boolean {
-  return values.includes('nonfinite-loss') && values.includes('watch-error');
-}
+/** The $def of the event kinds (nbguard/document/schema.py's EVENT_KIND_DEF). */
+const EVENT_KIND_DEF = 'eventKind';
 
 function isEventKind(value: unknown): boolean {
   // as register_event_kind requires: non-empty, lower-case, no space; and a plain word
@@ -144,7 +143,7 @@ export class SchemaValidator {
       return at(`expected ${describe(node.const)}`);
     }
     if (Array.isArray(node.enum)) {
-      if (isEventKindEnum(node.enum)) {
+      if (def === EVENT_KIND_DEF) {
         if (!isEventKind(value)) {
           return at('expected an event kind (a short lower-case name)');
         }

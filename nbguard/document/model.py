@@ -140,7 +140,8 @@ EVENT_KIND_REGISTRY: dict[str, EventKind] = {}
 
 def register_event_kind(kind: str, description: str, evidence: tuple[str, ...] | list[str] = ()) -> EventKind:
     """Register an event kind once (a detector's module does it at import). Registering the same
-    kind again with the same description is a no-op; a different one is an error."""
+    kind again with the same description is a no-op; a different one is an error. nbguard's own kinds
+    are written into schema.json and the Lab extension's types by labextension/scripts/write_schemas.py."""
     if not isinstance(kind, str) or not kind or kind != kind.strip().lower() or " " in kind:
         raise ValueError(f"event kind must be a short lower-case name like 'grad-spike', got {kind!r}")
     if not isinstance(description, str) or not description.strip():
