@@ -18,6 +18,7 @@ import torch
 from ..findings import Event
 from .guard import guarded_call
 from .integrations.instance_wrap import InstanceWrap
+from .policies import check_policy
 
 if TYPE_CHECKING:
     from ..step.capture import MicroBatch
@@ -123,6 +124,10 @@ class WatchContext:
     def request_stop(self, event: Event | None, step_ended: bool = False) -> None:
         """End training (policy stop): a Trainer at this step's end, a plain loop with NonFiniteError."""
         self._watch._stop(event, step_ended=step_ended)
+
+    def set_policy(self, policy: str) -> None:
+        """Change the watch's policy (policy rewind falls back to skip where snapshots cannot work)."""
+        self._watch.policy = check_policy(policy)
 
     def forget_bad_streak(self) -> None:
         """After a rewind the next bad step is trouble of its own."""

@@ -97,7 +97,7 @@ class WatchLifecycle(WatchSteps):
         if self._ranks is not None and self._streamer is None:
             from .stream import connect  # a forked rank of a %%nanwatch cell: the kernel shows it live
 
-            connect(self, self._ranks.rank, self._ranks.world_size)
+            self._streamer = connect(self, self._ranks.rank, self._ranks.world_size)
         return self
 
     def _read_deepspeed(self) -> Any:

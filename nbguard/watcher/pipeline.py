@@ -45,7 +45,6 @@ from ..findings import Event
 
 if TYPE_CHECKING:
     from ..step.capture import MicroBatch
-    from .context import WatchContext
     from .history import GradHistory
 
 
@@ -115,7 +114,7 @@ class WatchComponent:
     # all-reduced found_inf): recorded as one agreed event, and the policy acts on them across ranks.
     agreed = False
 
-    def attach(self, context: WatchContext) -> None:
+    def attach(self, context: Any) -> None:  # a context.WatchContext (not imported: context.py builds on this)
         """The watch attaches (or the component is added to an attached watch): keep ``context``, start what runs
         beside training. Everything it starts must end in ``detach``."""
 
@@ -216,7 +215,7 @@ class DetectorBoard:
         # hook -> (component, its bound method) for the components that implement it (bound once: a
         # step dispatches a dozen of them)
         self._by_hook: dict[str, list[tuple[Detector, Callable[..., Any]]]] = {}
-        self.context: WatchContext | None = None  # set while the watch is attached
+        self.context: Any = None  # the watch's context.WatchContext, set while the watch is attached
         self._index_hooks()
 
     def add(self, detector: Detector) -> None:
@@ -234,7 +233,7 @@ class DetectorBoard:
         """The components that implement ``hook``, in order."""
         return [d for d, _ in self._by_hook[hook]]
 
-    def attach(self, context: WatchContext) -> None:
+    def attach(self, context: Any) -> None:  # a context.WatchContext (not imported: context.py builds on this)
         """Every component's ``attach``, in order; all or nothing: one that fails detaches those before it."""
         attached: list[Callable[[], None]] = []
         try:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,9 @@ from ..findings import Event, register_event_kind
 from ..step.capture import capture_rng, restore_rng
 from .guard import guarded_call
 from .row_replay import batch_loss
+
+if TYPE_CHECKING:
+    from .context import WatchContext
 
 register_event_kind("rewind", "policy rewind restored the last good snapshot (or could not, and said why)",
                     ("restored_after_step", "batches_skipped", "lr_before", "lr_after", "rewinds"))
@@ -231,13 +234,13 @@ class Rewinder:
         self.history: list[dict[str, Any]] = []
 
     # ---- at attach: does it fit? -----------------------------------------------------------------------
-    def check_budget(self, watch: Any) -> str | None:
+    def check_budget(self, watch: WatchContext) -> str | None:
         """Why rewinding cannot run for this watch (None: it can): the parameters live where a snapshot
         cannot hold them all (FSDP shards, a DeepSpeed engine's own fp32 copies), or the snapshots do not
         fit the budget."""
         from .deepspeed_engine import find_engine
 
-        if watch._ranks is not None and watch._ranks.sharded:
+        if watch.ranks is not None and watch.ranks.sharded:
             return ("rewinding sharded (FSDP) parameters is not supported: each rank holds a shard of the weights and "
                     "of the optimizer state")
         if find_engine(watch.model) is not None or getattr(watch.trainer, "is_deepspeed_enabled", False):
@@ -249,31 +252,31 @@ class Rewinder:
                     f"GiB (RewindSettings(budget_bytes=...)); a full fine-tune rarely fits, LoRA does")
         return None
 
-    def turn_off(self, watch: Any, why: str) -> None:
+    def turn_off(self, watch: WatchContext, why: str) -> None:
         """Fall back to skip, saying so once."""
         self.unavailable = why
         for slot in self.slots:
             slot.buffers, slot.layout, slot.by_device = {}, [], {}
-        watch.policy = "skip"
+        watch.set_policy("skip")
         event = Event("rewind", watch.step, f"policy rewind is off, the watch skips bad updates instead: {why}",
                       evidence={"available": False, "reason": why})
-        watch._emit(event)
+        watch.emit(event)
         try:
             warn(f"nbguard: {event.message}", RuntimeWarning, stacklevel=3)
         except Exception:  # warnings turned into errors: the event is the record
             pass
 
-    def current_scheduler(self, watch: Any) -> Any:
+    def current_scheduler(self, watch: WatchContext) -> Any:
         scheduler = self.scheduler
         if scheduler is None and watch.trainer is not None:
             scheduler = getattr(watch.trainer, "lr_scheduler", None)
         return unwrap_scheduler(scheduler) if scheduler is not None else None
 
     # ---- at a step's end: a snapshot every ``every`` healthy steps ------------------------------------
-    def step_ended(self, watch: Any, step: int, skipped: bool, found: list) -> None:
+    def step_ended(self, watch: WatchContext, step: int, skipped: bool, found: list) -> None:
         if self.unavailable is not None or watch.policy != "rewind":
             return
-        sync = watch._ranks
+        sync = watch.ranks
         late = next((e for _, e in found if e.kind == "divergence" and not e.evidence.get("update_dropped")), None)
         if late is not None and sync is None:  # judged at the step's end (an enabled GradScaler): rewind now
             late.evidence["update_dropped"] = False
@@ -284,11 +287,11 @@ class Rewinder:
         # anything seen on this step: not a state to come back to
         clean = not found and not any(e.step == step and e.kind != "rewind" for e in watch.events[-4:])
         if sync is not None:  # every rank's step clean, or no rank keeps it: the ranks' snapshots stay alike
-            clean = bool(sync.smallest(int(clean), watch._collector.device()))
+            clean = bool(sync.smallest(int(clean), watch.device()))
         if clean:
             self.take(watch, step)
 
-    def take(self, watch: Any, step: int) -> None:
+    def take(self, watch: WatchContext, step: int) -> None:
         tensors, plain = _live_tensors(watch.model, watch.optimizer, watch.scaler)
         slot = self.slot_to_fill(watch)
         if not slot.fits(tensors):
@@ -303,13 +306,13 @@ class Rewinder:
         self.taken += 1
         self.next_due = step + self.settings.every
 
-    def slot_to_fill(self, watch: Any) -> Snapshot:
+    def slot_to_fill(self, watch: WatchContext) -> Snapshot:
         """The oldest slot, unless its state had the lower loss: a run whose loss has risen since (a slow climb
         to an LR too high) keeps its best state to come back to, and refills the newer slot. Across ranks,
         always the oldest (their losses differ, and every rank's slots must hold the same steps)."""
         by_age = sorted(self.slots, key=lambda s: -1 if s.after_step is None else s.after_step)
         oldest, newer = by_age[0], by_age[-1]
-        if watch._ranks is not None or oldest.after_step is None or newer.after_step is None:
+        if watch.ranks is not None or oldest.after_step is None or newer.after_step is None:
             return oldest
         losses = dict(zip(watch.history.steps, watch.history.loss))
         old_level, new_level = _loss_level(losses, oldest.after_step), _loss_level(losses, newer.after_step)
@@ -327,19 +330,19 @@ class Rewinder:
         losses = dict(zip(history.steps, history.loss)) if history is not None else {}
         return next((s for s in usable if s.is_finite() and not _loss_rose_after(losses, s.after_step or 0)), None)
 
-    def agreed(self, watch: Any, snapshot: Snapshot | None) -> Snapshot | None:
+    def agreed(self, watch: WatchContext, snapshot: Snapshot | None) -> Snapshot | None:
         """Across ranks, the snapshot every rank goes back to: the oldest of the ranks' choices (each judged
         its own losses; their snapshots were taken at the same steps, and hold the same weights)."""
-        sync = watch._ranks
+        sync = watch.ranks
         if sync is None:
             return snapshot
         mine = snapshot.after_step if snapshot is not None and snapshot.after_step is not None else -1
-        after = sync.smallest(mine, watch._collector.device())
+        after = sync.smallest(mine, watch.device())
         if after < 0:
             return None
         return next((s for s in self.slots if s.after_step == after), None)
 
-    def respond(self, watch: Any, event: Event | None, step: int, step_ended: bool = False) -> None:
+    def respond(self, watch: WatchContext, event: Event | None, step: int, step_ended: bool = False) -> None:
         """The update of ``step`` is already dropped (or, at a step's end, applied): rewind if it helps."""
         if self.unavailable is not None or event is None:
             return
@@ -347,24 +350,24 @@ class Rewinder:
             # the rows with the highest losses, while the step's batches are kept (a failure there costs
             # the rows, never the rewind)
             guarded_call(lambda exc: event.evidence.update(rows_error=f"{type(exc).__name__}: {exc}"),
-                         watch._name_rows, event)
+                         watch.name_rows, event)
         nonfinite = event.kind in ("nonfinite-loss", "nonfinite-grad")
         if nonfinite and event.cause == "not-reproducible":
             event.evidence["rewind"] = {"restored": False, "reason": "the replay did not reproduce it: a blip, "
                                         "skipped without rewinding"}
             return
-        if nonfinite and watch._bad_streak < 2 and event.cause != "nonfinite-parameter" and _state_finite(watch):
+        if nonfinite and watch.bad_streak < 2 and event.cause != "nonfinite-parameter" and _state_finite(watch):
             # the bad values came from this step's batch: dropping its update left nothing to undo, and a
             # rewind would throw away the good steps since the snapshot (a second bad step in a row rewinds)
             event.evidence["rewind"] = {"restored": False, "reason": "the weights and optimizer state are still "
                                         "finite: the update was skipped, nothing to undo"}
             return
-        watch._bad_streak = 0  # after a rewind the next bad step is trouble of its own
+        watch.forget_bad_streak()  # after a rewind the next bad step is trouble of its own
         # where the trouble began: a streak's first bad step (its event), not the step that ended the patience;
         # a climb's lowest loss, from where it rose
         began = min(step, event.step, event.evidence.get("began_at_step", step))
         snapshot = self.agreed(watch, self.choose(began, watch.history))
-        if snapshot is not None and event.kind == "divergence" and not step_ended and watch._ranks is None:
+        if snapshot is not None and event.kind == "divergence" and not step_ended and watch.ranks is None:
             # (before the most-rewinds stop too: a bad batch is no reason to end the run)
             judged = guarded_call(lambda exc: event.evidence.update(damage_check_error=f"{type(exc).__name__}: {exc}"),
                                   self.judge_damage, watch, snapshot)
@@ -382,7 +385,7 @@ class Rewinder:
             last = snapshot
             if last is not None:  # training ends on the last good state, not on the damaged one
                 self.restore(watch, last)
-                watch._board.rewound(step)
+                watch.rewound(step)
             kept = f"the state after step {last.after_step} restored" if last is not None else \
                 "no snapshot from before the trouble to restore"
             stop = Event("rewind", step, f"rewound {self.rewinds} time(s), the most allowed "
@@ -391,15 +394,15 @@ class Rewinder:
                          evidence={"restored": last is not None, "stopped": True, "rewinds": self.rewinds,
                                    "trigger": event.kind, "max_rewinds": self.settings.max_rewinds,
                                    "restored_after_step": last.after_step if last is not None else None})
-            watch._emit(stop)
-            watch._stop(stop, step_ended=step_ended)
+            watch.emit(stop)
+            watch.request_stop(stop, step_ended=step_ended)
             return
         if snapshot is None:
             event.evidence["rewind"] = {"restored": False, "reason": "no finite snapshot from before the trouble "
                                         "yet: the update was skipped"}
             return
         restored = self.restore(watch, snapshot)
-        watch._board.rewound(step)
+        watch.rewound(step)
         for slot in self.slots:  # taken during the trouble (after the one restored): never come back to them
             if slot.after_step is not None and slot.after_step > (snapshot.after_step or 0):
                 slot.after_step = None
@@ -423,14 +426,14 @@ class Rewinder:
         self.history.append({"step": step, "restored_after_step": snapshot.after_step, "batches_skipped": skipped,
                              "lr_factor": factor, "trigger": event.kind})
         watch.history.record_rewind(self.history[-1])
-        watch._emit(Event("rewind", step, message, evidence=evidence))
+        watch.emit(Event("rewind", step, message, evidence=evidence))
 
-    def judge_damage(self, watch: Any, snapshot: Snapshot) -> dict[str, Any] | None:
+    def judge_damage(self, watch: WatchContext, snapshot: Snapshot) -> dict[str, Any] | None:
         """Whether the weights are damaged, asked of the batch at hand: its loss on the current weights and on
         the snapshot's (swapped in and out one tensor at a time; the optimizer state is not touched). A batch
         the old state handles no better is the batch's trouble (new, harder or poisoned rows), not damage.
         None where the step's batches cannot be replayed."""
-        micro_batches = list(watch._micro_batches)
+        micro_batches = list(watch.micro_batches)
         if not micro_batches:
             return None
         snapshot.wait()
@@ -453,7 +456,7 @@ class Rewinder:
         return {"current_loss": current, "snapshot_loss": old, "snapshot_after_step": snapshot.after_step,
                 "damaged": damaged}
 
-    def restore(self, watch: Any, snapshot: Snapshot) -> Restored:
+    def restore(self, watch: WatchContext, snapshot: Snapshot) -> Restored:
         """Put the snapshot back in place: ``copy_`` into the live tensors, so references stay valid."""
         snapshot.wait()
         optimizer = watch.optimizer
@@ -494,7 +497,7 @@ class Rewinder:
             what.append("RNG states")
         return Restored(snapshot, copied, dropped, what)
 
-    def scale_lr(self, watch: Any, factor: float) -> None:
+    def scale_lr(self, watch: WatchContext, factor: float) -> None:
         for group in watch.optimizer.param_groups:
             lr = group["lr"]
             if isinstance(lr, torch.Tensor):
@@ -510,7 +513,7 @@ class Rewinder:
             scheduler._last_lr = [g["lr"] for g in watch.optimizer.param_groups]
 
 
-def _state_finite(watch: Any) -> bool:
+def _state_finite(watch: WatchContext) -> bool:
     """Whether every trainable tensor and optimizer state tensor is finite: one stacked reduction per
     device, one host read each (a bad step's path only)."""
     tensors, _ = _live_tensors(watch.model, watch.optimizer, None)

@@ -256,7 +256,7 @@ class WatchSteps(WatchRecord):
         if self.policy == "stop":
             self._stop(event)
         if self.policy == "rewind" and self._rewinder is not None:
-            self._rewinder.respond(self, event, self.step)
+            self._rewinder.respond(self._context, event, self.step)
 
     def _before_update(self, stats: StepStats) -> None:
         """The detectors see the finite update before the optimizer applies it; one may have it dropped
@@ -272,7 +272,7 @@ class WatchSteps(WatchRecord):
         if self.policy == "stop":
             self._stop(dropper)
         if self.policy == "rewind" and self._rewinder is not None:
-            self._rewinder.respond(self, dropper, self.step)
+            self._rewinder.respond(self._context, dropper, self.step)
 
     def _view(self, stats: StepStats, skipped: bool, scaler_skipped: bool) -> StepView:
         """The step as the detectors see it; the view ``before_update`` got again at the step's end
@@ -333,7 +333,7 @@ class WatchSteps(WatchRecord):
                 payload["update_norm"] = dict(zip(self.history.groups, ratios))
             self._notify("step", payload)
         if self._rewinder is not None:  # policy rewind: a snapshot, or a rewind judged at the step's end
-            self._rewinder.step_ended(self, step, skipped, found)
+            self._rewinder.step_ended(self._context, step, skipped, found)
         if stop_event is not None:
             self._stop(stop_event, step_ended=True)
 

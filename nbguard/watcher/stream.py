@@ -122,12 +122,12 @@ class RankStreamer:
 
 
 def connect(watch: Any, rank: int, world_size: int) -> RankStreamer | None:
-    """Stream ``watch`` to the kernel when this process is a forked rank of a watched cell."""
+    """Stream ``watch`` to the kernel when this process is a forked rank of a watched cell; the watch keeps
+    the streamer it returns (its detach sends what is pending)."""
     channel = inherited_channel()
     if channel is None:
         return None
     streamer = RankStreamer(channel, rank, world_size, watch.watch_id)
-    watch._streamer = streamer  # its detach sends what is pending
     watch.add_listener(streamer)
     streamer(watch, "attach", {"groups": list(watch.history.groups), "policy": watch.policy})
     return streamer

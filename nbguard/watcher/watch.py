@@ -179,9 +179,9 @@ class NanWatch(WatchLifecycle, Displayable):
         self._rewinder = Rewinder(rewind or RewindSettings(), scheduler) if self.policy == "rewind" else None
         self._release_step()
         if self._rewinder is not None:
-            why = self._rewinder.check_budget(self)
+            why = self._rewinder.check_budget(self._context)
             if why is not None:
-                self._rewinder.turn_off(self, why)
+                self._rewinder.turn_off(self._context, why)
 
     @property
     def stop_requested(self) -> bool:
