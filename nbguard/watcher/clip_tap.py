@@ -3,8 +3,9 @@
 HF Trainer (through ``accelerator.clip_grad_norm_``, which unscales and then calls
 ``torch.nn.utils.clip_grad_norm_``) and many loops clip before the optimizer step. One NaN makes the
 clip factor NaN and poisons every gradient, hiding the culprit, so the sentinel must take its
-per-group norms before the clip scales anything. One wrapper per clipping function, installed
-once for all attached watches (never stacked) and removed when the last one detaches.
+per-group norms before the clip scales anything. One patch per clipping function
+(``integrations/instance_wrap.py``), installed once for all attached watches and removed when the
+last one detaches.
 
 Where the clip is ``clip_grad_norm_`` with its defaults (2-norm, ``error_if_nonfinite=False``,
 ``foreach=None``) on torch >= 2.6, the wrapper takes the per-tensor norms once for both: it computes
@@ -17,14 +18,15 @@ torch's own function after the readers took their own norms.
 """
 from __future__ import annotations
 
-import functools
 import weakref
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
+
+from .guard import UserCall, guarded_call, warn_failure
+from .integrations.instance_wrap import Patch, find_patch, is_patched, patch, unpatched
 
 try:  # torch >= 2.6: clip_grad_norm_ is _get_total_norm followed by this (the untapped original)
     from torch.nn.utils.clip_grad import _clip_grads_with_norm_ as _clip_with_norm
@@ -37,9 +39,8 @@ except ImportError:  # pragma: no cover - older torch: the readers take their ow
 _TARGETS = ((torch.nn.utils, "clip_grad_norm_"), (torch.nn.utils.clip_grad, "clip_grad_norm_"),
             (torch.nn.utils, "clip_grads_with_norm_"), (torch.nn.utils, "clip_grad_value_"),
             (torch.nn.utils.clip_grad, "clip_grad_value_"))
-_MARK = "__nbguard_clip_tap__"
 # torch's own clip_grad_norm_: only a call to it is computed here (never bypass another library's wrapper)
-_TORCH_NORM_CLIP = getattr(torch.nn.utils.clip_grad.clip_grad_norm_, _MARK, torch.nn.utils.clip_grad.clip_grad_norm_)
+_TORCH_NORM_CLIP = unpatched(torch.nn.utils.clip_grad.clip_grad_norm_)
 
 # (device, dtype, how many) per group of torch's _foreach_norm, in the order the norms are stacked
 Kinds = tuple[tuple[torch.device, torch.dtype, int], ...]
@@ -134,40 +135,64 @@ def _clip_norms(parameters: list[torch.Tensor]) -> tuple[list[torch.Tensor], Kin
     return [with_grad[i] for i in order], tuple(kinds), stacked, total_norm
 
 
-def _tapped(original: Callable[..., Any], shares: bool, by_norm: bool = False) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-        if _READERS:
-            # a generator can be walked once: hand the same list to the readers and to torch
-            listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            parameters = listed
-            if by_norm:
-                _note_clip(listed, args, kwargs)
-            readers = _live_readers()
-            max_norm: Any = None
-            if shares:  # (the Trainer's and most loops' call, clip_grad_norm_(parameters, max_norm), first)
-                max_norm = args[0] if len(args) == 1 and not kwargs else _max_norm_if_shareable(args, kwargs)
-            sharing = [r for r in readers if r.shares_clip(listed)] if max_norm is not None else []
-            for reader in readers:
-                if reader not in sharing:
-                    reader.before_clip(listed)  # guarded by the reader: it never raises into the user's step
-            if sharing:
-                try:
-                    computed = _clip_norms(listed)
-                except Exception:  # nothing is scaled yet: torch's own call runs (and raises its own error)
-                    computed = None
-                if computed is not None:
-                    ordered, kinds, norms, total_norm = computed
-                    for reader in sharing:
-                        reader.take_from_clip(ordered, kinds, norms)  # guarded by the reader
-                    _clip_with_norm(listed, max_norm, total_norm, None)  # torch's own: its errors are the user's
-                    return total_norm
-                for reader in sharing:
-                    reader.before_clip(listed)
-        return original(parameters, *args, **kwargs)
+class _ClipTap:
+    """nbguard's part around one clipping function (the around of its patch)."""
 
-    setattr(clip, _MARK, original)
-    return clip
+    def __init__(self, by_norm: bool):
+        self.by_norm = by_norm
+        self.patch: Patch | None = None
+
+    def __call__(self, call: UserCall, parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _READERS:
+            return call(parameters, *args, **kwargs)
+        # a generator can be walked once: hand the same list to the readers and to torch
+        listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        # only a call to torch's own clip_grad_norm_ is computed here (never bypass another library's wrapper)
+        shares = self.patch is not None and self.patch.inner is _TORCH_NORM_CLIP and _clip_with_norm is not None
+        # the readers' part, guarded here rather than by the patch: a failure after the list was taken
+        # must still hand torch that list, not the spent generator
+        shared = guarded_call(warn_failure, self._read, listed, args, kwargs, shares)
+        if shared is None:
+            return call(listed, *args, **kwargs)
+        max_norm, total_norm = shared
+        # torch's own scaling with the norms already taken: its errors are the user's, as torch's clip's would be
+        return call.instead(_clip_and_return, listed, max_norm, total_norm)
+
+    def _read(self, listed: list[Any], args: tuple, kwargs: dict, shares: bool) -> tuple[Any, torch.Tensor] | None:
+        """Hand the gradients to the readers; (max_norm, total_norm) where they took the clip's own norms
+        and the clip is left to finish, None where torch's own call runs."""
+        if self.by_norm:
+            _note_clip(listed, args, kwargs)
+        readers = _live_readers()
+        max_norm: Any = None
+        if shares:  # (the Trainer's and most loops' call, clip_grad_norm_(parameters, max_norm), first)
+            max_norm = args[0] if len(args) == 1 and not kwargs else _max_norm_if_shareable(args, kwargs)
+        sharing = [r for r in readers if r.shares_clip(listed)] if max_norm is not None else []
+        for reader in readers:
+            if reader not in sharing:
+                reader.before_clip(listed)  # guarded by the reader: it never raises into the user's step
+        if sharing:
+            try:
+                computed = _clip_norms(listed)
+            except Exception:  # nothing is scaled yet: torch's own call runs (and raises its own error)
+                computed = None
+            if computed is not None:
+                ordered, kinds, norms, total_norm = computed
+                for reader in sharing:
+                    reader.take_from_clip(ordered, kinds, norms)  # guarded by the reader
+                return max_norm, total_norm
+            for reader in sharing:
+                reader.before_clip(listed)
+        return None
+
+
+def _clip_and_return(parameters: list[torch.Tensor], max_norm: Any, total_norm: torch.Tensor) -> torch.Tensor:
+    _clip_with_norm(parameters, max_norm, total_norm, None)
+    return total_norm
+
+
+# (module, attribute) -> nbguard's patch there, while any reader is registered
+_PATCHES: dict[tuple[Any, str], Patch] = {}
 
 
 def tap(reader: ClipReader) -> None:
@@ -180,26 +205,27 @@ def tap(reader: ClipReader) -> None:
 
     _READERS[key] = weakref.ref(reader, gone)
     for module, name in _TARGETS:
-        current = getattr(module, name, None)
-        if current is not None and not hasattr(current, _MARK):
-            setattr(module, name, _tapped(current, shares=current is _TORCH_NORM_CLIP and _clip_with_norm is not None,
-                                          by_norm="norm" in name))
+        held = _PATCHES.get((module, name))
+        if getattr(module, name, None) is None or (held is not None and find_patch(module, name) is held.site):
+            continue  # no such function in this torch, or ours is in force already
+        if held is not None:
+            held.remove()  # put back by someone else since: start again from what is there now
+        around = _ClipTap(by_norm="norm" in name)
+        around.patch = _PATCHES[(module, name)] = patch(module, name, around, warn_failure)
 
 
 def untap(reader: ClipReader) -> None:
     """Stop calling ``reader``; the last reader gone puts torch's own functions back (unless
-    something wrapped them after us: then ours stays inside, calling nobody)."""
+    something wrapped them after us: then ours stays inside, calling straight through)."""
     if _READERS.get(id(reader), lambda: None)() is reader:
         del _READERS[id(reader)]
     if _READERS:
         return
-    for module, name in _TARGETS:
-        current = getattr(module, name, None)
-        original = getattr(current, _MARK, None)
-        if original is not None:
-            setattr(module, name, original)
+    for held in _PATCHES.values():
+        held.remove()
+    _PATCHES.clear()
 
 
 def tapped() -> bool:
     """Whether any clipping function is wrapped now (tests check detach undoes it)."""
-    return any(hasattr(getattr(module, name, None), _MARK) for module, name in _TARGETS)
+    return any(is_patched(module, name) for module, name in _TARGETS)

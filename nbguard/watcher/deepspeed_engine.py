@@ -3,9 +3,9 @@
 Under ZeRO the engine decides on its own whether an optimizer step runs: its optimizer all-reduces an
 overflow flag and, when any rank's gradients are non-finite, skips the inner ``optimizer.step``
 (fp16: the loss scaler's overflow; bf16 and fp32 ZeRO: ``check_grad_overflow``). The watch's
-optimizer hooks then never see that step. So this reader wraps the engine's ``backward`` (this
-rank's own loss) and ``step`` and, at each optimizer step boundary (``engine.global_steps`` moved),
-reads what the engine really did (deepspeed 0.19.8):
+optimizer hooks then never see that step. So this reader patches the engine's ``backward`` (this
+rank's own loss) and ``step`` (``integrations/instance_wrap.py``) and, at each optimizer step
+boundary (``engine.global_steps`` moved), reads what the engine really did (deepspeed 0.19.8):
 
 - ``engine.skipped_steps``: grows by one for a step the engine skipped (``optimizer.overflow``);
 - ``engine.get_global_grad_norm()``: the unscaled global gradient norm (``inf`` on overflow,
@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from ..errors import NonFiniteError
 from ..findings import Event
 from .detectors import SkipStreak
+from .integrations.instance_wrap import Patch, patch
 
 KEPT_STEPS = 1000  # the engine's per-step readings kept (a long run must not grow them without bound)
 
@@ -61,44 +61,31 @@ class DeepSpeedEngineReader:
         self._skipped_before = int(engine.skipped_steps)
         self._global_before = int(engine.global_steps)
         self._losses: list[torch.Tensor] = []  # this rank's losses since the last boundary (detached)
-        self._wrapped: dict[str, Any] = {}
+        self._patches: list[Patch] = []
 
-    # ---- wrapping the engine's own methods (instance attributes, removed on detach) -------------------
+    # ---- patching the engine's own methods (instance attributes, removed on detach) -----------------
     def attach(self) -> DeepSpeedEngineReader:
-        self._wrap("backward", self._before_backward, after=False)
-        self._wrap("step", self._after_step, after=True)
+        # a reading that fails records a watch-error and steps the watch aside; the engine's call still runs
+        on_error = functools.partial(self.watch._fail, safe=True)
+        self._patches = [patch(self.engine, "backward", self._around_backward, on_error),
+                         patch(self.engine, "step", self._around_step, on_error)]
         return self
 
     def detach(self) -> None:
-        for name, wrapper in self._wrapped.items():
-            if self.engine.__dict__.get(name) is wrapper:  # nobody wrapped ours since: remove it
-                del self.engine.__dict__[name]
-        self._wrapped = {}
+        for held in self._patches:
+            held.remove()
+        self._patches = []
 
-    def _wrap(self, name: str, hook: Any, after: bool) -> None:
-        original = getattr(self.engine, name)
+    def _around_backward(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.watch.active:
+            self._before_backward(*args)
+        return call(*args, **kwargs)
 
-        @functools.wraps(original)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not after:
-                self._guarded(hook, *args)
-            result = original(*args, **kwargs)
-            if after:
-                self._guarded(hook)
-            return result
-
-        self.engine.__dict__[name] = wrapper  # nn.Module.__setattr__ would do the same for a function
-        self._wrapped[name] = wrapper
-
-    def _guarded(self, hook: Any, *args: Any) -> None:
-        if not self.watch.active:
-            return
-        try:
-            hook(*args)
-        except NonFiniteError:
-            raise  # the stop policy, on purpose
-        except Exception as exc:  # a reading that fails must not break the user's training run
-            self.watch._fail(exc, safe=True)
+    def _around_step(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        result = call(*args, **kwargs)
+        if self.watch.active:
+            self._after_step()  # the stop policy's NonFiniteError passes through, on purpose
+        return result
 
     # ---- the readings ---------------------------------------------------------------------------------
     def readings(self) -> list[dict[str, Any]]:

@@ -7,13 +7,13 @@ plain reward function so the watch sees what it returned (the values go back unc
 """
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ...introspect.trl import TAPPED, plain_reward_functions
+from .instance_wrap import patch
 
 
 @dataclass
@@ -36,52 +36,40 @@ def _float_or_none(value: Any) -> float | None:
 
 
 class RewardTap:
-    """Replaces each synchronous, non-module reward function in ``trainer.reward_funcs`` by a wrapper
-    that calls it, hands its result back untouched, and passes a :class:`RewardCall` to ``sink``.
+    """Patches each synchronous, non-module reward function in ``trainer.reward_funcs`` (an item of the
+    list, ``instance_wrap.patch``): it calls the function, hands its result back untouched, and passes a
+    :class:`RewardCall` to ``sink``; nbguard's own failure goes to ``on_error``, never into TRL.
 
-    ``sink`` is guarded by the caller; the wrapper never lets nbguard's own failure reach the
-    trainer (``on_error``). Async functions and reward models (``nn.Module``) are left as they are:
-    TRL dispatches on their type, and their rewards still reach the watch through the log.
+    The function the patch calls is kept in ``TAPPED`` on the wrapper and read at each call: a fix
+    (finite-rewards) slips its wrapper in there, and removal leaves the fixed function in the list.
+    Async functions and reward models (``nn.Module``) are left as they are: TRL dispatches on their
+    type, and their rewards still reach the watch through the log.
     """
 
     def __init__(self, trainer: Any, sink: Callable[[RewardCall], None],
                  on_error: Callable[[BaseException], None]):
         self.trainer = trainer
-        self.wrappers: list[tuple[int, Any]] = []
-        funcs = trainer.reward_funcs
-        for i, name, func in plain_reward_functions(trainer):
-            if hasattr(func, TAPPED):
-                continue  # already tapped by another watch
-            funcs[i] = _wrap(func, name, sink, on_error)
-            self.wrappers.append((i, funcs[i]))
+        self.patches = [patch(trainer.reward_funcs, i, _observer(name, sink), on_error, slot=TAPPED)
+                        for i, name, _ in plain_reward_functions(trainer)]
 
     @property
     def wrapped(self) -> int:
-        return len(self.wrappers)
+        return len(self.patches)
 
     def remove(self) -> None:
-        funcs = getattr(self.trainer, "reward_funcs", None)
-        for i, wrapper in self.wrappers:
-            if isinstance(funcs, list) and i < len(funcs) and funcs[i] is wrapper:
-                funcs[i] = getattr(wrapper, TAPPED)  # the function, with any fix applied under the tap since
-        self.wrappers.clear()
+        for held in self.patches:
+            held.remove()
+        self.patches.clear()
 
 
-def _wrap(func: Callable, name: str, sink: Callable[[RewardCall], None],
-          on_error: Callable[[BaseException], None]) -> Callable:
-    @functools.wraps(func)
-    def reward(*args: Any, **kwargs: Any) -> Any:
-        # looked up at each call: a fix (finite-rewards) may have been slipped in under the tap
-        result = getattr(reward, TAPPED)(*args, **kwargs)  # the user's exceptions propagate unchanged
-        try:
-            # a sequence: TRL takes len() of it (a generator would fail there before reaching training)
-            values = [_float_or_none(v) for v in result] if hasattr(result, "__len__") else []
-            ids = kwargs.get("completion_ids")
-            sink(RewardCall(name, values, list(kwargs.get("completions") or []),
-                            [list(x) for x in ids] if isinstance(ids, list) else None))
-        except Exception as exc:  # nbguard's own failure: recorded, never raised into TRL
-            on_error(exc)
+def _observer(name: str, sink: Callable[[RewardCall], None]) -> Callable[..., Any]:
+    def observe(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        result = call(*args, **kwargs)  # the user's exceptions propagate unchanged
+        # a sequence: TRL takes len() of it (a generator would fail there before reaching training)
+        values = [_float_or_none(v) for v in result] if hasattr(result, "__len__") else []
+        ids = kwargs.get("completion_ids")
+        sink(RewardCall(name, values, list(kwargs.get("completions") or []),
+                        [list(x) for x in ids] if isinstance(ids, list) else None))
         return result
 
-    setattr(reward, TAPPED, func)  # marks the wrapper, keeps the function it calls
-    return reward
+    return observe
