@@ -9,14 +9,13 @@ the accelerator's registry of prepared loaders and its gradient state.
 """
 from __future__ import annotations
 
-import contextlib
-import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy
 import torch
+
+from ..step.capture import preserved_rng
 
 SAMPLE_BATCHES = 8  # enough to see a few percent of empty rows, cheap to collate
 
@@ -35,23 +34,6 @@ class BatchSample:
         if self.note:
             out["sampling_note"] = self.note
         return out
-
-
-@contextlib.contextmanager
-def preserved_rng() -> Iterator[None]:
-    """Put every global RNG back as it was: the user's data order and dropout must not change."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    state["numpy"] = numpy.random.get_state()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(state["torch"])
-        random.setstate(state["random"])
-        if "cuda" in state:
-            torch.cuda.set_rng_state_all(state["cuda"])
-        numpy.random.set_state(state["numpy"])
 
 
 def _tensor_batch(batch: Any) -> dict[str, torch.Tensor] | None:

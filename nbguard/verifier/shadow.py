@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from ..step.capture import MicroBatch, capture_rng, model_loss, restore_rng, supervised_mask
+from ..introspect.modes import modes_restored
+from ..step.capture import MicroBatch, model_loss, preserved_rng, restore_rng, supervised_mask
 from ..step.eager import eager_everywhere, unwrap_compiled
 from ..step.plan import CapturedStep, ShadowPlan
 from ..step.precision import autocast_as, autocast_text
@@ -42,15 +43,9 @@ def quiet_watches(model: torch.nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def preserved(model: torch.nn.Module) -> Iterator[None]:
-    """Train/eval flags of every module, gradient checkpointing flags and the RNG: put back afterwards."""
-    modes = [(m, m.training) for m in model.modules()]
-    rng = capture_rng()
-    try:
+    """Train/eval flags of every module, gradient checkpointing flags and every global RNG: put back afterwards."""
+    with preserved_rng(), modes_restored(model):
         yield
-    finally:
-        for m, mode in modes:
-            m.training = mode
-        restore_rng(rng)
 
 
 @contextlib.contextmanager

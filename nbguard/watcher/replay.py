@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..findings import Origin
+from ..introspect.modes import in_training_mode
 from ..introspect.unsloth import read_unsloth
 from ..step.capture import MicroBatch, capture_rng, restore_rng
 from ..step.eager import eager_everywhere, unwrap_compiled
@@ -226,7 +227,7 @@ class Replayer:
         params = [p for p in self.eager.parameters()]
         grads = [p.grad for p in params]
         buffers = [(b, b.detach().clone()) for b in self.eager.buffers() if b.is_floating_point()]
-        rng = capture_rng()
+        rng = capture_rng(host=True)  # (a forward may draw from random or NumPy too: all put back)
         for p in params:
             p.grad = None
         try:
@@ -264,16 +265,8 @@ class Replayer:
             if do_backward:
                 backward.hook_params(self.names)
             restore_rng(mb.rng)
-            # every module's own flag is put back: train(was_training) would switch the submodules a
-            # user keeps in eval (a frozen tower, dropout turned off) to train mode for the rest of the run
-            modes = [(m, m.training) for m in self.eager.modules()]
-            self.eager.train()
-            try:
-                with torch.enable_grad(), autocast_as(mb.autocast):
-                    output = self.eager(*mb.args, **mb.kwargs)
-            finally:
-                for module, training in modes:
-                    module.training = training
+            with in_training_mode(self.eager), torch.enable_grad(), autocast_as(mb.autocast):
+                output = self.eager(*mb.args, **mb.kwargs)
             forward.done = True  # gradient checkpointing re-runs forwards during backward
             if forward.origin is not None:
                 return Localisation(forward.cause, [forward.origin], {"micro_batch": mb.index})

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..introspect.modes import in_training_mode
 from ..step.capture import MicroBatch, capture_rng, restore_rng
 from ..step.eager import eager_everywhere, unwrap_compiled
 from ..step.precision import autocast_as
@@ -63,8 +64,7 @@ def replayed(model: torch.nn.Module, micro_batches: list[MicroBatch], grad: bool
     loss from the hidden states, is asked not to fuse). The RNG and the modules' train flags are put back
     on exit."""
     eager, _ = unwrap_compiled(model)
-    rng = capture_rng()
-    modes = [(m, m.training) for m in eager.modules()]
+    rng = capture_rng(host=True)  # (a forward may draw from random or NumPy too: all put back)
 
     def outputs() -> Iterator[tuple[MicroBatch, torch.Tensor, torch.Tensor, bool]]:
         for mb in micro_batches:
@@ -84,12 +84,9 @@ def replayed(model: torch.nn.Module, micro_batches: list[MicroBatch], grad: bool
                 yield mb, logits, labels.to(logits.device), shifted
 
     try:
-        with eager_everywhere(), torch.set_grad_enabled(grad):
-            eager.train()
+        with in_training_mode(eager), eager_everywhere(), torch.set_grad_enabled(grad):
             yield outputs()
     finally:
-        for module, training in modes:
-            module.training = training
         restore_rng(rng)
 
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from ...introspect.modes import in_training_mode
+from ...step.capture import preserved_rng
 from ..registry import finding, rule
-from ..sampling import preserved_rng
 
 
 def _uses_model_loss(trainer: Any) -> bool:

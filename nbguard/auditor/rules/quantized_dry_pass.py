@@ -19,11 +19,10 @@ import torch
 
 from ...introspect.quantized_layers import QuantizedLayer, read_quantized_layers
 from ...step.batch import forward_kwargs, synthetic_batch
-from ...step.capture import MicroBatch, capture_rng
+from ...step.capture import MicroBatch, capture_rng, preserved_rng
 from ...step.precision import PrecisionUnavailable, args_mixed_precision, trainer_autocast
 from ...watcher.replay import Replayer
 from ..registry import capped, finding, rule
-from ..sampling import preserved_rng
 
 RULE = "quantized-dry-pass-nonfinite"
 LB_FIX = "float8-activation-lb"

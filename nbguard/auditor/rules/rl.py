@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ...introspect.modes import in_eval_mode
 from ...introspect.trl import (
     GENERATING,
     PREFERENCE,
@@ -25,8 +26,8 @@ from ...introspect.trl import (
     plain_reward_functions,
     trl_stack,
 )
+from ...step.capture import preserved_rng
 from ..registry import finding, rule
-from ..sampling import preserved_rng
 
 MIN_GROUP = 4  # below this a binary reward leaves 2 x 0.5**G of the groups flat (50% at G=2, 25% at G=3)
 ANSWER_COLUMNS = ("completion", "answer", "solution", "ground_truth", "chosen")
@@ -138,25 +139,20 @@ def _completions(ctx, prompts: list[Any]) -> tuple[list[Any], list[Any], list[li
     chat = isinstance(prompts[0], list)
     texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) if chat else p for p in prompts]
     cap = min(completion_cap(ctx.trainer) or CHECK_TOKENS, CHECK_TOKENS)
-    was_training = model.training
     out_prompts, completions, ids = [], [], []
-    with preserved_rng(), torch.no_grad():
-        model.eval()
-        try:
-            for prompt, text in zip(prompts, texts):
-                enc = tok(text, return_tensors="pt", add_special_tokens=False).to(device)
-                gen = model.generate(**enc, max_new_tokens=cap, do_sample=True, num_return_sequences=CHECK_PER_PROMPT,
-                                     temperature=float(getattr(args, "temperature", 1.0) or 1.0),
-                                     pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-                for row in gen[:, enc["input_ids"].shape[1]:].tolist():
-                    if tok.eos_token_id in row:
-                        row = row[:row.index(tok.eos_token_id) + 1]
-                    decoded = tok.decode(row, skip_special_tokens=True)
-                    out_prompts.append(prompt)
-                    completions.append([{"role": "assistant", "content": decoded}] if chat else decoded)
-                    ids.append(row)
-        finally:
-            model.train(was_training)
+    with preserved_rng(), torch.no_grad(), in_eval_mode(model):
+        for prompt, text in zip(prompts, texts):
+            enc = tok(text, return_tensors="pt", add_special_tokens=False).to(device)
+            gen = model.generate(**enc, max_new_tokens=cap, do_sample=True, num_return_sequences=CHECK_PER_PROMPT,
+                                 temperature=float(getattr(args, "temperature", 1.0) or 1.0),
+                                 pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+            for row in gen[:, enc["input_ids"].shape[1]:].tolist():
+                if tok.eos_token_id in row:
+                    row = row[:row.index(tok.eos_token_id) + 1]
+                decoded = tok.decode(row, skip_special_tokens=True)
+                out_prompts.append(prompt)
+                completions.append([{"role": "assistant", "content": decoded}] if chat else decoded)
+                ids.append(row)
     return out_prompts, completions, ids
 
 

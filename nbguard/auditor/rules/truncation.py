@@ -26,8 +26,8 @@ from ...introspect.truncation import (
     read_rows,
     truncation_cap,
 )
+from ...step.capture import preserved_rng
 from ..registry import capped, finding, rule
-from ..sampling import preserved_rng
 from .labels import eos_and_pad_ids
 
 ROWS_CHECKED = 4096  # rows read from the dataset's start: a share of a few percent is well resolved
