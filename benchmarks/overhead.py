@@ -395,8 +395,9 @@ def update_norm_cost(args) -> None:
         assert on is not None and on.events == [] and all(x is not None for x in on.history.total_update_norm[:-1])
         # the update-norm work alone, timed directly (steadier than a ratio of whole steps on a busy machine):
         # the copy before the step, the subtraction and norms after it, the host sums of the read's values
-        updates = on._updates
-        assert updates is not None
+        from nbguard.watcher.components.update_norms import UpdateNorms
+
+        (updates,) = [d for d in on.detectors if isinstance(d, UpdateNorms)]
         work = []
         for i in range(200):
             start = clock()

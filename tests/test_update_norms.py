@@ -14,6 +14,7 @@ from nbguard.render import update_norms_png
 from nbguard.testing import tiny_batch, tiny_llama
 from nbguard.watcher import NanWatch, WatchSettings
 from nbguard.watcher.history import group_name
+from nbguard.watcher.components.update_norms import UpdateNorms
 
 torch.set_num_threads(1)
 jsonschema = pytest.importorskip("jsonschema")
@@ -161,7 +162,8 @@ def test_over_the_budget_the_history_says_why_once_and_nothing_else_changes():
     assert update_norms_png(section) is None
     off, _ = _run(tiny_llama(), torch.optim.SGD(model.parameters(), lr=0.1), 2,
                   settings=WatchSettings(update_norms=False))
-    assert off._updates is None and off.history.total_update_norm == [None, None]
+    assert not [d for d in off.detectors if isinstance(d, UpdateNorms)]
+    assert off.history.total_update_norm == [None, None]
 
 
 def test_the_document_report_and_heatmap_carry_them(tmp_path):

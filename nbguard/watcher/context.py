@@ -108,6 +108,16 @@ class WatchContext:
         """Across ranks, the step's agreement (rank, world size, ``smallest``); None on one process."""
         return self._watch._ranks
 
+    @property
+    def active(self) -> bool:
+        """Attached and not stepped aside after an internal error."""
+        return self._watch.active
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        """A DeepSpeed engine runs the step (it keeps the weights it updates in its own partitions)."""
+        return self._watch._deepspeed is not None
+
     def device(self) -> torch.device:
         """The device the watch reads on (the first trainable parameter's)."""
         return self._watch._collector.device()

@@ -131,8 +131,8 @@ class WatchLifecycle(WatchSteps):
                 module_hooks.register_module_parameter_registration_hook(registered)]
 
     def detach(self: W) -> W:
-        if self._board.context is not None:
-            self._board.detach()  # the components' threads end here: nothing of the watch is left running
+        if self._board.context is not None:  # the components' threads end here: nothing of the watch runs on
+            guarded_call(lambda exc: self._fail(exc, safe=False), self._board.detach)
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -162,8 +162,6 @@ class WatchLifecycle(WatchSteps):
             self._deepspeed = None
         if self._streamer is not None:
             self._streamer.flush()  # the kernel's view gets the last steps now, not at the rank's exit
-        if self._updates is not None:  # the last step's update norms: no next read will bring them
-            guarded_call(lambda _: None, self._updates.flush)
         self._release_step()
         was_attached, self.attached = self.attached, False
         if attached_watch(self.target) is self:
@@ -197,7 +195,7 @@ class WatchLifecycle(WatchSteps):
         left (its step's batches, losses, read and bad streak), bind the optimizer and scaler."""
         self._stop_requested = False
         self._bad_streak = 0
-        self._board.dispatch("on_train_begin")
+        self._dispatch("on_train_begin")
         self.begin_step()
         self.bind_trainer_step(control)
         self._switch_to_ddp_buckets()

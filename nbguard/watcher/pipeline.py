@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ..errors import NonFiniteError
 from ..findings import Event
 
 if TYPE_CHECKING:
@@ -136,6 +137,10 @@ class WatchComponent:
     def after_optimizer_step(self, step: int) -> None:
         """``optimizer.step`` returned for step ``step``."""
 
+    def step_payload(self, payload: dict[str, Any]) -> None:
+        """The step ended and someone listens (a dashboard, a tracker): add what this component read to
+        the step's payload (called only when the watch has listeners)."""
+
     def scalars(self, watch: WatchedRun) -> dict[str, torch.Tensor]:
         """Device tensors to fold into this step's single host read, by name (any shape, flattened).
         Their values come back in ``StepView.scalars[name]`` as a list of floats."""
@@ -192,7 +197,7 @@ def check_detector(detector: Any) -> Detector:
 # what a component may override; the board calls a hook only on the components that implement it (the
 # base's methods do nothing), so a step pays for the components it has, not for the protocol
 _HOOKS = ("attach", "detach", "on_forward_start", "on_train_begin", "on_train_end", "before_optimizer_step",
-          "after_optimizer_step", "scalars", "on_micro_batch", "update", "before_update", "on_log", "reset_step",
+          "after_optimizer_step", "step_payload", "scalars", "on_micro_batch", "update", "before_update", "on_log", "reset_step",
           "rewound")
 
 
@@ -259,10 +264,18 @@ class DetectorBoard:
         if failure is not None:
             raise failure
 
-    def dispatch(self, hook: str, *args: Any) -> None:
-        """A lifecycle point without events (forward start, loop begin/end, around the optimizer step)."""
+    def dispatch(self, hook: str, *args: Any, on_error: Callable[[BaseException], None] | None = None) -> None:
+        """A lifecycle point without events (forward start, loop begin/end, around the optimizer step);
+        ``on_error``: a component's exception goes there and the next component still runs."""
         for _, method in self._by_hook[hook]:
-            method(*args)
+            try:
+                method(*args)
+            except NonFiniteError:  # the stop policy ending a plain loop on purpose
+                raise
+            except Exception as exc:
+                if on_error is None:
+                    raise
+                on_error(exc)
 
     def on_log(self, step: int, logs: dict[str, Any], emit: Callable[[Detector, Event], None]) -> None:
         for detector, on_log in self._by_hook["on_log"]:

@@ -35,7 +35,6 @@ from .pipeline import DetectorBoard, StepView
 from .rows import name_rows
 from .run_checks import RunChecks
 from .sentinel import GradNormCollector, StepStats
-from .update_norms import UpdateNorms
 
 Listener = Callable[[Any, str, Any], None]  # callback(watch, kind, payload)
 
@@ -63,7 +62,6 @@ class WatchRecord(ABC):
     activation_history: ActivationHistory | None  # None unless activations=True
     _board: DetectorBoard
     _run_checks: RunChecks | None
-    _updates: UpdateNorms | None  # per-group update norms around optimizer.step (update_norms.py)
     config: Any  # each component's settings (config.WatchConfig)
     _context: Any  # what components may use of the watch (context.WatchContext)
     _localiser: Localiser

@@ -26,6 +26,9 @@ class ComponentSetup:
     settings: Any  # the component's settings dataclass instance (None if it declares none)
     policy: str
     has_trainer: bool
+    thresholds: Any = None  # the watch's detectors.WatchSettings
+    reads: Any = None  # the watch's sentinel.GradNormCollector (its parameters by group, on the device)
+    history: Any = None  # the watch's history.GradHistory
 
 
 @dataclass(frozen=True)
@@ -76,11 +79,12 @@ def settings_fields(name: str) -> list[dataclasses.Field]:
     return list(dataclasses.fields(spec.settings)) if spec.settings is not None else []
 
 
-def make_components(sections: dict[str, Any], policy: str, has_trainer: bool) -> list[WatchComponent]:
-    """One of each registered component this watch wants, in registration-name order (stable)."""
+def make_components(sections: dict[str, Any], **setup: Any) -> list[WatchComponent]:
+    """One of each registered component this watch wants, in registration-name order (stable);
+    ``setup``: the rest of :class:`ComponentSetup`."""
     made = []
     for name, spec in sorted(registered_components().items()):
-        component = spec.make(ComponentSetup(sections.get(name), policy, has_trainer))
+        component = spec.make(ComponentSetup(sections.get(name), **setup))
         if component is not None:
             made.append(component)
     return made

@@ -44,15 +44,16 @@ class WatchSteps(WatchRecord):
 
     def end_training(self) -> None:
         """The loop ended: drop every reference to the unfinished step's batches."""
-        self._board.dispatch("on_train_end")
+        self._dispatch("on_train_end")  # (the update norms' last read: no next step's read will bring it)
         self._release_step()
-        self._flush_update_norms()
 
-    @watch_hook(safe=True)
-    def _flush_update_norms(self) -> None:
-        """The last step's update norms have no next read to ride in: one host read of them now."""
-        if self._updates is not None:
-            self._updates.flush()
+    def _dispatch(self, hook: str, *args: Any) -> None:
+        """A lifecycle point to the components that implement it; one that fails is the watch's internal
+        error (recorded; the watch steps aside at a safe point), never the user's."""
+        self._board.dispatch(hook, *args, on_error=self._component_failed)
+
+    def _component_failed(self, exc: BaseException) -> None:
+        self._fail(exc, safe=False)
 
     # ---- hooks: micro-batches ------------------------------------------------------------------------
     def _training_forward(self, module) -> bool:
@@ -62,7 +63,7 @@ class WatchSteps(WatchRecord):
         if self._broken and self.attached:
             self._step_aside()  # a safe point: module hooks were copied before being called
             return None
-        self._board.dispatch("on_forward_start")  # a sign of life (components keep it to a timestamp)
+        self._dispatch("on_forward_start")  # a sign of life (components keep it to a timestamp)
         if self._coverage_stale:
             self._cover_new_parameters()
         training = self._training_forward(module)
@@ -174,17 +175,9 @@ class WatchSteps(WatchRecord):
             return None
         self._check_step()
         self._settle_farewell()  # the check failed before this rank's part of the exchange: pay it now
-        if self._updates is not None:
-            self._copy_before_update()
+        if self.active:  # after the policy's decision, just before the optimizer moves the weights
+            self._dispatch("before_optimizer_step", self.step)
         return None
-
-    @watch_hook(safe=False)
-    def _copy_before_update(self) -> None:
-        """The update norms' copy of the trainable weights, just before the optimizer moves them."""
-        updates = self._updates
-        if updates is not None:
-            updates.before_step(self.step, "DeepSpeed keeps the weights it updates in its own partitions"
-                                if self._deepspeed is not None else None)
 
     @watch_hook(safe=False)
     def _check_step(self) -> None:
@@ -194,8 +187,7 @@ class WatchSteps(WatchRecord):
     @watch_hook(safe=False)
     def _post_step(self, optimizer, args, kwargs):
         self._optimizer_stepped = True
-        if self._updates is not None:
-            self._updates.after_step(self.step)
+        self._dispatch("after_optimizer_step", self.step)
         if self._scaler_binding is None:
             self._end_step(skipped=self._step_dropped)
         return None
@@ -327,10 +319,7 @@ class WatchSteps(WatchRecord):
                                        "grad_norm": dict(zip(self.history.groups, stats.grad_norm))}
             if activations is not None and self.activation_history is not None:
                 payload["activation_absmax"] = dict(zip(self.activation_history.groups, activations))
-            fresh = self._updates.take_fresh() if self._updates is not None else None
-            if fresh is not None:  # the update norms this step's read brought (the step before's, or its own)
-                payload["update_norm_step"], ratios, payload["total_update_norm"] = fresh
-                payload["update_norm"] = dict(zip(self.history.groups, ratios))
+            self._dispatch("step_payload", payload)
             self._notify("step", payload)
         if self._rewinder is not None:  # policy rewind: a snapshot, or a rewind judged at the step's end
             self._rewinder.step_ended(self._context, step, skipped, found)

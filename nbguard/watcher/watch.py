@@ -39,7 +39,6 @@ from .rows import RowTracker
 from .run_checks import RunChecks
 from .scaler_skips import ScalerSkips
 from .sentinel import GradNormCollector
-from .update_norms import make_update_norms
 
 __all__ = ["NanWatch", "attached_watch", "attached_watches", "fold_skip_streaks", "skip_streaks"]
 
@@ -161,12 +160,9 @@ class NanWatch(WatchLifecycle, Displayable):
         scaler_skips = ScalerSkips(self.settings, lambda kind, extra, budget: self._localised_event(
             kind, self._read(), extra, budget))
         self._run_checks = RunChecks(self.trainer, lambda exc: self._fail(exc, safe=False)) if run_checks else None
-        # per-group update norms (||Δw|| / ||w||), read around optimizer.step, judged for update-spike events
-        self._updates = make_update_norms(self._collector, self.history, self.settings)
-        updates = [self._updates] if self._updates is not None else []
-        components = make_components(self.config.sections(), self.policy, self.trainer is not None)
-        self._board = DetectorBoard([scaler_skips, *builtin_detectors(self.settings), *components, *updates,
-                                     *detectors],
+        components = make_components(self.config.sections(), policy=self.policy, has_trainer=self.trainer is not None,
+                                     thresholds=self.settings, reads=self._collector, history=self.history)
+        self._board = DetectorBoard([scaler_skips, *builtin_detectors(self.settings), *components, *detectors],
                                     last=[self._run_checks] if self._run_checks is not None else [])
         self._micro_batches = []
         self._losses = []

@@ -44,14 +44,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..findings import Event
-from .divergence import RUN_FIXES, log_norm
-from .pipeline import Detector, StepView, WatchedRun
-from .rolling import RobustBaseline, sorted_median
+from ...findings import Event
+from ..divergence import RUN_FIXES, log_norm
+from ..pipeline import StepView, WatchComponent, WatchedRun
+from ..registry import ComponentSetup, register_component
+from ..rolling import RobustBaseline, sorted_median
 
 if TYPE_CHECKING:
-    from .history import GradHistory
-    from .sentinel import GradNormCollector
+    from ..context import WatchContext
+    from ..history import GradHistory
+    from ..sentinel import GradNormCollector
 
 SCALAR = "update_norms"
 
@@ -134,11 +136,12 @@ def update_spike_message(evidence: dict[str, Any]) -> str:
     return text + ": a loss spike often follows (a learning rate too high for this step?)"
 
 
-class UpdateNorms(Detector):
+class UpdateNorms(WatchComponent):
     """Reads each step's per-group ||Δw|| / ||w|| into the history and judges the total for spikes.
 
-    The watch calls ``before_step`` / ``after_step`` from its wrapper on ``optimizer.step`` (the one it
-    already has), and ``flush`` where training ends (the last step's norms have no next read)."""
+    A watch component: ``before_step`` / ``after_step`` run around ``optimizer.step`` (the watch's one
+    wrapper on it), and ``flush`` where training ends or the watch detaches (the last step's norms have
+    no next read)."""
 
     name = "update-norms"
 
@@ -162,6 +165,30 @@ class UpdateNorms(Detector):
         self._asked: tuple[int, list[int]] | None = None  # the pending step this read carries
         self._judged = -1
         self._fresh: tuple[int, list[float | None], float | None] | None = None  # the last taken, for listeners
+        self.context: WatchContext | None = None
+
+    # ---- the watch's lifecycle points ---------------------------------------------------------------
+    def attach(self, context: WatchContext) -> None:
+        self.context = context
+
+    def detach(self) -> None:
+        self.flush()  # the last step's update norms: no next read will bring them
+
+    def on_train_end(self) -> None:
+        self.flush()
+
+    def before_optimizer_step(self, step: int) -> None:
+        deepspeed = self.context is not None and self.context.uses_deepspeed
+        self.before_step(step, "DeepSpeed keeps the weights it updates in its own partitions" if deepspeed else None)
+
+    def after_optimizer_step(self, step: int) -> None:
+        self.after_step(step)
+
+    def step_payload(self, payload: dict[str, Any]) -> None:
+        fresh = self.take_fresh()
+        if fresh is not None:  # the update norms this step's read brought (the step before's, or its own)
+            payload["update_norm_step"], ratios, payload["total_update_norm"] = fresh
+            payload["update_norm"] = dict(zip(self.history.groups, ratios))
 
     # ---- around optimizer.step (the watch's existing wrapper) ------------------------------------
     def before_step(self, step: int, why_not: str | None = None) -> None:
@@ -310,8 +337,14 @@ def _ratio(delta_sq: float, weight_sq: float) -> float | None:
     return math.sqrt(delta_sq / weight_sq)
 
 
-def make_update_norms(collector: GradNormCollector, history: GradHistory, settings: Any) -> UpdateNorms | None:
+def make_update_norms(setup: ComponentSetup) -> UpdateNorms | None:
     """The watch's update-norm reader, or None where ``WatchSettings(update_norms=False)``."""
-    if not getattr(settings, "update_norms", True):
+    thresholds = setup.thresholds
+    if not getattr(thresholds, "update_norms", True):
         return None
-    return UpdateNorms(collector, history, getattr(settings, "update_norm_budget_mb", 512.0))
+    return UpdateNorms(setup.reads, setup.history, getattr(thresholds, "update_norm_budget_mb", 512.0))
+
+
+register_component("update_norms", make_update_norms,
+                   summary="per-group ||Δw|| / ||w|| of each update and the update-spike check "
+                           "(WatchSettings(update_norms=False) turns it off)")
