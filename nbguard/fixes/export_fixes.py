@@ -73,7 +73,8 @@ register(Fix("save-embedding-layers", "Save the embeddings with the adapter",
 # ---- save-tokenizer --------------------------------------------------------------------------
 def _save_tokenizer(target: Target, path: str | None = None, chat_template: str | None = None, **_: Any) -> dict:
     path = _path(path)
-    template = chat_template
+    # the template asked for, else the one training used (TRL's SFTTrainer keeps the template it swapped in)
+    template = chat_template or getattr(target.trainer, "chat_template", None)
     if template and getattr(target.tokenizer, "chat_template", None) != template:
         target.tokenizer.chat_template = template
     target.tokenizer.save_pretrained(path)
@@ -82,9 +83,15 @@ def _save_tokenizer(target: Target, path: str | None = None, chat_template: str 
 
 def _save_tokenizer_code(names: Names, **options: Any) -> str:
     path, needs = _path_code(options.get("path", "adapter_dir"))
-    keep = ("# the template training used (TRL's training template, if it swapped one in)\n"
-            f"{names.tokenizer}.chat_template = {names.trainer}.chat_template or {names.tokenizer}.chat_template\n"
-            if names.trainer else "")
+    template = options.get("chat_template")
+    if template:
+        keep = f"{names.tokenizer}.chat_template = {template!r}\n"
+    elif names.trainer:
+        keep = ("# the template training used (TRL's training template, if it swapped one in)\n"
+                f"{names.tokenizer}.chat_template = getattr({names.trainer}, \"chat_template\", None) or "
+                f"{names.tokenizer}.chat_template\n")
+    else:
+        keep = ""
     return f"""{needs}# Save the tokenizer beside the model: its vocabulary (added tokens) and the chat template training used,
 # so whoever loads the folder renders prompts as the model was trained.
 {keep}{names.tokenizer}.save_pretrained({path})

@@ -2,11 +2,15 @@
 
 A plain PyTorch loop has no ``args`` and no ``trainer``: its cells act on the objects it has (its
 optimizer, by the notebook's own name) and say which of its own lines (``torch.autocast``, the
-GradScaler) to change where a cell cannot reach them. The action and the cell do the same thing, and
-both are idempotent together: the clipping hook is kept on the optimizer under one attribute.
+GradScaler) to change where a cell cannot reach them. Each action is written once: apply calls the
+function (``install_clip``, ``scale_lr``, ``follow_weight_dtypes``) and the cell carries its source, so
+the two cannot drift apart; the clipping hook is kept on the optimizer under one attribute, which makes
+them idempotent together.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from typing import Any
 
@@ -14,9 +18,47 @@ import torch
 
 from .registry import Names
 
-CLIP_HOOK = "_clip_hook"  # the optimizer's step pre-hook handle (the cell sets the same attribute)
+CLIP_HOOK = "_clip_hook"  # the optimizer's step pre-hook handle (install_clip sets it, in apply and in the cell)
 CLIP_NORM = "_clip_max_norm"
 _BASE_LRS = "_nbguard_base_lrs"  # each group's LR before the first lowering: keeps apply idempotent
+
+
+# ---- one definition each: apply calls these, the cells carry their source -----------------------
+# Their source goes into the cells as it is: plain torch, no annotations, no names from nbguard.
+def clip_before_step(optimizer, args, kwargs, max_norm=1.0):
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def install_clip(optimizer, max_norm):
+    """Clip before every optimizer.step(), replacing a clip installed before (running it twice adds no hook)."""
+    if getattr(optimizer, "_clip_hook", None) is not None:
+        optimizer._clip_hook.remove()
+    optimizer._clip_hook = optimizer.register_step_pre_hook(functools.partial(clip_before_step, max_norm=max_norm))
+    optimizer._clip_max_norm = max_norm
+
+
+def scale_lr(group, scale):
+    """One param group's learning rate times ``scale``, and an LR scheduler's starting point with it."""
+    group["lr"] *= scale
+    if "initial_lr" in group:
+        group["initial_lr"] *= scale
+
+
+def follow_weight_dtypes(optimizer):
+    """An optimizer that already stepped keeps its moments in the old dtype: each follows its weight's."""
+    moved = 0
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.is_floating_point() and key != "step" and value.dtype != param.dtype:
+                state[key] = value.to(param.dtype)
+                moved += 1
+    return moved
+
+
+def source(*functions: Any) -> str:
+    """The functions' own source, for a cell that calls them."""
+    return "\n\n".join(inspect.getsource(f) for f in functions)
 
 
 def _optimizer(optimizer: Any, fix: str) -> Any:
@@ -40,37 +82,24 @@ def loop_clip(optimizer: Any, max_norm: float = 1.0) -> dict[str, str]:
     old = getattr(optimizer, CLIP_NORM, None)
     if old == max_norm and getattr(optimizer, CLIP_HOOK, None) is not None:
         return {}
-
-    def clip_before_step(opt: Any, args: Any, kwargs: Any) -> None:
-        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-    hook = getattr(optimizer, CLIP_HOOK, None)
-    if hook is not None:
-        hook.remove()
-    setattr(optimizer, CLIP_HOOK, optimizer.register_step_pre_hook(clip_before_step))
-    setattr(optimizer, CLIP_NORM, max_norm)
+    install_clip(optimizer, max_norm)
     return {"optimizer": f"clips the gradient norm to {max_norm!r} before every step (was {old!r})"}
 
 
 def loop_clip_code(names: Names, max_norm: float = 1.0) -> str:
     opt = names.optimizer or "optimizer"
     max_norm = _check_max_norm(max_norm)
-    return f"""import torch
+    return f"""import functools
+
+import torch
 
 # Clip the total gradient norm to {max_norm!r} before every {opt}.step(): one outlier gradient can no longer blow
 # the weights up. In your loop the same line is
 #   torch.nn.utils.clip_grad_norm_({names.model}.parameters(), {max_norm!r})
 # after backward (after scaler.unscale_({opt}) under a GradScaler) and before the step.
-def _clip_before_step(_optimizer, _args, _kwargs):
-    _params = [_p for _g in _optimizer.param_groups for _p in _g["params"] if _p.grad is not None]
-    torch.nn.utils.clip_grad_norm_(_params, {max_norm!r})
+{source(clip_before_step, install_clip)}
 
-
-if getattr({opt}, "{CLIP_HOOK}", None) is not None:
-    {opt}.{CLIP_HOOK}.remove()
-{opt}.{CLIP_HOOK} = {opt}.register_step_pre_hook(_clip_before_step)
-{opt}.{CLIP_NORM} = {max_norm!r}
+install_clip({opt}, {max_norm!r})
 """
 
 
@@ -82,11 +111,8 @@ def loop_lower_lr(optimizer: Any, factor: float) -> dict[str, str]:
         wanted = base * factor
         if math.isclose(group["lr"], wanted, rel_tol=1e-9):
             continue
-        scale = wanted / group["lr"]
         changed[f"param_groups[{index}].lr"] = f"{group['lr']:g} -> {wanted:g}"
-        group["lr"] = wanted
-        if "initial_lr" in group:  # an LR scheduler's starting point
-            group["initial_lr"] *= scale
+        scale_lr(group, wanted / group["lr"])
     setattr(optimizer, _BASE_LRS, bases)
     return changed
 
@@ -94,11 +120,11 @@ def loop_lower_lr(optimizer: Any, factor: float) -> dict[str, str]:
 def loop_lower_lr_code(names: Names, factor: float) -> str:
     opt = names.optimizer or "optimizer"
     return f"""# A smaller learning rate: the updates that overflowed (or diverged) shrink by {factor!r}x.
+{source(scale_lr)}
+
 _factor = {factor!r}
 for _group in {opt}.param_groups:
-    _group["lr"] *= _factor
-    if "initial_lr" in _group:  # an LR scheduler built on {opt} starts from here
-        _group["initial_lr"] *= _factor
+    scale_lr(_group, _factor)
 # An LR scheduler keeps its own base_lrs: scale them too, e.g.
 #   scheduler.base_lrs = [_lr * _factor for _lr in scheduler.base_lrs]
 """
@@ -113,11 +139,10 @@ def loop_precision_code(names: Names, to: str) -> str:
     code = ""
     if opt:
         code += f"""
-# {opt} may have stepped already: its moments follow their weights' new dtype.
-for _param, _state in {opt}.state.items():
-    for _key, _value in _state.items():
-        if torch.is_tensor(_value) and _value.is_floating_point() and _key != "step":
-            _state[_key] = _value.to(_param.dtype)
+# {opt}.state holds the moments of the steps taken already: they follow their weights' new dtype.
+{source(follow_weight_dtypes)}
+
+follow_weight_dtypes({opt})
 """
     if to == "bf16":
         code += f"""

@@ -74,8 +74,10 @@ def _disable_cache(target, **_):
 def _disable_cache_code(names, **_):
     m = names.model
     return f"""# Training never reads the KV cache; building one in evaluation is what crashes (and costs memory).
-{m}.config.use_cache = False
-{m}.config.get_text_config().use_cache = False  # the language model's config (multimodal models)
+# The model's config and its language model's (multimodal models keep use_cache in text_config).
+for _config in ({m}.config, {m}.config.get_text_config()):
+    if getattr(_config, "use_cache", False):
+        _config.use_cache = False
 """
 
 

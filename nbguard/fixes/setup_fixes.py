@@ -315,8 +315,9 @@ def _non_reentrant(target: Target, **_: Any) -> dict:
 
 def _non_reentrant_code(names: Names, **_: Any) -> str:
     lines = ["# Non-reentrant checkpointing: DDP sees the checkpointed parameters once (no \"marked ready twice\")."]
-    if names.args is not None:
-        lines += [f"{names.args}.gradient_checkpointing_kwargs = {{"
+    if names.args is not None:  # (arguments without checkpointing stay as they are)
+        lines += [f"if {names.args}.gradient_checkpointing:",
+                  f"    {names.args}.gradient_checkpointing_kwargs = {{"
                   f"**({names.args}.gradient_checkpointing_kwargs or {{}}), \"use_reentrant\": False}}"]
     lines += [f"if getattr({names.model}, \"is_gradient_checkpointing\", False):",
               f"    {names.model}.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{\"use_reentrant\": False}})"]

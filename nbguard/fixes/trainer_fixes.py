@@ -15,7 +15,16 @@ from ..step.batch import model_device
 from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
 from ..step.precision import PrecisionUnavailable, args_mixed_precision, autocast_text, trainer_autocast
 from ..watcher.clip_tap import clip_limit
-from .loop_cells import loop_clip, loop_clip_code, loop_lower_lr, loop_lower_lr_code, loop_precision_code
+from .loop_cells import (
+    follow_weight_dtypes,
+    loop_clip,
+    loop_clip_code,
+    loop_lower_lr,
+    loop_lower_lr_code,
+    loop_precision_code,
+    scale_lr,
+    source,
+)
 from .partial_fp32 import apply_partial_fp32, partial_fp32_code
 from .registry import Fix, register
 
@@ -83,9 +92,7 @@ def _lower_lr(target, factor: float = 0.1, **_):
     opt = getattr(trainer, "optimizer", None)
     if opt is not None:  # already built from the old value
         for group in opt.param_groups:
-            group["lr"] *= scale
-            if "initial_lr" in group:
-                group["initial_lr"] *= scale
+            scale_lr(group, scale)
         changed["optimizer.param_groups"] = len(opt.param_groups)
     sched = getattr(trainer, "lr_scheduler", None)
     if sched is not None and hasattr(sched, "base_lrs"):
@@ -105,11 +112,11 @@ _factor = {factor!r}
     if names.trainer:
         t = names.trainer
         code += f"""# The trainer may already have built its optimizer and scheduler from the old value.
+{source(scale_lr)}
+
 if {t}.optimizer is not None:
     for _group in {t}.optimizer.param_groups:
-        _group["lr"] *= _factor
-        if "initial_lr" in _group:
-            _group["initial_lr"] *= _factor
+        scale_lr(_group, _factor)
 if {t}.lr_scheduler is not None:
     {t}.lr_scheduler.base_lrs = [_lr * _factor for _lr in {t}.lr_scheduler.base_lrs]
 """
@@ -246,12 +253,7 @@ def _switch(target, to=None, hardware=None, only=None, **_):
 def _follow_optimizer_state(optimizer, changed) -> None:
     """A trainer (or loop) that already trained keeps its optimizer, whose moments are still in the old dtype:
     the next step's fused update refuses mixed dtypes. Each state tensor follows its weight's new dtype."""
-    moved = 0
-    for param, state in (optimizer.state.items() if optimizer is not None else ()):
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.is_floating_point() and key != "step" and value.dtype != param.dtype:
-                state[key] = value.to(param.dtype)
-                moved += 1
+    moved = follow_weight_dtypes(optimizer) if optimizer is not None else 0
     if moved:
         changed["optimizer_state"] = f"{moved} state tensors follow their weights' dtype"
 
@@ -307,11 +309,10 @@ for _name, _param in {m}.named_parameters():
     if t:
         code += f"""
 # An optimizer that already stepped keeps its moments in the old dtype: they follow the weights.
+{source(follow_weight_dtypes)}
+
 if {t}.optimizer is not None:
-    for _param, _state in {t}.optimizer.state.items():
-        for _key, _value in _state.items():
-            if torch.is_tensor(_value) and _value.is_floating_point() and _key != "step":
-                _state[_key] = _value.to(_param.dtype)
+    follow_weight_dtypes({t}.optimizer)
 """
     if not a and not t:  # a plain loop: its optimizer, and its own autocast / GradScaler lines
         code += loop_precision_code(names, to)
