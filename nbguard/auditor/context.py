@@ -16,6 +16,7 @@ from ..environment import parsed_version
 from ..hardware import Hardware
 from ..introspect.dtypes import HALF_DTYPES, QUANTIZED_PARAM_CLASSES
 from ..introspect.quantization import read_quantization
+from ..introspect.tokenizers import tokenizer_of
 from ..introspect.unsloth import float32_forced_without_autocast, read_unsloth
 
 
@@ -184,11 +185,9 @@ class AuditContext:
     def tokenizer(self) -> Any:
         """The trainer's tokenizer (``processing_class``; ``tokenizer`` before transformers 4.46), or its collator's."""
         for owner in (self.trainer, getattr(self.trainer, "data_collator", None)):
-            for attr in ("processing_class", "tokenizer"):
-                tok = getattr(owner, attr, None) if owner is not None else None
-                tok = getattr(tok, "tokenizer", tok)  # a multimodal processor carries its tokenizer
-                if tok is not None and hasattr(tok, "pad_token_id"):
-                    return tok
+            tok = tokenizer_of(owner)
+            if tok is not None and hasattr(tok, "pad_token_id"):
+                return tok
         return None
 
     # ---- training arguments -------------------------------------------------------------------

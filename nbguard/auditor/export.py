@@ -19,6 +19,7 @@ import torch
 
 from ..introspect.inputs import is_trainer
 from ..introspect.modes import in_eval_mode
+from ..introspect.tokenizers import tokenizer_of
 from ..introspect.user_files import UserFileError, field_of, read_json_object, safetensors_header, special_kind
 
 PROBE_ROWS = 4
@@ -508,8 +509,7 @@ def measure(model: Any, exported: Any, *, trainer: Any = None, tokenizer: Any = 
     """(trained model, trainer, facts): run the probes, load the artifact back, read the files."""
     model, trainer, kind, path = resolve_inputs(model, exported, trainer)
     if tokenizer is None and trainer is not None:
-        tok = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
-        tokenizer = getattr(tok, "tokenizer", tok)
+        tokenizer = tokenizer_of(trainer)
     peft = is_peft_model(model)
     facts = ExportFacts(kind=kind, path=path, trained_is_peft=peft, trained_dtype=dtype_of(model),
                         base_quantized=quantized(model))

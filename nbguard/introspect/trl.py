@@ -7,6 +7,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from .tokenizers import tokenizer_of
+
 # class name -> family; subclasses count (a user's GRPOTrainer subclass is still GRPO)
 _FAMILIES = {"GRPOTrainer": "grpo", "RLOOTrainer": "rloo", "OnlineDPOTrainer": "online-dpo",
              "DPOTrainer": "dpo", "KTOTrainer": "kto"}
@@ -70,9 +72,7 @@ def completion_cap(trainer: Any) -> int | None:
 
 
 def eos_token_id(trainer: Any) -> int | None:
-    tok = getattr(trainer, "processing_class", None)
-    tok = getattr(tok, "tokenizer", tok)
-    eos = getattr(tok, "eos_token_id", None)
+    eos = getattr(tokenizer_of(trainer), "eos_token_id", None)
     return eos if isinstance(eos, int) else None
 
 

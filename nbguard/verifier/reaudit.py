@@ -21,6 +21,7 @@ from ..auditor.registry import RULES
 from ..document.view import REAUDITED
 from ..findings import Finding, jsonable
 from ..fixes.registry import Target
+from ..introspect.tokenizers import tokenizer_of
 from .result import NOT_CHECKED, NOT_ENOUGH, VERIFIED, FixVerdict, Verification
 
 # fixes that change the model only through config fields (a shadow model with its own config holds them)
@@ -57,11 +58,6 @@ class Shadow:
     model: Any
     args: Any
     tokenizer: Any
-
-
-def _tokenizer_of(owner: Any) -> Any:
-    tok = getattr(owner, "processing_class", None) or getattr(owner, "tokenizer", None)
-    return getattr(tok, "tokenizer", tok)  # a multimodal processor carries its tokenizer
 
 
 def _config_shadow(model: Any) -> Any:
@@ -106,7 +102,7 @@ def build_shadow(trainer: Any, model: Any, args: Any, config: bool) -> Shadow:
     for name in ("model", "model_wrapped"):
         if vars(trainer).get(name) is model and model is not None:
             shadow.__dict__[name] = shadow_model
-    return Shadow(shadow, shadow_model, shadow_args, _tokenizer_of(shadow))
+    return Shadow(shadow, shadow_model, shadow_args, tokenizer_of(shadow))
 
 
 def fix_cell(fix_id: str, options: dict[str, Any], names: dict[str, str]) -> tuple[str, str | None]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ...introspect.tokenizers import tokenizer_of
 from ..registry import capped, finding, rule
 
 
@@ -36,8 +37,7 @@ def pad_id_in_training(ctx) -> tuple[int | None, bool]:
     import transformers.trainer_utils as trainer_utils
 
     pad = getattr(ctx.text_config, "pad_token_id", None)
-    tok = getattr(ctx.trainer, "processing_class", None)
-    tok_pad = getattr(getattr(tok, "tokenizer", tok), "pad_token_id", None)
+    tok_pad = getattr(tokenizer_of(ctx.trainer), "pad_token_id", None)
     if tok_pad is not None and hasattr(trainer_utils, "align_special_tokens"):
         return tok_pad, tok_pad != pad
     return pad, False
