@@ -1,8 +1,10 @@
 """The one way nbguard puts a wrapper on a user's object: ``patch(owner, name, around)``.
 
 ``owner`` is whatever holds the callable: an instance (its method; the wrapper is set on the
-instance, so the class's own shows through again once removed), a module (a function such as
-``torch.nn.utils.clip_grad_norm_``), a class, or a list (``name`` an index: TRL's reward functions).
+instance, so the class's own shows through again once removed: an optimizer, a Trainer, DeepSpeed's
+engine), a module (a function such as ``torch.nn.utils.clip_grad_norm_``), or a list (``name`` an
+index: TRL's reward functions). A class's plain function works too, not its static or class methods
+(the wrapper is a plain function, so it would bind).
 ``around(call, *args, **kwargs)`` is nbguard's part; ``call(*args, **kwargs)`` runs what was there.
 
 - Invisible: accelerate's ``AcceleratedOptimizer.zero_grad`` reads
