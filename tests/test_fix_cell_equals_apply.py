@@ -143,6 +143,18 @@ def _unsupervised_rows(tmp: Path) -> dict[str, Any]:
     return {"trainer": trainer}
 
 
+def _unsupervised_dataset(tmp: Path) -> dict[str, Any]:
+    """A datasets.Dataset of ragged rows: one all -100, one whose only label is its first (shifted away)."""
+    from datasets import Dataset
+
+    rows = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [-100, -100]},
+            {"input_ids": [10], "labels": [10]}, {"input_ids": [11, 12], "labels": [11, -100]},
+            {"input_ids": [13, 14], "labels": [-100, 14]}]
+    trainer = make_trainer(tiny_llama(), _args(tmp))
+    trainer.train_dataset = Dataset.from_list(rows)
+    return {"trainer": trainer, "features": []}
+
+
 def _truncated(tmp: Path) -> dict[str, Any]:
     tok = word_tokenizer(pad="unk")
     lengths = {2: 20, 9: 14, 20: 30}
@@ -168,6 +180,15 @@ def _image_labels(tmp: Path) -> dict[str, Any]:
     model = tiny_gemma3_multimodal()
     return _collator_trainer(tmp, [{"input_ids": ids, "attention_mask": [1] * 8,
                                     "labels": [-1, 299, 299, 298, 10, 11, 12, 2]}] * 4, model=model)
+
+
+def _image_index_labels(tmp: Path) -> dict[str, Any]:
+    """An older multimodal config: the placeholder id as image_token_index only."""
+    model = tiny_llama()
+    model.config.image_token_index = 100
+    ids = [100, 100, 10, 11, 12, 13, 14, 2]
+    return _collator_trainer(tmp, [{"input_ids": ids, "attention_mask": [1] * 8,
+                                    "labels": [100, 100, -5, 11, 12, 13, 14, 2]}] * 4, model=model)
 
 
 def _rl_args(kind: str, tmp: Path, **values: Any) -> dict[str, Any]:
@@ -234,12 +255,14 @@ CASES: dict[str, list[Case]] = {
     "drop-mask-for-packing": [Case(_packed, ("trainer",))],
     "drop-rows": [Case(_trainer, ("trainer",), {"indices": [1, 5]})],
     "drop-truncated-rows": [Case(_truncated, ("trainer",))],
-    "drop-unsupervised-rows": [Case(_unsupervised_rows, ("trainer",))],
+    "drop-unsupervised-rows": [Case(_unsupervised_rows, ("trainer",)), Case(_unsupervised_dataset, ("trainer",))],
     "dropout-train-mode": [Case(lambda t: {"model": _partly_eval(tiny_llama(attention_dropout=0.1))}, ("model",))],
     "enable-grad-clipping": [Case(lambda t: _trainer(t, max_grad_norm=0.0), ("trainer",)), Case(lambda t: _loop(), ("optimizer",))],
     "enable-input-require-grads": [Case(lambda t: {"model": healthy_peft_model()}, ("model",))],
     "enable-router-aux-loss": [Case(lambda t: {"model": _tiny_mixtral()}, ("model",))],
-    "finite-rewards": [Case(lambda t: {"trainer": grpo_trainer(t, reward_funcs=[log_match_reward])}, ("trainer",))],
+    "finite-rewards": [Case(lambda t: {"trainer": grpo_trainer(t, reward_funcs=[log_match_reward])}, ("trainer",)),
+                       Case(lambda t: {"trainer": grpo_trainer(t, reward_funcs=[log_match_reward])}, ("trainer",),
+                            {"floor": -1.0})],
     "float8-activation-lb": [Case(lambda t: {}, ("model",), skip=(
         "needs torchao float8 layers (Float8DynamicActivationFloat8WeightConfig with PerRow granularity), which "
         "quantise only on a CUDA GPU with float8 (compute capability 8.9+) and torchao installed"))],
@@ -253,7 +276,7 @@ CASES: dict[str, list[Case]] = {
                                        ("model",))],
     "lower-beta": [Case(lambda t: _rl_args("dpo", t, beta=0.5), ("args",))],
     "lower-learning-rate": [Case(_built_optimizer, ("trainer",)), Case(lambda t: _loop(), ("optimizer",))],
-    "mask-special-labels": [Case(_image_labels, ("trainer",))],
+    "mask-special-labels": [Case(_image_labels, ("trainer",)), Case(_image_index_labels, ("trainer",))],
     "merge-in-fp32": [Case(_peft_and_base, ("model",),
                            lambda t: {"path": str(t / "merged"), "base": str(t / "base"), "dtype": "bfloat16"})],
     "model-train-mode": [Case(lambda t: {"model": tiny_llama(attention_dropout=0.1).eval()}, ("model",))],
@@ -267,7 +290,9 @@ CASES: dict[str, list[Case]] = {
     "save-tokenizer": [Case(lambda t: {"tokenizer": chat_tokenizer()}, ("tokenizer",),
                             lambda t: {"path": str(t / "tokenizer")}),
                        Case(lambda t: _lm_trainer(t, chat_tokenizer()), ("trainer",),
-                            lambda t: {"path": str(t / "tokenizer")})],
+                            lambda t: {"path": str(t / "tokenizer")}),
+                       Case(lambda t: {"tokenizer": chat_tokenizer()}, ("tokenizer",),
+                            lambda t: {"path": str(t / "tokenizer"), "chat_template": "{{ messages[0]['content'] }}"})],
     "scale-loss-for-accumulation": [Case(_trainer, ("trainer",))],
     "set-attn-implementation": [Case(lambda t: {"model": tiny_llama()}, ("model",), {"to": "eager"}),
                                 Case(lambda t: {"model": tiny_gemma3(attn_logit_softcapping=50.0)}, ("model",))],

@@ -5,6 +5,7 @@ the Trainer (its collator, its loss scaling); each cell says the same in plain t
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -145,15 +146,16 @@ register(Fix("distinct-pad-token", "Use a pad token distinct from EOS",
 
 
 # ---- unshift-labels --------------------------------------------------------------------------
+# The fix's cell carries this class's own source: no annotations, no names from this module.
 class UnshiftLabels:
     """Wraps a collator whose labels were shifted left by the data and puts them back in line with input_ids."""
 
     unshifts_labels = True
 
-    def __init__(self, collator: Any):
+    def __init__(self, collator):
         self.collator = collator
 
-    def __call__(self, features: Any) -> Any:
+    def __call__(self, features):
         batch = self.collator(features)
         labels = batch["labels"]
         aligned = torch.full_like(labels, -100)
@@ -177,20 +179,7 @@ def _unshift_code(names: Names, **_: Any) -> str:
 
 # The data already shifted the labels (labels[t] == input_ids[t + 1]) and the model shifts them again.
 # Better: build labels aligned with input_ids in your preprocessing. Until then, undo the shift per batch.
-class UnshiftLabels:
-    {UNSHIFT_MARK} = True
-
-    def __init__(self, collator):
-        self.collator = collator
-
-    def __call__(self, features):
-        batch = self.collator(features)
-        labels = batch["labels"]
-        aligned = torch.full_like(labels, -100)
-        aligned[..., 1:] = labels[..., :-1]
-        batch["labels"] = aligned
-        return batch
-
+{inspect.getsource(UnshiftLabels)}
 
 if not getattr({t}.data_collator, "{UNSHIFT_MARK}", False):
     {t}.data_collator = UnshiftLabels({t}.data_collator)
@@ -235,8 +224,10 @@ register(Fix("scale-loss-for-accumulation", "Scale the loss for gradient accumul
 
 
 # ---- drop-unsupervised-rows ------------------------------------------------------------------
-def _row_is_supervised(row: Any) -> bool:
-    return bool(supervised_rows(torch.as_tensor(row["labels"]))[0])
+# The fix's cell carries this function's own source: apply filters with it too.
+def has_supervised_token(row):
+    """Whether the row keeps a label other than -100 after the causal shift (the first label predicts nothing)."""
+    return any(int(label) != -100 for label in list(row["labels"])[1:])
 
 
 def _drop_rows(target: Target, **_: Any) -> dict:
@@ -246,9 +237,9 @@ def _drop_rows(target: Target, **_: Any) -> dict:
         raise ValueError("fix 'drop-unsupervised-rows' filters trainer.train_dataset, and this trainer has none")
     rows = len(data)
     if hasattr(data, "filter"):  # a datasets.Dataset
-        kept = data.filter(_row_is_supervised)
+        kept = data.filter(has_supervised_token)
     else:
-        kept = [row for row in data if _row_is_supervised(row)]
+        kept = [row for row in data if has_supervised_token(row)]
     if len(kept) == rows:
         return {}
     if not len(kept):
@@ -262,14 +253,13 @@ def _drop_rows(target: Target, **_: Any) -> dict:
 def _drop_rows_code(names: Names, **_: Any) -> str:
     t = names.trainer
     return f"""# Rows whose labels are all -100 (after the causal shift) give a 0/0 loss: drop them from the data.
-def _has_supervised_token(row):
-    return any(label != -100 for label in list(row["labels"])[1:])
+{inspect.getsource(has_supervised_token)}
 
 
 if hasattr({t}.train_dataset, "filter"):  # a datasets.Dataset
-    {t}.train_dataset = {t}.train_dataset.filter(_has_supervised_token)
+    {t}.train_dataset = {t}.train_dataset.filter(has_supervised_token)
 else:
-    {t}.train_dataset = [_row for _row in {t}.train_dataset if _has_supervised_token(_row)]
+    {t}.train_dataset = [_row for _row in {t}.train_dataset if has_supervised_token(_row)]
 """
 
 

@@ -4,6 +4,7 @@ that collapsed."""
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import Any
 
@@ -42,14 +43,15 @@ register(Fix("add-warmup", "Warm the learning rate up",
 
 
 # ---- finite-rewards --------------------------------------------------------------------------
-def finite_rewards(func, floor: float | None = None):
+# The fix's cell carries this function's own source: apply wraps with it too.
+def finite_rewards(func, floor=None):
     """``func`` with every inf/-inf/NaN reward replaced by ``floor`` (None: TRL leaves that completion
     out of the function's mean)."""
     @functools.wraps(func)
-    def reward(*args: Any, **kwargs: Any) -> list:
+    def reward(*args, **kwargs):
         return [v if v is None or math.isfinite(v) else floor for v in func(*args, **kwargs)]
 
-    reward.__nbguard_finite__ = True  # type: ignore[attr-defined]  # applied once
+    reward.__nbguard_finite__ = True  # wrapped once: running the fix again leaves it
     return reward
 
 
@@ -90,14 +92,10 @@ import math
 import torch
 
 
-def _finite_rewards(func, floor={floor!r}):
-    @functools.wraps(func)
-    def reward(*args, **kwargs):
-        return [v if v is None or math.isfinite(v) else floor for v in func(*args, **kwargs)]
-    return reward
+{inspect.getsource(finite_rewards)}
 
-
-{t}.reward_funcs = [f if isinstance(f, torch.nn.Module) else _finite_rewards(f) for f in {t}.reward_funcs]
+{t}.reward_funcs = [f if isinstance(f, torch.nn.Module) or getattr(f, "__nbguard_finite__", False)
+                   else finite_rewards(f, {floor!r}) for f in {t}.reward_funcs]
 """
 
 

@@ -349,17 +349,22 @@ class MaskSpecialLabels:
         return batch
 
 
-def _image_token(model: Any) -> int | None:
+# The fix's cell carries this function's own source: apply reads the id with it too.
+def image_token_id(model):
+    """The model's image placeholder id: config.image_token_id, or image_token_index (older configs); else None."""
     config = getattr(model, "config", None)
-    return next((v for n in ("image_token_id", "image_token_index")
-                 if isinstance(v := getattr(config, n, None), int)), None)
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
 
 
 def _mask_labels(target: Target, **_: Any) -> dict:
     trainer = target.trainer
     if getattr(trainer.data_collator, "masks_special_labels", False):
         return {}
-    token = _image_token(trainer.model)
+    token = image_token_id(trainer.model)
     trainer.data_collator = MaskSpecialLabels(trainer.data_collator, token)
     return {"trainer.data_collator": f"labels equal to {token} or negative become -100"}
 
@@ -369,8 +374,10 @@ def _mask_labels_code(names: Names, **_: Any) -> str:
     return f"""# Never supervise image placeholders, and give cross-entropy only -100 as the ignored label.
 {inspect.getsource(MaskSpecialLabels)}
 
+{inspect.getsource(image_token_id)}
+
 if not getattr({t}.data_collator, "masks_special_labels", False):
-    {t}.data_collator = MaskSpecialLabels({t}.data_collator, getattr({t}.model.config, "image_token_id", None))
+    {t}.data_collator = MaskSpecialLabels({t}.data_collator, image_token_id({t}.model))
 """
 
 
