@@ -52,7 +52,8 @@ class Variant:
     def __init__(self, name, model, with_checks: bool):
         self.name, self.model = name, model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        self.watch = nbguard.watch(model, optimizer=self.opt, verify=False, run_checks=with_checks)
+        self.watch = nbguard.watch(model, optimizer=self.opt, verify=False,
+                                   config=nbguard.WatchConfig(run_checks={"enabled": with_checks}))
         self.times: list[float] = []
 
     def step(self, batch) -> float:

@@ -37,7 +37,7 @@ class Variant:
         self.watch = None
         if name != "no watch":
             policy = "rewind" if name.startswith("rewind") else "skip"
-            self.watch = NanWatch(model, optimizer=self.opt, policy=policy, run_checks=True,
+            self.watch = NanWatch(model, optimizer=self.opt, policy=policy,
                                   rewind=RewindSettings(every=every)).attach()
         self.times: list[float] = []
 

@@ -33,16 +33,16 @@ def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, pro
 
 
 def watch(target, *, optimizer=None, scaler=None, policy="warn", config=None, log_to="auto", localize=True,
-          activations=False, verify=True, detectors=(), run_checks=True, log_every=10, rewind=None, scheduler=None,
+          activations=False, verify=True, detectors=(), log_every=10, rewind=None, scheduler=None,
           log_rows=False, save_report=None, **deprecated):
     """Attach a NaN/Inf watch to a model (with its optimizer) or a Trainer; returns a ``NanWatch``.
 
     ``activations=True`` also records each module group's output abs-max per step (fp16 headroom).
     ``verify=True`` runs the fixes of the first localised NaN/Inf on a shadow of its step (at most
     about 3 step times); ``verify=False`` turns that off. ``detectors=[...]`` adds your own
-    :class:`nbguard.watcher.Detector` instances (docs/guides/detectors.md). ``run_checks=True`` adds the
-    checks for runs that stop learning without a NaN: divergence, dead runs, and TRL's rewards and
-    preference signals.
+    :class:`nbguard.watcher.Detector` instances (docs/guides/detectors.md). The checks for runs that stop
+    learning without a NaN (divergence, dead runs, TRL's rewards and preference signals) are on unless
+    ``config=nbguard.WatchConfig(run_checks={"enabled": False})``.
     ``log_to`` sends the per-group gradient norms, loss scale, skipped steps and events to a tracker
     (a SummaryWriter, a wandb/trackio/MLflow run, an accelerate.Accelerator) every ``log_every``
     steps, events at once; ``log_to="report_to"`` adds them to a Trainer's own logs, which is what the
@@ -72,7 +72,7 @@ def watch(target, *, optimizer=None, scaler=None, policy="warn", config=None, lo
                          "log_to='auto' or 'report_to' (log_to=None sends and saves nothing)")
     watch = NanWatch(target, optimizer=optimizer, scaler=scaler, policy=policy, localize=localize,
                      activations=activations, verifier=auto_verify if verify else None, detectors=detectors,
-                     run_checks=run_checks, rewind=rewind, scheduler=scheduler, config=config, **deprecated)
+                     rewind=rewind, scheduler=scheduler, config=config, **deprecated)
     if log_to is not None:  # checked before attaching: a bad log_to leaves no hooks behind
         from .trackers import connect
 

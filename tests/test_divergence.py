@@ -156,11 +156,12 @@ def test_plain_loop_divergence_names_the_group():
 
 def test_run_checks_can_be_turned_off(tmp_path):
     trainer = sft_trainer(tmp_path, learning_rate=1000.0, steps=8)
-    watch = nbguard.watch(trainer, verify=False, run_checks=False)
+    watch = nbguard.watch(trainer, verify=False, config=nbguard.WatchConfig(run_checks={"enabled": False}))
     trainer.train()
     assert watch.events == []  # what the watch saw before: nothing
     with pytest.raises(TypeError, match="run_checks must be True or False"):
-        nbguard.watch(tiny_llama(), optimizer=torch.optim.SGD(tiny_llama().parameters(), lr=0.1), run_checks="yes")
+        nbguard.watch(tiny_llama(), optimizer=torch.optim.SGD(tiny_llama().parameters(), lr=0.1),
+                      config=nbguard.WatchConfig(run_checks={"enabled": "yes"}))
 
 
 def outlier_run(policy: str, steps: int = 8):

@@ -71,8 +71,8 @@ def test_every_run_check_kind_is_known_to_the_document_and_its_schema():
     from pathlib import Path
 
     from nbguard.document import EVENT_KINDS
-    from nbguard.watcher.run_checks import EVENT_KINDS as RUN_KINDS
-    from nbguard.watcher.run_checks import FIXES
+    from nbguard.watcher.components.run_checks import EVENT_KINDS as RUN_KINDS
+    from nbguard.watcher.components.run_checks import FIXES
 
     schema = json.loads((Path(nbguard.__file__).parent / "document" / "schema.json").read_text())
     enum = schema["$defs"]["eventKind"]["enum"]

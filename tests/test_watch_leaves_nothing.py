@@ -181,7 +181,8 @@ CASES = {
     "read, warn": _loop_case(policy="warn"),
     "replay and verify, skip": _loop_case(policy="skip"),
     "activations and rewind": _loop_case(policy="rewind", activations=True, rewind=RewindSettings(every=1)),
-    "no stall heartbeat, no run checks": _loop_case(policy="warn", stall_after_s=None, run_checks=False),
+    "no stall heartbeat, no run checks": _loop_case(policy="warn", config=nbguard.WatchConfig(
+        stall={"after_s": None}, run_checks={"enabled": False})),
     "GradScaler binding": lambda: _scaler_case(),
 }
 

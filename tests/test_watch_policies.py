@@ -105,10 +105,10 @@ def test_across_ranks_the_policy_acts_only_on_agreed_detectors():
     from nbguard.findings import Event
     from nbguard.watcher.detectors import WatchSettings
     from nbguard.watcher.policies import training_stopper, update_dropper
-    from nbguard.watcher.run_checks import RunChecks
+    from nbguard.watcher.components.run_checks import RunChecks
     from nbguard.watcher.scaler_skips import ScalerSkips
 
-    checks = RunChecks(None, lambda exc: None)
+    checks = RunChecks(None)
     exploded = Event("divergence", 3, "gradient norm exploded", evidence={})
     for policy, one_process in (("warn", None), ("skip", exploded), ("stop", exploded)):
         assert update_dropper(policy, [(checks, exploded)], across_ranks=False) is one_process

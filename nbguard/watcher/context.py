@@ -17,7 +17,7 @@ import torch
 
 from ..findings import Event
 from .guard import guarded_call
-from .integrations.instance_wrap import InstanceWrap
+from .integrations.instance_wrap import Patch, patch
 from .policies import check_policy
 
 if TYPE_CHECKING:
@@ -127,9 +127,10 @@ class WatchContext:
         """Record ``event``; ``agreed``: decided from values every rank shares (one event on every rank)."""
         self._watch._emit(event, agreed=agreed)
 
-    def fail(self, exc: BaseException) -> None:
-        """An internal error in the component: recorded as a watch-error, and the watch steps aside."""
-        self._watch._fail(exc, safe=False)
+    def fail(self, exc: BaseException, safe: bool = False) -> None:
+        """An internal error in the component: recorded as a watch-error, and the watch steps aside (``safe``:
+        at once; else at its next safe point, as inside torch's iteration over its own hook dicts)."""
+        self._watch._fail(exc, safe=safe)
 
     def request_stop(self, event: Event | None, step_ended: bool = False) -> None:
         """End training (policy stop): a Trainer at this step's end, a plain loop with NonFiniteError."""
@@ -157,10 +158,12 @@ class WatchContext:
         with self._watch.paused():
             yield
 
-    def patch(self, owner: Any, name: str, around: Callable[..., Any]) -> Any:
-        """Wrap ``owner.name`` (``around(original, *args, **kwargs)``), through the one patch primitive;
-        returns the handle whose ``remove()`` puts the original back."""
-        return InstanceWrap(owner, name, around)
+    def patch(self, owner: Any, name: Any, around: Callable[..., Any]) -> Patch:
+        """Wrap ``owner.name`` (an instance's method, a module's function, a list's item) with
+        ``around(call, *args, **kwargs)`` through the one patch primitive (integrations/instance_wrap.py):
+        found again and never stacked; a failure in ``around`` is this watch's internal error and the user's
+        call still runs. ``remove()`` on the handle puts the original back."""
+        return patch(owner, name, around, self.fail)
 
     def guarded(self, call: Callable[..., Any], *args: Any) -> Any:
         """``call(*args)`` with any error recorded as a watch-error (the run goes on); its result or None."""

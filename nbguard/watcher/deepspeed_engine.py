@@ -54,7 +54,7 @@ class DeepSpeedEngineReader:
     """Reads one DeepSpeed engine for one watch; its readings are in ``steps`` (newest last)."""
 
     def __init__(self, watch: Any, engine: Any):
-        self.watch = watch
+        self.watch = watch  # the watch's context.WatchContext (not imported: context -> distributed -> here)
         self.engine = engine
         self.streak = SkipStreak(watch.settings)
         self.steps: deque[dict[str, Any]] = deque(maxlen=KEPT_STEPS)
@@ -66,7 +66,7 @@ class DeepSpeedEngineReader:
     # ---- patching the engine's own methods (instance attributes, removed on detach) -----------------
     def attach(self) -> DeepSpeedEngineReader:
         # a reading that fails records a watch-error and steps the watch aside; the engine's call still runs
-        on_error = functools.partial(self.watch._fail, safe=True)
+        on_error = functools.partial(self.watch.fail, safe=True)
         self._patches = [patch(self.engine, "backward", self._around_backward, on_error),
                          patch(self.engine, "step", self._around_step, on_error)]
         return self
@@ -141,8 +141,8 @@ class DeepSpeedEngineReader:
                       f"DeepSpeed {done} {reading['global_step']}: the global gradient norm was "
                       f"{reading['grad_norm']} ({whose})",
                       evidence={"source": "deepspeed-engine", **reading})
-        ranks = self.watch._ranks
+        ranks = self.watch.ranks
         event.rank = ranks.rank if own_loss_bad and ranks is not None else None
-        self.watch._emit(event, agreed=True)  # every rank reports the same step; rank only where it is its own
+        self.watch.emit(event, agreed=True)  # every rank reports the same step; rank only where it is its own
         if self.watch.policy == "stop":
-            self.watch._stop(event, step_ended=True)  # every rank saw the same skip: all stop together
+            self.watch.request_stop(event, step_ended=True)  # every rank saw the same skip: all stop together

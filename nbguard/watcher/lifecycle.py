@@ -77,10 +77,7 @@ class WatchLifecycle(WatchSteps):
             if trainer_computes_its_loss(self.trainer):  # read before LabelsTap sets compute_loss on it
                 self._loss_tap = TrainingLossTap(self.trainer, self._take_trainer_loss)
             self._labels_tap = LabelsTap(self.trainer)
-            if self._run_checks is not None:
-                self._run_checks.bind()
-            self._rows.bind_trainer(self.trainer)  # the dataset indices of each row it trains on
-            if self._rows not in self._board.detectors:
+            if self._rows not in self._board.detectors:  # its attach follows the dataset indices the Trainer draws
                 self._board.add(self._rows)
             self.attached = True
             self.bind_trainer_step()
@@ -108,7 +105,7 @@ class WatchLifecycle(WatchSteps):
 
         engine = find_engine(self.target)
         if engine is not None:
-            return DeepSpeedEngineReader(self, engine).attach()
+            return DeepSpeedEngineReader(self._context, engine).attach()
         return DeepSpeedSkips(self).attach()
 
     def _watch_registrations(self) -> list:
@@ -154,9 +151,6 @@ class WatchLifecycle(WatchSteps):
             if tap is not None:
                 tap.remove()
         self._labels_tap = self._loss_tap = None
-        if self._run_checks is not None:
-            self._run_checks.unbind()
-        self._rows.unbind()
         if self._deepspeed is not None:
             self._deepspeed.detach()
             self._deepspeed = None

@@ -28,7 +28,7 @@ for which ``drops_update(event)`` is true has that update dropped under ``skip``
 ends training under ``stop`` once its step has ended. Across ranks the policy acts only on the
 events of a detector whose ``agreed`` is true (decided from what every rank agreed on, so every
 rank acts alike); its events are recorded as the same event on every rank. The watch's own
-GradScaler skip streak (:mod:`.scaler_skips`) and run checks (:mod:`.run_checks`) are detectors.
+GradScaler skip streak (:mod:`.scaler_skips`) and run checks (:mod:`.components.run_checks`) are detectors.
 """
 from __future__ import annotations
 

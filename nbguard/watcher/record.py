@@ -33,7 +33,6 @@ from .history import ActivationHistory, GradHistory
 from .integrations.loop import OptimizerBinding, ScalerBinding
 from .pipeline import DetectorBoard, StepView
 from .rows import name_rows
-from .run_checks import RunChecks
 from .sentinel import GradNormCollector, StepStats
 
 Listener = Callable[[Any, str, Any], None]  # callback(watch, kind, payload)
@@ -61,7 +60,6 @@ class WatchRecord(ABC):
     _probe: ActivationProbe | None
     activation_history: ActivationHistory | None  # None unless activations=True
     _board: DetectorBoard
-    _run_checks: RunChecks | None
     config: Any  # each component's settings (config.WatchConfig)
     _context: Any  # what components may use of the watch (context.WatchContext)
     _localiser: Localiser

@@ -26,6 +26,7 @@ class ComponentSetup:
     settings: Any  # the component's settings dataclass instance (None if it declares none)
     policy: str
     has_trainer: bool
+    trainer: Any = None  # the watched Trainer, else None
     thresholds: Any = None  # the watch's detectors.WatchSettings
     reads: Any = None  # the watch's sentinel.GradNormCollector (its parameters by group, on the device)
     history: Any = None  # the watch's history.GradHistory
@@ -38,6 +39,7 @@ class ComponentSpec:
     settings: type | None = None  # a dataclass; its fields are the WatchConfig section's keys
     aliases: dict[str, str] = field(default_factory=dict)  # old watch() keyword -> settings field
     summary: str = ""  # one line for the magics' help and the docs
+    last: bool = False  # judges after every other component (and the user's detectors): the run checks
 
 
 _COMPONENTS: dict[str, ComponentSpec] = {}
@@ -45,7 +47,7 @@ _COMPONENTS: dict[str, ComponentSpec] = {}
 
 def register_component(name: str, make: Callable[[ComponentSetup], WatchComponent | None], *,
                        settings: type | None = None, aliases: dict[str, str] | None = None,
-                       summary: str = "") -> ComponentSpec:
+                       summary: str = "", last: bool = False) -> ComponentSpec:
     """Register a watch component (see docs/guides/detectors.md, "Components"); returns its spec."""
     if not name or not name.replace("_", "").isalnum() or not name[0].isalpha():
         raise ValueError(f"a component's name is its WatchConfig section, a Python identifier; got {name!r}")
@@ -56,7 +58,7 @@ def register_component(name: str, make: Callable[[ComponentSetup], WatchComponen
         if target not in fields:
             raise ValueError(f"alias {keyword!r} of component {name!r} names {target!r}, not a field of its settings")
     existing = _COMPONENTS.get(name)
-    spec = ComponentSpec(name, make, settings, dict(aliases or {}), summary)
+    spec = ComponentSpec(name, make, settings, dict(aliases or {}), summary, last)
     if existing is not None and existing.make.__module__ != make.__module__:  # (a module reloaded replaces its own)
         raise ValueError(f"a component named {name!r} is already registered (by {existing.make.__module__})")
     _COMPONENTS[name] = spec
@@ -79,12 +81,13 @@ def settings_fields(name: str) -> list[dataclasses.Field]:
     return list(dataclasses.fields(spec.settings)) if spec.settings is not None else []
 
 
-def make_components(sections: dict[str, Any], **setup: Any) -> list[WatchComponent]:
-    """One of each registered component this watch wants, in registration-name order (stable);
-    ``setup``: the rest of :class:`ComponentSetup`."""
-    made = []
+def make_components(sections: dict[str, Any], **setup: Any) -> tuple[list[WatchComponent], list[WatchComponent]]:
+    """One of each registered component this watch wants, in name order (stable): (those that judge
+    first, those registered ``last``); ``setup``: the rest of :class:`ComponentSetup`."""
+    first: list[WatchComponent] = []
+    last: list[WatchComponent] = []
     for name, spec in sorted(registered_components().items()):
         component = spec.make(ComponentSetup(sections.get(name), **setup))
         if component is not None:
-            made.append(component)
-    return made
+            (last if spec.last else first).append(component)
+    return first, last

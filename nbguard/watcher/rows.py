@@ -111,6 +111,14 @@ class RowTracker(Detector):
         self.slack = ahead * max(int(getattr(batch_sampler, "batch_size", 1) or 1), 1)
         return True
 
+    # ---- the watch's lifecycle points (a component from the first loader it follows, or a Trainer) ------
+    def attach(self, context: Any) -> None:
+        if context.trainer is not None:
+            self.bind_trainer(context.trainer)
+
+    def detach(self) -> None:
+        self.unbind()
+
     def bind_trainer(self, trainer: Any) -> None:
         """Follow every train dataloader the Trainer builds (inside ``train()``)."""
         self.tokenizer = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)

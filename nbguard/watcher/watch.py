@@ -36,7 +36,6 @@ from .rank_tokens import RankTokenBalance
 from .registry import make_components
 from .rewind import Rewinder, RewindSettings
 from .rows import RowTracker
-from .run_checks import RunChecks
 from .scaler_skips import ScalerSkips
 from .sentinel import GradNormCollector
 
@@ -63,15 +62,13 @@ class NanWatch(WatchLifecycle, Displayable):
     def __init__(self, target, *, optimizer=None, scaler=None, policy: str = "warn", localize: bool = True,
                  settings: WatchSettings | None = None, activations: bool = False,
                  verifier: Callable[[NanWatch, Event], None] | None = None,
-                 detectors: list[Detector] | tuple[Detector, ...] = (), run_checks: bool = True,
+                 detectors: list[Detector] | tuple[Detector, ...] = (),
                  rewind: RewindSettings | None = None, scheduler: Any = None, config: WatchConfig | None = None,
                  **deprecated: Any):
         if not isinstance(detectors, (list, tuple)):
             raise TypeError(f"detectors must be a list of Detector instances, got {type(detectors).__name__}")
         if not isinstance(activations, bool):
             raise TypeError(f"activations must be True or False, got {type(activations).__name__}")
-        if not isinstance(run_checks, bool):
-            raise TypeError(f"run_checks must be True or False, got {type(run_checks).__name__}")
         if verifier is not None and not callable(verifier):
             raise TypeError(f"verifier must be callable as verifier(watch, event), got {type(verifier).__name__}")
         # verifier(watch, event) for the first localised non-finite event: nbguard.watch passes
@@ -155,15 +152,16 @@ class NanWatch(WatchLifecycle, Displayable):
         self._broken = False
         self._replaying = False
         self._bad_streak = 0
-        # the detectors, in the order they judge a step: the GradScaler's skips, the built-in and the
-        # user's (add_detector inserts before the run checks, which stay last)
+        # the components, in the order they judge a step: the GradScaler's skips, the built-in detectors, the
+        # registered components, the user's detectors, then those registered last (the run checks); an added
+        # detector goes before the last ones
         scaler_skips = ScalerSkips(self.settings, lambda kind, extra, budget: self._localised_event(
             kind, self._read(), extra, budget))
-        self._run_checks = RunChecks(self.trainer, lambda exc: self._fail(exc, safe=False)) if run_checks else None
-        components = make_components(self.config.sections(), policy=self.policy, has_trainer=self.trainer is not None,
-                                     thresholds=self.settings, reads=self._collector, history=self.history)
+        components, last = make_components(self.config.sections(), policy=self.policy,
+                                           has_trainer=self.trainer is not None, trainer=self.trainer,
+                                           thresholds=self.settings, reads=self._collector, history=self.history)
         self._board = DetectorBoard([scaler_skips, *builtin_detectors(self.settings), *components, *detectors],
-                                    last=[self._run_checks] if self._run_checks is not None else [])
+                                    last=last)
         self._micro_batches = []
         self._losses = []
         self._stats = None

@@ -4,21 +4,24 @@ Every run gets the divergence and dead-run checks (:mod:`.divergence`); a TRL RL
 trainer also gets its reward, preference and ratio checks (:mod:`.rl`). They judge each optimizer
 step once: before its update where the watch checks updates (``before_update``: an exploded update
 is then dropped under policy skip/stop, like a non-finite one), else at its end (``update``); the
-trainer's logged metrics through ``on_log``. The watch calls ``bind``/``unbind`` on attach and
-detach (TRL's reward functions). Nothing here touches the device. Their verdicts are this rank's
-own, so across ranks they only report.
+trainer's logged metrics through ``on_log``. A watch component (section ``run_checks`` of
+``WatchConfig``, ``enabled``); it judges after every other component, and its attach/detach put TRL's
+reward-function taps on and off. Nothing here touches the device. Their verdicts are this rank's own,
+so across ranks they only report.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from ..findings import EVENT_KIND_REGISTRY, Event
-from ..introspect.trl import GENERATING, PREFERENCE, trl_stack
-from .divergence import RUN_FIXES, RunHealth
-from .pipeline import Detector, StepView
-from .rl import KIND_FIXES, Found, TRLChecks
+from ...findings import EVENT_KIND_REGISTRY, Event
+from ...introspect.trl import GENERATING, PREFERENCE, trl_stack
+from ..context import WatchContext
+from ..divergence import RUN_FIXES, RunHealth
+from ..pipeline import StepView, WatchComponent
+from ..registry import ComponentSetup, register_component
+from ..rl import KIND_FIXES, Found, TRLChecks
 
 # kind -> one line for the reference table of event kinds
 EVENT_KINDS = {kind: EVENT_KIND_REGISTRY[kind].description for kind in (
@@ -29,27 +32,45 @@ FIXES = {"divergence": RUN_FIXES, "dead-run": RUN_FIXES, **KIND_FIXES}
 EXPLAINS_DEAD = ("nonfinite-reward", "no-learning-signal", "no-preference-signal")
 
 
-class RunChecks(Detector):
+@dataclass(frozen=True)
+class RunCheckSettings:
+    """``WatchConfig(run_checks=...)``."""
+
+    enabled: bool = True  # divergence, dead runs, and TRL's reward and preference checks
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise TypeError(f"run_checks must be True or False, got {type(self.enabled).__name__}")
+
+
+class RunChecks(WatchComponent):
     name = "run-checks"
 
-    def __init__(self, trainer: Any, on_error: Callable[[BaseException], None]):
+    def __init__(self, trainer: Any):
         stack = trl_stack(trainer) if trainer is not None else None
         # a GRPO generation with equal rewards, or a DPO pair with equal answers, has a zero gradient
         # by construction, and a DPO loss at ln 2 is the preference check's: theirs to explain
         self.health = RunHealth(zero_grad_expected=stack in GENERATING + PREFERENCE,
                                 constant_expected=math.log(2) if stack == "dpo" else None,
                                 loss_climbs=stack not in GENERATING + PREFERENCE)
-        self.trl = TRLChecks(trainer, on_error) if stack is not None else None
+        self.trl = TRLChecks(trainer, self._failed) if stack is not None else None
         self.dead_explained = False
         self.checked = -1  # the step last judged
+        self.context: WatchContext | None = None
 
-    def bind(self) -> None:
+    def attach(self, context: WatchContext) -> None:
+        self.context = context
         if self.trl is not None:
             self.trl.bind()
 
-    def unbind(self) -> None:
+    def detach(self) -> None:
         if self.trl is not None:
             self.trl.unbind()
+
+    def _failed(self, exc: BaseException) -> None:
+        """A reward tap failed: the watch's internal error (the user's reward still ran)."""
+        if self.context is not None:
+            self.context.fail(exc)
 
     def before_update(self, view: StepView) -> list[Event]:
         return self.update(view)
@@ -92,3 +113,11 @@ class RunChecks(Detector):
             evidence["fixes"] = list(evidence.get("fixes") or FIXES.get(kind, []))
             events.append(Event(kind, at, message, evidence=evidence))
         return events
+
+
+def _make(setup: ComponentSetup) -> RunChecks | None:
+    return RunChecks(setup.trainer) if setup.settings.enabled else None
+
+
+register_component("run_checks", _make, settings=RunCheckSettings, aliases={"run_checks": "enabled"}, last=True,
+                   summary="divergence, dead runs, TRL's reward/preference/ratio checks (enabled=False: off)")

@@ -1,0 +1,74 @@
+"""Nothing outside the watch core touches the watch's private state: a component uses its WatchContext.
+
+The core is the watch class in its layers (record, steps, lifecycle, watch) and the context itself;
+every other module of nbguard that reaches ``watch._something`` (or ``getattr(watch, "_something")``)
+couples itself to the core's internals, which is what the component protocol exists to prevent.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "nbguard"
+CORE = {f"watcher/{name}.py" for name in ("record", "steps", "lifecycle", "watch", "context")}
+# an expression that names a watch: `watch`, `self.watch`, `live_watch`, `self._watch` (a context's own)
+WATCH_NAME = re.compile(r"(^|_)watch$")
+
+
+def _names_a_watch(node: ast.expr) -> bool:
+    if isinstance(node, ast.Name):
+        return bool(WATCH_NAME.search(node.id))
+    if isinstance(node, ast.Attribute):
+        return bool(WATCH_NAME.search(node.attr))
+    if isinstance(node, ast.Call):  # weakref: `self.watch()._x`
+        return _names_a_watch(node.func)
+    return False
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_accesses(source: str) -> list[tuple[int, str]]:
+    """(line, text) for each private attribute reached on an expression that names a watch."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and _names_a_watch(node.value):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "setattr") \
+                and len(node.args) >= 2 and _names_a_watch(node.args[0]) \
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str) \
+                and _private(node.args[1].value):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+@pytest.mark.parametrize("planted", [
+    "watch._ranks.rank", "self.watch._emit(event)", "watch._board.rewound(3)", "live_watch._stop(e)",
+    "self.watch()._collector", "getattr(watch, '_bad_streak', 0)", "setattr(self.watch, '_broken', True)",
+    "watch._micro_batches = []",
+])
+def test_the_walk_finds_each_form_of_private_access(planted):
+    assert private_accesses(f"def f(self, watch, live_watch, e, event):\n    {planted}\n"), planted
+
+
+@pytest.mark.parametrize("allowed", [
+    "watch.emit(event)", "watch.step", "self.watch.__class__", "self._collector._on_error(exc)",
+    "live._norms[0]", "watch.ranks",
+])
+def test_the_walk_leaves_public_access_and_other_objects_alone(allowed):
+    assert private_accesses(f"def f(self, watch, live, event, exc):\n    {allowed}\n") == []
+
+
+def test_no_module_outside_the_core_reaches_the_watchs_private_state():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative in CORE:
+            continue
+        offenders += [f"{relative}:{line}: {text}" for line, text in private_accesses(path.read_text())]
+    assert offenders == [], ("use the component's WatchContext (nbguard/watcher/context.py) instead of the "
+                             "watch's private state:\n" + "\n".join(offenders))
