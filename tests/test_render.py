@@ -97,8 +97,12 @@ def test_mime_bundle_rejects_non_documents():
         mime_bundle(["not", "a", "document"])
 
 
+COMPACT_LEAVES_OUT = ("what changed:", "args.bf16 = True", "model.config.use_cache = False")  # evidence, cells
+
+
 def test_text_shows_every_section():
-    text = render_text(full_document())
+    text = render_text(full_document(), full=True)
+    compact = render_text(full_document())
     for needle in (
         "Activations overflow fp16",          # findings
         "[ERROR]", "[WARNING]",
@@ -118,6 +122,9 @@ def test_text_shows_every_section():
         "NVIDIA Tesla T4",                    # hardware
     ):
         assert needle in text, needle
+        # the first screen keeps every section and its words; cells and evidence are a call away, said so
+        assert (needle not in compact) == (needle in COMPACT_LEAVES_OUT), needle
+    assert "render_text(x.to_document(), full=True)" in compact and "full=True" not in text
 
 
 def test_text_of_an_empty_audit_says_nothing_to_fix():
@@ -143,8 +150,9 @@ def test_html_shows_every_section_and_embeds_the_heatmaps():
                    "Fixes applied (1, in order)", "Environment", "args.bf16 = True", "NVIDIA Tesla T4"):
         assert needle in text, needle
     images = [attrs for tag, attrs in parsed.tags if tag == "img"]
-    assert [img["alt"] for img in images] == ["gradient-norm heatmap of the run that failed",  # the story's
-                                              "gradient-norm heatmap", "loss, total grad norm and loss scale per step",
+    # the story's heatmap is its watch's own: drawn once per output (issue 41), the watch's other charts after it
+    assert [img["alt"] for img in images] == ["gradient-norm heatmap of the run that failed",
+                                              "loss, total grad norm and loss scale per step",
                                               "activation abs-max heatmap"]
     for img in images:
         assert img["src"].startswith("data:image/png;base64,")
@@ -290,11 +298,13 @@ def test_history_summary_names_the_group_or_counts_them():
     assert "all 21 of 21 groups" in render_text(planted_watch_document())  # the real run: NaN spreads
 
 
-def test_saved_page_folds_everything_but_the_recommended_fix():
+def test_saved_page_folds_every_cell_and_names_the_recommended_fix():
     page = render_html(full_document(), standalone=True)
-    opened = re.findall(r"<details open><summary>([^<]*)<", page)
-    assert "<details>" in page and opened and all(s.startswith("fix ") for s in opened)
-    assert page.count("<details open>") == render_html(full_document()).count("<details open>")
+    assert "<details>" in page and "<details open>" not in page  # cells and evidence a click away (issue 41)
+    summaries = re.findall(r"<details><summary>(.*?)</summary>", page)
+    assert any(s.startswith("recommended fix <code>") for s in summaries), summaries
+    cells = re.findall(r"<pre><code>(.*?)</code></pre>", page, re.S)
+    assert cells and len(cells) == len(set(cells))  # each block once
 
 
 def test_series_png_marks_non_finite_steps():

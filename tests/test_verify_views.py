@@ -34,9 +34,12 @@ def test_the_watch_verdicts_show_in_every_view_verified_first():
     assert "float32" in rows["upcast-trainable-fp32"][5]  # the precision the shadow step ran in
 
     text, page, md = render_text(doc), html.unescape(render_html(doc)), render_markdown(doc)
-    assert "fix init-new-embeddings" in text and "[verified" in text and "[not enough" in text
+    # the first screen: the recommended fix first with its verdict, the others in the same line
+    assert "fix: init-new-embeddings [verified]; others: " in text and "upcast-trainable-fp32 [not enough]" in text
+    full = render_text(doc, full=True)
+    assert "fix init-new-embeddings" in full and "[verified" in full and "[not enough" in full
     assert 'nbg-verdict-verified' in render_html(doc) and "not enough" in page
-    assert "`init-new-embeddings` (verified)" in md
+    assert "`init-new-embeddings` (verified, recommended)" in md
     payload = mime_bundle(doc)[MIME_TYPE]
     fixes = payload["view"]["sections"][0]["cards"][0]["fixes"] if payload["view"]["sections"][0]["kind"] == "watch" \
         else next(s for s in payload["view"]["sections"] if s["kind"] == "watch")["cards"][0]["fixes"]

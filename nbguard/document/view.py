@@ -16,7 +16,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .codec import as_float, pretty_json
@@ -266,12 +266,15 @@ def _story(doc: dict) -> list[Section]:
                                                       if len(findings) > 1 else "")
     else:
         return []
-    fix = card.fixes[0] if card.fixes else None
-    if fix is None:
+    fix = recommended_fix(card.fixes)
+    proof = []
+    if not card.fixes:
         how = "none offered; the details below say what was seen"
-    elif fix.verdict is None or fix.verdict.status == "verified":
+    elif fix is not None:
         how = f"{fix.id}" + (f" ({fix.title})" if fix.title else "") + (
-            f": verified {fix.verdict.where}" if fix.verdict else "")
+            f": verified {fix.verdict.where}" if fix.verdict else ": not verified yet")
+        if fix.verdict and fix.verdict.detail:
+            proof = [Fact(f"Proof: {fix.verdict.detail}")]
     else:
         wheres = {f.verdict.where for f in card.fixes if f.verdict}
         tried_where = wheres.pop() if len(wheres) == 1 else "on the failing step or by a re-audit of the trainer"
@@ -281,7 +284,7 @@ def _story(doc: dict) -> list[Section]:
         not events and findings[0].get("severity") == "error") else ""
     return [Section(kind="story", title="What happened", facts=[
         Fact(f"What went wrong: {what}", tone), Fact(f"Where: {where}"),
-        Fact(f"Fix: {how}", "good" if fix and fix.verdict and fix.verdict.status == "verified" else ""),
+        Fact(f"Fix: {how}", "good" if fix and fix.verdict and fix.verdict.status == "verified" else ""), *proof,
         *_applied_facts(doc)], charts=charts)]
 
 
@@ -295,7 +298,7 @@ def _applied_facts(doc: dict) -> list[Fact]:
         return []
     at, last = applied[-1]
     verdicts: dict[tuple[str, str], Verdict] = {}
-    for entry in [doc, *entries]:
+    for entry in [doc, *entries[:at]]:  # proof came before the fix: a run after it saw the fix already made
         verdicts.update(fix_verdicts(entry))
     fix_id = str(last.get("fix"))
     verdict = verdicts.get((fix_id, str(last.get("code"))))
@@ -558,10 +561,53 @@ def _fix_views(fix_ids: Any, cells: dict[str, dict], verdicts: dict[tuple[str, s
     return ranked(fixes)
 
 
+# -- the one recommended fix ---------------------------------------------------------------------
+# The rule every face follows (docs/guides/verified-fixes.md, "The recommended fix"): the verdict belongs to
+# the very cell shown (the variant the target hardware runs); verified on the failing step beats verified by
+# a re-audit (which ran no step); among fixes verified alike, one that sets the precision the origin module
+# was measured to fit in (the verification's module check) removes the measured cause and comes first;
+# otherwise the producer's order holds (the fix registry's rank for a watch event, the finding's own order).
+# Unverified fixes come next in the producer's order, and those shown not to help last.
+VERDICT_RANK = {"verified": 0, "not-checked": 2, "not-enough": 3}
+
+
+def _verdict_rank(fix: FixView) -> int:
+    if fix.verdict is None:
+        return 2
+    if fix.verdict.status == "verified":
+        return 1 if fix.verdict.where != "on the failing step" else 0
+    return VERDICT_RANK.get(fix.verdict.status, 2)
+
+
 def ranked(fixes: list[FixView]) -> list[FixView]:
-    """Verified fixes first, then the unverified in the producer's order, then those shown not to help."""
-    rank = {"verified": 0, "not-checked": 1, "not-enough": 2}
-    return sorted(fixes, key=lambda f: rank.get(f.verdict.status, 1) if f.verdict else 1)
+    """The fixes in the order of the rule above (a stable sort: ties keep the order they were given in)."""
+    return sorted(fixes, key=_verdict_rank)
+
+
+def recommended_fix(fixes: list[FixView]) -> FixView | None:
+    """The one fix to make, by the rule above: the first of ``ranked(fixes)`` when it is verified, or when
+    nothing was run at all (an audit offers its worst finding's first fix, not verified yet); None when fixes
+    were run and none was verified. The story, the cards, the text and HTML, the widgets and the report all
+    call this, so they name the same fix."""
+    if not fixes:
+        return None
+    first = ranked(fixes)[0]
+    if first.verdict is not None and first.verdict.status == "verified":
+        return first
+    return first if all(f.verdict is None for f in fixes) else None
+
+
+def _fits_measured_precision(item: dict, check: Any) -> bool:
+    """Whether a fix's options set a precision the origin module was measured to fit in (module check's
+    ``fits``: {"float16": False, "bfloat16": True, "float32": True}): it removes the cause the check measured."""
+    fits = check.get("fits") if isinstance(check, dict) else None
+    to = (item.get("options") or {}).get("to") if isinstance(item.get("options"), dict) else None
+    if not isinstance(fits, dict) or not isinstance(to, str):
+        return False
+    return bool(fits.get(PRECISION_NAMES.get(to, to)))
+
+
+PRECISION_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _findings(doc: dict, path: list[Any]) -> list[Section]:
@@ -797,8 +843,8 @@ def _event_cards(event: dict, cells: dict[str, dict], verdicts: dict[tuple[str, 
         first, last, count = event["_folded"]
         cards[0].title = f"steps {first}–{last} ({count} steps skipped by the GradScaler): {event.get('message', '')}"
     verification = (event.get("evidence") or {}).get("verification")
-    if isinstance(verification, dict):
-        cards.append(verification_card(verification, f"Fixes run on step {event.get('step')}"))
+    if isinstance(verification, dict):  # its fixes are the event card's own: each fix offered once per output
+        cards.append(replace(verification_card(verification, f"Fixes run on step {event.get('step')}"), fixes=[]))
     return cards
 
 
@@ -874,9 +920,13 @@ def verification_card(v: dict, title: str) -> Card:
     if v.get("step_skipped"):
         lines.append(f"step level not run: {v['step_skipped']}")
     lines.extend(str(note) for note in v.get("notes") or [])
-    fixes = [FixView(id=str(item.get("fix")), title=str(item.get("title") or ""), code=str(item.get("code") or ""),
-                     verdict=Verdict(_status(item.get("verdict")), str(item.get("verdict")), str(item.get("reason") or "")))
-             for item in v.get("verdicts") or [] if isinstance(item, dict)]
+    items = [item for item in v.get("verdicts") or [] if isinstance(item, dict)]
+    # the recommendation rule's tie-break: a fix setting the precision the origin fits in, before the others
+    items.sort(key=lambda item: not _fits_measured_precision(item, v.get("module_check")))
+    fixes = ranked([FixView(id=str(item.get("fix")), title=str(item.get("title") or ""), code=str(item.get("code") or ""),
+                            verdict=Verdict(_status(item.get("verdict")), str(item.get("verdict")),
+                                            str(item.get("reason") or "")))
+                    for item in items])
     table = Table(columns=["fix", "verdict", "loss", "total grad norm", "largest activation", "precision", "why"],
                   rows=rows, numeric=[False, False, True, True, True, False, False], code=[True] + [False] * 6,
                   bad_rows=[i for i, r in enumerate(rows) if r[1] == "not enough"]) if rows else None

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..document.palette import palette
 from ..document.redact import redact
-from ..document.view import Card, Chart, Fact, Fold, Section, Table, lookup, view
+from ..document.view import Card, Chart, Fact, Fold, Section, Table, lookup, ranked, recommended_fix, view
 from .charts import chart_png
 
 CSS = """
@@ -75,17 +75,26 @@ def render_html(doc: dict, *, standalone: bool = False, images: bool = True) -> 
     """
     doc = redact(doc)
     v = view(doc)
-    draw = (lambda chart: _image(doc, chart)) if images else (lambda chart: "")
+    drawn: set[tuple[str, str]] = set()  # each picture once: the story's heatmap is its watch's own
+
+    def draw(chart: Chart) -> str:
+        key = (chart.kind, repr(chart.source))
+        if not images or (key in drawn and not chart.empty):
+            return ""
+        drawn.add(key)
+        return _image(doc, chart)
+
+    shown: set[tuple[str, str]] = set()  # each fix cell once: an event's card and its verification share it
     parts = [f'<div class="nbguard nbguard-{esc(doc.get("kind", "document"))}">', f"<style>{_css()}</style>",
              f'<h2>{esc(v.title)} <span class="nbg-meta">{esc(v.meta)}</span></h2>']
     if v.summary:
         parts.append(f"<p>{esc(v.summary)}</p>")
-    parts.extend(section_html(section, draw) for section in v.sections)
+    parts.extend(section_html(section, draw, shown) for section in v.sections)
     parts.append("</div>")
     fragment = "\n".join(p for p in parts if p)
     if not standalone:
         return fragment
-    # A saved report opens like the notebook: the story and each recommended fix open, the rest folded.
+    # A saved report opens like the notebook: the story open; other fixes, evidence and every cell folded.
     return (
         "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
@@ -140,30 +149,36 @@ def _fold(fold: Fold) -> str:
     return _details(esc(fold.label), table_html(fold.table) if fold.table is not None else _pre(fold.text))
 
 
-def _fix_html(fix, open_: bool) -> str:
+def _fix_html(fix, shown: set[tuple[str, str]] | None = None, lead: str = "fix") -> str:
+    """A fix: its id, title and verdict; its cell folded, and only the first time that very cell appears."""
     verdict = (f' <span class="nbg-verdict nbg-verdict-{esc(fix.verdict.status)}">{esc(fix.verdict.label)}</span>'
                + (f' <span class="nbg-meta">{esc(fix.verdict.detail)}</span>' if fix.verdict.detail else "")
                if fix.verdict else "")
-    label = f"fix <code>{esc(fix.id)}</code>" + (f": {esc(fix.title)}" if fix.title else "") + verdict
-    if not fix.code:
-        return f"<p>{label}</p>"
-    return f"<details{' open' if open_ else ''}><summary>{label}</summary>{_pre(fix.code)}</details>"
+    label = f"{lead} <code>{esc(fix.id)}</code>" + (f": {esc(fix.title)}" if fix.title else "") + verdict
+    key = (fix.id, fix.code)
+    if not fix.code or (shown is not None and key in shown):
+        return f"<p>{label}" + (' <span class="nbg-meta">(its cell is above)</span>' if fix.code else "") + "</p>"
+    if shown is not None:
+        shown.add(key)
+    return f"<details><summary>{label}</summary>{_pre(fix.code)}</details>"
 
 
-def _fixes_html(fixes: list) -> str:
-    """The fixes come ranked (verified first): the first, when verified (or when nothing was verified at
-    all), is the recommended one and shows its cell; the others wait under one fold."""
+def _fixes_html(fixes: list, shown: set[tuple[str, str]] | None = None) -> str:
+    """The recommended fix (``recommended_fix``, the one every face names) in one line, its cell a click
+    away; the other fixes under one fold. With no fix verified, every fix waits under the fold."""
     if not fixes:
         return ""
-    recommended = fixes[0].verdict is None or fixes[0].verdict.status == "verified"  # else none is
-    first = _fix_html(fixes[0], open_=recommended)
-    if len(fixes) == 1:
+    best = recommended_fix(fixes)
+    others = [fix for fix in ranked(fixes) if fix is not best]
+    first = _fix_html(best, shown, lead="recommended fix") if best is not None else ""
+    if not others:
         return first
-    others = "".join(_fix_html(fix, open_=False) for fix in fixes[1:])
-    return first + _details(f"{len(fixes) - 1} other fix{'es' if len(fixes) > 2 else ''}", others)
+    label = (f"{len(others)} other fix{'es' if len(others) > 1 else ''}" if best is not None
+             else f"{len(others)} fix{'es' if len(others) > 1 else ''}, none verified")
+    return first + _details(label, "".join(_fix_html(fix, shown) for fix in others))
 
 
-def card_html(card: Card) -> str:
+def card_html(card: Card, shown: set[tuple[str, str]] | None = None) -> str:
     badge = f'<span class="nbg-sev">{esc(card.badge)}</span> ' if card.badge else ""
     tag = f' <code class="nbg-meta">{esc(card.tag)}</code>' if card.tag else ""
     body = [f"<p>{badge}<strong>{esc(card.title)}</strong>{tag}</p>"]
@@ -173,13 +188,17 @@ def card_html(card: Card) -> str:
     if card.table:
         body.append(table_html(card.table))
     body.extend(_fold(fold) for fold in card.folds)
-    body.append(_fixes_html(card.fixes))
-    if card.code:
-        body.append(_pre(card.code))
+    body.append(_fixes_html(card.fixes, shown))
+    if card.code:  # a fix applied: the cell that ran, folded, or a pointer to the same cell shown above
+        key = (card.title, card.code)
+        body.append('<p class="nbg-meta">the cell that ran is the one shown above</p>' if shown is not None and key in shown
+                    else _details("the cell that ran", _pre(card.code)))
+        if shown is not None:
+            shown.add(key)
     return f'<div class="nbg-card nbg-{esc(card.tone)}">{"".join(body)}</div>'
 
 
-def section_html(section: Section, draw) -> str:
+def section_html(section: Section, draw, shown: set[tuple[str, str]] | None = None) -> str:
     if section.kind == "notes":
         return "".join(f'<p class="nbg-note">Note: {esc(note)}</p>' for note in section.notes)
     if section.kind == "entry":
@@ -193,7 +212,7 @@ def section_html(section: Section, draw) -> str:
         parts.append(f"<p>{esc(section.empty)}</p>")
     if section.cards_title:
         parts.append(f"<h4>{esc(section.cards_title)}</h4>")
-    parts.extend(card_html(card) for card in section.cards)
+    parts.extend(card_html(card, shown) for card in section.cards)
     parts.extend(f'<p class="nbg-note">{esc(note)}</p>' for note in section.notes)
     parts.extend(draw(chart) for chart in section.charts)
     return "".join(parts)

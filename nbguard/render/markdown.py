@@ -12,7 +12,7 @@ import html
 import re
 from typing import Any
 
-from ..document.view import Card, Section, Table, View, view
+from ..document.view import Card, Section, Table, View, ranked, recommended_fix, view
 
 GITHUB_BODY_LIMIT = 65536
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]|~])")  # what can change meaning mid-line
@@ -96,9 +96,12 @@ def _card(card: Card, compact: bool, limit: int) -> list[str]:
     line = head + md_text(card.title) + (f" ({md_code(card.tag)})" if card.tag else "")
     if card.lines:
         line += ": " + md_text(" ".join(card.lines))
-    if card.fixes:
-        line += " Fixes: " + ", ".join(md_code(f.id) + (f" ({md_text(f.verdict.label)})" if f.verdict else "")
-                                       for f in card.fixes)
+    if card.fixes:  # the recommended one (the fix every face names) first, and marked
+        best = recommended_fix(card.fixes)
+        line += " Fixes: " + ", ".join(
+            md_code(f.id) + (f" ({md_text(f.verdict.label)}{', recommended' if f is best else ''})" if f.verdict
+                             else " (recommended)" if f is best else "")
+            for f in sorted(ranked(card.fixes), key=lambda f: f is not best))
     out = [line]
     if card.quote:
         out.append(f"  > {md_code(card.quote)}")
@@ -114,8 +117,8 @@ def _card(card: Card, compact: bool, limit: int) -> list[str]:
             out.append(details(fold.short or fold.label, md_fence(text, "text")))
         else:
             out.append(details(fold.label, md_fence(_cut(fold.text, limit), "json")))
-    if card.code:
-        out.append(md_fence(card.code, "python"))
+    if card.code:  # a fix applied: the cell that ran, folded like every other cell
+        out.append(details("the cell that ran", md_fence(card.code, "python")))
     return out
 
 

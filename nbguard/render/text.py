@@ -5,28 +5,40 @@ A formatter of :func:`nbguard.document.view.view`: it decides layout only, never
 from __future__ import annotations
 
 import textwrap
+from dataclasses import replace
 from typing import Any
 
 from ..document.redact import redact
-from ..document.view import Card, Section, Table, View, view
+from ..document.view import Card, FixView, Section, Table, View, ranked, recommended_fix, view
 
 WIDTH = 100
 MAX_CARDS = 20
 
 
-def render_text(doc: dict) -> str:
+def render_text(doc: dict, *, full: bool = False) -> str:
     """A compact, readable text view of every section present in ``doc``, redacted: ``print(result)``
-    is pasted into bug reports like any saved output."""
-    return format_view(view(redact(doc)))
+    is pasted into bug reports like any saved output.
+
+    By default one screen: what went wrong, where, the recommended fix with its verdict and one line of
+    proof, each card in a line or two; ``full=True`` adds what the default leaves out (every fix's cell,
+    the evidence, the verification table), and the default's last line says how to ask for it."""
+    return format_view(view(redact(doc)), full=full)
 
 
-def format_view(v: View) -> str:
+FULL_HINT = ("More (other fixes, evidence, each fix's cell): folded in the HTML view; %nbguard fix ID puts a fix's cell\n"
+             "below; print(nbguard.render.render_text(x.to_document(), full=True)) prints all of result x")
+
+
+def format_view(v: View, *, full: bool = False) -> str:
     lines = [f"{v.title}  ({v.meta})"]
     if v.summary:
         lines.append(v.summary)
     printed: dict[tuple[str, str], str] = {}  # each fix cell once: an event's card and its verification share them
+    left_out: list[bool] = []  # the compact view notes here whether it left anything out
     for section in v.sections:
-        lines.extend(section_lines(section, printed))
+        lines.extend(section_lines(section, printed) if full else compact_section_lines(section, left_out))
+    if any(left_out):
+        lines.append(FULL_HINT)
     return "\n".join(line.rstrip() for line in lines).rstrip() + "\n"
 
 
@@ -35,6 +47,74 @@ def _wrap(text: Any, indent: str) -> list[str]:
     for para in str(text).splitlines() or [""]:
         out.extend(textwrap.wrap(para, WIDTH, initial_indent=indent, subsequent_indent=indent) or [indent])
     return out
+
+
+COMPACT_TABLE_ROWS = 5  # the probe's table on the first screen: the modules with the least headroom
+
+
+def compact_section_lines(section: Section, left_out: list[bool]) -> list[str]:
+    """A section on the first screen: its facts, each card as a title and its fixes in one line; what it
+    leaves out (cells, evidence, long tables) is one call away (``FULL_HINT``)."""
+    if section.kind in ("notes", "entry"):
+        return section_lines(section)
+    lines = [section.title] if section.title else []
+    lines.extend(f"  {fact.text}" for fact in section.facts)
+    if section.table and section.kind != "environment":
+        rows = section.table.rows
+        table = replace(section.table, rows=rows[:COMPACT_TABLE_ROWS],
+                        note=f"{len(rows) - COMPACT_TABLE_ROWS} more rows not shown" if len(rows) > COMPACT_TABLE_ROWS
+                        else section.table.note)
+        lines.extend(table_lines(table, "  "))
+        left_out.append(len(rows) > COMPACT_TABLE_ROWS)
+    if section.empty:
+        lines.append(f"  {section.empty}")
+    if section.cards_title:
+        lines.append(f"  {section.cards_title}:")
+    for card in section.cards[:MAX_CARDS]:
+        lines.extend(compact_card_lines(card, "  "))
+        left_out.append(bool(card.folds or card.code or card.fixes or (card.table and card.tone == "info")))
+    if len(section.cards) > MAX_CARDS:
+        lines.append(f"  … {len(section.cards) - MAX_CARDS} more")
+    lines.extend(f"  {chart.alt}: {chart.empty}" for chart in section.charts if chart.empty)
+    lines.extend(f"  {note}" for note in section.notes)
+    return lines
+
+
+def compact_card_lines(card: Card, indent: str) -> list[str]:
+    """A card in a few lines: title, cause, the quote, an event's origin table, and its fixes in one line
+    (the recommended one first, marked); a verification card keeps only its module check."""
+    head = f"[{card.badge}] " if card.badge else ""
+    lines = [f"{indent}{head}{card.title}" + (f"  ({card.tag})" if card.tag else "")]
+    inner = indent + "    "
+    if card.tone == "info" and card.table is not None:  # a verification: its verdicts are on the event's card
+        return [*lines, *(f"{inner}{_clip(line)}" for line in card.lines)]
+    for line in card.lines[:2]:  # a finding's explanation: its first two lines
+        wrapped = _wrap(line, inner)
+        lines.extend(wrapped[:1] + [wrapped[1] + (" …" if len(wrapped) > 2 else "")] if len(wrapped) > 1 else wrapped)
+    if card.quote:
+        lines.append(f"{inner}> {_clip(card.quote)}")
+    if card.table:
+        lines.extend(table_lines(card.table, inner))
+    if card.fixes:
+        lines.append(f"{inner}{fixes_line(card.fixes)}")
+    return lines
+
+
+def fixes_line(fixes: list[FixView]) -> str:
+    """The fixes of a card in one line: the one ``recommended_fix`` picks first, then the others ranked."""
+    best = recommended_fix(fixes)
+    others = [f for f in ranked(fixes) if f is not best]
+
+    def name(fix: FixView) -> str:
+        return fix.id + (f" [{fix.verdict.label}]" if fix.verdict else "")
+
+    head = f"fix: {name(best)}" if best is not None else "no fix verified"
+    return head + (f"; other{'s' if len(others) > 1 else ''}: " + ", ".join(name(f) for f in others) if others else "")
+
+
+def _clip(text: Any, width: int = WIDTH) -> str:
+    text = str(text).replace("\n", " ")
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def section_lines(section: Section, printed: dict[tuple[str, str], str] | None = None) -> list[str]:

@@ -150,18 +150,38 @@ def build_report(audit: Any = None, watch: Any = None) -> Report:
             _collect(docs, notes, entry, f"the session's {entry.kind} {numbers[entry.kind]}", lambda e, _: e.document())
     else:
         if audit is not None:
-            docs.append(as_document(audit, "audit"))
+            docs.append(_timed(audit, as_document(audit, "audit")))
         if watch is not None:
             watches = list(watch) if isinstance(watch, (list, tuple)) else [watch]
             for index, item in enumerate(watches):
-                docs.append(as_document(item, "watch" if len(watches) == 1 else f"watch[{index}]"))
+                docs.append(_timed(item, as_document(item, "watch" if len(watches) == 1 else f"watch[{index}]")))
         for entry in SESSION.timeline:
             if entry.kind in ("diagnosis", "fix"):
                 _collect(docs, notes, entry, f"the session's {entry.kind}", lambda e, _: e.document())
+        docs = _in_time_order(docs)
     merged = merge_documents(docs, title="nbguard report", environment=environment_info())
     if notes:
         merged["notes"] = notes
     return Report(merged)
+
+
+def _timed(obj: Any, doc: dict) -> dict:
+    """``doc`` with the time the session recorded ``obj`` (its audit, its watch's first attach), when it did."""
+    if "time" in doc:
+        return doc
+    when = next((e.time for e in SESSION.timeline if e.holds(obj)), None)
+    return doc if when is None else {**doc, "time": when}
+
+
+def _in_time_order(docs: list[dict]) -> list[dict]:
+    """The documents as they happened (a fix applied before the watch comes before it); one with no time
+    keeps its place after the one before it."""
+    keyed, last = [], float("-inf")
+    for index, doc in enumerate(docs):
+        when = doc.get("time")
+        last = float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else last
+        keyed.append((last, index, doc))
+    return [doc for _, _, doc in sorted(keyed, key=lambda item: (item[0], item[1]))]
 
 
 def _collect(docs: list, notes: list, value: Any, label: str, convert) -> None:

@@ -11,14 +11,17 @@ from typing import Any
 import ipywidgets as W
 
 from ...document.outward import outward
-from ...document.view import Card, view
+from ...document.view import Card, recommended_fix, view
 from ...render.html import table_html
 from .fixrow import ApplyFn, FixRow
 from .html import badge, code_block, esc, short, success
 
 
-def card_widget(card: Card, rows: list[FixRow]) -> W.VBox:
-    """A view card as widgets: the same words as the static HTML (``card_html``), with live fix rows."""
+def card_widget(card: Card, rows: list[FixRow], *, leads: bool = True) -> W.VBox:
+    """A view card as widgets: the same words as the static HTML (``card_html``), with live fix rows.
+
+    ``leads``: this card carries the output's recommended fix (``recommended_fix``), whose row (one Apply,
+    one Insert) shows; every other row waits in a collapsed accordion, as the static HTML folds them."""
     head = W.HTML(value=(badge(card.tone, card.badge) + " " if card.badge else "")
                   + f"<b>{esc(card.title)}</b>" + (f" <code>{esc(card.tag)}</code>" if card.tag else ""))
     body = "".join(f"<div>{esc(line)}</div>" for line in card.lines)
@@ -35,7 +38,15 @@ def card_widget(card: Card, rows: list[FixRow]) -> W.VBox:
             accordion.set_title(index, fold.label.capitalize())
         accordion.selected_index = None  # collapsed until asked
         children.append(accordion)
-    children.extend(row.widget for row in rows)
+    best = recommended_fix(card.fixes) if leads else None
+    shown = [row for fix, row in zip(card.fixes, rows) if fix is best]
+    folded = [row for row in rows if row not in shown]
+    children.extend(row.widget for row in shown)
+    if folded:
+        others = W.Accordion(children=[W.VBox([row.widget for row in folded])])
+        others.set_title(0, f"{len(folded)} {'other ' if shown else ''}fix{'es' if len(folded) > 1 else ''}")
+        others.selected_index = None  # collapsed until asked
+        children.append(others)
     # the badge carries the severity colour: Layout.border_left is ipywidgets 8 only (7.7 warns)
     return W.VBox(children, layout=W.Layout(border="1px solid #bbb", padding="6px", margin="4px 0"))
 
@@ -74,10 +85,10 @@ class FindingsView:
         self.header.value = f"<b>nbguard precision audit</b>{on}: {esc(summary)}{resolved}"
         self.rows = {}
         children = []
-        for card in findings.cards if findings else []:
+        for index, card in enumerate(findings.cards if findings else []):
             rows = fix_rows(card, self.output_id, self._apply_and_reaudit)
             self.rows[card.tag] = rows
-            children.append(card_widget(card, rows))
+            children.append(card_widget(card, rows, leads=index == 0))  # the worst finding's fix is the story's
         self.cards.children = children
 
     def fix_row(self, rule: str, fix_id: str) -> FixRow:
