@@ -31,9 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nbguard.watcher.stall import Heartbeat, StepClock  # noqa: E402
-
 import nbguard  # noqa: E402
+from nbguard.watcher.components.stall import Heartbeat, StepClock  # noqa: E402
 from nbguard.watcher.pipeline import StepView  # noqa: E402
 
 VARIANTS = ("no step clock", "after_s=None", "heartbeat")

@@ -72,3 +72,84 @@ def test_no_module_outside_the_core_reaches_the_watchs_private_state():
         offenders += [f"{relative}:{line}: {text}" for line, text in private_accesses(path.read_text())]
     assert offenders == [], ("use the component's WatchContext (nbguard/watcher/context.py) instead of the "
                              "watch's private state:\n" + "\n".join(offenders))
+
+
+def _imported_modules(source: str, package: str) -> list[tuple[int, str]]:
+    """(line, absolute module) for each import in a module of ``package`` (relative imports resolved)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[:len(base) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            found += [(node.lineno, module)] + [(node.lineno, f"{module}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+    return found
+
+
+def test_the_core_names_no_component_it_reaches_them_through_the_registry():
+    """Adding a component is adding its module to nbguard/watcher/components/: nothing else imports one (the
+    registry imports the package, whose modules register themselves)."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if relative.parts[:2] == ("watcher", "components"):
+            continue
+        package = ".".join(["nbguard", *relative.parent.parts])
+        offenders += [f"{relative.as_posix()}:{line}: {module}" for line, module in _imported_modules(
+            path.read_text(), package) if module.startswith("nbguard.watcher.components.")]
+    assert offenders == [], "import a component through nbguard.watcher.registry, not directly:\n" + "\n".join(offenders)
+
+
+def test_a_component_added_to_the_package_is_made_for_every_new_watch(tmp_path, monkeypatch):
+    """The registry's whole promise: a module in components/ that registers itself is attached, called and
+    detached by a watch that never names it."""
+    import importlib
+    import sys
+
+    import torch
+
+    import nbguard
+    import nbguard.watcher.components as components
+    from nbguard.watcher import registry
+
+    module = tmp_path / "forward_counter.py"
+    module.write_text(
+        "from dataclasses import dataclass\n"
+        "from nbguard.watcher.pipeline import WatchComponent\n"
+        "from nbguard.watcher.registry import register_component\n"
+        "SEEN = []\n"
+        "@dataclass(frozen=True)\n"
+        "class CounterSettings:\n"
+        "    label: str = 'default'\n"
+        "class ForwardCounter(WatchComponent):\n"
+        "    def __init__(self, label):\n"
+        "        self.label = label\n"
+        "    def attach(self, context):\n"
+        "        SEEN.append(('attach', self.label, context.step))\n"
+        "    def on_forward_start(self):\n"
+        "        SEEN.append(('forward', self.label))\n"
+        "    def after_optimizer_step(self, step):\n"
+        "        SEEN.append(('stepped', step))\n"
+        "    def detach(self):\n"
+        "        SEEN.append(('detach', self.label))\n"
+        "register_component('forward_counter', lambda setup: ForwardCounter(setup.settings.label),\n"
+        "                   settings=CounterSettings)\n")
+    monkeypatch.setattr(components, "__path__", [*components.__path__, str(tmp_path)])
+    try:  # (the package imports each of its modules at its own import: here, the one added since)
+        counter = importlib.import_module("nbguard.watcher.components.forward_counter")
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        watch = nbguard.watch(model, optimizer=opt, verify=False, log_to=None,
+                              config=nbguard.WatchConfig(forward_counter={"label": "mine"}))
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        watch.detach()
+        assert counter.SEEN == [("attach", "mine", 0), ("forward", "mine"), ("stepped", 0), ("detach", "mine")]
+    finally:
+        registry._COMPONENTS.pop("forward_counter", None)
+        sys.modules.pop("nbguard.watcher.components.forward_counter", None)
