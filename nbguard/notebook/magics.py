@@ -29,7 +29,7 @@ from .verdicts import cell_verdict_line
 # at %load_ext; tests/test_nanwatch_rewind_options.py checks they agree
 POLICIES = ("warn", "skip", "stop", "rewind")
 SCHEDULES = ("keep", "restore")
-NBGUARD_COMMANDS = ("fix", "report", "explain", "export-check")
+NBGUARD_COMMANDS = ("fix", "report", "explain", "export-check", "config")
 ISSUES_HINT = "this is a bug in nbguard, not in your notebook: please report it with the traceback below"
 
 
@@ -293,6 +293,14 @@ class NbguardMagics(Magics):
     @argument("--ranks", action="store_true",
               help="the ranks a notebook_launcher in this cell forks: one dashboard with a row per rank "
                    "(implied when the cell calls notebook_launcher and names no object)")
+    @argument("--config", metavar="SECTION.FIELD=VALUE", action="append", default=[],
+              help="a setting of one of the watch's components, as nbguard.WatchConfig takes it (repeat it for "
+                   "several): e.g. --config stall.after_s=600, --config run_checks.enabled=False; "
+                   "`%%nbguard config` lists every section and field")
+    @argument("--log-rows", action="store_true",
+              help="the tracker also gets the excerpts of the rows an event names (off: they stay local)")
+    @argument("--save-report", metavar="PATH", nargs="?", const=True, default=None,
+              help="a watched Trainer writes its report at the end of training: into its output_dir, or PATH")
     @line_cell_magic
     def nanwatch(self, line: str = "", cell: str | None = None):
         """Watch training for NaN/Inf at one host read per step and name the module where it was born.
@@ -395,12 +403,23 @@ class NbguardMagics(Magics):
             else R.lookup(self.ns, opts.log_to)
         policy = opts.policy or self.default_policy
         rewind, scheduler = self._rewind_options(opts, policy, target)
-        watch = api.watch(target, optimizer=optimizer, scaler=scaler, policy=policy,
+        watch = api.watch(target, optimizer=optimizer, scaler=scaler, policy=policy, config=self._watch_config(opts),
                           activations=opts.activations or self.dashboard_activations, verify=self.verify_fixes,
-                          log_to=log_to, rewind=rewind, scheduler=scheduler)
+                          log_to=log_to, rewind=rewind, scheduler=scheduler, log_rows=opts.log_rows,
+                          save_report=opts.save_report)
         live = LiveWatch(watch)
         self.state.watches.append(live)
         return live
+
+    @staticmethod
+    def _watch_config(opts) -> Any:
+        """--config SECTION.FIELD=VALUE, as nbguard.WatchConfig; a bad one names what was wrong."""
+        from ..watcher.config import WatchConfig
+
+        try:
+            return WatchConfig.from_assignments(opts.config)
+        except (TypeError, ValueError) as err:
+            raise MagicError(f"%nanwatch --config: {err}") from None
 
     def _rewind_options(self, opts, policy: str, target) -> tuple[Any, Any]:
         """(RewindSettings, the plain loop's scheduler) from --every, --lr-factor, --max-rewinds, --schedule and
@@ -458,7 +477,8 @@ class NbguardMagics(Magics):
     @argument("command", choices=NBGUARD_COMMANDS,
               help="fix: put a fix's cell below (with your variable names); report: write everything this "
                    "session recorded to a file; explain: diagnose the last exception again; export-check: "
-                   "compare the trained model with what you saved or merged")
+                   "compare the trained model with what you saved or merged; config: the watch's components and "
+                   "the settings %%nanwatch --config takes")
     @argument("value", nargs="?", metavar="ID_OR_PATH",
               help="fix: the fix id (nbguard.fixes.available()); report: the file, ending .html, .md or .json; "
                    "export-check: the trained model or Trainer, by its notebook name")
@@ -477,6 +497,7 @@ class NbguardMagics(Magics):
             %nbguard report nbguard-report.html
             %nbguard explain
             %nbguard export-check model out/adapter     # is the saved adapter the model you trained?
+            %nbguard config                             # what %nanwatch --config SECTION.FIELD=VALUE takes
         """
         return self._guarded("nbguard", self._nbguard, line)
 
@@ -499,6 +520,13 @@ class NbguardMagics(Magics):
                 raise MagicError("%nbguard export-check MODEL EXPORTED: the trained model (or Trainer) and the folder "
                                  "save_pretrained wrote, or the name of the merged model")
             self._export_check(opts.value, opts.exported)
+        elif opts.command == "config":
+            if opts.value:
+                raise MagicError(f"%nbguard config takes no argument (got {opts.value!r})")
+            from ..watcher.config import describe_sections
+
+            print("%nanwatch --config SECTION.FIELD=VALUE (nbguard.WatchConfig(SECTION={FIELD: VALUE})):")
+            print("\n".join(f"  {line}" for line in describe_sections()))
         else:
             if opts.value:
                 raise MagicError(f"%nbguard explain takes no argument (got {opts.value!r})")

@@ -7,6 +7,7 @@ before (``stall_after_s=``) still work for one release, with a DeprecationWarnin
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import warnings
 from typing import Any
@@ -31,6 +32,19 @@ class WatchConfig:
             if spec.settings is not None and name not in self._sections:
                 self._sections[name] = spec.settings()
 
+    @classmethod
+    def from_assignments(cls, assignments: list[str]) -> WatchConfig:
+        """``["stall.after_s=600", "run_checks.enabled=False"]`` (the magics' ``--config``): each value a
+        Python literal (``None``, ``False``, ``1e-3``, ``'text'``), or else the text itself."""
+        sections: dict[str, dict[str, Any]] = {}
+        for assignment in assignments:
+            key, equals, text = assignment.partition("=")
+            name, dot, field = key.strip().partition(".")
+            if not equals or not dot or not name or not field:
+                raise ValueError(f"--config takes SECTION.FIELD=VALUE (e.g. stall.after_s=600), got {assignment!r}")
+            sections.setdefault(name, {})[field.strip()] = _literal(text.strip())
+        return cls(**sections)
+
     def section(self, name: str) -> Any:
         """The settings of component ``name`` (its defaults where none were given)."""
         return self._sections.get(name)
@@ -51,6 +65,24 @@ class WatchConfig:
 
     def __repr__(self) -> str:
         return f"WatchConfig({', '.join(f'{k}={v!r}' for k, v in sorted(self._sections.items()))})"
+
+
+def _literal(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # a bare word: the text itself (a section's own check says if it is wrong)
+
+
+def describe_sections() -> list[str]:
+    """One line per registered section: its fields with their defaults, then what the component does."""
+    lines = []
+    for name, spec in sorted(registered_components().items()):
+        if spec.settings is None:
+            continue
+        fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(spec.settings))
+        lines.append(f"{name}: {fields}" + (f" ({spec.summary})" if spec.summary else ""))
+    return lines
 
 
 def _section(name: str, settings: type, value: Any) -> Any:
