@@ -37,7 +37,7 @@ from data_helpers import BOS, EOS, ListDataset, lm_trainer, ragged_examples, wor
 from rl_helpers import grpo_trainer, log_match_reward
 
 import nbguard.fixes as fixes
-from nbguard.testing import TINY_VOCAB, TinyDataset, tiny_batch, tiny_gemma3, tiny_llama
+from nbguard.testing import TINY_VOCAB, TinyDataset, tiny_4bit, tiny_batch, tiny_gemma3, tiny_llama
 
 
 @dataclasses.dataclass
@@ -50,6 +50,8 @@ class Case:
     given: tuple[str, ...]
     options: dict[str, Any] | Callable[[Path], dict[str, Any]] = dataclasses.field(default_factory=dict)
     skip: str | None = None  # why this case cannot run on a CPU machine (kept rare)
+    writes: str | None = None  # the option naming the folder the fix writes (its files are compared)
+    quant: bool = False  # needs torchao: runs in the quant lane (pytest -m quant, .venv-quant)
 
 
 # ---- builders ----------------------------------------------------------------------------------
@@ -108,16 +110,55 @@ def _tiny_mixtral(**lora: Any):
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, **lora))
 
 
+def _trainable_tokens():
+    """PEFT trainable_token_indices over zero rows: each chosen token trains its own copy of its row."""
+    from peft import LoraConfig, get_peft_model
+
+    model = add_zero_tokens(tiny_llama())
+    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"],
+                                            trainable_token_indices=[TINY_VOCAB, TINY_VOCAB + 1]))
+
+
+def _four_bit(tmp: Path) -> dict[str, Any]:
+    pytest.importorskip("bitsandbytes", reason="tiny_4bit quantises with bitsandbytes' CPU backend")
+    folder = tmp / "4bit"  # one folder for both copies: the config names it (_name_or_path)
+    return {"model": tiny_4bit(compute_dtype=torch.float16, dtype=torch.float16, directory=str(folder))}
+
+
+def _float8_llama():
+    """Real torchao per-row float8 layers without an activation lower bound (pytorch/ao#3356), as
+    tests/test_quantized_dry_pass.py builds them: only quantize_'s CUDA capability gate is lifted, the
+    Float8Tensor math runs on the CPU."""
+    pytest.importorskip("torchao", reason="torchao is installed in the quant lane only (.venv-quant, make test-quant)")
+    import torchao.quantization.quant_api as quant_api
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    model = tiny_llama(dtype=torch.bfloat16)
+    gate = quant_api._check_hardware_support
+    quant_api._check_hardware_support = lambda granularities: None
+    try:
+        quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    finally:
+        quant_api._check_hardware_support = gate
+    return model
+
+
 def _partly_eval(model):
     model.train()
     model.model.layers[0].self_attn.eval()  # a wrapper's train() did not reach this attention (dropout 0.1)
     return model
 
 
-def _checkpointing(tmp: Path) -> dict[str, Any]:
+def _checkpointing(tmp: Path, **args: Any) -> dict[str, Any]:
     model = tiny_llama()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    return {"trainer": make_trainer(model, _args(tmp))}  # args.gradient_checkpointing stays False
+    return {"trainer": make_trainer(model, _args(tmp, **args))}  # by default args.gradient_checkpointing is False
+
+
+def _rows_file(tmp: Path) -> dict[str, Any]:
+    """drop-rows reading the dataset indices from the JSON file a watch saved."""
+    (tmp / "rows.json").write_text(json.dumps({"dataset_indices": [0, 6]}))
+    return _trainer(tmp)
 
 
 def _eval_and_eos_pad(tmp: Path) -> dict[str, Any]:
@@ -253,7 +294,8 @@ CASES: dict[str, list[Case]] = {
                                 ("tokenizer", "model"))],
     "drop-doubled-bos": [Case(_doubled_bos, ("trainer",))],
     "drop-mask-for-packing": [Case(_packed, ("trainer",))],
-    "drop-rows": [Case(_trainer, ("trainer",), {"indices": [1, 5]})],
+    "drop-rows": [Case(_trainer, ("trainer",), {"indices": [1, 5]}),
+                  Case(_rows_file, ("trainer",), lambda t: {"path": str(t / "rows.json")})],
     "drop-truncated-rows": [Case(_truncated, ("trainer",))],
     "drop-unsupervised-rows": [Case(_unsupervised_rows, ("trainer",)), Case(_unsupervised_dataset, ("trainer",))],
     "dropout-train-mode": [Case(lambda t: {"model": _partly_eval(tiny_llama(attention_dropout=0.1))}, ("model",))],
@@ -263,14 +305,13 @@ CASES: dict[str, list[Case]] = {
     "finite-rewards": [Case(lambda t: {"trainer": grpo_trainer(t, reward_funcs=[log_match_reward])}, ("trainer",)),
                        Case(lambda t: {"trainer": grpo_trainer(t, reward_funcs=[log_match_reward])}, ("trainer",),
                             {"floor": -1.0})],
-    "float8-activation-lb": [Case(lambda t: {}, ("model",), skip=(
-        "needs torchao float8 layers (Float8DynamicActivationFloat8WeightConfig with PerRow granularity), which "
-        "quantise only on a CUDA GPU with float8 (compute capability 8.9+) and torchao installed"))],
+    "float8-activation-lb": [Case(lambda t: {"model": _float8_llama()}, ("model",), quant=True)],
     "freeze-moe-router": [Case(lambda t: {"model": _tiny_mixtral()}, ("model",))],
     "full-vocabulary-sampling": [Case(lambda t: _rl_args("grpo", t, top_p=0.9, top_k=50, min_p=0.05,
                                                          generation_kwargs={"top_k": 20, "repetition_penalty": 1.1}),
                                       ("args",))],
     "init-new-embeddings": [Case(lambda t: {"model": add_zero_tokens(tiny_llama())}, ("model",)),
+                            Case(lambda t: {"model": _trainable_tokens()}, ("model",)),
                             Case(lambda t: {"model": seed_peft_model("llama")}, ("model",))],
     "lora-target-fused-experts": [Case(lambda t: {"model": _tiny_mixtral(target_modules=MOE_LLAMA_NAMES)},
                                        ("model",))],
@@ -278,21 +319,25 @@ CASES: dict[str, list[Case]] = {
     "lower-learning-rate": [Case(_built_optimizer, ("trainer",)), Case(lambda t: _loop(), ("optimizer",))],
     "mask-special-labels": [Case(_image_labels, ("trainer",)), Case(_image_index_labels, ("trainer",))],
     "merge-in-fp32": [Case(_peft_and_base, ("model",),
-                           lambda t: {"path": str(t / "merged"), "base": str(t / "base"), "dtype": "bfloat16"})],
+                           lambda t: {"path": str(t / "merged"), "base": str(t / "base"), "dtype": "bfloat16"}, writes="path")],
     "model-train-mode": [Case(lambda t: {"model": tiny_llama(attention_dropout=0.1).eval()}, ("model",))],
-    "non-reentrant-checkpointing": [Case(_checkpointing, ("trainer",))],
+    "non-reentrant-checkpointing": [Case(_checkpointing, ("trainer",)),
+                                    Case(lambda t: _checkpointing(t, gradient_checkpointing=True), ("trainer",)),
+                                    Case(lambda t: {"model": _checkpointing(t)["trainer"].model}, ("model",))],
     "optimizer-eps-for-dtype": [Case(lambda t: _loop(torch.float16), ("optimizer",))],
     "pad-right-for-training": [Case(lambda t: {"tokenizer": word_tokenizer(padding_side="left")}, ("tokenizer",))],
     "raise-temperature": [Case(lambda t: _rl_args("grpo", t, temperature=0.7), ("args",))],
-    "resave-adapter": [Case(_peft_and_base, ("model",), lambda t: {"path": str(t / "adapter")})],
+    "resave-adapter": [Case(_peft_and_base, ("model",), lambda t: {"path": str(t / "adapter")}, writes="path")],
     "resize-token-embeddings": [Case(lambda t: _resized_tokenizer(), ("model", "tokenizer"))],
-    "save-embedding-layers": [Case(_peft_and_base, ("model",), lambda t: {"path": str(t / "adapter")})],
+    "save-embedding-layers": [Case(_peft_and_base, ("model",), lambda t: {"path": str(t / "adapter")},
+                                   writes="path")],
     "save-tokenizer": [Case(lambda t: {"tokenizer": chat_tokenizer()}, ("tokenizer",),
-                            lambda t: {"path": str(t / "tokenizer")}),
+                            lambda t: {"path": str(t / "tokenizer")}, writes="path"),
                        Case(lambda t: _lm_trainer(t, chat_tokenizer()), ("trainer",),
-                            lambda t: {"path": str(t / "tokenizer")}),
+                            lambda t: {"path": str(t / "tokenizer")}, writes="path"),
                        Case(lambda t: {"tokenizer": chat_tokenizer()}, ("tokenizer",),
-                            lambda t: {"path": str(t / "tokenizer"), "chat_template": "{{ messages[0]['content'] }}"})],
+                            lambda t: {"path": str(t / "tokenizer"), "chat_template": "{{ messages[0]['content'] }}"},
+                            writes="path")],
     "scale-loss-for-accumulation": [Case(_trainer, ("trainer",))],
     "set-attn-implementation": [Case(lambda t: {"model": tiny_llama()}, ("model",), {"to": "eager"}),
                                 Case(lambda t: {"model": tiny_gemma3(attn_logit_softcapping=50.0)}, ("model",))],
@@ -302,7 +347,8 @@ CASES: dict[str, list[Case]] = {
                               {"to": "bf16"}),
                          Case(lambda t: _fp16_loop_stepped(), ("model", "optimizer"), {"to": "fp32"}),
                          Case(lambda t: {"model": tiny_llama(dtype=torch.float16)}, ("model",),
-                              {"to": "fp32", "only": ["model.layers.1.mlp"]})],
+                              {"to": "fp32", "only": ["model.layers.1.mlp"]}),
+                         Case(_four_bit, ("model",), {"to": "bf16"})],
     "sync-pad-token-id": [Case(lambda t: {"model": tiny_llama(), "tokenizer": word_tokenizer(pad="eos")},
                                ("model", "tokenizer"))],
     "tokenizer-no-bos": [Case(lambda t: {"tokenizer": chat_tokenizer(add_bos=True)}, ("tokenizer",))],
@@ -329,9 +375,18 @@ def _plain(value: Any) -> Any:
         return value
     if isinstance(value, torch.dtype):
         return str(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # e.g. torchao's act_quant_kwargs
+        return {"class": type(value).__name__, **{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}}
     if isinstance(value, functools.partial):
         return {"partial": getattr(value.func, "__name__", "?"), "keywords": _plain(value.keywords)}
     return f"<{type(value).__name__}>"
+
+
+def _value(p: torch.Tensor) -> Any:
+    """A parameter's values; a torchao float8 weight's as its quantised data and scale."""
+    if hasattr(p, "qdata") and hasattr(p, "scale"):
+        return [p.qdata.detach().view(torch.uint8).clone(), p.scale.detach().clone()]
+    return p.detach().clone()
 
 
 def _module_state(model: torch.nn.Module) -> dict[str, Any]:
@@ -340,7 +395,8 @@ def _module_state(model: torch.nn.Module) -> dict[str, Any]:
     for name, p in model.named_parameters(remove_duplicate=False):
         shared = first_name.setdefault(id(p), name)
         params[name] = {"dtype": str(p.dtype), "requires_grad": p.requires_grad, "shares": shared,
-                        "value": p.detach().clone(), "class": type(p).__name__}
+                        "value": _value(p), "class": type(p).__name__,
+                        "act_quant_kwargs": _plain(getattr(p, "act_quant_kwargs", None))}
     modules = {}
     for name, module in model.named_modules(remove_duplicate=False):
         attrs = {k: _plain(v) for k, v in vars(module).items()
@@ -521,8 +577,9 @@ def test_every_fix_has_a_case():
     assert not set(CASES) - set(fixes.FIXES), f"cases for fixes that are not registered: {set(CASES) - set(fixes.FIXES)}"
 
 
-PARAMS = [pytest.param(fix_id, i, id=f"{fix_id}-{i}") for fix_id in sorted(fixes.FIXES)
-          for i in range(len(CASES.get(fix_id, [None])))]
+PARAMS = [pytest.param(fix_id, i, id=f"{fix_id}-{i}",
+                       marks=[pytest.mark.quant] if fix_id in CASES and CASES[fix_id][i].quant else [])
+          for fix_id in sorted(fixes.FIXES) for i in range(len(CASES.get(fix_id, [None])))]
 
 
 @pytest.mark.parametrize(("fix_id", "index"), PARAMS)
@@ -533,7 +590,7 @@ def test_the_cell_leaves_the_state_apply_leaves(fix_id, index, tmp_path):
     if case.skip:
         pytest.skip(case.skip)
     options = case.options(tmp_path) if callable(case.options) else dict(case.options)
-    path = options.get("path")
+    path = options.get(case.writes) if case.writes else None
     start = _globals()
     try:
         before = snapshot(case.build(tmp_path), path)
