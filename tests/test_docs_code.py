@@ -60,7 +60,7 @@ def test_a_trainer_is_still_recognised_without_importing_transformers_for_plain_
     import transformers
     import transformers.trainer  # noqa: F401  (what defining or importing any Trainer does)
 
-    from nbguard.watcher.watch import _is_trainer
+    from nbguard.watcher.core.watch import _is_trainer
 
     class Sub(transformers.Trainer):  # a TRL-style subclass
         def __init__(self):
@@ -93,7 +93,7 @@ def test_nanwatch_off_detaches_the_line_magics_watch_and_a_cell_detaches_its_own
     from notebook_helpers import run, usage_line
 
     from nbguard.notebook.magics import NbguardMagics
-    from nbguard.watcher.watch import attached_watches
+    from nbguard.watcher.core.watch import attached_watches
 
     assert "a %%nanwatch cell detaches its own when the cell ends" in " ".join(NbguardMagics.nanwatch.__doc__.split())
     run(shell, PLAIN_LOOP_SETUP)

@@ -183,11 +183,11 @@ def test_double_bos_on_the_trainer_as_built_drop_is_verified_and_the_tokenizer_s
     assert drop.changes == {"trainer.train_dataset": "4 of 4 rows start with one BOS instead of two"}
     assert switch.verdict == NOT_ENOUGH and "double-bos still fires: 4 of 4 sampled rows start with two BOS" in switch.reason
     assert switch.changes["tokenizer.add_bos_token"].startswith("True -> False")
-    # ranked: the verified fix first, and only it is the open (recommended) one
+    # ranked: the verified fix first, and only it is the recommended one (its cell folded, a click away)
     assert [v.fix for v in result.verification.verdicts] == ["drop-doubled-bos", "tokenizer-no-bos"]
     page = html(result)
-    assert '<details open><summary>fix <code>drop-doubled-bos</code>' in page
-    assert '<details open><summary>fix <code>tokenizer-no-bos</code>' not in page
+    assert '<details><summary>recommended fix <code>drop-doubled-bos</code>' in page
+    assert 'recommended fix <code>tokenizer-no-bos</code>' not in page and "<details open>" not in page
 
     # isolation: TRL's prepared rows, the tokenizer, the collator and the args are the user's, unchanged
     assert trainer.train_dataset is dataset and len(dataset) == 4

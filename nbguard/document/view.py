@@ -921,12 +921,14 @@ def verification_card(v: dict, title: str) -> Card:
         lines.append(f"step level not run: {v['step_skipped']}")
     lines.extend(str(note) for note in v.get("notes") or [])
     items = [item for item in v.get("verdicts") or [] if isinstance(item, dict)]
-    # the recommendation rule's tie-break: a fix setting the precision the origin fits in, before the others
-    items.sort(key=lambda item: not _fits_measured_precision(item, v.get("module_check")))
-    fixes = ranked([FixView(id=str(item.get("fix")), title=str(item.get("title") or ""), code=str(item.get("code") or ""),
-                            verdict=Verdict(_status(item.get("verdict")), str(item.get("verdict")),
-                                            str(item.get("reason") or "")))
-                    for item in items])
+    # the verifier's order (verified, not enough, not checked), with the recommendation rule's tie-break among
+    # the verified: a fix setting the precision the origin was measured to fit in comes first
+    items.sort(key=lambda item: (_status(item.get("verdict")) != "verified",
+                                 _status(item.get("verdict")) == "verified"
+                                 and not _fits_measured_precision(item, v.get("module_check"))))
+    fixes = [FixView(id=str(item.get("fix")), title=str(item.get("title") or ""), code=str(item.get("code") or ""),
+                     verdict=Verdict(_status(item.get("verdict")), str(item.get("verdict")), str(item.get("reason") or "")))
+             for item in items]
     table = Table(columns=["fix", "verdict", "loss", "total grad norm", "largest activation", "precision", "why"],
                   rows=rows, numeric=[False, False, True, True, True, False, False], code=[True] + [False] * 6,
                   bad_rows=[i for i, r in enumerate(rows) if r[1] == "not enough"]) if rows else None

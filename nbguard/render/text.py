@@ -72,7 +72,7 @@ def compact_section_lines(section: Section, left_out: list[bool]) -> list[str]:
         lines.append(f"  {section.cards_title}:")
     for card in section.cards[:MAX_CARDS]:
         lines.extend(compact_card_lines(card, "  "))
-        left_out.append(bool(card.folds or card.code or card.fixes or (card.table and card.tone == "info")))
+        left_out.append(bool(card.folds or card.code or card.fixes or _is_verification(card)))
     if len(section.cards) > MAX_CARDS:
         lines.append(f"  … {len(section.cards) - MAX_CARDS} more")
     lines.extend(f"  {chart.alt}: {chart.empty}" for chart in section.charts if chart.empty)
@@ -82,22 +82,26 @@ def compact_section_lines(section: Section, left_out: list[bool]) -> list[str]:
 
 def compact_card_lines(card: Card, indent: str) -> list[str]:
     """A card in a few lines: title, cause, the quote, an event's origin table, and its fixes in one line
-    (the recommended one first, marked); a verification card keeps only its module check."""
+    (the recommended one first); a verification's card keeps its module check and its fixes line."""
     head = f"[{card.badge}] " if card.badge else ""
     lines = [f"{indent}{head}{card.title}" + (f"  ({card.tag})" if card.tag else "")]
     inner = indent + "    "
-    if card.tone == "info" and card.table is not None:  # a verification: its verdicts are on the event's card
-        return [*lines, *(f"{inner}{_clip(line)}" for line in card.lines)]
-    for line in card.lines[:2]:  # a finding's explanation: its first two lines
+    for line in card.lines:  # a finding's explanation in two lines at most; a cause, what to try next in full
         wrapped = _wrap(line, inner)
-        lines.extend(wrapped[:1] + [wrapped[1] + (" …" if len(wrapped) > 2 else "")] if len(wrapped) > 1 else wrapped)
+        cut = card.badge and len(wrapped) > 2
+        lines.extend([wrapped[0], wrapped[1] + " …"] if cut else wrapped)
     if card.quote:
         lines.append(f"{inner}> {_clip(card.quote)}")
-    if card.table:
+    if card.table and not _is_verification(card):
         lines.extend(table_lines(card.table, inner))
     if card.fixes:
         lines.append(f"{inner}{fixes_line(card.fixes)}")
     return lines
+
+
+def _is_verification(card: Card) -> bool:
+    """A verification's card: its wide table of verdicts and evidence is the full view's (its fixes line says it)."""
+    return bool(card.table and card.table.columns[:2] == ["fix", "verdict"])
 
 
 def fixes_line(fixes: list[FixView]) -> str:
