@@ -1,12 +1,13 @@
 """drop-rows: filter the rows a watch event named (by dataset index) out of the Trainer's training data.
 
 The watch names the rows of a bad step by the dataset indices its sampler drew
-(``event.evidence["rows"]["dataset_indices"]``, :mod:`nbguard.watcher.rows`); this fix drops exactly
+(``event.evidence["rows"]["dataset_indices"]``, :mod:`nbguard.watcher.localise.rows`); this fix drops exactly
 those rows. ``indices=`` lists them, or ``path=`` reads them from the JSON file
-``nbguard.watcher.rows.save_rows`` wrote (its ``dataset_indices``).
+``nbguard.watcher.localise.rows.save_rows`` wrote (its ``dataset_indices``).
 """
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -23,14 +24,15 @@ def read_indices(indices: Any = None, path: str | Path | None = None) -> list[in
         indices = data.get("dataset_indices") if isinstance(data, dict) else data
     if indices is None:
         raise ValueError("fix 'drop-rows' needs indices=[...] (the dataset indices an event named) or path= (the "
-                         "JSON file nbguard.watcher.rows.save_rows wrote)")
+                         "JSON file nbguard.watcher.localise.rows.save_rows wrote)")
     if not isinstance(indices, (list, tuple, set)) or not all(isinstance(i, int) and not isinstance(i, bool)
                                                                 for i in indices):
         raise ValueError(f"fix 'drop-rows': indices must be a list of dataset indices (ints), got {indices!r}")
     return sorted(set(indices))
 
 
-def rows_kept(data: Any, keep: list[int], mark: str, value: Any) -> Any:
+# The cells carry these functions' own source: no annotations, no names from this module.
+def rows_kept(data, keep, mark, value):
     """``data`` with only the rows at ``keep``, of the dataset's own kind (a datasets.Dataset, a list, else a
     Subset), marked with ``mark`` = ``value`` where the kind takes an attribute (a list does not)."""
     if hasattr(data, "select"):  # a datasets.Dataset
@@ -46,6 +48,15 @@ def rows_kept(data: Any, keep: list[int], mark: str, value: Any) -> Any:
     return kept
 
 
+def without_rows(data, drop):
+    """``data`` without the rows at the dataset indices ``drop`` (a sorted list). Marked with them, so dropping
+    the same indices again leaves it as it is: by then they would name other rows."""
+    if getattr(data, "nbguard_dropped_rows", None) == drop:
+        return data
+    gone = set(drop)
+    return rows_kept(data, [i for i in range(len(data)) if i not in gone], "nbguard_dropped_rows", drop)
+
+
 def _drop(target: Target, indices: Any = None, path: str | None = None, **_: Any) -> dict:
     drop = read_indices(indices, path)
     trainer = target.trainer
@@ -53,15 +64,13 @@ def _drop(target: Target, indices: Any = None, path: str | None = None, **_: Any
     if data is None:
         raise ValueError("fix 'drop-rows' filters trainer.train_dataset, and this trainer has none")
     if getattr(data, "nbguard_dropped_rows", None) == drop:
-        return {}  # applied already: the indices now point at other rows
+        return {}  # applied already (or its cell ran): the indices now point at other rows
     rows = len(data)
     outside = [i for i in drop if not 0 <= i < rows]
     if outside:
         raise ValueError(f"fix 'drop-rows': indices {outside} are outside trainer.train_dataset ({rows} rows)")
-    gone = set(drop)
-    keep = [i for i in range(rows) if i not in gone]
-    trainer.train_dataset = rows_kept(data, keep, "nbguard_dropped_rows", drop)  # (a second apply is a no-op)
-    return {"trainer.train_dataset": f"{rows} -> {len(keep)} rows (dropped dataset indices {drop})"}
+    trainer.train_dataset = without_rows(data, drop)
+    return {"trainer.train_dataset": f"{rows} -> {len(trainer.train_dataset)} rows (dropped dataset indices {drop})"}
 
 
 def _code(names: Names, indices: Any = None, path: str | None = None, **_: Any) -> str:
@@ -71,17 +80,17 @@ def _code(names: Names, indices: Any = None, path: str | None = None, **_: Any) 
                   f"    _bad_rows = set(json.load(_f)[\"dataset_indices\"])  # written by nbguard")
     else:
         source = f"_bad_rows = {set(read_indices(indices)) or 'set()'}"
-    return f"""# Rows a watch event named as breaking training (dataset indices of {t}.train_dataset): drop them.
+    return f"""import torch
+
+# Rows a watch event named as breaking training (dataset indices of {t}.train_dataset): drop them. What is
+# left is marked with the indices dropped, so running this again drops nothing more.
+{inspect.getsource(rows_kept)}
+
+{inspect.getsource(without_rows)}
+
 {source}
-_keep = [_i for _i in range(len({t}.train_dataset)) if _i not in _bad_rows]
-if hasattr({t}.train_dataset, "select"):  # a datasets.Dataset
-    {t}.train_dataset = {t}.train_dataset.select(_keep)
-else:
-    import torch
-
-    {t}.train_dataset = torch.utils.data.Subset({t}.train_dataset, _keep)
+{t}.train_dataset = without_rows({t}.train_dataset, sorted(_bad_rows))
 """
-
 
 register(Fix("drop-rows", "Drop the rows that broke a step",
              "Filter the dataset indices a watch event named (evidence rows.dataset_indices) out of "

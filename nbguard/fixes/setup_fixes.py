@@ -299,6 +299,13 @@ register(Fix("disable-cudnn-sdp", "Turn off the cuDNN attention backend",
 
 
 # ---- non-reentrant-checkpointing -------------------------------------------------------------
+# The fix's cell carries this function's own source: apply asks it too.
+def checkpoints_reentrant(model):
+    """Whether a checkpointed layer of the model runs torch's checkpoint without use_reentrant=False."""
+    return any(getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant") is not False
+               for m in model.modules() if getattr(m, "gradient_checkpointing", False))
+
+
 def _non_reentrant(target: Target, **_: Any) -> dict:
     changed: dict[str, Any] = {}
     args, model = target.args, target.model
@@ -307,7 +314,7 @@ def _non_reentrant(target: Target, **_: Any) -> dict:
         if kwargs.get("use_reentrant") is not False:
             args.gradient_checkpointing_kwargs = {**kwargs, "use_reentrant": False}
             changed["args.gradient_checkpointing_kwargs"] = "use_reentrant=False"
-    if model is not None and getattr(model, "is_gradient_checkpointing", False):
+    if model is not None and getattr(model, "is_gradient_checkpointing", False) and checkpoints_reentrant(model):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         changed["model"] = "checkpointing re-enabled with use_reentrant=False"
     return changed
@@ -319,7 +326,8 @@ def _non_reentrant_code(names: Names, **_: Any) -> str:
         lines += [f"if {names.args}.gradient_checkpointing:",
                   f"    {names.args}.gradient_checkpointing_kwargs = {{"
                   f"**({names.args}.gradient_checkpointing_kwargs or {{}}), \"use_reentrant\": False}}"]
-    lines += [f"if getattr({names.model}, \"is_gradient_checkpointing\", False):",
+    lines += ["", inspect.getsource(checkpoints_reentrant),
+              f"if getattr({names.model}, \"is_gradient_checkpointing\", False) and checkpoints_reentrant({names.model}):",
               f"    {names.model}.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{\"use_reentrant\": False}})"]
     return "\n".join(lines) + "\n"
 

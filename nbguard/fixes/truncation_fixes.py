@@ -8,6 +8,7 @@ only (nothing to learn from either).
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from ..introspect.truncation import MARK, open_at_cap, read_rows, truncation_cap
@@ -46,7 +47,11 @@ def _drop_truncated(target: Target, **_: Any) -> dict:
 
 def _drop_truncated_code(names: Names, **_: Any) -> str:
     t = names.trainer
-    return f"""# Rows that reach max_length and end without EOS: the cap fell inside their answer, so the model is taught
+    return f"""import torch
+
+{inspect.getsource(rows_kept)}
+
+# Rows that reach max_length and end without EOS: the cap fell inside their answer, so the model is taught
 # to stop nowhere. Drop them (or rebuild the dataset with a max_length that covers them, within the model's context).
 _data = {t}.train_dataset
 _eos = {names.tokenizer}.eos_token_id
@@ -61,15 +66,8 @@ _rows = [_attended(_data[_i]) for _i in range(len(_data))]
 # TRL's max_length; for rows tokenized with truncation=True, max_length=N before a plain Trainer, the longest rows
 _cap = getattr({t}.args, "max_length", None) or getattr(_data, "{MARK}", None) or max(map(len, _rows))
 _keep = [_i for _i, _r in enumerate(_rows) if len(_r) < _cap or _r[-1] == _eos]
-if hasattr(_data, "select"):  # a datasets.Dataset
-    _kept = _data.select(_keep)
-else:
-    import torch
-
-    _kept = torch.utils.data.Subset(_data, _keep)
-_kept.{MARK} = _cap  # running this cell again drops nothing more
 print(f"dropped {{len(_data) - len(_keep)}} rows cut at {{_cap}} tokens; {{len(_keep)}} left")
-{t}.train_dataset = _kept
+{t}.train_dataset = rows_kept(_data, _keep, "{MARK}", _cap)  # marked: running this cell again drops nothing more
 """
 
 
