@@ -164,13 +164,15 @@ def _fix_html(fix, shown: set[tuple[str, str]] | None = None, lead: str = "fix")
 
 
 def _fixes_html(fixes: list, shown: set[tuple[str, str]] | None = None) -> str:
-    """The recommended fix (``recommended_fix``, the one every face names) in one line, its cell a click
-    away; the other fixes under one fold. With no fix verified, every fix waits under the fold."""
+    """The fix ``recommended_fix`` picks (the one every face names) in one line, its cell a click away, the
+    other fixes under one fold; it is called "recommended" once verified (an audit that ran nothing shows its
+    first fix plainly). With fixes run and none verified, every fix waits under the fold."""
     if not fixes:
         return ""
     best = recommended_fix(fixes)
     others = [fix for fix in ranked(fixes) if fix is not best]
-    first = _fix_html(best, shown, lead="recommended fix") if best is not None else ""
+    verified = best is not None and best.verdict is not None  # a card names only a verified fix "recommended"
+    first = _fix_html(best, shown, lead="recommended fix" if verified else "fix") if best is not None else ""
     if not others:
         return first
     label = (f"{len(others)} other fix{'es' if len(others) > 1 else ''}" if best is not None

@@ -99,8 +99,7 @@ def _card(card: Card, compact: bool, limit: int) -> list[str]:
     if card.fixes:  # the recommended one (the fix every face names) first, and marked
         best = recommended_fix(card.fixes)
         line += " Fixes: " + ", ".join(
-            md_code(f.id) + (f" ({md_text(f.verdict.label)}{', recommended' if f is best else ''})" if f.verdict
-                             else " (recommended)" if f is best else "")
+            md_code(f.id) + (f" ({md_text(f.verdict.label)}{', recommended' if f is best else ''})" if f.verdict else "")
             for f in sorted(ranked(card.fixes), key=lambda f: f is not best))
     out = [line]
     if card.quote:
