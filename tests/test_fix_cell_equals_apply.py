@@ -143,6 +143,17 @@ def _float8_llama():
     return model
 
 
+def _bloom_attention_in_eval():
+    """Bloom's attention holds its dropout as an nn.Dropout named attention_dropout (not a float)."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(0)
+    model = BloomForCausalLM(BloomConfig(vocab_size=TINY_VOCAB, hidden_size=32, n_layer=2, n_head=4,
+                                         attention_dropout=0.1, hidden_dropout=0.1)).train()
+    model.transformer.h[0].self_attention.eval()
+    return model
+
+
 def _partly_eval(model):
     model.train()
     model.model.layers[0].self_attn.eval()  # a wrapper's train() did not reach this attention (dropout 0.1)
@@ -304,7 +315,8 @@ CASES: dict[str, list[Case]] = {
                   Case(_rows_file, ("trainer",), lambda t: {"path": str(t / "rows.json")})],
     "drop-truncated-rows": [Case(_truncated, ("trainer",)), Case(_truncated_list, ("trainer",))],
     "drop-unsupervised-rows": [Case(_unsupervised_rows, ("trainer",)), Case(_unsupervised_dataset, ("trainer",))],
-    "dropout-train-mode": [Case(lambda t: {"model": _partly_eval(tiny_llama(attention_dropout=0.1))}, ("model",))],
+    "dropout-train-mode": [Case(lambda t: {"model": _partly_eval(tiny_llama(attention_dropout=0.1))}, ("model",)),
+                           Case(lambda t: {"model": _bloom_attention_in_eval()}, ("model",))],
     "enable-grad-clipping": [Case(lambda t: _trainer(t, max_grad_norm=0.0), ("trainer",)), Case(lambda t: _loop(), ("optimizer",))],
     "enable-input-require-grads": [Case(lambda t: {"model": healthy_peft_model()}, ("model",))],
     "enable-router-aux-loss": [Case(lambda t: {"model": _tiny_mixtral()}, ("model",))],

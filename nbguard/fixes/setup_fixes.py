@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..introspect.modes import dropout_in_eval
+from ..introspect.modes import applies_dropout, dropout_in_eval
 from ..introspect.moe import trainable_router_params
 from .registry import Fix, Names, Target, register
 
@@ -240,11 +240,13 @@ def _dropout_train(target: Target, **_: Any) -> dict:
 def _dropout_train_code(names: Names, **_: Any) -> str:
     return f"""import torch
 
+
+{inspect.getsource(applies_dropout)}
+
 # A wrapper's train() did not reach these dropout layers after evaluation: put them back in training mode.
 if {names.model}.training:
     for module in {names.model}.modules():
-        dropout = isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0
-        if dropout or getattr(module, "attention_dropout", 0.0) > 0:  # transformers attention reads its own flag
+        if not module.training and applies_dropout(module):
             module.train(True)
 """
 
