@@ -304,7 +304,8 @@ CASES: dict[str, list[Case]] = {
     "add-entropy-bonus": [Case(lambda t: _rl_args("grpo", t), ("args",), {"coef": 0.02})],
     "add-warmup": [Case(lambda t: {"args": _args(t)}, ("args",))],
     "disable-cudnn-sdp": [Case(lambda t: {"model": tiny_llama()}, ("model",))],
-    "disable-dropout": [Case(lambda t: {"model": tiny_llama(attention_dropout=0.1)}, ("model",))],
+    "disable-dropout": [Case(lambda t: {"model": tiny_llama(attention_dropout=0.1)}, ("model",)),
+                        Case(lambda t: {"model": _bloom_attention_in_eval()}, ("model",))],
     "disable-use-cache": [Case(lambda t: {"model": tiny_gemma3_multimodal()}, ("model",))],
     "distinct-pad-token": [Case(_eval_and_eos_pad, ("trainer",)),
                            Case(lambda t: {"tokenizer": word_tokenizer(pad="eos"), "model": tiny_llama()},
@@ -330,6 +331,7 @@ CASES: dict[str, list[Case]] = {
                                       ("args",))],
     "init-new-embeddings": [Case(lambda t: {"model": add_zero_tokens(tiny_llama())}, ("model",)),
                             Case(lambda t: {"model": _trainable_tokens()}, ("model",)),
+                            Case(lambda t: {"model": add_zero_tokens(tiny_llama(tie_word_embeddings=True))}, ("model",)),
                             Case(lambda t: {"model": seed_peft_model("llama")}, ("model",))],
     "lora-target-fused-experts": [Case(lambda t: {"model": _tiny_mixtral(target_modules=MOE_LLAMA_NAMES)},
                                        ("model",))],
@@ -368,13 +370,17 @@ CASES: dict[str, list[Case]] = {
                               {"to": "fp32", "only": ["model.layers.1.mlp"]}),
                          Case(_four_bit, ("model",), {"to": "bf16"})],
     "sync-pad-token-id": [Case(lambda t: {"model": tiny_llama(), "tokenizer": word_tokenizer(pad="eos")},
+                               ("model", "tokenizer")),
+                          Case(lambda t: {"model": tiny_gemma3_multimodal(), "tokenizer": word_tokenizer(pad="eos")},
                                ("model", "tokenizer"))],
     "tokenizer-no-bos": [Case(lambda t: {"tokenizer": chat_tokenizer(add_bos=True)}, ("tokenizer",))],
     "unshift-labels": [Case(_shifted_labels, ("trainer",))],
     "unsloth-precision": [Case(lambda t: {}, ("model",), skip=(
         "its cell reloads the model through unsloth.FastLanguageModel, and Unsloth installs and loads only with a "
         "CUDA GPU"))],
-    "untie-embeddings": [Case(lambda t: {"model": tiny_llama(tie_word_embeddings=True)}, ("model",))],
+    "untie-embeddings": [Case(lambda t: {"model": tiny_llama(tie_word_embeddings=True)}, ("model",)),
+                         Case(lambda t: {"model": seed_peft_model(dtype=torch.float32, zero_tokens=False)}, ("model",)),
+                         Case(lambda t: {"model": tiny_gemma3_multimodal()}, ("model",))],
     "upcast-trainable-fp32": [Case(lambda t: {"model": seed_peft_model("llama")}, ("model",))],
 }
 

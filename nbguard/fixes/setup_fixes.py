@@ -157,20 +157,30 @@ def _sync_pad(target: Target, **_: Any) -> dict:
         raise ValueError("fix 'sync-pad-token-id' sets model.config.pad_token_id: pass model= (or trainer=)")
     if tok.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token: apply 'distinct-pad-token' first")
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return set_pad_token_id(model, tok.pad_token_id)
+
+
+# The fix's cell carries this function's own source: apply sets the ids with it too.
+def set_pad_token_id(model, pad_id):
+    """The pad id on the config the head reads (the language model's: get_text_config()) and on the model's own
+    config where it has one (a multimodal config may have none). Returns what changed."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     changed = {}
-    for owner in {id(c): c for c in (model.config, config)}.values():
-        if owner.pad_token_id != tok.pad_token_id:
-            changed[f"{type(owner).__name__}.pad_token_id"] = f"{owner.pad_token_id} -> {tok.pad_token_id}"
-            owner.pad_token_id = tok.pad_token_id
+    for owner in {id(c): c for c in (config, text)}.values():
+        old = getattr(owner, "pad_token_id", None)
+        if (owner is text or hasattr(owner, "pad_token_id")) and old != pad_id:
+            owner.pad_token_id = pad_id
+            changed[f"{type(owner).__name__}.pad_token_id"] = f"{old} -> {pad_id}"
     return changed
 
 
 def _sync_pad_code(names: Names, **_: Any) -> str:
     m, t = names.model, names.tokenizer
     return f"""# The classification head pools the last token that is not config.pad_token_id: use the tokenizer's pad id.
-{m}.config.pad_token_id = {t}.pad_token_id
-{m}.config.get_text_config().pad_token_id = {t}.pad_token_id
+{inspect.getsource(set_pad_token_id)}
+
+set_pad_token_id({m}, {t}.pad_token_id)
 """
 
 
