@@ -59,7 +59,7 @@ def train(steps: int) -> None:
 def judging_in_a_hot_loop(steps: int = 1000) -> float:
     """Seconds per step for the board's ``before_update``, ``update`` and ``reset_step`` on the watch's own
     detectors, step after step with nothing in between (views with the trained model's groups and norms)."""
-    from nbguard.watcher.pipeline import StepView
+    from nbguard.watcher.core.pipeline import StepView
 
     variant, _ = watched_tiny_llama()
     watch = variant.watch

@@ -56,7 +56,7 @@ def _median_ms(values: list[float]) -> float:
 def worker(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from nbguard.watcher.distributed import RankSync
+    from nbguard.watcher.distributed.ranks import RankSync
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

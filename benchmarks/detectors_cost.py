@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nbguard  # noqa: E402
-from nbguard.watcher.divergence import RunHealth  # noqa: E402
+from nbguard.watcher.detectors.divergence import RunHealth  # noqa: E402
+from nbguard.watcher.detectors.rl import CollapseChecks, PreferenceChecks, RewardChecks  # noqa: E402
 from nbguard.watcher.integrations.trl import RewardCall  # noqa: E402
-from nbguard.watcher.rl import CollapseChecks, PreferenceChecks, RewardChecks  # noqa: E402
 
 
 def build_model(args):

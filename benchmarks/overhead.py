@@ -476,7 +476,7 @@ class IrreducibleWork(FixedCostVariant):
     def clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         from torch.nn.utils.clip_grad import _clip_grads_with_norm_
 
-        from nbguard.watcher.clip_tap import _clip_norms
+        from nbguard.watcher.reads.clip_tap import _clip_norms
 
         # the norms exactly as torch's clip_grad_norm_ takes them (its grouping, kernels and stack), so
         # the clip costs what the baseline's does
@@ -522,8 +522,9 @@ def hook_times(args) -> None:
     watch with its detectors removed, a copy with hooks that do nothing and one doing only the irreducible
     work (``IrreducibleWork``) against the whole watch (same rounds), and the cold first op: the supervised-token count run twice inside the forward pre-hook,
     first and again right after (so both watches pay one warm count more than they otherwise would)."""
-    from nbguard.watcher import steps, supervision
-    from nbguard.watcher.pipeline import DetectorBoard
+    from nbguard.watcher.core import steps
+    from nbguard.watcher.core.pipeline import DetectorBoard
+    from nbguard.watcher.detectors import supervision
 
     inside: dict[tuple[str, int], list[int]] = {}  # (hook, id(watch)) -> ns per call
 

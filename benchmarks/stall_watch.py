@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nbguard  # noqa: E402
 from nbguard.watcher.components.stall import Heartbeat, StepClock  # noqa: E402
-from nbguard.watcher.pipeline import StepView  # noqa: E402
+from nbguard.watcher.core.pipeline import StepView  # noqa: E402
 
 VARIANTS = ("no step clock", "after_s=None", "heartbeat")
 
@@ -52,7 +52,7 @@ def without_step_clock(model, optimizer):
     component's factory returns None while this watch is made)."""
     import dataclasses
 
-    from nbguard.watcher import registry
+    from nbguard.watcher.core import registry
 
     spec = registry.registered_components()["stall"]
     registry._COMPONENTS["stall"] = dataclasses.replace(spec, make=lambda setup: None)

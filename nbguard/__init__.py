@@ -56,7 +56,7 @@ def __getattr__(name):
 
         return importlib.import_module(f"{__name__}.{name}")
     if name == "WatchConfig":  # the watch's settings: importing the watcher imports torch, so only when asked
-        from .watcher.config import WatchConfig
+        from .watcher.core.config import WatchConfig
 
         return WatchConfig
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

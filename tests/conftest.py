@@ -76,7 +76,7 @@ def _seeded_and_clean_session():
     a test that leaves its watch on (a Trainer's, alive in a reference cycle until the collector runs)
     would otherwise leave torch's clip_grad_norm_ wrapped for the tests after it."""
     from nbguard.session import SESSION
-    from nbguard.watcher.watch import attached_watches
+    from nbguard.watcher.core.watch import attached_watches
 
     torch.manual_seed(0)
     SESSION.clear()

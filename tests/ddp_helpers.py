@@ -58,7 +58,7 @@ import psutil
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-# torch's clipping functions as imported, before any watch patched them (nbguard.watcher.clip_tap's targets)
+# torch's clipping functions as imported, before any watch patched them (nbguard.watcher.reads.clip_tap's targets)
 _CLIP_FUNCTIONS = {(module, name): getattr(module, name, None)
                    for module in (torch.nn.utils, torch.nn.utils.clip_grad)
                    for name in ("clip_grad_norm_", "clip_grads_with_norm_", "clip_grad_value_")}
@@ -381,7 +381,7 @@ def train_fsdp_rank(scenario: str, policy: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from nbguard.testing import tiny_llama
-    from nbguard.watcher import fsdp_grads
+    from nbguard.watcher.distributed import fsdp_grads
 
     torch.set_num_threads(1)
     if not dist.is_initialized():  # a scenario before this one in the launch may have started the group
@@ -610,7 +610,7 @@ Scenario = tuple[str, str, str]  # (training function, scenario, policy)
 # The shared launches (``shared_batch``), each scenario a test (or several) reads. The Trainer goes after
 # the loops (its TrainingArguments reset accelerate's shared state). ``rank0only`` goes last: the watches of
 # the ranks pair by count (the n-th attach of each rank with the n-th of the others,
-# nbguard.watcher.distributed._SERIAL), and its rank 1 attaches none, so a watch on every rank after it
+# nbguard.watcher.distributed.ranks._SERIAL), and its rank 1 attaches none, so a watch on every rank after it
 # would pair rank 0's with rank 1's previous one and wait for a peer that never joins (seen: ``fail`` after
 # it hung).
 NOTEBOOK_BATCH: list[Scenario] = [
@@ -649,7 +649,7 @@ def _rank() -> int:
 def assert_clean(where: str) -> None:
     """No watch attached in this process, torch's clipping functions its own: what a scenario starts from
     (and what every detach must leave)."""
-    from nbguard.watcher.watch import attached_watches
+    from nbguard.watcher.core.watch import attached_watches
 
     attached = attached_watches()
     assert not attached, f"{where}: watches still attached: {attached}"

@@ -140,7 +140,7 @@ def cells(code: str) -> list[str]:
 def main(page: str) -> int:
     from IPython.core.interactiveshell import InteractiveShell
 
-    from nbguard.watcher.watch import attached_watches
+    from nbguard.watcher.core.watch import attached_watches
 
     blocks = [(line, code) for line, code, excerpt in python_blocks(Path(page).read_text()) if excerpt is None]
     shell = InteractiveShell.instance()

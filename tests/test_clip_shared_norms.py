@@ -10,8 +10,9 @@ import torch
 from watch_helpers import batches
 
 from nbguard.testing import tiny_llama
-from nbguard.watcher import NanWatch, clip_tap
-from nbguard.watcher.history import group_name
+from nbguard.watcher import NanWatch
+from nbguard.watcher.reads import clip_tap
+from nbguard.watcher.reads.history import group_name
 
 torch.set_num_threads(1)
 
@@ -314,7 +315,7 @@ def test_a_failure_before_the_clip_falls_back_to_torchs_own_call(monkeypatch):
 
 
 def test_the_total_norm_follows_a_new_list_of_group_norms():
-    from nbguard.watcher.sentinel import StepStats
+    from nbguard.watcher.reads.sentinel import StepStats
 
     stats = StepStats([3.0, 4.0], None, None, None)
     assert stats.total_grad_norm == 5.0

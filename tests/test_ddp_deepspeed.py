@@ -10,7 +10,7 @@ import torch
 
 import nbguard
 from nbguard.testing import tiny_batch, tiny_llama
-from nbguard.watcher.deepspeed_skips import DeepSpeedSkips, parse_overflow
+from nbguard.watcher.distributed.deepspeed_skips import DeepSpeedSkips, parse_overflow
 
 torch.set_num_threads(1)
 LOGGER = logging.getLogger("DeepSpeed")

@@ -3,7 +3,7 @@
 The sentinel sees each rank's shard of the already reduced gradient: the step's one collective sums
 the shards' squares, so every rank's per-group norms are those of the whole gradient (checked
 against ``full_tensor()``), named in the user's module names. Each rank's own gradient is read
-before the reduce-scatter, on FSDP's unsharded parameters (``nbguard.watcher.fsdp_grads``): a
+before the reduce-scatter, on FSDP's unsharded parameters (``nbguard.watcher.distributed.fsdp_grads``): a
 non-finite loss or gradient names its rank. Replay localisation is not run under FSDP (it would need
 every rank to replay in lockstep through FSDP's all-gathers); the bad rank's own read names the
 parameters around the origin instead. Where FSDP's internals are absent, the watch reads the reduced

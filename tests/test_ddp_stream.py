@@ -8,7 +8,7 @@ from ddp_helpers import BAD_STEP, STEPS, expected_kind, launch_streamed, read_ra
 from notebook_helpers import run, shell  # noqa: F401 - the fixture
 
 from nbguard.document.merge import gather
-from nbguard.watcher import stream
+from nbguard.watcher.distributed import stream
 
 
 def _child_sends() -> None:

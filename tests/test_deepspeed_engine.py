@@ -18,7 +18,7 @@ pytest.importorskip("deepspeed")
 from ddp_helpers import _run, read_ranks  # noqa: E402
 from deepspeed_ranks import BAD_STEP, STREAK  # noqa: E402
 
-from nbguard.watcher.deepspeed_skips import parse_overflow  # noqa: E402
+from nbguard.watcher.distributed.deepspeed_skips import parse_overflow  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 HELPER = Path(__file__).with_name("deepspeed_ranks.py")

@@ -208,7 +208,7 @@ COLAB_RAMP = [(3.059, 4.587), (3.246, 4.557), (28.02, 6.971), (106.7, 5.397), (1
 
 
 def _judge(steps) -> list[tuple[int, dict]]:
-    from nbguard.watcher.divergence import DivergenceDetector
+    from nbguard.watcher.detectors.divergence import DivergenceDetector
 
     detector = DivergenceDetector()
     return [(i, e) for i, (norm, loss) in enumerate(steps) if (e := detector.update(i, loss, norm, ["g"], [norm]))]

@@ -126,7 +126,7 @@ def test_the_attached_watch_map_holds_no_watch_once_detached():
     import torch
 
     from nbguard.testing import tiny_llama
-    from nbguard.watcher.lifecycle import _ATTACHED, attached_watch, attached_watches
+    from nbguard.watcher.core.lifecycle import _ATTACHED, attached_watch, attached_watches
 
     model = tiny_llama()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

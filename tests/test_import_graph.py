@@ -176,7 +176,7 @@ def _private(name: str) -> bool:
 
 def test_no_module_reads_another_packages_private_names():
     # A package's private names are its own: another package goes through a public function
-    # (the shadow step finds the watches to quiet with ``nbguard.watcher.lifecycle.attached_watches``).
+    # (the shadow step finds the watches to quiet with ``nbguard.watcher.core.lifecycle.attached_watches``).
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     found = [hit for name, path in sorted(modules.items())
              for hit in private_reads(path.read_text(encoding="utf-8"), name, set(modules))]

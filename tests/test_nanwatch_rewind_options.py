@@ -7,7 +7,7 @@ import torch
 from notebook_helpers import run, shell  # noqa: F401  (the fixture)
 
 from nbguard.notebook import magics
-from nbguard.watcher import policies, rewind
+from nbguard.watcher.policy import policies, rewind
 
 SETUP = ("import torch\nfrom nbguard.testing import tiny_llama, tiny_batch\nnet = tiny_llama()\n"
          "opt = torch.optim.AdamW(net.parameters(), lr=1e-3)\n"

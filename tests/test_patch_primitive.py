@@ -23,9 +23,9 @@ from rl_helpers import grpo_trainer
 
 from nbguard.introspect.trl import TAPPED
 from nbguard.testing import tiny_batch, tiny_llama
-from nbguard.watcher import clip_tap
 from nbguard.watcher.integrations.instance_wrap import MARK, InstanceWrap, find_patch, patch
 from nbguard.watcher.integrations.trl import RewardTap
+from nbguard.watcher.reads import clip_tap
 
 
 @dataclass

@@ -7,7 +7,7 @@ import socket
 
 import torch.distributed as dist
 
-from nbguard.watcher.distributed import _stored
+from nbguard.watcher.distributed.ranks import _stored
 
 
 class SendOnlyStore:

@@ -2,7 +2,7 @@
 tests/test_ddp_rank_tokens.py)."""
 from types import SimpleNamespace
 
-from nbguard.watcher.rank_tokens import RankTokenBalance, losses_are_rank_means
+from nbguard.watcher.distributed.rank_tokens import RankTokenBalance, losses_are_rank_means
 
 
 def test_a_trainer_normalises_across_ranks_unless_told_not_to(tmp_path):

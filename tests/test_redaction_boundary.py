@@ -18,7 +18,7 @@ from watch_helpers import batches, train
 
 import nbguard
 from nbguard.testing import tiny_llama
-from nbguard.watcher import activations
+from nbguard.watcher.reads import activations
 
 torch.set_num_threads(1)
 

@@ -43,7 +43,7 @@ TRACKER_ONLY = {"log": ((0,), ())}  # run.log({...}) in the trackers package (lo
 
 EXEMPT = {
     ("notebook/magics.py", "display"): "a Displayable result: its _repr_mimebundle_ redacts the document (outward)",
-    ("watcher/stream.py", "send"): "a rank's events to rank 0 of the same job (no process boundary to the user); "
+    ("watcher/distributed/stream.py", "send"): "a rank's events to rank 0 of the same job (no process boundary to the user); "
                                    "rank 0 shows them through the boundary",
     ("introspect/inert_pickle.py", "__repr__"): "a stand-in for a pickle's global, read by the audit into evidence; "
                                                 "never shown but through a document",

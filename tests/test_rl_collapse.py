@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 
 import nbguard
 from nbguard.testing import tiny_qwen2
-from nbguard.watcher.rl import TRLChecks
+from nbguard.watcher.detectors.rl import TRLChecks
 
 torch.set_num_threads(1)
 COLLAPSE_LR = 0.05  # high enough that a tiny policy narrows within 12 steps
@@ -286,7 +286,7 @@ def test_full_vocabulary_sampling_clears_the_finding(tmp_path):
 
 
 def test_the_weight_distance_read_in_chunks_is_the_whole_tensors_distance(monkeypatch):
-    from nbguard.watcher import rl
+    from nbguard.watcher.detectors import rl
 
     policy, reference = tiny_qwen2(seed=0), tiny_qwen2(seed=1)
     with torch.no_grad():

@@ -182,7 +182,7 @@ def test_a_loss_near_zero_from_the_first_step(tmp_path):
 
 
 def test_a_failure_inside_the_reward_checks_never_reaches_the_run(tmp_path, monkeypatch):
-    from nbguard.watcher.rl import RewardChecks
+    from nbguard.watcher.detectors.rl import RewardChecks
 
     def broken(self, call, step):
         raise RuntimeError("nbguard bug")

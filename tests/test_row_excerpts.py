@@ -9,7 +9,7 @@ import torch
 from boundary_helpers import API_VALUE, HF_TOKEN
 
 from nbguard.step.capture import MicroBatch
-from nbguard.watcher.rows import EXCERPT_CHARS, row_excerpt
+from nbguard.watcher.localise.rows import EXCERPT_CHARS, row_excerpt
 
 SECRET_LINE = f"my token is {HF_TOKEN} and api_key={API_VALUE}"
 BODY = HF_TOKEN[3:]

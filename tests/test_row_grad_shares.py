@@ -15,8 +15,8 @@ import nbguard
 from nbguard.step.capture import MicroBatch, capture_rng
 from nbguard.testing import tiny_batch, tiny_llama, word_tokenizer
 from nbguard.watcher import RewindSettings
-from nbguard.watcher.row_grads import row_grad_shares
-from nbguard.watcher.rows import bad_row_indices
+from nbguard.watcher.localise.row_grads import row_grad_shares
+from nbguard.watcher.localise.rows import bad_row_indices
 
 torch.set_num_threads(1)
 

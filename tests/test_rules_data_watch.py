@@ -12,7 +12,7 @@ from transformers import Trainer
 import nbguard
 from nbguard.findings import Event
 from nbguard.testing import TinyDataset, tiny_batch, tiny_llama
-from nbguard.watcher.supervision import FewTokensDetector, supervised_count
+from nbguard.watcher.detectors.supervision import FewTokensDetector, supervised_count
 
 
 def few_kinds(watch):

@@ -8,7 +8,7 @@ from data_helpers import ListDataset, ragged_examples, word_tokenizer
 
 import nbguard
 from nbguard.testing import tiny_llama
-from nbguard.watcher.train_mode import DropoutModeCheck
+from nbguard.watcher.detectors.train_mode import DropoutModeCheck
 
 
 class OwnFlagWrapper(torch.nn.Module):

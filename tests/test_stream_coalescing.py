@@ -7,7 +7,7 @@ import torch
 import nbguard
 from nbguard.notebook.ranks import RankWatches
 from nbguard.testing import tiny_batch, tiny_llama
-from nbguard.watcher import stream
+from nbguard.watcher.distributed import stream
 
 STEPS = 60
 

@@ -13,8 +13,8 @@ from nbguard.document.schema import schema
 from nbguard.render import update_norms_png
 from nbguard.testing import tiny_batch, tiny_llama
 from nbguard.watcher import NanWatch, WatchSettings
-from nbguard.watcher.history import group_name
 from nbguard.watcher.components.update_norms import UpdateNorms
+from nbguard.watcher.reads.history import group_name
 
 torch.set_num_threads(1)
 jsonschema = pytest.importorskip("jsonschema")

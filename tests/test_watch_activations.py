@@ -111,7 +111,7 @@ def test_hooks_on_each_group_module_and_detach_restores_every_count():
 
 
 def test_an_error_inside_an_activation_hook_is_recorded_and_training_goes_on(monkeypatch):
-    from nbguard.watcher import activations
+    from nbguard.watcher.reads import activations
 
     def broken(output):
         raise RuntimeError("boom in the probe")

@@ -18,7 +18,7 @@ def test_config_sets_the_default_policy_verify_and_dashboard(shell):  # noqa: F8
     run(shell, "%config NbguardMagics.dashboard_activations = True")
     run(shell, "%nanwatch my_model")
     state = shell.user_ns  # the watch the magic started is the one attached to the model
-    from nbguard.watcher.watch import attached_watch
+    from nbguard.watcher.core.watch import attached_watch
 
     watch = attached_watch(state["my_model"])
     assert watch.policy == "skip" and watch.activation_history is not None and watch._verifier is None

@@ -8,8 +8,8 @@ from notebook_helpers import run, shell  # noqa: F401
 import nbguard
 from nbguard.watcher.components.run_checks import RunChecks
 from nbguard.watcher.components.stall import StallSettings
-from nbguard.watcher.config import WatchConfig, describe_sections
-from nbguard.watcher.registry import registered_components
+from nbguard.watcher.core.config import WatchConfig, describe_sections
+from nbguard.watcher.core.registry import registered_components
 
 
 def _watch(**kwargs):
@@ -75,7 +75,7 @@ my_opt = torch.optim.SGD(my_model.parameters(), lr=0.1)
 def test_nanwatch_config_option_reaches_the_watch(shell):  # noqa: F811
     run(shell, SETUP)
     assert run(shell, "%nanwatch my_model --config stall.after_s=None --config run_checks.enabled=False").error is None
-    from nbguard.watcher.watch import attached_watch
+    from nbguard.watcher.core.watch import attached_watch
 
     watch = attached_watch(shell.user_ns["my_model"])
     assert watch.config == WatchConfig(stall={"after_s": None}, run_checks={"enabled": False})

@@ -8,7 +8,7 @@ from watch_helpers import batches
 
 import nbguard
 from nbguard.testing import tiny_llama
-from nbguard.watcher.eval_mode import KIND, TrainedInEvalMode
+from nbguard.watcher.detectors.eval_mode import KIND, TrainedInEvalMode
 
 torch.set_num_threads(1)
 

@@ -24,7 +24,7 @@ import nbguard
 from nbguard.document.view import view
 from nbguard.step.capture import find_loss
 from nbguard.testing import tiny_batch, tiny_llama
-from nbguard.watcher.divergence import DivergenceDetector
+from nbguard.watcher.detectors.divergence import DivergenceDetector
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from watch_helpers import PoisonedSiLU, batches
 
 from nbguard.testing import TinyDataset, tiny_llama
-from nbguard.watcher import NanWatch, clip_tap
+from nbguard.watcher import NanWatch
+from nbguard.watcher.reads import clip_tap
 
 torch.set_num_threads(1)
 
@@ -119,7 +120,7 @@ def test_two_watches_share_one_clip_wrapper_and_detach_restores_torch():
 def test_the_weight_fingerprint_follows_a_model_cast_after_attach():
     """``model.to(bf16)`` keeps the Parameter objects the watch covers and changes their dtype: the
     fingerprint then reads bf16 norms, and a run whose weights do not move is still named frozen."""
-    from nbguard.watcher.detectors import WatchSettings
+    from nbguard.watcher.detectors.thresholds import WatchSettings
 
     model = tiny_llama()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights never move

@@ -8,7 +8,7 @@ from watch_helpers import batches, hook_counts, train
 
 import nbguard
 from nbguard.testing import tiny_llama
-from nbguard.watcher import guard, lifecycle, record, steps, watch
+from nbguard.watcher.core import guard, lifecycle, record, steps, watch
 from nbguard.watcher.integrations import loop, trainer
 
 torch.set_num_threads(1)

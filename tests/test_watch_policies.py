@@ -103,10 +103,10 @@ def test_across_ranks_the_policy_acts_only_on_agreed_detectors():
     """A rank's own verdict (the run checks' divergence) only reports under DDP: the ranks could
     disagree and apply different updates. An agreed detector's events (the GradScaler streak) act."""
     from nbguard.findings import Event
-    from nbguard.watcher.detectors import WatchSettings
-    from nbguard.watcher.policies import training_stopper, update_dropper
     from nbguard.watcher.components.run_checks import RunChecks
-    from nbguard.watcher.scaler_skips import ScalerSkips
+    from nbguard.watcher.detectors.scaler_skips import ScalerSkips
+    from nbguard.watcher.detectors.thresholds import WatchSettings
+    from nbguard.watcher.policy.policies import training_stopper, update_dropper
 
     checks = RunChecks(None)
     exploded = Event("divergence", 3, "gradient norm exploded", evidence={})

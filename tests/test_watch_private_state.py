@@ -1,6 +1,6 @@
 """Nothing outside the watch core touches the watch's private state: a component uses its WatchContext.
 
-The core is the watch class in its layers (record, steps, lifecycle, watch) and the context itself;
+The core is the watch class in its layers (watcher/core/: record, steps, lifecycle, watch) and the context;
 every other module of nbguard that reaches ``watch._something`` (or ``getattr(watch, "_something")``)
 couples itself to the core's internals, which is what the component protocol exists to prevent.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "nbguard"
-CORE = {f"watcher/{name}.py" for name in ("record", "steps", "lifecycle", "watch", "context")}
+CORE = {f"watcher/core/{name}.py" for name in ("record", "steps", "lifecycle", "watch", "context")}
 # an expression that names a watch: `watch`, `self.watch`, `live_watch`, `self._watch` (a context's own)
 WATCH_NAME = re.compile(r"(^|_)watch$")
 
@@ -70,7 +70,7 @@ def test_no_module_outside_the_core_reaches_the_watchs_private_state():
         if relative in CORE:
             continue
         offenders += [f"{relative}:{line}: {text}" for line, text in private_accesses(path.read_text())]
-    assert offenders == [], ("use the component's WatchContext (nbguard/watcher/context.py) instead of the "
+    assert offenders == [], ("use the component's WatchContext (nbguard/watcher/core/context.py) instead of the "
                              "watch's private state:\n" + "\n".join(offenders))
 
 
@@ -102,7 +102,7 @@ def test_the_core_names_no_component_it_reaches_them_through_the_registry():
         package = ".".join(["nbguard", *relative.parent.parts])
         offenders += [f"{relative.as_posix()}:{line}: {module}" for line, module in _imported_modules(
             path.read_text(), package) if module.startswith("nbguard.watcher.components.")]
-    assert offenders == [], "import a component through nbguard.watcher.registry, not directly:\n" + "\n".join(offenders)
+    assert offenders == [], "import a component through nbguard.watcher.core.registry, not directly:\n" + "\n".join(offenders)
 
 
 def test_a_component_added_to_the_package_is_made_for_every_new_watch(tmp_path, monkeypatch):
@@ -115,13 +115,13 @@ def test_a_component_added_to_the_package_is_made_for_every_new_watch(tmp_path, 
 
     import nbguard
     import nbguard.watcher.components as components
-    from nbguard.watcher import registry
+    from nbguard.watcher.core import registry
 
     module = tmp_path / "forward_counter.py"
     module.write_text(
         "from dataclasses import dataclass\n"
-        "from nbguard.watcher.pipeline import WatchComponent\n"
-        "from nbguard.watcher.registry import register_component\n"
+        "from nbguard.watcher.core.pipeline import WatchComponent\n"
+        "from nbguard.watcher.core.registry import register_component\n"
         "SEEN = []\n"
         "@dataclass(frozen=True)\n"
         "class CounterSettings:\n"

@@ -186,7 +186,7 @@ def test_rewind_settings_refuse_nonsense():
 
 
 def test_a_failing_snapshot_never_breaks_the_run(monkeypatch):
-    from nbguard.watcher import rewind
+    from nbguard.watcher.policy import rewind
 
     def broken(*args, **kwargs):
         raise RuntimeError("planted")

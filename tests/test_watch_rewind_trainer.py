@@ -10,7 +10,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 import nbguard
 from nbguard.testing import TinyDataset, plant_fp16_overflow_token, tiny_llama
 from nbguard.watcher import RewindSettings
-from nbguard.watcher.rows import bad_row_indices, save_rows
+from nbguard.watcher.localise.rows import bad_row_indices, save_rows
 
 torch.set_num_threads(1)
 

@@ -7,7 +7,7 @@ from collections import deque
 
 import pytest
 
-from nbguard.watcher.rolling import MAD_TO_STD, RobustBaseline, RollingMedian
+from nbguard.watcher.reads.rolling import MAD_TO_STD, RobustBaseline, RollingMedian
 
 
 @pytest.mark.parametrize("window", [1, 2, 5, 16])

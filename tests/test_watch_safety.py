@@ -65,7 +65,7 @@ def test_internal_failure_under_warnings_as_errors_never_raises_into_the_step():
 
 
 def test_backward_hook_failure_under_warnings_as_errors(monkeypatch):
-    from nbguard.watcher import sentinel
+    from nbguard.watcher.reads import sentinel
 
     def broken(self, values):
         raise RuntimeError("norm read failed")
@@ -85,7 +85,7 @@ def test_backward_hook_failure_under_warnings_as_errors(monkeypatch):
 def test_a_watch_that_fails_after_the_last_forward_gives_torch_its_clip_back_at_once():
     """Its hooks wait for a safe point (the next forward, which a finished loop never runs), but the
     global clip_grad_norm_ wrapper is released when the failure happens: later runs do not pay it."""
-    from nbguard.watcher import clip_tap
+    from nbguard.watcher.reads import clip_tap
 
     torch.manual_seed(0)
     model = tiny_llama()

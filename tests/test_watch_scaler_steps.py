@@ -15,7 +15,7 @@ from watch_helpers import PoisonedSiLU, autocast_ctx, batches, train, with_token
 import nbguard
 from nbguard.findings import Event
 from nbguard.testing import TinyDataset, tiny_llama
-from nbguard.watcher.watch import fold_skip_streaks
+from nbguard.watcher.core.watch import fold_skip_streaks
 
 torch.set_num_threads(1)
 BAD_TOKEN = 7

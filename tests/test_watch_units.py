@@ -3,8 +3,8 @@ import torch
 
 from nbguard.step.tensors import summarize
 from nbguard.watcher import WatchSettings, group_name
-from nbguard.watcher.detectors import EvalLossDetector, FrozenDetector, SkipStreak
-from nbguard.watcher.policies import drop_update
+from nbguard.watcher.detectors.thresholds import EvalLossDetector, FrozenDetector, SkipStreak
+from nbguard.watcher.policy.policies import drop_update
 
 
 def test_group_names_are_blocks_children_or_owning_modules():

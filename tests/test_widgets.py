@@ -204,7 +204,7 @@ class _StaticWatch:
     """A watch stand-in for the throttle test: a real GradHistory, listeners ignored."""
 
     def __init__(self):
-        from nbguard.watcher.history import GradHistory
+        from nbguard.watcher.reads.history import GradHistory
 
         self.history = GradHistory(["model.layers.0.mlp", "model.layers.1.mlp"], 64)
         for step in range(10):

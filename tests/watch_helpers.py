@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from nbguard.testing import tiny_batch
-from nbguard.watcher import clip_tap
+from nbguard.watcher.reads import clip_tap
 
 
 def output_absmax(model, module, batch) -> float:

@@ -14,7 +14,7 @@ from ..introspect.unsloth import read_unsloth
 from ..step.batch import model_device
 from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
 from ..step.precision import PrecisionUnavailable, args_mixed_precision, autocast_text, trainer_autocast
-from ..watcher.clip_tap import clip_limit
+from ..watcher.reads.clip_tap import clip_limit
 from .loop_cells import (
     follow_weight_dtypes,
     loop_clip,

@@ -414,7 +414,7 @@ class NbguardMagics(Magics):
     @staticmethod
     def _watch_config(opts) -> Any:
         """--config SECTION.FIELD=VALUE, as nbguard.WatchConfig; a bad one names what was wrong."""
-        from ..watcher.config import WatchConfig
+        from ..watcher.core.config import WatchConfig
 
         try:
             return WatchConfig.from_assignments(opts.config)
@@ -523,10 +523,10 @@ class NbguardMagics(Magics):
         elif opts.command == "config":
             if opts.value:
                 raise MagicError(f"%nbguard config takes no argument (got {opts.value!r})")
-            from ..watcher.config import describe_sections
+            from ..watcher.core.config import describe_sections
 
-            print("%nanwatch --config SECTION.FIELD=VALUE (nbguard.WatchConfig(SECTION={FIELD: VALUE})):")
-            print("\n".join(f"  {line}" for line in describe_sections()))
+            say("%nanwatch --config SECTION.FIELD=VALUE (nbguard.WatchConfig(SECTION={FIELD: VALUE})):")
+            say("\n".join(f"  {line}" for line in describe_sections()))
         else:
             if opts.value:
                 raise MagicError(f"%nbguard explain takes no argument (got {opts.value!r})")

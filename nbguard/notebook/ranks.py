@@ -1,6 +1,6 @@
 """The kernel's view of a multi-rank run whose ranks were forked from it (``notebook_launcher``).
 
-``RankWatches`` is fed by the stream (``nbguard.watcher.stream``) and looks enough like a
+``RankWatches`` is fed by the stream (``nbguard.watcher.distributed.stream``) and looks enough like a
 ``NanWatch`` for the live dashboard (listeners, ``history``, ``events``): one dashboard for the
 run, with a row per rank. Each rank becomes a ``RankWatch`` recorded in the session, so
 ``%nbguard report`` / ``nbguard.report()`` hold every rank's events (each with its rank) and history.
@@ -13,8 +13,8 @@ from typing import Any
 
 from ..document.view import plural
 from ..findings import Displayable, Event, decode_float, document
-from ..watcher.history import GradHistory
-from ..watcher.stream import RankChannel
+from ..watcher.distributed.stream import RankChannel
+from ..watcher.reads.history import GradHistory
 
 Listener = Callable[[Any, str, Any], None]
 

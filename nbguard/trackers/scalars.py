@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from ..watcher.activations import FP16_LIMIT
+from ..watcher.reads.activations import FP16_LIMIT
 from .names import fold, short_names
 
 PREFIX = "nbguard/"

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..document.model import Event
 from ..document.outward import outward_text
-from ..watcher.rows import without_row_text
+from ..watcher.localise.rows import without_row_text
 
 
 def event_text(event: Event, rows: bool = False) -> str:

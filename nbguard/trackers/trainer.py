@@ -12,7 +12,7 @@ from transformers import TrainerCallback
 
 from ..document.model import Event
 from ..document.outward import exception_line, outward, warn
-from ..watcher.rows import without_row_text
+from ..watcher.localise.rows import without_row_text
 from .scalars import PREFIX, StepScalars
 from .sinks import event_text, event_title
 

@@ -30,7 +30,7 @@ from ..auditor.sampling import forget_loader
 from ..fixes.registry import Target
 from ..introspect.trl import GENERATING, PREFERENCE, TAPPED, trl_stack
 from ..step.capture import capture_rng, preserved_rng, restore_rng
-from ..watcher.rl import RLSettings
+from ..watcher.detectors.rl import RLSettings
 from .reaudit import fix_cell
 from .result import NOT_CHECKED, NOT_ENOUGH, VERIFIED, FixVerdict, Verification
 from .shadow import quiet_watches

@@ -23,7 +23,7 @@ from ..step.eager import eager_everywhere, unwrap_compiled
 from ..step.plan import CapturedStep, ShadowPlan
 from ..step.precision import autocast_as, autocast_text
 from ..step.tensors import float_tensors, iter_tensors
-from ..watcher.lifecycle import attached_watches
+from ..watcher.core.lifecycle import attached_watches
 from .result import StepEvidence
 
 MAX_NAMED_GRADS = 5

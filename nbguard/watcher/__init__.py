@@ -1,13 +1,13 @@
 """The NaN/Inf watch: a one-read-per-step sentinel, replay localisation, guard policies."""
-from .config import WatchConfig
-from .context import WatchContext
-from .detectors import WatchSettings
-from .history import ActivationHistory, GradHistory, group_name
-from .pipeline import Detector, StepView, WatchComponent
-from .policies import POLICIES
-from .registry import register_component
-from .rewind import RewindSettings
-from .watch import NanWatch
+from .core.config import WatchConfig
+from .core.context import WatchContext
+from .core.pipeline import Detector, StepView, WatchComponent
+from .core.registry import register_component
+from .core.watch import NanWatch
+from .detectors.thresholds import WatchSettings
+from .policy.policies import POLICIES
+from .policy.rewind import RewindSettings
+from .reads.history import ActivationHistory, GradHistory, group_name
 
 __all__ = ["ActivationHistory", "Detector", "GradHistory", "NanWatch", "POLICIES", "RewindSettings", "StepView",
            "WatchComponent", "WatchConfig", "WatchContext", "WatchSettings", "group_name", "register_component"]

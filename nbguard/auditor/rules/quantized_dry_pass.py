@@ -8,7 +8,7 @@ projections wherever it pads: the pad token's embedding row is zero (``padding_i
 init) and RMSNorm keeps a zero row zero. The batch decides, so the rule runs the model on one: the
 trainer's sampled batch when it has padding, else a built one with a padded row. Every module is
 hooked and the first one (in execution order) whose output is non-finite is named, through the
-watch's own replay (``watcher/replay.py``), which puts every gradient, float buffer, module mode and
+watch's own replay (``watcher/localise/replay.py``), which puts every gradient, float buffer, module mode and
 RNG back and removes its hooks.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ...introspect.quantized_layers import QuantizedLayer, read_quantized_layers
 from ...step.batch import forward_kwargs, synthetic_batch
 from ...step.capture import MicroBatch, capture_rng, preserved_rng
 from ...step.precision import PrecisionUnavailable, args_mixed_precision, trainer_autocast
-from ...watcher.replay import Replayer
+from ...watcher.localise.replay import Replayer
 from ..registry import capped, finding, rule
 
 RULE = "quantized-dry-pass-nonfinite"

@@ -4,7 +4,7 @@
 registered submodules, unless a wrapper overrides ``train()`` with one that sets only its own flag.
 Then after evaluation (or a sampling callback's ``inner.eval()``) the wrapper says training while the
 inner model's dropout layers stay in eval: the run silently trains without dropout. The watch-side
-twin, :class:`nbguard.watcher.train_mode.DropoutModeCheck`, checks the same after every step.
+twin, :class:`nbguard.watcher.detectors.train_mode.DropoutModeCheck`, checks the same after every step.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The watch's components that register themselves (:mod:`nbguard.watcher.registry`): importing this
+"""The watch's components that register themselves (:mod:`nbguard.watcher.core.registry`): importing this
 package imports each module in it, so a component is added by adding its module here."""
 from __future__ import annotations
 

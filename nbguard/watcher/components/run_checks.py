@@ -17,11 +17,11 @@ from typing import Any
 
 from ...findings import EVENT_KIND_REGISTRY, Event
 from ...introspect.trl import GENERATING, PREFERENCE, trl_stack
-from ..context import WatchContext
-from ..divergence import RUN_FIXES, RunHealth
-from ..pipeline import StepView, WatchComponent
-from ..registry import ComponentSetup, register_component
-from ..rl import KIND_FIXES, Found, TRLChecks
+from ..core.context import WatchContext
+from ..core.pipeline import StepView, WatchComponent
+from ..core.registry import ComponentSetup, register_component
+from ..detectors.divergence import RUN_FIXES, RunHealth
+from ..detectors.rl import KIND_FIXES, Found, TRLChecks
 
 # kind -> one line for the reference table of event kinds
 EVENT_KINDS = {kind: EVENT_KIND_REGISTRY[kind].description for kind in (

@@ -1,6 +1,6 @@
 """Stalls and slowdowns: a heartbeat for steps that never come, and an event for steps that got slow.
 
-A watch component (:mod:`nbguard.watcher.registry`), section ``stall`` of ``WatchConfig``
+A watch component (:mod:`nbguard.watcher.core.registry`), section ``stall`` of ``WatchConfig``
 (``after_s``: the floor of the bound; None turns the heartbeat off, slow steps are still judged).
 
 **The step clock** (:class:`StepClock`) writes a timestamp at each optimizer step's end and
@@ -50,9 +50,9 @@ from typing import Any
 
 from ...document.model import register_event_kind
 from ...findings import Event
-from ..context import WatchContext
-from ..pipeline import StepView, WatchComponent
-from ..registry import ComponentSetup, register_component
+from ..core.context import WatchContext
+from ..core.pipeline import StepView, WatchComponent
+from ..core.registry import ComponentSetup, register_component
 
 STALL = "stall"
 SLOW = "slow-steps"

@@ -45,15 +45,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...findings import Event
-from ..divergence import RUN_FIXES, log_norm
-from ..pipeline import StepView, WatchComponent, WatchedRun
-from ..registry import ComponentSetup, register_component
-from ..rolling import RobustBaseline, sorted_median
+from ..core.pipeline import StepView, WatchComponent, WatchedRun
+from ..core.registry import ComponentSetup, register_component
+from ..detectors.divergence import RUN_FIXES, log_norm
+from ..reads.rolling import RobustBaseline, sorted_median
 
 if TYPE_CHECKING:
-    from ..context import WatchContext
-    from ..history import GradHistory
-    from ..sentinel import GradNormCollector
+    from ..core.context import WatchContext
+    from ..reads.history import GradHistory
+    from ..reads.sentinel import GradNormCollector
 
 SCALAR = "update_norms"
 

@@ -27,7 +27,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ..guard import OnError, guarded_around, warn_failure
+from ..core.guard import OnError, guarded_around, warn_failure
 
 MARK = "__nbguard__"  # on every wrapper nbguard installs: its _Site (found again, never stacked)
 _FOLLOW = 16  # __wrapped__ links followed to find ours under someone else's wrapper

@@ -1,0 +1,382 @@
+"""The watch's step state machine: the hooks on forwards, backwards and optimizer steps, the one
+read per step, the policy's decision before the update, and the step's end.
+
+A step: training forwards are captured as micro-batches (``_root_pre``/``_root_post``); before the
+optimizer moves (``_pre_step``, or the GradScaler's ``update`` under an enabled scaler) the sentinel's
+one host read gives the step's numbers; a non-finite update is an event and, under skip/stop,
+dropped; a finite one goes to the detectors' ``before_update``, whose events may drop it too; at the
+step's end (``_end_step``) the history takes the step, every detector judges it, and under stop an
+alarm ends training. Across ranks the read is exchanged, every rank decides on the agreed verdict,
+and a watch that steps aside still joins one exchange so no peer waits for it.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...document.outward import warn
+from ...errors import NonFiniteError
+from ...findings import Event
+from ...step.capture import MicroBatch, capture_rng, find_loss
+from ...step.eager import eager_name
+from ...step.precision import capture_autocast
+from ..distributed import ranks
+from ..distributed.rank_tokens import losses_are_rank_means, step_supervised_tokens
+from ..policy.policies import drop_update, training_stopper, update_dropper
+from ..reads.activations import host_values
+from ..reads.sentinel import StepStats
+from .guard import watch_hook
+from .pipeline import Detector, DetectorBoard, StepView
+from .record import WatchRecord
+
+
+class WatchSteps(WatchRecord):
+    # ---- where a step starts and the loop ends (the Trainer callback calls these) --------------------
+    def begin_step(self) -> None:
+        """A step starts (the Trainer's ``on_step_begin``): what an interrupted step left is dropped,
+        so the new step is judged on its own."""
+        if self._micro_batches or self._losses or self._stats is not None:
+            self._release_step()
+
+    def end_training(self) -> None:
+        """The loop ended: drop every reference to the unfinished step's batches."""
+        self._dispatch("on_train_end")  # (the update norms' last read: no next step's read will bring it)
+        self._release_step()
+
+    def _dispatch(self, hook: str, *args: Any) -> None:
+        """A lifecycle point to the components that implement it; one that fails is the watch's internal
+        error (recorded; the watch steps aside at a safe point), never the user's."""
+        self._board.dispatch(hook, *args, on_error=self._component_failed)
+
+    def _component_failed(self, exc: BaseException) -> None:
+        self._fail(exc, safe=False)
+
+    # ---- hooks: micro-batches ------------------------------------------------------------------------
+    def _training_forward(self, module) -> bool:
+        return not self._replaying and module.training and torch.is_grad_enabled()
+
+    def _root_pre(self, module, args, kwargs):
+        if self._broken and self.attached:
+            self._step_aside()  # a safe point: module hooks were copied before being called
+            return None
+        self._dispatch("on_forward_start")  # a sign of life (components keep it to a timestamp)
+        if self._coverage_stale:
+            self._cover_new_parameters()
+        training = self._training_forward(module)
+        if self._forward_open and training:
+            self._release_step()  # the previous training forward never returned: it was interrupted
+        self._forward_open = training
+        if training:
+            self._capture_micro_batch(args, kwargs)
+        return None
+
+    @watch_hook(safe=True)
+    def _cover_new_parameters(self) -> None:
+        """Hook the trainable parameters assigned since attach (before this forward runs)."""
+        self._coverage_stale = False
+        if self._ranks is not None:
+            return  # every rank's read has the same shape, agreed at attach: a swap under DDP is not followed
+        named = [(eager_name(n), p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if [id(p) for _, p in named] == [id(p) for p in self._collector.params]:
+            return
+        new_groups = self._collector.cover(named)
+        if new_groups:
+            self.history.add_groups(new_groups)
+        self._modules_seen = weakref.WeakSet(self.model.modules())
+
+    @watch_hook(safe=True)
+    def _capture_micro_batch(self, args, kwargs) -> None:
+        """A training forward starts (the caller checked): keep what its replay needs."""
+        hooks_see_backward = self._deepspeed is None or self._collector.accumulations > 0  # DeepSpeed: own buffers
+        if self._micro_batches and hooks_see_backward \
+                and self._collector.accumulations == self._accumulations_at_capture:
+            self._release_step()  # no backward since the last forward: that step was abandoned
+        self._accumulations_at_capture = self._collector.accumulations
+        trainer_labels = self._labels_tap.take() if self._labels_tap is not None else None
+        micro_batch = MicroBatch(len(self._micro_batches), args, dict(kwargs), capture_rng(), capture_autocast(),
+                                 trainer_labels=trainer_labels)
+        self._micro_batches.append(micro_batch)
+        self._board.on_micro_batch(micro_batch)
+
+    @watch_hook(safe=False)
+    def _root_post(self, module, args, kwargs, output):
+        self._forward_open = False
+        if not self._training_forward(module) or not self._micro_batches:
+            return None
+        found = find_loss(output)
+        if found is not None and self._loss_tap is None:  # else the Trainer's, at training_step's end
+            self._losses.append(found[1].detach())
+        # A backward through this forward puts the capture in use: its outputs' hooks count it (the
+        # replay's gradient keeper on the loss counts too: one hook there, not two)
+        counter = self._collector.backward_counter()
+        counted = self._micro_batches[-1].record_output_grads(output, found, counter) if self.localize else []
+        self._collector.watch_backward(output, counted)
+        return None
+
+    @watch_hook(safe=True)
+    def _take_trainer_loss(self, loss: torch.Tensor) -> None:
+        """The loss a Trainer's training_step returned (TrainingLossTap), for the step now open."""
+        if self._micro_batches:
+            self._losses.append(loss.detach())
+
+    # ---- the step's one read -------------------------------------------------------------------------
+    def _grads_scaled(self) -> bool:
+        binding = self._scaler_binding
+        return binding is not None and self.optimizer is not None and binding.grads_scaled(self.optimizer)
+
+    def weight_fingerprint(self) -> torch.Tensor:
+        """Per-group sum of the trainable weights' norms, on the device (bit-identical only if they are)."""
+        return self._collector.fingerprint()
+
+    def _read(self) -> StepStats:
+        if self._stats is None and self._ranks is not None and self._ranks.exchanges == 0 \
+                and not self._ranks.all_ranks_watch():
+            warn(f"nbguard: the watch runs on rank {self._ranks.rank} but not on every rank: it watches "
+                 f"this rank alone (no agreement across ranks); call nbguard.watch on every rank",
+                 RuntimeWarning, stacklevel=2)
+            self._ranks = None
+        if self._stats is None:
+            binding = self._scaler_binding
+            scale = binding.scale() if binding is not None else None
+            found_inf = binding.found_inf() if binding is not None and binding.enabled else None
+            # Each micro-batch loss is a share of the step's loss when the Trainer passes num_items_in_batch,
+            # and when it is what training_step returned (their sum is the loss the Trainer logs)
+            shares = self._loss_tap is not None or any("num_items_in_batch" in mb.kwargs for mb in self._micro_batches)
+            self._stats = self._collector.read(self._losses, scale, False, sum_losses=shares,
+                                               found_inf=found_inf,
+                                               activations=self._probe.values if self._probe is not None else None,
+                                               extra=self._board.collect(self),
+                                               exchange=self._exchange())
+            if self._ranks is not None:
+                self._verdict = self._ranks.settle(self._stats)
+                if self._verdict.leaving:
+                    self._peers_left(self._verdict)
+        return self._stats
+
+    def _exchange(self) -> Callable[..., torch.Tensor] | None:
+        """The step's collective across ranks, carrying this rank's supervised tokens (rank_tokens.py)."""
+        if self._ranks is None:
+            return None
+        return functools.partial(self._ranks.exchange, tokens=step_supervised_tokens(self._micro_batches))
+
+    # ---- hooks: step boundaries ----------------------------------------------------------------------
+    def _scaler_guards(self) -> bool:
+        """An enabled GradScaler already refuses non-finite updates: it decides, we count."""
+        return self._scaler_binding is not None and self._scaler_binding.enabled
+
+    def _pre_step(self, optimizer, args, kwargs):
+        """Not a watch_hook itself: a watch that stepped aside across ranks still says farewell here."""
+        if self._owes_farewell() and self._scaler_binding is None:
+            self._farewell()
+            return None
+        self._check_step()
+        self._settle_farewell()  # the check failed before this rank's part of the exchange: pay it now
+        if self.active:  # after the policy's decision, just before the optimizer moves the weights
+            self._dispatch("before_optimizer_step", self.step)
+        return None
+
+    @watch_hook(safe=False)
+    def _check_step(self) -> None:
+        if not self._scaler_guards():
+            self._check_update(self._read())
+
+    @watch_hook(safe=False)
+    def _post_step(self, optimizer, args, kwargs):
+        self._optimizer_stepped = True
+        self._dispatch("after_optimizer_step", self.step)
+        if self._scaler_binding is None:
+            self._end_step(skipped=self._step_dropped)
+        return None
+
+    def _before_scaler_update(self) -> None:
+        """Not a watch_hook itself, for the same farewell as ``_pre_step``."""
+        if self._owes_farewell():
+            self._farewell()
+            return
+        self._read_before_update()
+        self._settle_farewell()
+
+    @watch_hook(safe=False)
+    def _read_before_update(self) -> None:
+        self._read()  # a skipped step never reached the optimizer hooks: read it here
+
+    @watch_hook(safe=True)
+    def _after_scaler_update(self) -> None:
+        stats = self._read()
+        if stats.found_inf is not None:
+            scaler_skipped = stats.found_inf > 0 or not self._optimizer_stepped
+        else:
+            scaler_skipped = self._scaler_guards() and not self._optimizer_stepped
+        self._end_step(skipped=self._step_dropped or scaler_skipped, scaler_skipped=scaler_skipped)
+
+    @watch_hook(safe=False)
+    def _zero_grad(self) -> None:
+        """Gradients cleared after a backward of this step: the step was abandoned (interrupted)."""
+        if self._micro_batches and self._collector.accumulations != self._accumulations_at_capture:
+            self._release_step()
+
+    # ---- the policy: before the update ---------------------------------------------------------------
+    def _check_update(self, stats: StepStats) -> None:
+        """Before the optimizer moves anything: is this update finite? Apply the policy if not.
+
+        Across ranks the agreed verdict decides, so every rank applies the same policy."""
+        if not self.active:
+            return
+        verdict = self._verdict if self._ranks is not None else None
+        finite = not verdict.bad_ranks if verdict is not None else stats.loss_finite and stats.grads_finite
+        if finite:
+            self._bad_streak = 0
+            self._before_update(stats)
+            return
+        self._bad_streak += 1
+        event: Event | None
+        if self._bad_streak == 1:
+            kind = "nonfinite-loss" if not stats.loss_finite else "nonfinite-grad"
+            event = self._localised_event(kind, stats)
+            self._emit(event, agreed=True)
+        else:
+            event = next((e for e in reversed(self.events) if e.kind in ("nonfinite-loss", "nonfinite-grad")), None)
+            if event is not None:
+                event.evidence["consecutive_bad_steps"] = self._bad_streak
+        if self.policy in ("skip", "stop", "rewind"):
+            drop_update(self.optimizer, self.model)
+            self._step_dropped = True
+        if self.policy == "stop":
+            self._stop(event)
+        if self.policy == "rewind" and self._rewinder is not None:
+            self._rewinder.respond(self._context, event, self.step)
+
+    def _before_update(self, stats: StepStats) -> None:
+        """The detectors see the finite update before the optimizer applies it; one may have it dropped
+        under skip/stop (the weights stay the last good ones), and under stop training ends."""
+        view = self._view(stats, skipped=False, scaler_skipped=False)
+        dropper = update_dropper(self.policy, self._board.run("before_update", view, stats.extra, self._emit_from),
+                                 across_ranks=self._ranks is not None)
+        if dropper is None:
+            return
+        drop_update(self.optimizer, self.model)
+        self._step_dropped = True
+        dropper.evidence["update_dropped"] = True
+        if self.policy == "stop":
+            self._stop(dropper)
+        if self.policy == "rewind" and self._rewinder is not None:
+            self._rewinder.respond(self._context, dropper, self.step)
+
+    def _view(self, stats: StepStats, skipped: bool, scaler_skipped: bool) -> StepView:
+        """The step as the detectors see it; the view ``before_update`` got again at the step's end
+        when nothing it shows changed (the usual step: a view is read-only)."""
+        scaler_skipped_seen = scaler_skipped if self._scaler_binding is not None else None
+        last = self._step_view
+        if last is not None and last.skipped == skipped and last.scaler_skipped == scaler_skipped_seen:
+            return last
+        view = StepView(self.step, tuple(self.history.groups), tuple(stats.grad_norm), stats.loss, stats.loss_scale,
+                        skipped, scaler_skipped_seen, history=self.history, norm_overflow=stats.norm_overflow)
+        self._step_view = view
+        return view
+
+    def _emit_from(self, detector: Detector, event: Event) -> None:
+        self._emit(event, agreed=getattr(detector, "agreed", False))
+
+    def _stop(self, event: Event | None, step_ended: bool = False) -> None:
+        self._stop_requested = True
+        if self.trainer is not None:
+            if self._trainer_control is not None:
+                self._trainer_control.should_training_stop = True
+            return
+        message = f"nbguard stopped training at step {event.step if event else self.step}: " + (
+            event.message if event else "non-finite values")
+        if not step_ended:
+            self._end_step(skipped=True)
+        raise NonFiniteError(message, event)
+
+    # ---- the step's end ------------------------------------------------------------------------------
+    def _end_step(self, skipped: bool, scaler_skipped: bool = False) -> None:
+        stats = self._read()
+        step = self.step
+        total_grad_norm = stats.total_grad_norm
+        self.history.append(step, stats.grad_norm, stats.loss, total_grad_norm, stats.loss_scale, skipped)
+        activations = None
+        if self.activation_history is not None and stats.activations is not None:
+            activations = host_values(stats.activations)
+            self.activation_history.append(step, activations)
+        found = self._board.run("update", self._view(stats, skipped, scaler_skipped), stats.extra, self._emit_from)
+        if self._ranks is not None and self._verdict is not None:  # the same counts, so the same event, on every rank
+            uneven = self._rank_tokens.judge(step, self._verdict.tokens,
+                                             losses_are_rank_means(self.trainer, self._micro_batches),
+                                             trainer=self.trainer is not None)
+            if uneven is not None:
+                self._emit(uneven, agreed=True)
+        stop_event = training_stopper(self.policy, found, across_ranks=self._ranks is not None)
+        self.step += 1
+        self._release_step()
+        if self._listeners:  # (the payload's dicts are built only for someone to read them)
+            payload: dict[str, Any] = {"step": step, "loss": stats.loss, "total_grad_norm": total_grad_norm,
+                                       "loss_scale": stats.loss_scale, "skipped": skipped,
+                                       "grad_norm": dict(zip(self.history.groups, stats.grad_norm))}
+            if activations is not None and self.activation_history is not None:
+                payload["activation_absmax"] = dict(zip(self.activation_history.groups, activations))
+            self._dispatch("step_payload", payload)
+            self._notify("step", payload)
+        if self._rewinder is not None:  # policy rewind: a snapshot, or a rewind judged at the step's end
+            self._rewinder.step_ended(self._context, step, skipped, found)
+        if stop_event is not None:
+            self._stop(stop_event, step_ended=True)
+
+    def _release_step(self) -> None:
+        """Drop every reference to this step's batches and output gradients."""
+        self._micro_batches = []
+        self._losses = []
+        self._stats = None
+        self._step_view = None
+        self._optimizer_stepped = False
+        self._step_dropped = False
+        self._forward_open = False
+        self._accumulations_at_capture = -1
+        self._collector.reset()
+        board: DetectorBoard | None = getattr(self, "_board", None)
+        if board is not None:
+            board.reset_step()
+        if self._probe is not None:
+            self._probe.reset()
+        sync: ranks.RankSync | None = getattr(self, "_ranks", None)
+        if sync is not None:
+            sync.step_exchanged = False
+
+    # ---- ranks: a watch that steps aside still joins one exchange so no peer waits for it ------------
+    def _owes_farewell(self) -> bool:
+        return self._ranks is not None and self._ranks.owes_farewell
+
+    def _farewell(self) -> None:
+        if self._ranks is None:
+            return
+        try:
+            self._ranks.farewell(self._collector.device())
+        except Exception:  # the process group itself failed: nothing is left to keep matched
+            pass
+        finally:
+            if not self.attached:
+                self._remove_step_bindings()
+
+    def _settle_farewell(self) -> None:
+        """The watch failed at a step boundary before its part of the step's exchange: pay it now."""
+        if self._ranks is not None and self._ranks.owes_farewell and not self._ranks.step_exchanged:
+            self._farewell()
+
+    def _peers_left(self, verdict: ranks.RankVerdict) -> None:
+        """Another rank's watch stepped aside: step aside here too, at the same step."""
+        self._broken = True
+        self._emit(Event("watch-error", self.step, f"the watch on rank(s) {verdict.leaving} stepped aside after an "
+                         f"internal error; it steps aside on every rank so that no rank waits in a collective",
+                         evidence={"leaving_ranks": verdict.leaving}))
+
+    def _remove_step_bindings(self) -> None:
+        if self._opt_binding is not None:
+            self._opt_binding.remove()
+            self._opt_binding = None
+        if self._scaler_binding is not None:
+            self._scaler_binding.remove()
+            self._scaler_binding = None

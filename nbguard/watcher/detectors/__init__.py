@@ -1,0 +1,1 @@
+"""The built-in detectors and checks that judge a step (the thresholds in ``thresholds.py``)."""
