@@ -96,13 +96,25 @@ def _built_optimizer(tmp: Path) -> dict[str, Any]:
     return {"trainer": trainer}
 
 
+MOE = dict(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, num_experts_per_tok=2)
+
+
+def _tiny_moe(family: str):
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=64,
+                                                                            **MOE))
+    return transformers.PhimoeForCausalLM(transformers.PhimoeConfig(num_local_experts=4, **MOE))
+
+
 def _tiny_mixtral(**lora: Any):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    model = MixtralForCausalLM(MixtralConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             num_experts_per_tok=2, num_local_experts=4))
+    model = MixtralForCausalLM(MixtralConfig(num_local_experts=4, **MOE))
     if not lora:
         return model
     from peft import LoraConfig, get_peft_model
@@ -308,6 +320,8 @@ CASES: dict[str, list[Case]] = {
                         Case(lambda t: {"model": _bloom_attention_in_eval()}, ("model",))],
     "disable-use-cache": [Case(lambda t: {"model": tiny_gemma3_multimodal()}, ("model",))],
     "distinct-pad-token": [Case(_eval_and_eos_pad, ("trainer",)),
+                           Case(lambda t: {"tokenizer": word_tokenizer(pad="eos"), "model": tiny_gemma3_multimodal()},
+                                ("tokenizer", "model")),
                            Case(lambda t: {"tokenizer": word_tokenizer(pad="eos"), "model": tiny_llama()},
                                 ("tokenizer", "model"))],
     "drop-doubled-bos": [Case(_doubled_bos, ("trainer",))],
@@ -320,12 +334,15 @@ CASES: dict[str, list[Case]] = {
                            Case(lambda t: {"model": _bloom_attention_in_eval()}, ("model",))],
     "enable-grad-clipping": [Case(lambda t: _trainer(t, max_grad_norm=0.0), ("trainer",)), Case(lambda t: _loop(), ("optimizer",))],
     "enable-input-require-grads": [Case(lambda t: {"model": healthy_peft_model()}, ("model",))],
-    "enable-router-aux-loss": [Case(lambda t: {"model": _tiny_mixtral()}, ("model",))],
+    "enable-router-aux-loss": [Case(lambda t: {"model": _tiny_mixtral()}, ("model",)),
+                               Case(lambda t: {"model": _tiny_moe("qwen3_moe")}, ("model",))],
     "finite-rewards": [Case(lambda t: {"trainer": grpo_trainer(t, reward_funcs=[log_match_reward])}, ("trainer",)),
                        Case(lambda t: {"trainer": grpo_trainer(t, reward_funcs=[log_match_reward])}, ("trainer",),
                             {"floor": -1.0})],
     "float8-activation-lb": [Case(lambda t: {"model": _float8_llama()}, ("model",), quant=True)],
-    "freeze-moe-router": [Case(lambda t: {"model": _tiny_mixtral()}, ("model",))],
+    "freeze-moe-router": [Case(lambda t: {"model": _tiny_mixtral()}, ("model",)),
+                          Case(lambda t: {"model": _tiny_moe("qwen3_moe")}, ("model",)),
+                          Case(lambda t: {"model": _tiny_moe("phimoe")}, ("model",))],
     "full-vocabulary-sampling": [Case(lambda t: _rl_args("grpo", t, top_p=0.9, top_k=50, min_p=0.05,
                                                          generation_kwargs={"top_k": 20, "repetition_penalty": 1.1}),
                                       ("args",))],

@@ -15,6 +15,7 @@ from ..step.capture import supervised_rows
 from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
 from . import drop_rows  # noqa: F401  (registers drop-rows: the rows a watch event named, by dataset index)
 from .registry import Fix, Names, Target, register
+from .setup_fixes import set_pad_token_id
 
 PAD_TOKEN = "<|pad|>"  # added only when the tokenizer has no distinct special token to pad with
 UNSHIFT_MARK = "unshifts_labels"  # set on the wrapping collator by apply and by the cell: never wrap twice
@@ -78,10 +79,12 @@ register(Fix("pad-right-for-training", "Pad on the right for training",
 
 # ---- distinct-pad-token ----------------------------------------------------------------------
 def _set_model_pad_id(model: Any, pad_id: int, changed: dict) -> None:
-    for owner in (getattr(model, "config", None), getattr(model, "generation_config", None)):
-        if owner is not None and getattr(owner, "pad_token_id", None) != pad_id:
-            changed[f"{type(owner).__name__}.pad_token_id"] = f"{owner.pad_token_id} -> {pad_id}"
-            owner.pad_token_id = pad_id
+    if getattr(model, "config", None) is not None:
+        changed.update(set_pad_token_id(model, pad_id))
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and getattr(generation, "pad_token_id", None) != pad_id:
+        changed[f"{type(generation).__name__}.pad_token_id"] = f"{generation.pad_token_id} -> {pad_id}"
+        generation.pad_token_id = pad_id
 
 
 def _distinct_pad(target: Target, **_: Any) -> dict:
@@ -134,7 +137,11 @@ else:
     {t}.add_special_tokens({{"pad_token": "{PAD_TOKEN}"}})
     if len({t}) > {m}.get_input_embeddings().weight.shape[0]:
         {m}.resize_token_embeddings(len({t}))
-{m}.config.pad_token_id = {t}.pad_token_id
+
+
+{inspect.getsource(set_pad_token_id)}
+
+set_pad_token_id({m}, {t}.pad_token_id)
 if getattr({m}, "generation_config", None) is not None:
     {m}.generation_config.pad_token_id = {t}.pad_token_id
 """ + collator
