@@ -55,12 +55,8 @@ class Case:
 
 
 # ---- builders ----------------------------------------------------------------------------------
-def _args(tmp: Path, **overrides: Any) -> Any:
-    return make_args(tmp, **overrides)
-
-
 def _trainer(tmp: Path, model=None, **overrides: Any) -> dict[str, Any]:
-    return {"trainer": make_trainer(model if model is not None else tiny_llama(), _args(tmp, **overrides))}
+    return {"trainer": make_trainer(model if model is not None else tiny_llama(), make_args(tmp, **overrides))}
 
 
 def _fixed_rows(rows: list[dict[str, list[int]]]) -> list[dict[str, torch.Tensor]]:
@@ -72,14 +68,14 @@ def _collator_trainer(tmp: Path, rows: list[dict[str, list[int]]], model=None) -
     from transformers import Trainer, default_data_collator
 
     data = _fixed_rows(rows)
-    trainer = Trainer(model=model if model is not None else tiny_llama(), args=_args(tmp),
+    trainer = Trainer(model=model if model is not None else tiny_llama(), args=make_args(tmp),
                       train_dataset=ListDataset(data), data_collator=default_data_collator)
     return {"trainer": trainer, "features": data[:2]}
 
 
 def _lm_trainer(tmp: Path, tok, rows=None, dataset=None) -> dict[str, Any]:
     rows = rows if rows is not None else ragged_examples(8)
-    trainer = lm_trainer(tiny_llama(), _args(tmp), rows, tokenizer=tok)
+    trainer = lm_trainer(tiny_llama(), make_args(tmp), rows, tokenizer=tok)
     if dataset is not None:
         trainer.train_dataset = dataset
     return {"trainer": trainer, "features": [dict(r) for r in rows[:2]]}
@@ -91,7 +87,7 @@ def _loop(dtype=torch.float32, eps: float = 1e-8) -> dict[str, Any]:
 
 
 def _built_optimizer(tmp: Path) -> dict[str, Any]:
-    trainer = make_trainer(tiny_llama(), _args(tmp))
+    trainer = make_trainer(tiny_llama(), make_args(tmp))
     trainer.create_optimizer_and_scheduler(num_training_steps=4)
     return {"trainer": trainer}
 
@@ -175,7 +171,7 @@ def _partly_eval(model):
 def _checkpointing(tmp: Path, **args: Any) -> dict[str, Any]:
     model = tiny_llama()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    return {"trainer": make_trainer(model, _args(tmp, **args))}  # by default args.gradient_checkpointing is False
+    return {"trainer": make_trainer(model, make_args(tmp, **args))}  # by default args.gradient_checkpointing is False
 
 
 def _rows_file(tmp: Path) -> dict[str, Any]:
@@ -202,7 +198,7 @@ def _unsupervised_rows(tmp: Path) -> dict[str, Any]:
     data = TinyDataset(8, 16)
     for i in (1, 4):
         data.rows[i]["labels"] = torch.full((16,), -100)
-    trainer = make_trainer(tiny_llama(), _args(tmp))
+    trainer = make_trainer(tiny_llama(), make_args(tmp))
     trainer.train_dataset = data
     return {"trainer": trainer}
 
@@ -214,7 +210,7 @@ def _unsupervised_dataset(tmp: Path) -> dict[str, Any]:
     rows = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [-100, -100]},
             {"input_ids": [10], "labels": [10]}, {"input_ids": [11, 12], "labels": [11, -100]},
             {"input_ids": [13, 14], "labels": [-100, 14]}]
-    trainer = make_trainer(tiny_llama(), _args(tmp))
+    trainer = make_trainer(tiny_llama(), make_args(tmp))
     trainer.train_dataset = Dataset.from_list(rows)
     return {"trainer": trainer, "features": []}
 
@@ -290,14 +286,14 @@ def _resized_tokenizer() -> dict[str, Any]:
 
 
 def _fp16_trainer(tmp: Path) -> dict[str, Any]:
-    # fp16 weights, a Trainer built with fp16=True in the args (accelerate runs it in fp32 on the CPU)
-    trainer = make_trainer(tiny_llama(dtype=torch.float16), _args(tmp))
+    # fp16 weights and args.fp16, set once the Trainer was built (its accelerator runs without mixed precision)
+    trainer = make_trainer(tiny_llama(dtype=torch.float16), make_args(tmp))
     trainer.args.fp16 = True
     return {"trainer": trainer}
 
 
 def _bf16_trained(tmp: Path) -> dict[str, Any]:
-    trainer = make_trainer(healthy_peft_model(), _args(tmp, bf16=True))
+    trainer = make_trainer(healthy_peft_model(), make_args(tmp, bf16=True))
     trainer.train()  # prepare() wrapped the forward in bf16 autocast; the optimizer holds moments
     return {"trainer": trainer}
 
@@ -314,7 +310,7 @@ MOE_LLAMA_NAMES = ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
 
 CASES: dict[str, list[Case]] = {
     "add-entropy-bonus": [Case(lambda t: _rl_args("grpo", t), ("args",), {"coef": 0.02})],
-    "add-warmup": [Case(lambda t: {"args": _args(t)}, ("args",))],
+    "add-warmup": [Case(lambda t: {"args": make_args(t)}, ("args",))],
     "disable-cudnn-sdp": [Case(lambda t: {"model": tiny_llama()}, ("model",))],
     "disable-dropout": [Case(lambda t: {"model": tiny_llama(attention_dropout=0.1)}, ("model",)),
                         Case(lambda t: {"model": _bloom_attention_in_eval()}, ("model",))],
