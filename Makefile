@@ -201,7 +201,8 @@ test-tf450: $(TF450_VENV)/.stamp
 	$(TF450_VENV)/bin/python -m pytest -m tf450
 
 test-quant: $(QUANT_VENV)/.stamp
-	$(QUANT_VENV)/bin/python -m pytest -m quant -p no:cacheprovider tests/test_quantized_dry_pass.py
+	$(QUANT_VENV)/bin/python -m pytest -m quant -p no:cacheprovider tests/test_quantized_dry_pass.py \
+		tests/test_fix_cell_equals_apply.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_VENV) $(COLAB_VENV) $(TF450_VENV) $(QUANT_VENV) $(NEWEST_VENV) $(UV_TOOL) build dist test-artifacts

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..introspect.tokenizers import tokenizer_of
 from ..session import record_fix
 from ..step.targets import resolve_targets
 from . import (  # noqa: F401  (registers the fixes)
@@ -92,15 +93,10 @@ def code(fix_id: str, **names_and_options: Any) -> str:
     return fix.code(resolved, **options)
 
 
-def _trainer_tokenizer(trainer) -> Any:
-    tok = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
-    return getattr(tok, "tokenizer", tok)  # a multimodal processor carries its tokenizer
-
-
 def _target(fix: Fix, model, trainer, args, tokenizer=None, optimizer=None, scaler=None) -> Target:
     model, args, _ = resolve_targets(trainer, model, args)
     if tokenizer is None and trainer is not None:
-        tokenizer = _trainer_tokenizer(trainer)
+        tokenizer = tokenizer_of(trainer)
     if optimizer is None and trainer is not None:
         optimizer = getattr(trainer, "optimizer", None)
     if optimizer is not None and not callable(getattr(optimizer, "step", None)):

@@ -29,6 +29,7 @@ import torch
 
 from ...document.outward import outward, outward_text
 from ...findings import Event
+from ...introspect.tokenizers import tokenizer_of
 from ...step.capture import MicroBatch
 from ..core.pipeline import Detector
 from ..integrations.instance_wrap import InstanceWrap
@@ -121,7 +122,7 @@ class RowTracker(Detector):
 
     def bind_trainer(self, trainer: Any) -> None:
         """Follow every train dataloader the Trainer builds (inside ``train()``)."""
-        self.tokenizer = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
+        self.tokenizer = tokenizer_of(trainer)
         def get_train_dataloader(original, *args, **kwargs):
             loader = original(*args, **kwargs)
             try:
