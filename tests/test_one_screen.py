@@ -14,42 +14,19 @@ import ipywidgets as W
 import pytest
 import torch
 from notebook_helpers import run, shell  # noqa: F401 - the fixture
-from transformers import Trainer, TrainingArguments
+from quickstart_helpers import RARE, Stream, quickstart_into
 
 import nbguard
 from nbguard.document.view import recommended_fix, view
 from nbguard.notebook.present import OPEN_VIEWS
 from nbguard.render import render_html
 from nbguard.session import SESSION
-from nbguard.testing import TinyDataset, plant_fp16_overflow_token, tiny_gemma3
+from nbguard.testing import plant_fp16_overflow_token, tiny_gemma3
 
-RARE = 127
 ONE_SCREEN = 40  # lines of text/plain
 ROOT = Path(__file__).resolve().parents[1]
 # as tests/test_verdict_one_cell.py: on an xdist worker after some other files the watch kept no failing step
 pytestmark = pytest.mark.serial
-
-
-class Stream(torch.utils.data.IterableDataset):
-    """Ordinary rows, then rows with the rare token from row 8 on (optimizer step 2 at batch size 4)."""
-
-    def __iter__(self):
-        for index, row in enumerate(TinyDataset(rows=24, seq_len=16, vocab_size=RARE).rows):
-            if index >= 8:
-                row = {k: v.clone() for k, v in row.items()}
-                row["input_ids"][5] = row["labels"][5] = RARE
-            yield row
-
-
-def _quickstart(ip, tmp_path) -> None:
-    torch.manual_seed(0)
-    model = tiny_gemma3(seed=0)
-    plant_fp16_overflow_token(model, RARE)
-    model = model.to(torch.float16)
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=4, per_device_train_batch_size=4,
-                             learning_rate=1e-4, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True)
-    ip.user_ns.update(model=model, args=args, trainer=Trainer(model=model, args=args, train_dataset=Stream()),
-                      Trainer=Trainer, Stream=Stream)
 
 
 def _story_fix(doc: dict) -> str:
@@ -73,7 +50,7 @@ def _visible_insert_buttons(widget) -> int:
 
 
 def test_the_quickstart_outputs_fit_one_screen_and_name_one_fix(shell, tmp_path):  # noqa: F811
-    _quickstart(shell, tmp_path)
+    quickstart_into(shell, tmp_path)
     audit = run(shell, "%precision_check trainer --hardware t4")
     assert audit.error is None
     [audit_out] = audit.outputs

@@ -10,40 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 from notebook_helpers import run, shell  # noqa: F401 - the fixture
-from transformers import Trainer, TrainingArguments
+from quickstart_helpers import quickstart_into
 
 import nbguard
 from nbguard.document import MIME_TYPE
 from nbguard.document.view import view
 from nbguard.render import mime_bundle, render_html
 from nbguard.session import SESSION, latest_verdict
-from nbguard.testing import TinyDataset, plant_fp16_overflow_token, tiny_gemma3
 
-RARE = 127
 # On a pytest-xdist worker, after some other files, the watch here kept no failing step (open: the state
 # that leaks is not found yet); alone and in the serial order these pass. make test runs them alone.
 pytestmark = pytest.mark.serial
-
-
-class Stream(torch.utils.data.IterableDataset):
-    """Ordinary rows, then rows with the rare token from row 8 on (optimizer step 2 at batch size 4)."""
-
-    def __iter__(self):
-        for index, row in enumerate(TinyDataset(rows=24, seq_len=16, vocab_size=RARE).rows):
-            if index >= 8:
-                row = {k: v.clone() for k, v in row.items()}
-                row["input_ids"][5] = row["labels"][5] = RARE
-            yield row
-
-
-def _setup(ip, tmp_path) -> None:
-    torch.manual_seed(0)
-    model = tiny_gemma3(seed=0)
-    plant_fp16_overflow_token(model, RARE)
-    model = model.to(torch.float16)
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=4, per_device_train_batch_size=4,
-                             learning_rate=1e-4, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True)
-    ip.user_ns.update(model=model, args=args, trainer=Trainer(model=model, args=args, train_dataset=Stream()))
 
 
 def _verification(watch):
@@ -66,7 +43,7 @@ def _recorded_cells(doc: dict) -> set[tuple[str, str]]:
 
 
 def test_every_place_that_shows_a_fix_verified_shows_the_cell_that_ran(shell, tmp_path):  # noqa: F811
-    _setup(shell, tmp_path)
+    quickstart_into(shell, tmp_path)
     assert run(shell, "%precision_check trainer --hardware t4").error is None
     assert run(shell, "%%nanwatch trainer --policy skip\ntrainer.train()").error is None
     watch = SESSION.watches[-1]
@@ -109,7 +86,7 @@ def test_every_place_that_shows_a_fix_verified_shows_the_cell_that_ran(shell, tm
 def test_a_verdict_never_travels_to_another_variant(shell, tmp_path):  # noqa: F811
     """Watched with no target named: this CPU runs bf16, so the bf16 cell is what the watch verified. Named
     a T4 afterwards, the fp32 cell is another text: it is run on the kept step before anything is claimed."""
-    _setup(shell, tmp_path)
+    quickstart_into(shell, tmp_path)
     assert run(shell, "%%nanwatch trainer --policy skip\ntrainer.train()").error is None
     watch = SESSION.watches[-1]
     bf16 = _verification(watch).verdict("switch-precision")
@@ -127,7 +104,7 @@ def test_a_verdict_never_travels_to_another_variant(shell, tmp_path):  # noqa: F
 
 def test_an_unverifiable_cell_says_so_instead_of_borrowing_a_verdict(shell, tmp_path):  # noqa: F811
     """Once the weights moved, the kept step cannot be re-run: the fp32 cell is reported not verified."""
-    _setup(shell, tmp_path)
+    quickstart_into(shell, tmp_path)
     assert run(shell, "%%nanwatch trainer --policy skip\ntrainer.train()").error is None
     assert _verification(SESSION.watches[-1]).verdict("switch-precision").options == {"to": "bf16"}
     with torch.no_grad():
