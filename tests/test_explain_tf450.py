@@ -23,7 +23,9 @@ trainer = Trainer(model=tiny_gemma3(dtype=torch.bfloat16), train_dataset=TinyDat
     assert "'HybridCache' object has no attribute 'float'" in cell.stdout  # the normal traceback
     [doc] = cell.docs
     assert doc["diagnoses"][0]["signature"] == "cache-float-crash"
-    assert "trainer.model.config.use_cache = False" in doc["fix_cells"]["disable-use-cache"]["code"]
+    code = doc["fix_cells"]["disable-use-cache"]["code"]  # the model's config and its text config, by the notebook's name
+    assert "for _config in (trainer.model.config, trainer.model.config.get_text_config()):" in code
+    assert "_config.use_cache = False" in code
     assert WIDGET_MIME in cell.outputs[0]
 
     from nbguard.notebook.present import OPEN_VIEWS
