@@ -134,23 +134,23 @@ test: $(VENV)/.stamp
 # Every test of the main lane but the multi-rank ones (test-loaded runs those) and the notebooks (test-colab
 # runs every one, on the releases notebook users have; executing them twice did not fit CI's 90 minutes),
 # on every core; after them, in one process, the tests that rewrite files others read (isolated: the wheel
-# build) and those marked serial (see pyproject.toml).
+# build).
 MAIN_TESTS := not tf450 and not multirank and not notebooks and not quant
 test-main: lint
 	$(MAKE) --no-print-directory test-main-parallel
 	$(MAKE) --no-print-directory test-main-serial
 
 test-main-parallel: $(VENV)/.stamp
-	$(VENV)/bin/python -m pytest $(PYTEST_PARALLEL) -m "$(MAIN_TESTS) and not isolated and not serial"
+	$(VENV)/bin/python -m pytest $(PYTEST_PARALLEL) -m "$(MAIN_TESTS) and not isolated"
 
 test-main-serial: $(VENV)/.stamp
-	$(VENV)/bin/python -m pytest -m "$(MAIN_TESTS) and (isolated or serial)"
+	$(VENV)/bin/python -m pytest -m "$(MAIN_TESTS) and isolated"
 
 # The inner loop, a few minutes: ruff, mypy and the fast tests of the main lane (those the last profile found
 # under 2 s: tests/lanes/slow_tests.txt, written by tests/lanes/profile.py from a --junitxml run). make test
 # stays the gate.
 check: lint
-	$(VENV)/bin/python -m pytest $(PYTEST_PARALLEL) -q -m "$(MAIN_TESTS) and not isolated and not serial and not browser and not profiled_slow"
+	$(VENV)/bin/python -m pytest $(PYTEST_PARALLEL) -q -m "$(MAIN_TESTS) and not isolated and not browser and not profiled_slow"
 
 # Multi-rank verdicts must not depend on timing: two burners keep both cores busy while the multi-rank
 # tests (and notebook 07) run RUNS times in a row; the burners stop however the run ends. A gate: make test
@@ -194,8 +194,7 @@ test-labextension: $(VENV)/.stamp
 # runs one process per runtime: the other multi-rank tests stay on the main lane.
 COLAB_TESTS := (notebooks or colab) and not tf450 and not browser and not slow and (notebooks or not multirank)
 test-colab: $(COLAB_VENV)/.stamp
-	$(COLAB_VENV)/bin/python -m pytest $(PYTEST_PARALLEL) -m "$(COLAB_TESTS) and not serial"
-	$(COLAB_VENV)/bin/python -m pytest -m "$(COLAB_TESTS) and serial"
+	$(COLAB_VENV)/bin/python -m pytest $(PYTEST_PARALLEL) -m "$(COLAB_TESTS)"
 
 test-tf450: $(TF450_VENV)/.stamp
 	$(TF450_VENV)/bin/python -m pytest -m tf450

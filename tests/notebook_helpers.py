@@ -1,6 +1,7 @@
 """Helpers for the front-end tests: a real InteractiveShell with nbguard loaded, and output capture."""
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -43,9 +44,16 @@ def shell():
     """The process' InteractiveShell with nbguard loaded; unloaded and namespace cleaned afterwards."""
     ip = InteractiveShell.instance()
     before = set(ip.user_ns)
+    # `%config NbguardMagics.x = ...` lives in the shell's config, which outlives the extension (as in
+    # IPython): a test that turned verify_fixes off left every later test on its worker unverified
+    magics_config = copy.deepcopy(ip.config.get("NbguardMagics"))
     run(ip, "%load_ext nbguard")
     yield ip
     run(ip, "%unload_ext nbguard")
+    if magics_config is None:
+        ip.config.pop("NbguardMagics", None)
+    else:
+        ip.config["NbguardMagics"] = magics_config
     for name in set(ip.user_ns) - before:
         del ip.user_ns[name]
 

@@ -25,8 +25,6 @@ from nbguard.testing import plant_fp16_overflow_token, tiny_gemma3
 
 ONE_SCREEN = 40  # lines of text/plain
 ROOT = Path(__file__).resolve().parents[1]
-# as tests/test_verdict_one_cell.py: on an xdist worker after some other files the watch kept no failing step
-pytestmark = pytest.mark.serial
 
 
 def _story_fix(doc: dict) -> str:

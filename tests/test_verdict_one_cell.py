@@ -18,10 +18,6 @@ from nbguard.document.view import view
 from nbguard.render import mime_bundle, render_html
 from nbguard.session import SESSION, latest_verdict
 
-# On a pytest-xdist worker, after some other files, the watch here kept no failing step (open: the state
-# that leaks is not found yet); alone and in the serial order these pass. make test runs them alone.
-pytestmark = pytest.mark.serial
-
 
 def _verification(watch):
     """The verification the watch left on its first failing step (what it saw, if it left none)."""

@@ -64,7 +64,6 @@ def test_a_verification_document_is_one_card_with_the_evidence_and_cells():
     assert "Verified fixes" in render_text(doc)
 
 
-@pytest.mark.serial  # on a pytest-xdist worker after some other files the watch kept no step (open)
 def test_nbguard_fix_says_whether_the_fix_was_verified_on_the_failing_step(shell):
     trainer = peft_trainer(peft_zero_embeddings())
     shell.user_ns["trainer"] = trainer
