@@ -18,7 +18,6 @@ import torch
 from ...findings import Event
 from ..integrations.instance_wrap import Patch, patch
 from ..policy.policies import check_policy
-from .guard import guarded_call
 
 if TYPE_CHECKING:
     from ...step.capture import MicroBatch
@@ -164,7 +163,3 @@ class WatchContext:
         found again and never stacked; a failure in ``around`` is this watch's internal error and the user's
         call still runs. ``remove()`` on the handle puts the original back."""
         return patch(owner, name, around, self.fail)
-
-    def guarded(self, call: Callable[..., Any], *args: Any) -> Any:
-        """``call(*args)`` with any error recorded as a watch-error (the run goes on); its result or None."""
-        return guarded_call(self.fail, call, *args)

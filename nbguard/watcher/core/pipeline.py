@@ -234,10 +234,6 @@ class DetectorBoard:
         self._by_hook = {hook: [(d, getattr(d, hook)) for d in self.detectors if _implements(d, hook)]
                          for hook in _HOOKS}
 
-    def implementing(self, hook: str) -> list[Detector]:
-        """The components that implement ``hook``, in order."""
-        return [d for d, _ in self._by_hook[hook]]
-
     def attach(self, context: Any) -> None:  # a context.WatchContext (not imported: context.py builds on this)
         """Every component's ``attach``, in order; all or nothing: one that fails detaches those before it."""
         attached: list[Callable[[], None]] = []

@@ -4,7 +4,7 @@ A component module in :mod:`nbguard.watcher.components` calls :func:`register_co
 name (the ``WatchConfig`` section), how to make it for a watch, the dataclass of its settings, and the
 ``watch()`` keywords it took before ``config=`` existed (kept one release as deprecated aliases). The watch
 core never names a component: it makes every registered one (:func:`make_components`), and the magics
-generate their options from the same settings (:func:`settings_fields`). Adding a component is adding
+list the same settings (``config.describe_sections``). Adding a component is adding
 its module.
 """
 from __future__ import annotations
@@ -25,7 +25,6 @@ class ComponentSetup:
 
     settings: Any  # the component's settings dataclass instance (None if it declares none)
     policy: str
-    has_trainer: bool
     trainer: Any = None  # the watched Trainer, else None
     thresholds: Any = None  # the watch's detectors.WatchSettings
     reads: Any = None  # the watch's sentinel.GradNormCollector (its parameters by group, on the device)
@@ -74,11 +73,6 @@ def registered_components() -> dict[str, ComponentSpec]:
 def load_builtin() -> None:
     """Import :mod:`nbguard.watcher.components` (it imports each of its modules, which register themselves)."""
     importlib.import_module("nbguard.watcher.components")
-
-
-def settings_fields(name: str) -> list[dataclasses.Field]:
-    spec = registered_components()[name]
-    return list(dataclasses.fields(spec.settings)) if spec.settings is not None else []
 
 
 def make_components(sections: dict[str, Any], **setup: Any) -> tuple[list[WatchComponent], list[WatchComponent]]:

@@ -158,7 +158,7 @@ class NanWatch(WatchLifecycle, Displayable):
         scaler_skips = ScalerSkips(self.settings, lambda kind, extra, budget: self._localised_event(
             kind, self._read(), extra, budget))
         components, last = make_components(self.config.sections(), policy=self.policy,
-                                           has_trainer=self.trainer is not None, trainer=self.trainer,
+                                           trainer=self.trainer,
                                            thresholds=self.settings, reads=self._collector, history=self.history)
         self._board = DetectorBoard([scaler_skips, *builtin_detectors(self.settings), *components, *detectors],
                                     last=last)
