@@ -38,7 +38,7 @@ TF450_VENV := .venv-tf450
 # changes how every other lane loads models and prints its "Failed to load" lines into every kernel's output.
 QUANT_VENV := .venv-quant
 NEWEST_VENV := .venv-newest
-EXTRAS := hf,test,browser,trackers,docs
+EXTRAS := hf,test,browser,trackers,docs,frameworks
 # How many times test-loaded runs the multi-rank tests under load (three in a row before a stop).
 RUNS ?= 1
 # pytest workers per lane (pytest-xdist; 0: one process). A test file stays on one worker.
