@@ -1,8 +1,13 @@
 """A notebook executed by nbclient in a real kernel: the saved outputs and nbconvert's HTML still show
-nbguard's results without a kernel (text/plain + static text/html + the nbguard JSON in ONE output)."""
+nbguard's results without a kernel (text/plain + static text/html + the nbguard JSON in ONE output).
+
+nbclient is headless (no one at a front end): no widget view rides in the outputs, since its saved state
+would win over the static HTML in ``nbconvert --to html`` and draw an empty box there; and a cell nbguard
+would insert is printed instead, saying it was not inserted."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -22,6 +27,8 @@ CELLS = [
     "loss = torch.randn(2, 3).sum()\nloss.backward()",
     "model = model.float()\nopt = torch.optim.SGD(model.parameters(), lr=0.01)\nbatch = tiny_batch()",
     "%%nanwatch model\nfor _ in range(2):\n    opt.zero_grad()\n    model(**batch).loss.backward()\n    opt.step()",
+    "from nbguard.notebook.frontend import put_next_cell\ninserted = put_next_cell('model = model.float()  # the fix')\n"
+    "print('inserted:', inserted)",
 ]
 
 
@@ -39,7 +46,9 @@ def executed(tmp_path_factory):
         "env": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}}))
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
     km = KernelManager(kernel_name="nbguard-test", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(tmp / "kernels")]))
-    client = nbclient.NotebookClient(nb, km=km, timeout=300, allow_errors=True, resources={"metadata": {"path": str(ROOT)}})
+    # store_widget_state as `jupyter nbconvert --execute` and notebooks/run.py run it
+    client = nbclient.NotebookClient(nb, km=km, timeout=300, allow_errors=True, store_widget_state=True,
+                                     resources={"metadata": {"path": str(ROOT)}})
     client.execute()
     path = tmp / "executed.ipynb"
     nbformat.write(nb, path)
@@ -55,8 +64,9 @@ def test_every_nbguard_output_is_one_bundle_with_static_fallbacks(executed):
     assert len(outputs) >= 3
     for output in outputs:
         data = output["data"]
-        assert {"text/plain", "text/html", MIME, WIDGET_MIME} <= set(data)
+        assert {"text/plain", "text/html", MIME} <= set(data) and WIDGET_MIME not in data
         assert data[MIME]["schema_version"] == 1 and data[MIME]["output_id"]
+        assert "pip install ipywidgets" not in data["text/plain"]  # headless: nothing is missing to install
 
 
 def test_audit_error_and_watch_outputs_survive_the_kernel(executed):
@@ -71,8 +81,36 @@ def test_audit_error_and_watch_outputs_survive_the_kernel(executed):
     assert live["data"][MIME]["history"]["steps"] == [0, 1]
 
 
+def _visible_text(html_page: str) -> str:
+    """What a browser without JavaScript shows: no scripts (the saved widget state lives in one), no tags."""
+    html_page = re.sub(r"<(script|style)\b.*?</\1>", " ", html_page, flags=re.S | re.I)
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", html_page))
+
+
 def test_nbconvert_html_shows_the_static_view(executed):
     from nbconvert import HTMLExporter
 
     body, _ = HTMLExporter().from_notebook_node(executed)
-    assert "trainable-low-precision" in body and "no-grad-input" in body
+    shown = _visible_text(body)
+    assert "nbguard precision audit" in shown and "trainable-low-precision" in shown  # the audit's cards
+    assert "no-grad-input" in shown
+    assert "nbguard NaN/Inf watch" in shown and "steps 0–1" in shown  # the watch's summary
+    assert "jupyter-widgets" not in body
+
+
+def test_headless_cell_to_insert_is_printed_and_says_it_was_not_inserted(executed):
+    text = "".join(o.get("text", "") for o in executed.cells[6].outputs if o.get("output_type") == "stream")
+    assert "no front end is connected" in text and "was not inserted" in text
+    assert "model = model.float()  # the fix" in text and "inserted: False" in text
+
+
+def test_a_shell_with_a_front_end_gets_the_cell_as_its_next_input():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from nbguard.notebook.frontend import put_next_cell
+
+    ip = InteractiveShell.instance()
+    ip.rl_next_input = None
+    assert put_next_cell("x = 1", ip) is True  # no kernel: a terminal IPython fills its next prompt
+    assert ip.rl_next_input == "x = 1"
+    ip.rl_next_input = None

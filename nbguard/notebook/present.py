@@ -1,4 +1,9 @@
-"""Showing results in the notebook: the widget when ipywidgets is usable, else the static bundle.
+"""Showing results in the notebook: the widget when ipywidgets is usable and a front end is connected,
+else the static bundle.
+
+Headless (nbclient: ``nbconvert --execute``, papermill, ``notebooks/run.py``) no widget is shown: nobody
+would see or click it, and its saved view would win over the static HTML in ``nbconvert --to html``,
+which then draws an empty box wherever the widget JavaScript cannot load.
 
 Each ``show_*`` emits ONE output (see :mod:`.display`) and keeps the views it opened in
 ``OPEN_VIEWS`` so ``%unload_ext nbguard`` can close them.
@@ -10,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .display import NO_WIDGETS_HINT, publish, republish, with_output_id
+from .frontend import front_end_connected
 
 OPEN_VIEWS: list[Any] = []
 
@@ -22,12 +28,21 @@ def widgets_available() -> bool:
     return True
 
 
+def widgets_shown() -> bool:
+    """Widgets where someone can see them; headless the static bundle alone (and no hint: nothing is missing)."""
+    return front_end_connected() and widgets_available()
+
+
+def _static_hint() -> str | None:
+    return NO_WIDGETS_HINT if front_end_connected() else None
+
+
 def show_audit(result, *, names: dict[str, str], rerun: Callable[[], Any],
                apply: Callable[[str], tuple[Any, str]]):
     """The audit as finding cards (or the static bundle); returns the view or None."""
     doc = with_output_id(result.to_document(names=names))
-    if not widgets_available():
-        publish(doc, hint=NO_WIDGETS_HINT)
+    if not widgets_shown():
+        publish(doc, hint=_static_hint())
         return None
     from .widgets.cards import FindingsView
 
@@ -45,8 +60,8 @@ def show_audit(result, *, names: dict[str, str], rerun: Callable[[], Any],
 
 def show_diagnosis(diagnosis, *, names: dict[str, str], apply: Callable[[str], tuple[Any, str]] | None):
     doc = with_output_id(diagnosis.to_document(names=names))
-    if not widgets_available():
-        publish(doc, hint=NO_WIDGETS_HINT)
+    if not widgets_shown():
+        publish(doc, hint=_static_hint())
         return None
     from .widgets.cards import DiagnosisView
 
@@ -68,12 +83,14 @@ class LiveWatch:
         self.handle = None
         self.doc = with_output_id(watch.to_document())
         self.dashboard = None
-        if widgets_available():
+        shown = widgets_shown()
+        self.hint = None if shown else _static_hint()  # checked once: a refresh may run outside the cell
+        if shown:
             from .widgets.dashboard import WatchDashboard
 
             self.dashboard = WatchDashboard(watch, self.doc["output_id"], on_new_events=self.refresh_static).attach()
             OPEN_VIEWS.append(self)
-        self.handle = publish(self.doc, self.widget, None if self.dashboard else NO_WIDGETS_HINT)
+        self.handle = publish(self.doc, self.widget, self.hint)
 
     @property
     def watch(self):
@@ -93,7 +110,7 @@ class LiveWatch:
         watch = self.watch
         if watch is not None:
             self.doc = with_output_id(watch.to_document(), self.doc["output_id"])
-        republish(self.handle, self.doc, self.widget, None if self.dashboard else NO_WIDGETS_HINT)
+        republish(self.handle, self.doc, self.widget, self.hint)
 
     def finish(self) -> None:
         """Final drawing, and the static copy of the output brought up to date."""
