@@ -74,9 +74,9 @@ def test_the_executed_notebook_holds_nbguard_outputs(executed):
 def test_exporter_api_makes_one_self_contained_html_report(executed, kernel_secret_env):
     nb, _ = executed
     exporter = NbguardExporter()
-    assert exporter.export_from_notebook and exporter.file_extension == ".html"
+    assert exporter.export_from_notebook and exporter.file_extension == ".nbguard.html"
     output, resources = exporter.from_notebook_node(nb, resources={"metadata": {"name": "planted"}})
-    assert resources["output_extension"] == ".html"
+    assert resources["output_extension"] == ".nbguard.html"
     parser = Refs()
     parser.feed(output)
     parser.close()
@@ -92,7 +92,7 @@ def test_exporter_api_makes_one_self_contained_html_report(executed, kernel_secr
 def test_exporter_markdown_and_json(executed, kernel_secret_env):
     nb, _ = executed
     md, resources = NbguardExporter(report_format="md").from_notebook_node(nb, resources={"metadata": {"name": "planted"}})
-    assert resources["output_extension"] == ".md"
+    assert resources["output_extension"] == ".nbguard.md"
     assert resources["outputs"]["planted.heatmap.png"].startswith(b"\x89PNG")
     assert "![gradient-norm heatmap](planted.heatmap.png)" in md
     text, _ = NbguardExporter(report_format="json").from_notebook_node(nb, resources={"metadata": {"name": "planted"}})
@@ -124,9 +124,23 @@ def test_jupyter_nbconvert_command_line(executed):
     _, path = executed
     proc = _nbconvert("nbguard.reporting.nbconvert.NbguardExporter", path, {"MY_KERNEL_TOKEN": KERNEL_SECRET})
     assert proc.returncode == 0, proc.stderr
-    html_text = path.with_suffix(".html").read_text(encoding="utf-8")
+    report = path.with_name(f"{path.stem}.nbguard.html")
+    html_text = report.read_text(encoding="utf-8")
     assert "nbguard report: planted" in html_text and KERNEL_SECRET not in html_text
-    path.with_suffix(".html").unlink()
+    report.unlink()
+
+
+def test_nbguard_report_and_html_export_are_two_files(executed):
+    """``--to html`` then ``--to nbguard`` on one notebook: two files, neither overwrites the other."""
+    _, path = executed
+    for to in ("html", "nbguard.reporting.nbconvert.NbguardExporter"):
+        proc = _nbconvert(to, path, {"MY_KERNEL_TOKEN": KERNEL_SECRET})
+        assert proc.returncode == 0, proc.stderr
+    page, report = path.with_suffix(".html"), path.with_name(f"{path.stem}.nbguard.html")
+    assert "nbguard report: planted" in report.read_text(encoding="utf-8")
+    assert "jp-Notebook" in page.read_text(encoding="utf-8")  # nbconvert's page of the notebook, still there
+    page.unlink()
+    report.unlink()
 
 
 def _declared_entry_point() -> str:
@@ -166,5 +180,5 @@ def test_jupyter_nbconvert_to_nbguard_by_entry_point(executed, tmp_path):
     assert listing.stdout.split() == ["True", "nbguard", "report"], listing.stderr  # JupyterLab's export menu
     proc = _nbconvert("nbguard", path, env)
     assert proc.returncode == 0, proc.stderr
-    html_text = path.with_suffix(".html").read_text(encoding="utf-8")
+    html_text = path.with_name(f"{path.stem}.nbguard.html").read_text(encoding="utf-8")
     assert "nbguard report: planted" in html_text and KERNEL_SECRET not in html_text

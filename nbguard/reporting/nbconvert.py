@@ -1,6 +1,8 @@
 """``jupyter nbconvert --to nbguard notebook.ipynb``: the nbguard outputs saved in a notebook,
 collected into one report (self-contained HTML by default; ``--NbguardExporter.report_format``
 md or json). JupyterLab lists it under "Save and Export Notebook As" (export_from_notebook).
+The report is ``NAME.nbguard.html`` (``.nbguard.md``, ``.nbguard.json``): ``--to html`` writes ``NAME.html``
+beside it, and one export must not overwrite the other.
 
 Registered in pyproject.toml under ``[project.entry-points."nbconvert.exporters"]``.
 """
@@ -18,7 +20,7 @@ from ..environment import environment_info
 from ..findings import MIME_TYPE
 from .report import Report
 
-_EXTENSIONS = {"html": ".html", "md": ".md", "json": ".json"}
+_EXTENSIONS = {"html": ".nbguard.html", "md": ".nbguard.md", "json": ".nbguard.json"}
 
 _MIMETYPES = {"html": "text/html", "md": "text/markdown", "json": "application/json"}
 
@@ -86,7 +88,7 @@ class NbguardExporter(Exporter):
 
     @default("file_extension")
     def _file_extension_default(self):
-        return _EXTENSIONS.get(self.report_format, ".html")
+        return _EXTENSIONS.get(self.report_format, _EXTENSIONS["html"])
 
     @observe("report_format")
     def _report_format_changed(self, change):
