@@ -12,7 +12,7 @@ In a notebook, ``%load_ext nbguard`` adds ``%precision_check`` and ``%nanwatch``
 """
 from __future__ import annotations
 
-from .api import audit, check_export, explain, report, verify, watch
+from .api import audit, callback, check_export, explain, lightning_callback, report, verify, watch
 from .document import Event, Finding, Origin, Severity, __version__
 from .document.display import set_formatters
 from .errors import NbguardError, NonFiniteError
@@ -68,5 +68,6 @@ def _jupyter_labextension_paths():
 
 __all__ = [
     "Event", "Finding", "Hardware", "NbguardError", "NonFiniteError", "Origin", "Severity", "WatchConfig",
-    "audit", "check_export", "explain", "fixes", "report", "resolve_hardware", "verify", "watch", "__version__",
+    "audit", "callback", "check_export", "explain", "fixes", "lightning_callback", "report", "resolve_hardware",
+    "verify", "watch", "__version__",
 ]

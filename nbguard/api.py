@@ -80,6 +80,58 @@ def watch(target, *, optimizer=None, scaler=None, policy="warn", config=None, lo
     return watch.attach()
 
 
+def callback(**options):
+    """A transformers ``TrainerCallback`` that attaches ``nbguard.watch(trainer, **options)`` to the Trainer
+    it is given to, for code that builds the Trainer and never hands it back::
+
+        cb = nbguard.callback(policy="skip")
+        run_exp(args, callbacks=[cb])  # LLaMA-Factory; or Trainer(..., callbacks=[cb])
+        cb.watch.events
+
+    It attaches when the Trainer is built (or when ``train()`` starts, after ``trainer.add_callback``);
+    the watch is the one ``nbguard.watch(trainer)`` gives, with the same options (docs/guides/frameworks.md).
+    """
+    import functools
+
+    from .watcher.integrations.trainer_callback import AttachOnInit
+
+    _check_callback_options(options, set_by_callback=())
+    return AttachOnInit(functools.partial(watch, **options))
+
+
+def lightning_callback(*, module=None, **options):
+    """A Lightning ``Callback`` that watches the LightningModule through ``trainer.fit``, with
+    ``nbguard.watch``'s options (``policy=``, ``rewind=``, ``config=`` ...)::
+
+        cb = nbguard.lightning_callback(policy="rewind")
+        lightning.Trainer(callbacks=[cb]).fit(module, loader)
+        cb.watch.events
+
+    The optimizer, its LR scheduler and 16-mixed's GradScaler are Lightning's own, found at ``on_fit_start``;
+    automatic and manual optimization are both watched. ``module="net"`` roots the watch at the submodule
+    ``training_step`` calls where it does not call ``self(batch)`` (docs/guides/frameworks.md).
+    """
+    import functools
+
+    from .watcher.integrations.lightning import lightning_callback as make
+
+    _check_callback_options(options, set_by_callback=("optimizer", "scaler", "scheduler"))
+    return make(functools.partial(watch, **options), module=module)
+
+
+def _check_callback_options(options, set_by_callback):
+    """What ``watch`` would refuse at attach, refused now: a callback attaches inside the framework's run."""
+    import inspect
+
+    from .watcher.policy.policies import check_policy
+
+    taken = sorted(set(options) & {"target", *set_by_callback})
+    if taken:
+        raise TypeError(f"the callback sets {', '.join(taken)} itself from the framework's run; leave it out")
+    inspect.signature(watch).bind(None, **options)
+    check_policy(options.get("policy", "warn"))
+
+
 def check_export(model, exported, *, trainer=None, tokenizer=None, batch=None, base=None):
     """Is the artifact you ship the model you trained? Returns an ``ExportResult`` (findings, logit comparisons).
 
