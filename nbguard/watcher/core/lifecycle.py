@@ -15,7 +15,7 @@ import torch
 
 from ..distributed import ranks
 from ..distributed.ddp_buckets import bucket_reader, find_ddp
-from ..integrations.loop import OptimizerBinding, ScalerBinding, unwrap_optimizer
+from ..integrations.loop import BackwardRoots, OptimizerBinding, ScalerBinding, unwrap_optimizer
 from .guard import guarded_call, watch_hook
 from .steps import WatchSteps
 
@@ -63,6 +63,7 @@ class WatchLifecycle(WatchSteps):
         self._read_ddp_buckets()
         self._collector.attach()
         self._handles += self._watch_registrations()
+        self._backward_binding = self._bind_backward_roots()
         if self._probe is not None:
             self._probe.attach()
         if self.optimizer is not None:
@@ -108,6 +109,27 @@ class WatchLifecycle(WatchSteps):
             return DeepSpeedEngineReader(self._context, engine).attach()
         return DeepSpeedSkips(self).attach()
 
+    def _bind_backward_roots(self) -> BackwardRoots:
+        """The loss at backward's root (a global function's patch): it holds the watch weakly, so a
+        watch dropped while attached is still collected (``__del__`` then takes the patch off)."""
+        watch = weakref.ref(self)
+
+        def backwards() -> int:
+            live = watch()
+            return live._collector.accumulations if live is not None else 0
+
+        def took(root: torch.Tensor) -> None:
+            live = watch()
+            if live is not None:
+                live._take_backward_root(root)
+
+        def failed(exc: BaseException) -> None:
+            live = watch()
+            if live is not None:
+                live._context.fail(exc)
+
+        return BackwardRoots(backwards, took, failed)
+
     def _watch_registrations(self) -> list:
         """torch's global hooks on module/parameter assignment: a module swapped into this model after
         attach (``model.lm_head = nn.Linear(...)``, LoRA added later) is covered from the next forward."""
@@ -133,6 +155,9 @@ class WatchLifecycle(WatchSteps):
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._backward_binding is not None:
+            self._backward_binding.remove()
+            self._backward_binding = None
         self._collector.detach()
         if self._bucket_reader is not None:  # DDP keeps its hook: from now on it only reduces
             self._bucket_reader.point_at(None)
@@ -168,6 +193,9 @@ class WatchLifecycle(WatchSteps):
         # Collected while attached (the user deleted the model with the watch on): the session
         # keeps the story for the report. Never raise from a finalizer.
         try:
+            binding = getattr(self, "_backward_binding", None)
+            if binding is not None:
+                binding.remove()
             if getattr(self, "attached", False):
                 from ...session import release_watch
 

@@ -94,7 +94,9 @@ class WatchRecord(ABC):
     # ---- the current step -------------------------------------------------------------------
     _bad_streak: int
     _micro_batches: list[MicroBatch]
-    _losses: list[torch.Tensor]
+    _losses: list[torch.Tensor]  # the model's output loss or the Trainer's, per micro-batch
+    _backward_roots: list[torch.Tensor]  # the scalars backward() started from through the model
+    _backward_binding: Any  # BackwardRoots while attached
     _stats: StepStats | None
     _step_view: StepView | None  # this step's view for the detectors, once built
     _optimizer_stepped: bool

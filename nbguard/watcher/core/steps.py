@@ -26,6 +26,7 @@ from ...step.eager import eager_name
 from ...step.precision import capture_autocast
 from ..distributed import ranks
 from ..distributed.rank_tokens import losses_are_rank_means, step_supervised_tokens
+from ..integrations.loop import step_closure, then_after_first_call, with_closure
 from ..policy.policies import drop_update, training_stopper, update_dropper
 from ..reads.activations import host_values
 from ..reads.sentinel import StepStats
@@ -123,6 +124,24 @@ class WatchSteps(WatchRecord):
         if self._micro_batches:
             self._losses.append(loss.detach())
 
+    @watch_hook(safe=True)
+    def _take_backward_root(self, root: torch.Tensor) -> None:
+        """The scalar a backward through the model started from (BackwardRoots): the step's loss where
+        neither the model's output nor the Trainer gives one (a loss function after the model)."""
+        if self._micro_batches:
+            self._backward_roots.append(root)
+
+    def _step_losses(self) -> tuple[list[torch.Tensor], bool]:
+        """The step's losses, and whether they are shares to sum: the model's or the Trainer's, else
+        the backward roots (each micro-batch's part of what was differentiated: under accumulation
+        already divided, so their sum is the step's loss; under a GradScaler, scaled: unscaled here)."""
+        if self._losses or not self._backward_roots:
+            shares = self._loss_tap is not None or any("num_items_in_batch" in mb.kwargs for mb in self._micro_batches)
+            return self._losses, shares
+        scale = self._scaler_binding.scale() if self._scaler_binding is not None else None
+        roots = self._backward_roots if scale is None else [root / scale for root in self._backward_roots]
+        return roots, True
+
     # ---- the step's one read -------------------------------------------------------------------------
     def _grads_scaled(self) -> bool:
         binding = self._scaler_binding
@@ -145,8 +164,8 @@ class WatchSteps(WatchRecord):
             found_inf = binding.found_inf() if binding is not None and binding.enabled else None
             # Each micro-batch loss is a share of the step's loss when the Trainer passes num_items_in_batch,
             # and when it is what training_step returned (their sum is the loss the Trainer logs)
-            shares = self._loss_tap is not None or any("num_items_in_batch" in mb.kwargs for mb in self._micro_batches)
-            self._stats = self._collector.read(self._losses, scale, False, sum_losses=shares,
+            losses, shares = self._step_losses()
+            self._stats = self._collector.read(losses, scale, False, sum_losses=shares,
                                                found_inf=found_inf,
                                                activations=self._probe.values if self._probe is not None else None,
                                                extra=self._board.collect(self),
@@ -169,15 +188,30 @@ class WatchSteps(WatchRecord):
         return self._scaler_binding is not None and self._scaler_binding.enabled
 
     def _pre_step(self, optimizer, args, kwargs):
-        """Not a watch_hook itself: a watch that stepped aside across ranks still says farewell here."""
+        """Not a watch_hook itself: a watch that stepped aside across ranks still says farewell here.
+
+        ``step(closure)`` (Lightning's automatic optimization, LBFGS): the step's forward and backward
+        have not run yet; they run inside the closure, so the check follows the closure's first call."""
+        closure = step_closure(args, kwargs)
+        if closure is not None:
+            return with_closure(args, kwargs, then_after_first_call(closure, self._closure_ran))
+        self._before_optimizer_moves()
+        return None
+
+    def _closure_ran(self, loss: Any) -> None:
+        """A step's closure returned: its loss is the step's where nothing else gave one; then the check."""
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and not self._backward_roots:
+            self._take_backward_root(loss.detach())
+        self._before_optimizer_moves()
+
+    def _before_optimizer_moves(self) -> None:
         if self._owes_farewell() and self._scaler_binding is None:
             self._farewell()
-            return None
+            return
         self._check_step()
         self._settle_farewell()  # the check failed before this rank's part of the exchange: pay it now
         if self.active:  # after the policy's decision, just before the optimizer moves the weights
             self._dispatch("before_optimizer_step", self.step)
-        return None
 
     @watch_hook(safe=False)
     def _check_step(self) -> None:
@@ -330,6 +364,7 @@ class WatchSteps(WatchRecord):
         """Drop every reference to this step's batches and output gradients."""
         self._micro_batches = []
         self._losses = []
+        self._backward_roots = []
         self._stats = None
         self._step_view = None
         self._optimizer_stepped = False

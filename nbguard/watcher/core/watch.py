@@ -164,6 +164,8 @@ class NanWatch(WatchLifecycle, Displayable):
                                     last=last)
         self._micro_batches = []
         self._losses = []
+        self._backward_roots = []
+        self._backward_binding = None  # BackwardRoots while attached
         self._stats = None
         # policy rewind (rewind.py): snapshots every few steps, restored on trouble; it says at once
         # where they do not fit (and the watch skips instead)

@@ -1,11 +1,17 @@
 """Step boundaries in a plain loop: optimizer step pre/post hooks and, with a GradScaler, its
 ``update`` (``scaler.step`` skips ``optimizer.step`` entirely when it found inf, so only
-``update`` sees every step)."""
+``update`` sees every step); the closure of ``optimizer.step(closure)``; the loss at the root of
+``backward()``."""
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from .instance_wrap import InstanceWrap
+from ..core.guard import OnError
+from .instance_wrap import InstanceWrap, patch
 
 
 def unwrap_optimizer(optimizer):
@@ -17,6 +23,68 @@ def unwrap_optimizer(optimizer):
             break
         optimizer = inner
     return optimizer
+
+
+def step_closure(args: tuple, kwargs: dict) -> Callable[[], Any] | None:
+    """The closure an ``optimizer.step`` call was given, as torch's step pre-hook sees the call
+    (``args[0]`` is the optimizer itself): Lightning's automatic optimization, LBFGS."""
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    return closure if callable(closure) else None
+
+
+def with_closure(args: tuple, kwargs: dict, closure: Callable[[], Any]) -> tuple[tuple, dict]:
+    """The step call's ``(args, kwargs)`` with ``closure`` in place of the one it was given (a step
+    pre-hook's return value)."""
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure}
+    return (args[0], closure, *args[2:]), kwargs
+
+
+def then_after_first_call(closure: Callable[[], Any], after: Callable[[Any], None]) -> Callable[[], Any]:
+    """``closure`` unchanged, followed once by ``after(its result)``: a closure's first call runs the
+    step's forward and backward, before the optimizer moves anything (LBFGS calls it again for its line
+    search, on weights it has already moved)."""
+    called = False
+
+    @functools.wraps(closure, updated=())  # (a closure may be an object: its attributes stay its own)
+    def closure_then_check(*args: Any, **kwargs: Any) -> Any:
+        nonlocal called
+        result = closure(*args, **kwargs)
+        if not called:
+            called = True
+            after(result)
+        return result
+
+    return closure_then_check
+
+
+class BackwardRoots:
+    """``torch.autograd.backward`` (what ``tensor.backward()``, ``fabric.backward``,
+    ``accelerator.backward`` and ``scaler.scale(loss).backward()`` all end in) hands ``took`` the
+    scalar it started from: the loss wherever the user computed it, also after the model
+    (``loss_fn(logits, y)``). Only a backward that went through the watched model counts: ``backwards()``
+    (the watch's count of backwards through its model) moved during the call."""
+
+    def __init__(self, backwards: Callable[[], int], took: Callable[[torch.Tensor], None], on_error: OnError):
+        def around(call, *args, **kwargs):
+            before = backwards()
+            result = call(*args, **kwargs)
+            root = _scalar_root(args[0] if args else kwargs.get("tensors"))
+            if root is not None and backwards() != before:
+                took(root.detach())
+            return result
+
+        self._patch = patch(torch.autograd, "backward", around, on_error)
+
+    def remove(self) -> None:
+        self._patch.remove()
+
+
+def _scalar_root(tensors: Any) -> torch.Tensor | None:
+    """The one scalar a backward starts from (``loss`` or ``[loss]``); None for anything else."""
+    if isinstance(tensors, (list, tuple)) and len(tensors) == 1:
+        tensors = tensors[0]
+    return tensors if isinstance(tensors, torch.Tensor) and tensors.numel() == 1 else None
 
 
 class OptimizerBinding:

@@ -1,0 +1,180 @@
+"""Steps whose forward and backward run inside ``optimizer.step(closure)`` (Lightning's automatic
+optimization, LBFGS), and losses computed outside the model (``loss_fn(logits, y)``, as litgpt,
+torchtune and most hand-written loops do): the watch reads each step after its backward and before
+its update, with the loss ``backward()`` started from. Every claim is checked against an unwatched
+twin run of the same seed."""
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+
+import nbguard
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _nan_in(module):
+    return module.register_forward_hook(lambda mod, args, out: out * float("nan"))
+
+
+def _train(*, watched: bool, closure: bool, optimizer=torch.optim.SGD, plant_at: int | None = None,
+           steps: int = 6, policy: str = "warn", lr: float = 0.05, accumulate: int = 1, nan_target_at=None):
+    """A loop computing its loss after the model; returns the model, the watch (or None) and, per
+    step, the loss and total gradient norm the optimizer really stepped with."""
+    torch.manual_seed(0)
+    model = TwoLayers()
+    opt = optimizer(model.parameters(), lr=lr)
+    watch = nbguard.watch(model, optimizer=opt, policy=policy, log_to=None, verify=False) if watched else None
+    data = torch.Generator().manual_seed(1)
+    truth: list[tuple[float, float]] = []
+    for step in range(steps):
+        batches = [(torch.randn(4, 8, generator=data), torch.randn(4, 4, generator=data)) for _ in range(accumulate)]
+        if nan_target_at == step:
+            batches[0][1][0, 0] = float("nan")  # the data, not the model: the loss is NaN, every output finite
+        hook = _nan_in(model.b) if plant_at == step else None
+
+        def forward_backward(batches=batches):
+            opt.zero_grad()
+            total = 0.0
+            for x, y in batches:
+                loss = torch.nn.functional.mse_loss(model(x), y) / accumulate
+                loss.backward()
+                total += float(loss.detach())
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+            truth.append((total, float(norm)))
+            return loss
+
+        if closure:
+            opt.step(forward_backward)
+        else:
+            forward_backward()
+            opt.step()
+        if hook is not None:
+            hook.remove()
+    if watch is not None:
+        watch.detach()
+    return model, watch, truth
+
+
+@pytest.mark.parametrize("closure", [True, False], ids=["step(closure)", "backward-then-step"])
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW], ids=["SGD", "AdamW"])
+def test_healthy_run_is_read_at_its_own_step_and_left_bit_identical(closure, optimizer):
+    twin, _, truth = _train(watched=False, closure=closure, optimizer=optimizer)
+    model, watch, seen = _train(watched=True, closure=closure, optimizer=optimizer)
+    assert seen == truth
+    assert watch.events == []
+    for mine, theirs in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(mine, theirs)
+    # the loss made after the model is the step's loss, and the norms are this step's, not the last one's
+    assert watch.history.loss == pytest.approx([loss for loss, _ in truth], rel=1e-6)
+    assert watch.history.total_grad_norm == pytest.approx([norm for _, norm in truth], rel=1e-5)
+
+
+def test_accumulated_shares_sum_to_the_step_loss():
+    _, _, truth = _train(watched=False, closure=True, accumulate=3)
+    _, watch, _ = _train(watched=True, closure=True, accumulate=3)
+    assert watch.history.loss == pytest.approx([loss for loss, _ in truth], rel=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW, torch.optim.LBFGS],
+                         ids=["SGD", "AdamW", "LBFGS"])
+def test_nan_planted_inside_a_closure_is_caught_at_its_step_and_module_and_skipped(optimizer):
+    model, watch, _ = _train(watched=True, closure=True, optimizer=optimizer, plant_at=3, policy="skip")
+    bad = [e for e in watch.events if e.kind.startswith("nonfinite")]
+    assert [(e.kind, e.step) for e in bad] == [("nonfinite-loss", 3)]
+    assert bad[0].origins and bad[0].origins[0].module == "b"
+    assert watch.history.skipped_steps == [3]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_skip_inside_a_closure_leaves_the_weights_of_the_step_before():
+    """The update of the bad step never happens: the weights after it are the twin's after step 2
+    (the twin runs three steps), not NaN and not moved."""
+    twin, _, _ = _train(watched=False, closure=True, steps=3)
+    model, _, _ = _train(watched=True, closure=True, steps=4, plant_at=3, policy="skip")
+    for mine, theirs in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("closure", [True, False], ids=["step(closure)", "backward-then-step"])
+def test_a_nan_loss_from_the_data_is_a_nonfinite_loss_not_a_gradient(closure):
+    _, watch, _ = _train(watched=True, closure=closure, nan_target_at=2, policy="skip")
+    bad = [e for e in watch.events if e.kind.startswith("nonfinite")]
+    assert [(e.kind, e.step) for e in bad] == [("nonfinite-loss", 2)]
+
+
+def test_a_scaled_loss_is_read_unscaled():
+    """``scaler.scale(loss).backward()``: the root is loss x scale; the step's loss is the loss."""
+    torch.manual_seed(0)
+    model = TwoLayers()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    watch = nbguard.watch(model, optimizer=opt, scaler=scaler, log_to=None, verify=False)
+    losses = []
+    for _ in range(3):
+        x, y = torch.randn(4, 8), torch.randn(4, 4)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(float(loss.detach()))
+    watch.detach()
+    assert watch.history.loss == pytest.approx(losses, rel=1e-6)
+
+
+def test_a_backward_that_does_not_go_through_the_model_is_not_its_loss():
+    torch.manual_seed(0)
+    model = TwoLayers()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    other = torch.nn.Linear(3, 1)
+    watch = nbguard.watch(model, optimizer=opt, log_to=None, verify=False)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    opt.zero_grad()
+    out = model(x)
+    other(torch.randn(2, 3)).sum().mul(1e6).backward()  # someone else's backward, mid-step
+    loss = torch.nn.functional.mse_loss(out, y)
+    loss.backward()
+    opt.step()
+    watch.detach()
+    assert watch.history.loss == pytest.approx([float(loss.detach())], rel=1e-6)
+
+
+def test_backward_keeps_its_signature_while_watched_and_is_restored_after():
+    original = torch.autograd.backward
+    model = TwoLayers()
+    watch = nbguard.watch(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), log_to=None, verify=False)
+    try:
+        assert torch.autograd.backward is not original
+        assert inspect.signature(torch.autograd.backward) == inspect.signature(original)
+        assert torch.autograd.backward.__name__ == original.__name__
+    finally:
+        watch.detach()
+    assert torch.autograd.backward is original
+
+
+def test_a_failure_in_the_backward_tap_never_breaks_the_users_backward(monkeypatch):
+    from nbguard.watcher.core.steps import WatchSteps
+
+    def broken(self, root):
+        raise RuntimeError("planted failure in nbguard's backward tap")
+
+    monkeypatch.setattr(WatchSteps, "_take_backward_root", broken)
+    twin, _, truth = _train(watched=False, closure=False, steps=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, watch, seen = _train(watched=True, closure=False, steps=3)
+    assert seen == truth
+    for mine, theirs in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(mine, theirs)
