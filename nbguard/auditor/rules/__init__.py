@@ -26,6 +26,7 @@ from . import (  # noqa: F401  (registers them)
     quantized_dry_pass,
     resume,
     rl,
+    rotary,
     serving_template,
     tied,
     tokens,
