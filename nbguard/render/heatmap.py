@@ -18,11 +18,20 @@ from ..document.grid import decode_grid
 from ..document.palette import INF_COLOR, MISSING_COLOR, NAN_COLOR, OVER_COLOR, REWIND_COLOR, SCALE, SKIP_COLOR
 from ..document.view import plural
 from .grid import Bins, aggregate, column_bins, column_flags, row_bins
+from .labels import fit_labels
 from .series import rewind_spans
 
 DEFAULT_MAX_ROWS = 48
 DEFAULT_MAX_COLS = 400
-LABEL_CHARS = 42
+LABEL_CHARS = 36  # a row label longer than this loses its head, never its layer index or leaf (.labels)
+FONT_PT = 8
+LABEL_IN_PER_CHAR = 0.068  # an 8 pt sans-serif character, with room to spare
+TICK_IN_PER_CHAR = 0.07
+TITLE_IN_PER_CHAR = 0.09  # 10 pt bold
+COLUMN_IN, MAP_MIN_IN, MAP_MAX_IN = 0.26, 2.4, 9.0
+ROW_IN = 0.19
+COLORBAR_IN = 1.25  # the bar, its ticks and its label
+LEGEND_ITEM_IN = 1.3
 
 
 def heatmap_png(
@@ -117,8 +126,11 @@ def _check_section(section: Any, name: str, key: str) -> None:
             raise ValueError(f"{name} section has no {required!r}; expected keys groups, steps, {key}")
 
 
-def _render(section: dict, *, key: str, limit: float | None, max_rows: int, max_cols: int,
-            dpi: int, title: str, colorbar_label: str) -> bytes:
+def heatmap_figure(section: dict, *, key: str = "grad_norm", limit: float | None = None,
+                   max_rows: int = DEFAULT_MAX_ROWS, max_cols: int = DEFAULT_MAX_COLS, dpi: int = 100,
+                   title: str = "Gradient norm per module group", colorbar_label: str = "grad norm (log scale)"):
+    """The matplotlib Figure behind the PNGs (None for a section with nothing to draw): for the tests, which
+    read its label texts and where each text lands."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import LinearSegmentedColormap, LogNorm
@@ -131,7 +143,7 @@ def _render(section: dict, *, key: str, limit: float | None, max_rows: int, max_
     groups = [str(g) for g in section.get("groups") or []]
     steps = list(section.get("steps") or [])
     if not groups or not steps:
-        return _placeholder(title, "no steps recorded yet" if groups else "no module groups recorded", dpi)
+        return None
     values, missing = decode_grid(section.get(key), len(groups), len(steps))
     rows = row_bins(groups, max_rows)
     cols = column_bins(steps, max_cols)
@@ -154,60 +166,6 @@ def _render(section: dict, *, key: str, limit: float | None, max_rows: int, max_
     rgba[agg.inf] = _rgba(INF_COLOR)
     rgba[agg.nan] = _rgba(NAN_COLOR)  # NaN wins over Inf in a bin: it is the worse news
 
-    n_rows, n_cols = max(rows.count, 1), max(cols.count, 1)
-    label_width = max(min(max((len(_short(label)) for label in rows.labels), default=8), LABEL_CHARS), 11)
-    left_in = 0.3 + 0.056 * label_width
-    width_in = left_in + 9.0
-    map_h = max(1.3, 0.17 * n_rows)
-    height_in = map_h + 1.75
-    fig = Figure(figsize=(width_in, height_in), dpi=dpi)
-    FigureCanvasAgg(fig)
-    track_h = 0.42
-    left = left_in / width_in
-    right = 1 - 1.3 / width_in
-    bottom = 0.55 / height_in
-    ax = fig.add_axes((left, bottom, right - left, map_h / height_in))
-    tax = fig.add_axes((left, bottom + (map_h + 0.08) / height_in, right - left, track_h / height_in), sharex=ax)
-    cax = fig.add_axes((right + 0.15 / width_in, bottom, 0.18 / width_in, map_h / height_in))
-
-    ax.imshow(rgba, aspect="auto", interpolation="nearest", origin="upper",
-              extent=(-0.5, n_cols - 0.5, n_rows - 0.5, -0.5))
-    _label_rows(ax, rows)
-    _label_columns(ax, cols, steps)
-    ax.tick_params(labelsize=7, length=2)
-    for start, end in _runs(skipped):  # hatch skipped columns over the map as well
-        ax.axvspan(start - 0.5, end - 0.5, facecolor="none", edgecolor=SKIP_COLOR, hatch="////", linewidth=0)
-    for column in np.flatnonzero(rewound):  # a rewind: the state before it was put back here
-        ax.axvline(float(column), color=REWIND_COLOR, linewidth=1.4, linestyle="--")
-
-    # the track: one row for non-finite columns (x = NaN, ^ = Inf, o = over limit), one for skips
-    col_nan = agg.nan.any(axis=0) if agg.nan.size else np.zeros(n_cols, bool)
-    col_inf = (agg.inf.any(axis=0) & ~col_nan) if agg.inf.size else np.zeros(n_cols, bool)
-    col_over = (over.any(axis=0) & ~col_nan & ~col_inf) if over.size else np.zeros(n_cols, bool)
-    x = np.arange(cols.count)
-    tax.scatter(x[col_nan], np.full(col_nan.sum(), 1.0), marker="x", s=22, color=NAN_COLOR, linewidths=1.4)
-    tax.scatter(x[col_inf], np.full(col_inf.sum(), 1.0), marker="^", s=18, color=INF_COLOR)
-    tax.scatter(x[col_over], np.full(col_over.sum(), 1.0), marker="o", s=14, color=OVER_COLOR)
-    tax.scatter(x[skipped], np.zeros(int(skipped.sum())), marker="s", s=10, color=SKIP_COLOR)
-    tax.set_ylim(-0.6, 1.6)
-    tax.set_yticks([0, 1], ["skipped", "non-finite"], fontsize=7)
-    tax.tick_params(axis="x", labelbottom=False, length=0)
-    tax.set_xlim(-0.5, n_cols - 0.5)
-    for spine in ("top", "right"):
-        tax.spines[spine].set_visible(False)
-
-    mappable = ScalarMappable(norm=norm, cmap=cmap)
-    cbar = fig.colorbar(mappable, cax=cax)
-    cbar.ax.tick_params(labelsize=7)
-    cbar.set_label(colorbar_label, fontsize=7)
-    if limit is not None:
-        cbar.ax.axhline(limit, color=OVER_COLOR, linewidth=2)
-
-    shape_note = f"{plural(len(groups), 'group')} × {plural(len(steps), 'step')}"
-    if rows.merged or cols.merged:
-        shape_note += f", shown as {rows.count} × {cols.count} bins (max per bin)"
-    fig.text(left, 1 - 0.12 / height_in, title, fontsize=10, weight="bold", va="top")
-    fig.text(left, 1 - 0.36 / height_in, shape_note, fontsize=7.5, va="top")
     handles = [
         Line2D([], [], marker="s", linestyle="none", markersize=7, color=NAN_COLOR, label="NaN  (✕)"),
         Line2D([], [], marker="s", linestyle="none", markersize=7, color=INF_COLOR, label="Inf  (▲)"),
@@ -219,12 +177,87 @@ def _render(section: dict, *, key: str, limit: float | None, max_rows: int, max_
                                  label=f"> limit {limit:g} (●)"))
     if rewound.any():
         handles.append(Line2D([], [], color=REWIND_COLOR, linestyle="--", linewidth=1.4, label="rewind"))
-    fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=7, frameon=False,
-               bbox_to_anchor=(right, 1 - 0.05 / height_in), handlelength=1.2, columnspacing=1.0)
-    ax.set_xlabel("optimizer step", fontsize=8)
+    shape_note = f"{plural(len(groups), 'group')} × {plural(len(steps), 'step')}"
+    if rows.merged or cols.merged:
+        shape_note += f", shown as {rows.count} × {cols.count} bins (max per bin)"
 
+    # Sizes in inches from what is drawn: the map grows with rows and columns (a short run is not
+    # stretched to a page's width, where a notebook would shrink it and its labels), the label margin
+    # with the longest label kept, the legend below the map wraps to the figure's width.
+    n_rows, n_cols = max(rows.count, 1), max(cols.count, 1)
+    labels = fit_labels(rows.labels, LABEL_CHARS)
+    # the track's own labels ("non-finite") share the margin with the row labels
+    left_in = 0.3 + LABEL_IN_PER_CHAR * max([len("non-finite"), *(len(label) for label in labels)])
+    map_w = min(MAP_MAX_IN, max(MAP_MIN_IN, COLUMN_IN * n_cols))
+    title_w = 0.2 + TITLE_IN_PER_CHAR * max(len(title), len(shape_note) * 0.75)
+    width_in = max(left_in + map_w + COLORBAR_IN, title_w)
+    map_w = width_in - left_in - COLORBAR_IN
+    legend_cols = max(1, min(len(handles), int((width_in - 0.2) // LEGEND_ITEM_IN)))
+    legend_in = 0.22 * math.ceil(len(handles) / legend_cols)
+    map_h = max(1.0, ROW_IN * n_rows)
+    track_h, header_in, axis_in = 0.42, 0.62, 0.5
+    height_in = header_in + track_h + 0.08 + map_h + axis_in + legend_in + 0.1
+    fig = Figure(figsize=(width_in, height_in), dpi=dpi)
+    FigureCanvasAgg(fig)
+
+    def box(left: float, bottom: float, width: float, height: float) -> tuple[float, float, float, float]:
+        return (left / width_in, bottom / height_in, width / width_in, height / height_in)
+
+    map_bottom = legend_in + 0.1 + axis_in
+    ax = fig.add_axes(box(left_in, map_bottom, map_w, map_h))
+    tax = fig.add_axes(box(left_in, map_bottom + map_h + 0.08, map_w, track_h), sharex=ax)
+    cax = fig.add_axes(box(left_in + map_w + 0.15, map_bottom, 0.18, map_h))
+
+    ax.imshow(rgba, aspect="auto", interpolation="nearest", origin="upper",
+              extent=(-0.5, n_cols - 0.5, n_rows - 0.5, -0.5))
+    _label_rows(ax, labels)
+    _label_columns(ax, cols, steps, map_w)
+    ax.tick_params(labelsize=FONT_PT, length=2)
+    for start, end in _runs(skipped):  # hatch skipped columns over the map as well
+        ax.axvspan(start - 0.5, end - 0.5, facecolor="none", edgecolor=SKIP_COLOR, hatch="////", linewidth=0)
+    for column in np.flatnonzero(rewound):  # a rewind: the state before it was put back here
+        ax.axvline(float(column), color=REWIND_COLOR, linewidth=1.4, linestyle="--")
+    ax.set_xlabel("optimizer step", fontsize=FONT_PT)
+
+    # the track: one row for non-finite columns (x = NaN, ^ = Inf, o = over limit), one for skips
+    col_nan = agg.nan.any(axis=0) if agg.nan.size else np.zeros(n_cols, bool)
+    col_inf = (agg.inf.any(axis=0) & ~col_nan) if agg.inf.size else np.zeros(n_cols, bool)
+    col_over = (over.any(axis=0) & ~col_nan & ~col_inf) if over.size else np.zeros(n_cols, bool)
+    x = np.arange(cols.count)
+    tax.scatter(x[col_nan], np.full(col_nan.sum(), 1.0), marker="x", s=22, color=NAN_COLOR, linewidths=1.4)
+    tax.scatter(x[col_inf], np.full(col_inf.sum(), 1.0), marker="^", s=18, color=INF_COLOR)
+    tax.scatter(x[col_over], np.full(col_over.sum(), 1.0), marker="o", s=14, color=OVER_COLOR)
+    tax.scatter(x[skipped], np.zeros(int(skipped.sum())), marker="s", s=10, color=SKIP_COLOR)
+    tax.set_ylim(-0.6, 1.6)
+    tax.set_yticks([0, 1], ["skipped", "non-finite"], fontsize=FONT_PT)
+    tax.tick_params(axis="x", labelbottom=False, length=0)
+    tax.set_xlim(-0.5, n_cols - 0.5)
+    for spine in ("top", "right"):
+        tax.spines[spine].set_visible(False)
+
+    mappable = ScalarMappable(norm=norm, cmap=cmap)
+    cbar = fig.colorbar(mappable, cax=cax)
+    cbar.ax.tick_params(labelsize=FONT_PT - 1)
+    cbar.set_label(colorbar_label, fontsize=FONT_PT - 1)
+    if limit is not None:
+        cbar.ax.axhline(limit, color=OVER_COLOR, linewidth=2)
+
+    fig.text(0.1 / width_in, 1 - 0.1 / height_in, title, fontsize=10, weight="bold", va="top")
+    fig.text(0.1 / width_in, 1 - 0.36 / height_in, shape_note, fontsize=FONT_PT, va="top")
+    fig.legend(handles=handles, loc="lower left", ncol=legend_cols, fontsize=FONT_PT - 0.5, frameon=False,
+               bbox_to_anchor=(0.1 / width_in, 0.05 / height_in), handlelength=1.2, columnspacing=1.0,
+               borderaxespad=0, borderpad=0)
+    return fig
+
+
+def _render(section: dict, **options: Any) -> bytes:
+    fig = heatmap_figure(section, **options)
+    if fig is None:
+        groups = section.get("groups") or []
+        return _placeholder(options["title"], "no steps recorded yet" if groups else "no module groups recorded",
+                            options["dpi"])
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=dpi, facecolor="white")
+    fig.savefig(buffer, format="png", dpi=options["dpi"], facecolor="white")
     return buffer.getvalue()
 
 
@@ -263,28 +296,22 @@ def _rgba(color: str):
     return to_rgba(color)
 
 
-def _short(label: str) -> str:
-    """A label cut in the middle to fit, keeping both the block and the leaf name."""
-    if len(label) <= LABEL_CHARS:
-        return label
-    keep = LABEL_CHARS - 1
-    return label[: keep // 2] + "…" + label[-(keep - keep // 2):]
-
-
-def _label_rows(ax, rows: Bins) -> None:
-    n = rows.count
+def _label_rows(ax, labels: list[str]) -> None:
+    n = len(labels)
     every = max(1, math.ceil(n / 60))  # at most ~60 labels; rows beyond are already binned
     positions = list(range(0, n, every))
-    ax.set_yticks(positions, [_short(rows.labels[i]) for i in positions])
+    ax.set_yticks(positions, [labels[i] for i in positions])
 
 
-def _label_columns(ax, cols: Bins, steps: list) -> None:
+def _label_columns(ax, cols: Bins, steps: list, width_in: float) -> None:
+    """Step numbers under the map, as many as fit side by side at the tick font (never overlapping)."""
     n = cols.count
     if n == 0:
         ax.set_xticks([])
         return
-    target = 12
-    every = max(1, math.ceil(n / target))
+    widest = max(len(label) for label in cols.labels) + 2  # digits plus a gap
+    fit = max(1, int(width_in / (widest * TICK_IN_PER_CHAR)))
+    every = max(1, math.ceil(n / fit))
     nice = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 5000, 10000]
     every = next((v for v in nice if v >= every), every)
     positions = list(range(0, n, every))
