@@ -17,7 +17,7 @@ import torch
 
 from ...findings import Displayable, Event
 from ...step.capture import MicroBatch
-from ...step.eager import eager_name
+from ...step.eager import eager_name, user_module
 from ..detectors.builtin import builtin_detectors
 from ..detectors.scaler_skips import ScalerSkips
 from ..detectors.thresholds import WatchSettings
@@ -98,7 +98,7 @@ class NanWatch(WatchLifecycle, Displayable):
             if optimizer is None:
                 raise ValueError("nbguard.watch(model) needs the optimizer that trains it: pass optimizer=opt "
                                  "(and scaler=scaler if you use a GradScaler), or pass a Trainer instead")
-            self.model = ranks.unwrap_parallel(target)  # DDP: hook and replay the user's module
+            self.model = user_module(target)  # DDP, Fabric: hook and replay the user's module
         else:
             raise TypeError(f"target must be a torch.nn.Module or a transformers Trainer/TRL SFTTrainer, "
                             f"got {type(target).__name__}")

@@ -77,7 +77,7 @@ def bucket_reader(ddp: torch.nn.Module) -> BucketReader | None:
 def find_ddp(target: Any) -> torch.nn.Module | None:
     """The ``DistributedDataParallel`` module of a watch target: the target itself, or the model a
     Trainer has wrapped (``model_wrapped``, set by ``train()``)."""
-    from torch.nn.parallel import DistributedDataParallel  # (as in distributed.unwrap_parallel)
+    from torch.nn.parallel import DistributedDataParallel  # (as in step.eager.user_module)
 
     for candidate in (target, getattr(target, "model_wrapped", None)):
         if isinstance(candidate, DistributedDataParallel):

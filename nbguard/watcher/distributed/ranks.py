@@ -69,22 +69,6 @@ def process_group_ready() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def unwrap_parallel(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside ``DistributedDataParallel`` (and accelerate's wrappers of it).
-
-    The watch hooks and replays this module: a replay through the DDP wrapper would prepare the
-    reducer and start collectives on one rank only, which hangs the others.
-    """
-    from torch.nn.parallel import DistributedDataParallel
-
-    for _ in range(4):
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        else:
-            break
-    return model
-
-
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP2 parameters and gradients); any other tensor as is."""
     to_local = getattr(t, "to_local", None)

@@ -25,7 +25,7 @@ from ...findings import Origin
 from ...introspect.modes import in_training_mode
 from ...introspect.unsloth import read_unsloth
 from ...step.capture import MicroBatch, capture_rng, restore_rng
-from ...step.eager import eager_everywhere, unwrap_compiled
+from ...step.eager import eager_everywhere, eager_name, unwrap_compiled
 from ...step.precision import autocast_as
 from ...step.tensors import Summary, float_tensors, iter_tensors, nonfinite_params, summarize
 
@@ -219,7 +219,7 @@ class Replayer:
 
     def __init__(self, model: torch.nn.Module):
         self.eager, _ = unwrap_compiled(model)
-        self.names = {m: n for n, m in self.eager.named_modules()}  # the user's names: no compile prefix
+        self.names = {m: eager_name(n) for n, m in self.eager.named_modules()}  # the user's names: no wrapper's
 
     @contextlib.contextmanager
     def _preserved(self):
