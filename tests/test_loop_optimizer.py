@@ -289,7 +289,11 @@ def test_nbguard_fix_applies_the_loop_clip_cell_the_watch_verified(shell):
                       "    opt_gpt.step()\n"
                       "    opt_gpt.zero_grad()\n")
     assert cell.error is None, cell.stderr
-    cell = run(shell, "%nbguard fix enable-grad-clipping --apply")
+    # the watch found this cell not enough: --apply refuses it (saying why and what instead) unless forced
+    refused = usage_line(run(shell, "%nbguard fix enable-grad-clipping --apply"))
+    assert "enable-grad-clipping was not applied: this cell was not enough on the failing step" in refused
+    assert len(shell.user_ns["opt_gpt"]._optimizer_step_pre_hooks) == 0
+    cell = run(shell, "%nbguard fix enable-grad-clipping --apply --force")
     assert cell.error is None, cell.stderr
     assert "applied enable-grad-clipping" in cell.stdout and "args." not in cell.stdout
     # the cell is the one the watch ran on the failing step (same text, same names): its verdict is shown

@@ -28,6 +28,7 @@ from . import (  # noqa: F401  (registers the fixes)
     truncation_fixes,
     unsloth_fixes,
 )
+from .refusal import FixNotEnough, refusal
 from .registry import FIXES, Fix, Names, Target
 from .result import FixResult
 
@@ -111,12 +112,13 @@ def _target(fix: Fix, model, trainer, args, tokenizer=None, optimizer=None, scal
     return Target(model=model, trainer=trainer, args=args, tokenizer=tokenizer, optimizer=optimizer, scaler=scaler)
 
 
-def apply(fix_id: str, *, model=None, trainer=None, names: dict[str, str] | None = None,
+def apply(fix_id: str, *, model=None, trainer=None, names: dict[str, str] | None = None, force: bool = False,
           **options: Any) -> FixResult:
     """Apply ``fix_id`` in place; the result says what changed (nothing, when already applied).
 
     ``names`` are the caller's variable names for what it passed (``{"model": "my_model"}``): the
-    recorded cell then reruns as is in the caller's notebook.
+    recorded cell then reruns as is in the caller's notebook. A cell this session ran on the failing step
+    and found "not enough" is refused (``FixNotEnough`` says why and what to make instead) unless ``force``.
     """
     fix = get(fix_id)
     args = options.pop("args", None)
@@ -129,7 +131,6 @@ def apply(fix_id: str, *, model=None, trainer=None, names: dict[str, str] | None
     if names is not None and not isinstance(names, dict):
         raise TypeError(f"names must be a dict such as {{'model': 'my_model'}}, got {type(names).__name__}")
     users = {key: name for key, name in (names or {}).items() if key in given}
-    changed = fix.apply(target, **options)
     # The recorded cell names what apply was given, so it has the same reach as the action.
     if trainer is not None:
         names = {"trainer": users.get("trainer", "trainer")}
@@ -138,8 +139,12 @@ def apply(fix_id: str, *, model=None, trainer=None, names: dict[str, str] | None
     if tokenizer is not None:
         names["tokenizer"] = users.get("tokenizer", "tokenizer")
     cell = code(fix_id, **names, **options)
+    refused = None if force else refusal(fix_id, cell)
+    if refused is not None:
+        raise FixNotEnough(refused)
+    changed = fix.apply(target, **options)
     record_fix(fix_id, changed, cell)
     return FixResult(fix=fix_id, changed=changed, code=cell)
 
 
-__all__ = ["FIXES", "Fix", "FixResult", "apply", "available", "check_offered", "code", "get"]
+__all__ = ["FIXES", "Fix", "FixNotEnough", "FixResult", "apply", "available", "check_offered", "code", "get"]

@@ -56,6 +56,26 @@ def follow_weight_dtypes(optimizer):
     return moved
 
 
+def half_inputs_to_float32(module, positional, keywords):
+    """A forward pre-hook: outside torch.autocast, float16/bfloat16 tensors given to the model become float32,
+    the dtype its weights have after a precision fix (a loop that feeds x.half() would stop at the first matmul
+    with "mat1 and mat2 must have the same dtype"). Under autocast it changes nothing: autocast casts."""
+    def cast(x):
+        if torch.is_tensor(x) and x.dtype in (torch.float16, torch.bfloat16) \
+                and not torch.is_autocast_enabled(x.device.type):
+            return x.float()
+        return x
+    return tuple(cast(a) for a in positional), {k: cast(v) for k, v in keywords.items()}
+
+
+def install_input_cast(model):
+    """Cast the model's half-precision inputs before every forward (running it twice adds no hook)."""
+    if getattr(model, "_input_cast_hook", None) is not None:
+        return False
+    model._input_cast_hook = model.register_forward_pre_hook(half_inputs_to_float32, with_kwargs=True)
+    return True
+
+
 def source(*functions: Any) -> str:
     """The functions' own source, for a cell that calls them."""
     return "\n\n".join(inspect.getsource(f) for f in functions)
@@ -130,20 +150,51 @@ for _group in {opt}.param_groups:
 """
 
 
+def loop_inputs_apply(model: Any, changed: dict[str, Any]) -> None:
+    """A plain loop whose weights a fix moved to float32: its half inputs are cast before each forward (the
+    loop's own ``x.half()`` stays as it is)."""
+    if install_input_cast(model):
+        changed["inputs"] = "float16/bfloat16 inputs become float32 before each forward outside autocast"
+
+
+def loop_inputs_code(model: str) -> str:
+    """The cell's part of ``loop_inputs_apply``, run when the cell cast a weight (``_cast``)."""
+    return f"""
+# Your loop feeds the model half-precision tensors (x.half(), x.to(torch.float16)) and its weights are float32
+# now: they are cast to float32 before each forward (under torch.autocast nothing changes: autocast casts).
+{source(half_inputs_to_float32, install_input_cast)}
+
+if _cast:
+    install_input_cast({model})
+"""
+
+
+def loop_optimizer_code(optimizer: str) -> str:
+    """A loop's optimizer after its weights moved: the moments follow (``follow_weight_dtypes``)."""
+    return f"""
+# {optimizer}.state holds the moments of the steps taken already: they follow their weights' new dtype (and
+# Adam's eps=1e-8, which is 0 in float16, is a normal float32 number).
+{source(follow_weight_dtypes)}
+
+follow_weight_dtypes({optimizer})
+"""
+
+
+def input_cast_batch(autocast: list) -> Any:
+    """The shadow step's view of ``install_input_cast``: its hook's cast on each micro-batch, where the step runs
+    without autocast (under autocast the hook changes nothing); None when it would change nothing."""
+    if autocast:
+        return None
+    return functools.partial(half_inputs_to_float32, None)
+
+
 def loop_precision_code(names: Names, to: str) -> str:
     """What switch-precision's cell adds for a plain loop: the optimizer's moments follow the weights, and
     the loop's own autocast / GradScaler lines, which no cell can rewrite, are named."""
     opt = names.optimizer
     scaler = f"{names.scaler} = torch.amp.GradScaler(enabled=False)" if names.scaler else \
         "a GradScaler, if your loop has one, can be GradScaler(enabled=False)"
-    code = ""
-    if opt:
-        code += f"""
-# {opt}.state holds the moments of the steps taken already: they follow their weights' new dtype.
-{source(follow_weight_dtypes)}
-
-follow_weight_dtypes({opt})
-"""
+    code = loop_inputs_code(names.model) + (loop_optimizer_code(opt) if opt else "")
     if to == "bf16":
         code += f"""
 # In your loop: torch.autocast(device_type, dtype=torch.bfloat16) instead of dtype=torch.float16. bf16 has

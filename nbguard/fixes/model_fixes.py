@@ -8,6 +8,7 @@ import torch
 from ..introspect.dtypes import QUANTIZED_PARAM_CLASSES, dtype_name, quantized_or_integer
 from ..introspect.embeddings import embedding_matrices, padding_row, token_deltas, zero_mask, zero_rows
 from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
+from .loop_cells import follow_weight_dtypes, input_cast_batch, loop_inputs_apply, loop_inputs_code, loop_optimizer_code
 from .registry import Fix, register
 
 
@@ -20,18 +21,30 @@ def _upcast(target, **_):
         if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
             changed[name] = f"{dtype_name(p.dtype)} -> float32"
             p.data = p.data.float()
+    if changed and target.trainer is None and target.args is None:  # a plain loop: what it needs with fp32 weights
+        loop_inputs_apply(target.model, changed)
+        moved = follow_weight_dtypes(target.optimizer) if target.optimizer is not None else 0
+        if moved:
+            changed["optimizer_state"] = f"{moved} state tensors follow their weights' dtype"
     return changed
 
 
 def _upcast_code(names, **_):
-    return f"""import torch
+    code = f"""import torch
 
 # Keep every trainable parameter (LoRA adapters, trained embeddings) in float32; autocast still
 # runs the matmuls in half precision. Quantised (4/8-bit) storage is not floating point: untouched.
+_cast = 0
 for _name, _param in {names.model}.named_parameters():
     if _param.requires_grad and _param.is_floating_point() and _param.dtype != torch.float32:
         _param.data = _param.data.float()
+        _cast += 1
 """
+    if names.loop:  # a plain loop: its half inputs and its optimizer's moments follow the weights
+        code += loop_inputs_code(names.model)
+        if names.optimizer:
+            code += loop_optimizer_code(names.optimizer)
+    return code
 
 
 def _upcast_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
@@ -40,6 +53,10 @@ def _upcast_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
         if p.requires_grad and not quantized_or_integer(p) and p.dtype != torch.float32:
             plan.tensors[name] = p.detach().float()
             plan.changes[name] = f"{dtype_name(p.dtype)} -> float32"
+    if plan.tensors and step.args is None:  # a plain loop's cell casts its half inputs (the same function)
+        plan.batch = input_cast_batch(step.micro_batches[0].autocast if step.micro_batches else [])
+        if plan.batch is not None:
+            plan.changes["inputs"] = "float16/bfloat16 -> float32"
     return plan
 
 

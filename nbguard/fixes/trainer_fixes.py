@@ -17,8 +17,10 @@ from ..step.precision import PrecisionUnavailable, args_mixed_precision, autocas
 from ..watcher.reads.clip_tap import clip_limit
 from .loop_cells import (
     follow_weight_dtypes,
+    input_cast_batch,
     loop_clip,
     loop_clip_code,
+    loop_inputs_apply,
     loop_lower_lr,
     loop_lower_lr_code,
     loop_precision_code,
@@ -241,6 +243,8 @@ def _switch(target, to=None, hardware=None, only=None, **_):
                 p.data = p.data.to(dtype)
         if casts:
             changed["parameters"] = casts
+            if target.trainer is None and target.args is None:  # a plain loop: its half inputs follow
+                loop_inputs_apply(target.model, changed)
             if target.trainer is not None or target.optimizer is not None:
                 _follow_optimizer_state(target.optimizer if target.optimizer is not None else target.trainer.optimizer,
                                         changed)
@@ -302,9 +306,11 @@ AcceleratorState._reset_state()
         cast = "torch.float32 if _param.requires_grad else torch.bfloat16"
     code += f"""
 # Weights stored in the old precision follow (trainable ones in float32).
+_cast = 0
 for _name, _param in {m}.named_parameters():
     if _param.is_floating_point() and {rule}:
         _param.data = _param.data.to({cast})
+        _cast += 1
 """
     if t:
         code += f"""
@@ -325,7 +331,7 @@ for _module in {m}.modules():
     if type(_module).__module__.startswith("bitsandbytes") and hasattr(_module, "compute_dtype"):
         _module.compute_dtype = {compute}
         _module.compute_type_is_set = True
-_qconfig = getattr({m}.config, "quantization_config", None)
+_qconfig = getattr(getattr({m}, "config", None), "quantization_config", None)  # (a plain nn.Module has no config)
 if getattr(_qconfig, "load_in_4bit", False):
     _qconfig.bnb_4bit_compute_dtype = {compute}
 """
@@ -363,6 +369,8 @@ def _switch_plan(step: CapturedStep, to: str | None = None, only: Any = None, **
         _trainer_autocast(step, to, captured, plan)
     else:
         _loop_autocast(to, captured, plan)
+        if plan.tensors:  # the loop cell's input cast, as its hook does it
+            plan.batch = input_cast_batch(plan.autocast if plan.autocast is not None else captured)
     return plan
 
 

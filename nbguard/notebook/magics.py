@@ -486,6 +486,8 @@ class NbguardMagics(Magics):
               help="export-check only: the folder save_pretrained wrote, or the name of a model object (a merge)")
     @argument("--apply", action="store_true",
               help="fix only: also run the fix now, on the objects your notebook names")
+    @argument("--force", action="store_true",
+              help="fix --apply only: apply a cell that was not enough on the failing step anyway")
     @line_magic
     def nbguard(self, line: str = ""):
         """nbguard's fixes, reports and the explainer, from a notebook cell.
@@ -505,12 +507,14 @@ class NbguardMagics(Magics):
         opts = _parse(self.nbguard, line)
         if opts.apply and opts.command != "fix":
             raise MagicError("--apply goes with %nbguard fix ID")
+        if opts.force and not opts.apply:
+            raise MagicError("--force goes with %nbguard fix ID --apply (it applies a cell that was not enough)")
         if opts.exported and opts.command != "export-check":
             raise MagicError(f"%nbguard {opts.command} takes one argument (got {opts.exported!r} too)")
         if opts.command == "fix":
             if not opts.value:
                 raise MagicError("which fix? %nbguard fix ID [--apply]; ids: nbguard.fixes.available()")
-            self._fix(opts.value, opts.apply)
+            self._fix(opts.value, opts.apply, opts.force)
         elif opts.command == "report":
             if not opts.value:
                 raise MagicError("where to? %nbguard report PATH (.html, .md or .json)")
@@ -567,8 +571,9 @@ class NbguardMagics(Magics):
             raise MagicError(f"could not write {path!r}: {err.strerror or err}") from None
         say(f"nbguard: report written to {path}")
 
-    def _fix(self, fix_id: str, apply_now: bool) -> None:
+    def _fix(self, fix_id: str, apply_now: bool, force: bool = False) -> None:
         from .. import fixes
+        from ..fixes.refusal import FixNotEnough, refusal
 
         try:
             fix = fixes.get(fix_id)
@@ -585,8 +590,13 @@ class NbguardMagics(Magics):
             raise MagicError(f"{err.args[0]}; no such variable in the notebook") from None
         say(cell_verdict_line(fix_id, options, code, names))
         if apply_now:
+            refused = None if force else refusal(fix_id, code, python=False)
+            if refused is not None:  # this very cell left the failing step failing: say why, and what instead
+                raise MagicError(refused)
             try:
-                applied = fixes.apply(fix_id, **objects, names=names, **options)
+                applied = fixes.apply(fix_id, **objects, names=names, force=force, **options)
+            except FixNotEnough as err:  # (apply's own cell, when it names the objects otherwise)
+                raise MagicError(str(err)) from None
             except (TypeError, ValueError) as err:  # the fix's own checks of the objects it was given
                 raise MagicError(f"{fix_id} cannot apply here: {err}") from None
             from ..fixes.summary import changed_summary  # local, as fixes above: %load_ext stays light

@@ -107,6 +107,10 @@ def run_module(step: CapturedStep, inputs: tuple[tuple, dict], plan: ShadowPlan,
     # upstream activations follow the weights: feed the inputs in the dtype the module's weights now have
     dtypes = [local.get(n, p).dtype for n, p in params.items() if local.get(n, p).is_floating_point()]
     in_dtype = torch.float32 if reference else (dtypes[0] if local and dtypes else None)
+    if in_dtype is None and not params and not reference:  # a module without weights (an activation): its input
+        # comes from the layers before it, in the one dtype the plan moved every weight to (if there is one)
+        moved = {t.dtype for t in plan.tensors.values() if t.is_floating_point()}
+        in_dtype = moved.pop() if len(moved) == 1 else None
     args, kwargs = _cast_inputs(inputs[0], in_dtype), _cast_inputs(inputs[1], in_dtype)
     local.update({n: b.detach().clone() for n, b in module.named_buffers()})
     regions = [] if reference else (plan.autocast if plan.autocast is not None else mb.autocast)
