@@ -29,6 +29,7 @@ from . import (  # noqa: F401  (registers them)
     rotary,
     serving_template,
     tied,
+    tokenizer_fidelity,
     tokens,
     train_mode,
     training,
