@@ -102,6 +102,7 @@ def test_counts_come_from_the_trainers_labels_when_compute_loss_func_pops_them(t
 def test_counts_follow_the_causal_shift_and_skip_non_token_labels():
     labels = torch.tensor([[5, -100, 7, 8], [-100, -100, -100, 9]])
     assert int(supervised_count(labels)) == 3  # the first label of each row is never predicted
+    assert int(supervised_count(torch.tensor([[11], [11]]))) == 0  # one-token rows: nothing left to predict
     detector = FewTokensDetector()
     detector.capture(0, torch.zeros(4))  # regression targets: nothing to count
     detector.capture(1, None)
@@ -124,3 +125,22 @@ def test_the_event_reaches_every_document_view():
     from nbguard.reporting import build_report, schema
 
     jsonschema.Draft202012Validator(schema()).validate(json.loads(json.dumps(build_report(watch=watch).to_dict())))
+
+
+def test_a_run_of_one_token_rows_is_reported_as_training_on_no_tokens(tmp_path):
+    """Issue 43 item 3 (c): a word-level tokenizer reloaded as Qwen2Tokenizer encodes every text to []; TRL's SFT rows
+    are its EOS alone, the loss and grad norm are 0 every step. The count follows the causal shift: 0 tokens."""
+    pytest.importorskip("trl")
+    from tokenizer_helpers import sft_on_text, word_level_beside_qwen2
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(word_level_beside_qwen2(tmp_path / "tok"))
+    tok.pad_token = "<pad>"
+    trainer = sft_on_text(tok, tmp_path / "out", max_steps=3, logging_steps=1, per_device_train_batch_size=2)
+    watch = nbguard.watch(trainer)
+    trainer.train()
+    assert [(row["loss"], row["grad_norm"]) for row in trainer.state.log_history[:3]] == [(0.0, 0.0)] * 3
+    [event] = few_kinds(watch)
+    assert event.step == 0 and event.evidence["supervised_tokens"] == 0
+    assert event.evidence["occurrences"] == 3 and event.evidence["steps"] == [0, 1, 2]
+    watch.detach()

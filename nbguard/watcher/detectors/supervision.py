@@ -29,8 +29,15 @@ class SupervisionSettings:
 
 
 def supervised_count(labels: torch.Tensor) -> torch.Tensor:
-    """Labels the loss scores (after the causal shift, as the Trainer counts num_items_in_batch), on the device."""
-    scored = labels[..., 1:] if labels.dim() >= 1 and labels.shape[-1] > 1 else labels
+    """Labels the loss scores (after the causal shift, as the Trainer counts num_items_in_batch), on the device.
+
+    Rows of one token score nothing: the causal loss pads the labels and shifts them, so a batch of
+    one-token rows (TRL's EOS alone, where the tokenizer encoded the text to nothing) trains on 0 tokens.
+    """
+    if labels.dim() >= 2:
+        scored = labels[..., 1:]
+    else:  # one sequence without a batch dimension, or one label per row
+        scored = labels[1:] if labels.shape[-1] > 1 else labels
     return torch.count_nonzero(scored != IGNORE_INDEX)  # one reduction kernel (a bool sum takes two ops' setup)
 
 
