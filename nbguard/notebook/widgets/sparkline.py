@@ -1,7 +1,8 @@
 """Inline SVG sparklines: a few hundred bytes, drawn in microseconds, no matplotlib.
 
-Non-finite values are marked by a vermillion tick and skipped steps by a grey one, so a NaN
-cannot hide in a gap of the line.
+Non-finite values are marked by a vermillion line across the height and skipped steps by a grey
+triangle on the bottom edge, wider than that line and drawn over it, so a NaN cannot hide in a gap
+of the line and a skipped NaN step shows both.
 """
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ def sparkline_svg(values: Sequence[Any], *, width: int = 240, height: int = 40, 
     for xi in sorted({column(i) for i, v in enumerate(vals) if v is not None and not math.isfinite(v)}):
         parts.append(f'<line x1="{xi}" x2="{xi}" y1="0" y2="{height}" stroke="{NAN_COLOR}" stroke-width="2"/>')
     for xi in sorted({column(i) for i, k in enumerate(skipped or ()) if k}):
-        parts.append(f'<line x1="{xi}" x2="{xi}" y1="{height - 5}" y2="{height}" stroke="{SKIP_COLOR}" stroke-width="2"/>')
+        # a triangle wider than the NaN line, drawn after it: a skipped NaN step shows both marks
+        parts.append(f'<polygon class="skip" points="{xi - 4},{height} {xi + 4},{height} {xi},{height - 7}" '
+                     f'fill="{SKIP_COLOR}" stroke="white" stroke-width="0.8"/>')
     parts.append("</svg>")
     return "".join(parts)
 
