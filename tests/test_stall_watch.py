@@ -401,3 +401,23 @@ def test_a_save_that_never_ends_is_a_stall_that_says_it_is_inside_the_save():
     assert evidence["bound_s"] >= SAVE_FACTOR * STALL_AFTER_S and "inside a checkpoint save" in evidence["bound_from"]
     assert "inside a checkpoint save (save " in event.message and "resumed at step 6" in event.message
     assert "in write" in evidence["stacks"][0]["stack"]
+
+
+def test_the_step_a_rewind_restores_in_is_not_a_step_time():
+    """Restoring a snapshot is the watch's own work: that step's gap neither learns the baseline nor
+    counts toward slow steps (a rewind on a loaded machine looked like a slowdown)."""
+    model, optimizer, watch = watched(stall_after_s=60.0)
+    clock = clock_of(watch)
+    timed = []
+    try:
+        for i, batch in enumerate(loader(8)):  # one loop: every gap but the first is a step time
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            timed.append(clock.timed)
+            if i == 4:
+                clock.rewound(watch.step)  # (what policy rewind tells every component after a restore)
+    finally:
+        watch.detach()
+    assert timed[1:5] == [1, 2, 3, 4]
+    assert timed[5] == timed[4] and timed[6] == timed[5] + 1

@@ -209,6 +209,11 @@ class StepClock(WatchComponent):
     def on_train_end(self) -> None:
         self.disarm()  # no step is awaited until the next train()
 
+    def rewound(self, step: int) -> None:
+        """Policy rewind restored a snapshot in this step: the watch's own work, not the step's time."""
+        self.last_end = None
+        self.streak = []
+
     # ---- the training thread -------------------------------------------------------------------------
     def forward(self) -> None:
         """A forward starts (the watch's root pre-hook): a sign of life; the first one arms the heartbeat."""
