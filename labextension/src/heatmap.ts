@@ -10,6 +10,7 @@ import { Num, formatNumber } from './document';
 import type { Palette } from './schema';
 import { safeColor } from './safety';
 import { setText } from './text';
+import { fitLabels } from './labels';
 
 /** The colours a heatmap needs, from the view's palette (nbguard/document/palette.py): the canvas
  * keeps no colour of its own, so it matches the static HTML's matplotlib picture. */
@@ -68,6 +69,8 @@ export interface HeatmapOptions {
 
 export const DEFAULT_MAX_COLUMNS = 400;
 export const DEFAULT_MAX_ROWS = 96;
+/** A row label longer than this loses its head, never its layer index or leaf (labels.ts). */
+export const LABEL_CHARS = 36;
 
 /** Split `n` items into at most `max` contiguous bins of near-equal size: [start, end) pairs. */
 export function bins(n: number, max: number): Array<[number, number]> {
@@ -126,9 +129,10 @@ export function buildHeatmapModel(input: HeatmapInput, options: HeatmapOptions =
     }
     return { first: input.steps[a], last: input.steps[b - 1], skipped: isSkipped, rewound };
   });
+  const names = fitLabels(input.groups, LABEL_CHARS);
   const rows: HeatRow[] = rowBins.map(([a, b]) => {
     const groups = input.groups.slice(a, b);
-    const label = groups.length === 1 ? groups[0] : `${groups[0]} … ${groups[groups.length - 1]}`;
+    const label = b - a === 1 ? names[a] : `${names[a]} – ${names[b - 1]}`;
     return { label, groups };
   });
 
@@ -246,14 +250,25 @@ export interface HeatLayout {
   markerHeight: number;
   cellWidth: number;
   cellHeight: number;
+  /** The step axis under the grid: tick labels and its title. */
+  axisHeight: number;
   width: number;
   height: number;
 }
 
-/** Cell sizes that keep the canvas readable: wide enough to hover, never wider than ~760 px. */
+/** Label font size and the width of one of its characters (a sans-serif average, with room to spare). */
+export const LABEL_FONT_PX = 11;
+const CHAR_PX = 6.4;
+const TICK_FONT_PX = 10;
+const TICK_CHAR_PX = 6.2;
+
+/** Sizes that follow the rows, the columns and the longest label: cells wide enough to hover, a grid
+ * never wider than ~600 px nor taller than ~320 px, a label margin that holds the labels uncut. */
 export function layoutFor(model: HeatmapModel): HeatLayout {
-  const labelWidth = 170;
+  const longest = model.rows.reduce((n, row) => Math.max(n, row.label.length), 0);
+  const labelWidth = Math.max(60, Math.min(360, Math.ceil(longest * CHAR_PX) + 12));
   const markerHeight = 8;
+  const axisHeight = 30;
   const cols = Math.max(1, model.columns.length);
   const rows = Math.max(1, model.rows.length);
   const cellWidth = Math.max(2, Math.min(24, Math.floor(600 / cols)));
@@ -263,9 +278,30 @@ export function layoutFor(model: HeatmapModel): HeatLayout {
     markerHeight,
     cellWidth,
     cellHeight,
-    width: labelWidth + cols * cellWidth,
-    height: markerHeight + rows * cellHeight
+    axisHeight,
+    // room at the right for the last step number, and under a narrow grid for the axis title
+    width: labelWidth + Math.max(cols * cellWidth, 100) + 16,
+    height: markerHeight + rows * cellHeight + axisHeight
   };
+}
+
+/** The step numbers under the grid: the first column, then every k-th, k a round number chosen so
+ * neighbouring labels never touch. x is the centre of the column, in canvas pixels. */
+export function stepTicks(model: HeatmapModel, layout: HeatLayout): Array<{ x: number; label: string }> {
+  const n = model.columns.length;
+  if (n === 0) {
+    return [];
+  }
+  const widest = model.columns.reduce((w, c) => Math.max(w, String(c.first).length), 1);
+  const room = (widest + 2) * TICK_CHAR_PX; // the label and a gap
+  const needed = Math.max(1, Math.ceil(room / layout.cellWidth));
+  const nice = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000];
+  const every = nice.find(v => v >= needed) ?? needed;
+  const ticks: Array<{ x: number; label: string }> = [];
+  for (let c = 0; c < n; c += every) {
+    ticks.push({ x: layout.labelWidth + c * layout.cellWidth + layout.cellWidth / 2, label: String(model.columns[c].first) });
+  }
+  return ticks;
 }
 
 /** The cell under a point in canvas coordinates, or null outside the grid. */
@@ -361,8 +397,8 @@ export function drawHeatmap(canvas: HTMLCanvasElement, model: HeatmapModel, layo
       }
     });
   }
-  // Labels: all of them when they fit, otherwise every k-th.
-  const fontSize = Math.min(11, Math.max(8, h));
+  // Labels: all of them when they fit, otherwise every k-th; each as fitted (labels.ts), never cut here.
+  const fontSize = Math.min(LABEL_FONT_PX, Math.max(8, h));
   ctx.font = `${fontSize}px ${font}`;
   ctx.fillStyle = text;
   ctx.textBaseline = 'middle';
@@ -370,13 +406,19 @@ export function drawHeatmap(canvas: HTMLCanvasElement, model: HeatmapModel, layo
   const every = Math.max(1, Math.ceil(fontSize / h));
   model.rows.forEach((row, r) => {
     if (r % every === 0) {
-      ctx.fillText(clip(row.label, 28), labelWidth - 4, markerHeight + r * h + h / 2, labelWidth - 8);
+      ctx.fillText(row.label, labelWidth - 4, markerHeight + r * h + h / 2);
     }
   });
-}
-
-function clip(label: string, n: number): string {
-  return label.length <= n ? label : '…' + label.slice(label.length - n + 1);
+  // The step axis: round step numbers under their columns, and what they count.
+  const gridBottom = markerHeight + model.rows.length * h;
+  ctx.font = `${TICK_FONT_PX}px ${font}`;
+  ctx.textAlign = 'center';
+  ctx.textBaseline = 'top';
+  for (const tick of stepTicks(model, layout)) {
+    ctx.fillRect(tick.x - 0.5, gridBottom, 1, 3);
+    ctx.fillText(tick.label, tick.x, gridBottom + 4);
+  }
+  ctx.fillText('optimizer step', labelWidth + (model.columns.length * w) / 2, gridBottom + 4 + TICK_FONT_PX + 3);
 }
 
 /** A heatmap element: title, canvas with hover tooltip, and a legend. */

@@ -3,7 +3,7 @@
  * history records: the Lab counterpart of nbguard/render/series.py, in the same palette.
  *
  * Non-finite values cannot be plotted as points: their steps get a vertical line in the NaN colour
- * (the line has a gap there) and skipped steps a tick along the bottom. Built with
+ * (the line has a gap there) and skipped steps a triangle on each panel's bottom edge. Built with
  * createElementNS and text nodes only.
  */
 import { Num, decodeNumber, formatNumber, isObject } from './document';
@@ -129,16 +129,17 @@ export function createSeries(
     if (d) {
       g.appendChild(svgEl('path', { d, fill: 'none', stroke: palette.line, 'stroke-width': 1.2, class: 'nbg-series-line' }));
     }
-    if (p === panels.length - 1) {
-      steps.forEach((step, i) => {
-        if (skipped.has(step)) {
-          g.appendChild(
-            svgEl('line', { x1: x(i), x2: x(i), y1: top + PANEL - 6, y2: top + PANEL, stroke: palette.skipped, 'stroke-width': 2, class: 'nbg-series-skip' },
-              `step ${step}: skipped`)
-          );
-        }
-      });
-    }
+    // Skipped steps on every panel: a triangle on the bottom edge, wider than a NaN line and drawn
+    // after it, so a skipped NaN step shows both marks (a tick of the line's width vanished into it).
+    steps.forEach((step, i) => {
+      if (skipped.has(step)) {
+        const [cx, base] = [x(i), top + PANEL];
+        g.appendChild(
+          svgEl('polygon', { points: `${cx - 4},${base} ${cx + 4},${base} ${cx},${base - 7}`, fill: palette.skipped,
+            stroke: 'white', 'stroke-width': 0.8, class: 'nbg-series-skip' }, `step ${step}: skipped`)
+        );
+      }
+    });
     svg.appendChild(g);
   });
   return svg;

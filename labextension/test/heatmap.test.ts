@@ -10,8 +10,10 @@ import {
   describeCell,
   layoutFor,
   logPosition,
-  scaleColor
+  scaleColor,
+  stepTicks
 } from '../src/heatmap';
+import { fitLabels } from '../src/labels';
 import { Num } from '../src/document';
 import { loadFixture } from './fixtures';
 
@@ -171,5 +173,60 @@ describe('colours and hit-testing', () => {
     expect(tooltip.hidden).toBe(true);
     expect(el.querySelector('.nbg-swatch-nan')!.textContent).toContain('NaN (1)');
     el.remove();
+  });
+});
+
+describe('readable rows and steps (issue 41)', () => {
+  const leaves = ['input_layernorm', 'self_attn', 'mlp', 'post_attention_layernorm', 'post_feedforward_layernorm'];
+  const gemma = (layers: number, steps: number, head = 'model.language_model') => {
+    const groups = ['model.embed_tokens', ...Array.from({ length: layers }, (_, i) => leaves.map(l => `${head}.layers.${i}.${l}`)).flat(), 'lm_head'];
+    return { groups, steps: Array.from({ length: steps }, (_, i) => i), values: groups.map(() => Array.from({ length: steps }, () => 1 as Num)) };
+  };
+
+  it('keeps the layer index and the leaf of every row, and never repeats a label', () => {
+    const labels = buildHeatmapModel(gemma(2, 8)).rows.map(r => r.label);
+    expect(new Set(labels).size).toBe(labels.length);
+    for (const layer of [0, 1]) {
+      for (const leaf of leaves) {
+        expect(labels.filter(l => l.endsWith(`layers.${layer}.${leaf}`))).toHaveLength(1);
+      }
+    }
+    expect(labels.slice(1, -1).every(l => l.startsWith('…layers.'))).toBe(true); // siblings read alike
+    expect(labels).toContain('model.embed_tokens');
+  });
+
+  it('gives colliding labels more room until they differ, and leaves short ones whole', () => {
+    const fitted = fitLabels(['model.vision_tower.encoder.layers.0.mlp', 'model.language_model.layers.0.mlp', 'lm_head'], 12);
+    expect(new Set(fitted).size).toBe(3);
+    expect(fitted.slice(0, 2).every(l => l.endsWith('layers.0.mlp'))).toBe(true);
+    expect(fitLabels(['model.layers.0.mlp'], 40)).toEqual(['model.layers.0.mlp']);
+  });
+
+  it('sizes the label margin, the grid and the axis from the rows, the columns and the labels', () => {
+    const short = layoutFor(buildHeatmapModel({ groups: ['a', 'b'], steps: [0, 1], values: [[1, 1], [1, 1]] }));
+    const long = layoutFor(buildHeatmapModel(gemma(2, 8)));
+    expect(long.labelWidth).toBeGreaterThan(short.labelWidth + 100);
+    expect(long.labelWidth).toBeGreaterThanOrEqual('…layers.1.post_feedforward_layernorm'.length * 6);
+    const deep = layoutFor(buildHeatmapModel(gemma(8, 8)));
+    const wide = layoutFor(buildHeatmapModel(gemma(2, 60)));
+    expect(deep.height).toBeGreaterThan(long.height);
+    expect(wide.width).toBeGreaterThan(long.width);
+    expect(long.axisHeight).toBeGreaterThanOrEqual(24);
+    expect(long.height).toBe(long.markerHeight + 12 * long.cellHeight + long.axisHeight);
+  });
+
+  it('labels the step axis with steps that never touch', () => {
+    for (const steps of [8, 60, 400, 2000]) {
+      const model = buildHeatmapModel(gemma(1, steps));
+      const layout = layoutFor(model);
+      const ticks = stepTicks(model, layout);
+      expect(ticks[0].label).toBe('0');
+      expect(ticks.length).toBeGreaterThan(1);
+      for (let i = 1; i < ticks.length; i++) {
+        const room = (ticks[i].label.length + ticks[i - 1].label.length) / 2 * 6.2;
+        expect(ticks[i].x - ticks[i - 1].x).toBeGreaterThan(room);
+      }
+      expect(ticks[ticks.length - 1].x).toBeLessThan(layout.width);
+    }
   });
 });

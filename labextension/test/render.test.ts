@@ -129,7 +129,14 @@ describe('renderPayload', () => {
     const badSteps = raw.history!.loss!.flatMap((v, i) => (typeof v === 'string' ? [raw.history!.steps[i]] : []));
     expect(badSteps.length).toBeGreaterThan(0);
     expect(series.querySelectorAll('.nbg-series-loss .nbg-series-bad')).toHaveLength(badSteps.length);
-    expect(series.querySelectorAll('.nbg-series-skip').length).toBe(raw.history!.skipped_steps!.length);
+    // every panel marks the skipped steps, after (over) its NaN lines
+    const panels = series.querySelectorAll('.nbg-series-panel');
+    panels.forEach(panel => {
+      const marks = [...panel.children].filter(el => el.classList.contains('nbg-series-skip'));
+      expect(marks).toHaveLength(raw.history!.skipped_steps!.length);
+      const lastBad = [...panel.children].map(el => el.classList.contains('nbg-series-bad')).lastIndexOf(true);
+      expect([...panel.children].indexOf(marks[0])).toBeGreaterThan(lastBad);
+    });
   });
 
   it('says why a chart is empty instead of drawing an empty canvas', () => {
