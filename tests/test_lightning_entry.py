@@ -130,6 +130,27 @@ def test_clipping_and_bf16_mixed_are_left_as_they_were():
     assert cb.watch.events == [] and len(cb.watch.history.loss) == trainer.global_step == STEPS
 
 
+def test_16_mixed_is_watched_through_lightnings_own_grad_scaler():
+    """fp16 autocast with a GradScaler (on the CPU through Lightning's MixedPrecision plugin, as 16-mixed does on a
+    GPU): the scaler skips non-finite steps itself; the watch reads it, changes nothing, and names the module."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    def options():
+        return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+
+    twin, _ = _fit(trainer_options=options())
+    cb = nbguard.lightning_callback(log_to=None, verify=False)
+    module, trainer = _fit(cb, trainer_options=options())
+    assert all(torch.equal(a, b) for a, b in zip(_weights(module), _weights(twin)))
+    assert cb.watch.scaler is trainer.precision_plugin.scaler
+    assert cb.watch.history.loss[:5] == pytest.approx(module.losses[:5], rel=1e-6)  # read unscaled
+    cb = nbguard.lightning_callback(policy="skip", log_to=None, verify=False)
+    module, _ = _fit(cb, trainer_options=options(), plant_at=12)
+    planted = [e for e in cb.watch.events if e.step == 12]
+    assert [(e.kind, e.origins[0].module) for e in planted] == [("scaler-skip", "net.b")]
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
 @pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
 def test_a_nan_planted_at_a_step_is_caught_at_that_step_in_that_module_and_skip_keeps_the_weights_finite(manual):
     cb = nbguard.lightning_callback(policy="skip", log_to=None, verify=False)
