@@ -13,6 +13,7 @@ from nbguard.document.schema import schema
 from nbguard.render import update_norms_png
 from nbguard.testing import tiny_batch, tiny_llama
 from nbguard.watcher import NanWatch, WatchSettings
+from nbguard.watcher.components import update_norms
 from nbguard.watcher.components.update_norms import UpdateNorms
 from nbguard.watcher.reads.history import group_name
 
@@ -65,7 +66,11 @@ def _run(model, opt, steps: int, lr_at=None, batch_at=None, clip: float | None =
     (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), 0.5),  # the clip's shared norms path
     (lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9, weight_decay=0.01), None),
 ], ids=["adamw", "adamw-clipped", "sgd-momentum"])
-def test_update_norms_equal_the_weights_moved_by_each_step(make_opt, clip):
+@pytest.mark.parametrize("gather_below", [update_norms.GATHER_BELOW, 0], ids=["gathered", "per-tensor"])
+def test_update_norms_equal_the_weights_moved_by_each_step(make_opt, clip, gather_below, monkeypatch):
+    """Both ways of comparing the weights with their copy (this model's small tensors are gathered; a full
+    fine-tune's large ones are subtracted tensor by tensor: ``GATHER_BELOW=0`` takes that path here)."""
+    monkeypatch.setattr(update_norms, "GATHER_BELOW", gather_below)
     model = tiny_llama()
     opt = make_opt(model.parameters())
     expected: list[tuple[dict[str, float], float]] = []
@@ -80,6 +85,8 @@ def test_update_norms_equal_the_weights_moved_by_each_step(make_opt, clip):
             expected.append(_ratios(before, model))
             opt.zero_grad(set_to_none=True)
     history = watch.history
+    (reader,) = [d for d in watch.detectors if isinstance(d, UpdateNorms)]
+    assert reader._gather is (gather_below > 0)
     assert history.steps == [0, 1, 2, 3, 4] and history.update_norm_unavailable is None
     for i, (groups, total) in enumerate(expected):  # the last step's too: detach reads it
         assert history.total_update_norm[i] == pytest.approx(total, rel=1e-4), i
@@ -90,9 +97,11 @@ def test_update_norms_equal_the_weights_moved_by_each_step(make_opt, clip):
     assert all(0 < v < 0.5 for v in history.total_update_norm)
 
 
-def test_weights_whose_storage_is_replaced_mid_run_are_read_from_their_new_storage():
+@pytest.mark.parametrize("gather_below", [update_norms.GATHER_BELOW, 0], ids=["gathered", "per-tensor"])
+def test_weights_whose_storage_is_replaced_mid_run_are_read_from_their_new_storage(gather_below, monkeypatch):
     """The watch gathers the weights through views made once: ``p.data = ...`` (a load, a move) must not
     leave it reading the old storage (a ratio of 0)."""
+    monkeypatch.setattr(update_norms, "GATHER_BELOW", gather_below)
     model = tiny_llama()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     expected = []

@@ -14,13 +14,19 @@ How the update is read. Three ways were weighed (measured in ``benchmarks/overhe
   ``WatchSettings.update_norm_budget_mb``;
 - (c) torch offers nothing that reports the applied update (the optimizer hooks see the same tensors).
 
-(b) it is: cheaper than (a) in kernels and in passes over memory, and right for every optimizer. A run
+(b) it is: cheaper than (a) in kernels and in passes over memory, and right for every optimizer. How the
+weights after the step are compared with the copy depends on their size (``GATHER_BELOW``, measured in
+``benchmarks/README.md``, "Update norms"): many small tensors (a LoRA's adapters) are gathered a second
+time and normed per group over the two flat buffers (a foreach slot per tensor would cost more than the
+bytes); large ones (a full fine-tune) are subtracted from the copy in place, tensor by tensor, and
+normed per tensor (no second gather: one pass over the weights less, which is most of the cost there).
+A run
 whose trainable weights exceed the budget (a full fine-tune of a large model), or whose weights are
 sharded (FSDP, DeepSpeed), gets no update norms and the history says why, once.
 
 The read costs no host sync of its own: the norms are taken on the device right after
-``optimizer.step`` (one ``torch._foreach_norm`` over the per-group segments of the differences and of
-the weights), and
+``optimizer.step`` (one ``torch._foreach_norm`` over the differences and the weights, per group or per
+tensor, summed per group on the host), and
 ride in the *next* step's one read as a detector's scalars (under a GradScaler the read comes after
 the step, so the same step's). The ratio is to the weights after the update: a LoRA B matrix starts at
 zero, and its first update is then 1.0 rather than a division by zero.
@@ -50,12 +56,19 @@ from ..core.registry import ComponentSetup, register_component
 from ..detectors.divergence import RUN_FIXES, log_norm
 from ..reads.rolling import RobustBaseline, sorted_median
 
+# per norm in the read, its group: the differences' parts, then the weights' parts (per group or per tensor)
+Layout = tuple[list[int], list[int]]
+
 if TYPE_CHECKING:
     from ..core.context import WatchContext
     from ..reads.history import GradHistory
     from ..reads.sentinel import GradNormCollector
 
 SCALAR = "update_norms"
+# Mean elements per trainable tensor under which the weights after the step are gathered a second time
+# (one op, but a pass over every weight) rather than subtracted tensor by tensor (a foreach slot each, a few
+# us on a CPU): the two cost the same near 16k elements per tensor here (benchmarks/README.md, "Update norms")
+GATHER_BELOW = 16384
 
 
 @dataclass
@@ -158,11 +171,13 @@ class UpdateNorms(WatchComponent):
         self._ordered: list[torch.Tensor] = []
         self._views: list[torch.Tensor] = []
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._segments: list[torch.Tensor] = []
-        self._present: list[int] = []
+        self._gather = True  # the weights after the step are gathered too (else subtracted tensor by tensor)
+        self._chunks: list[torch.Tensor] = []  # per tensor, its slice of the copy (subtracted in place)
+        self._normed: list[torch.Tensor] = []  # what one foreach norm takes: the differences, then the weights
+        self._layout: Layout = ([], [])
         self._copied: int | None = None  # the step whose weights were copied
-        self._pending: tuple[int, torch.Tensor, list[int]] | None = None  # (step, norms on the device, groups)
-        self._asked: tuple[int, list[int]] | None = None  # the pending step this read carries
+        self._pending: tuple[int, torch.Tensor, Layout] | None = None  # (step, norms on the device, their groups)
+        self._asked: tuple[int, Layout] | None = None  # the pending step this read carries
         self._judged = -1
         self._fresh: tuple[int, list[float | None], float | None] | None = None  # the last taken, for listeners
         self.context: WatchContext | None = None
@@ -214,15 +229,19 @@ class UpdateNorms(WatchComponent):
             return
         before, after = self._buffers
         with torch.no_grad():
-            torch.cat(self._views, out=after)
-            before.sub_(after)  # w_before - w_after: -Δw
-            norms = torch._foreach_norm(self._segments, 2, dtype=torch.float32)
-            self._pending = (step, torch.stack(norms), self._present)
+            if self._gather:
+                torch.cat(self._views, out=after)
+                before.sub_(after)  # w_before - w_after: -Δw
+            else:
+                torch._foreach_sub_(self._chunks, self._views)  # the same, tensor by tensor, into the copy
+            norms = torch._foreach_norm(self._normed, 2, dtype=torch.float32)
+            self._pending = (step, torch.stack(norms), self._layout)
 
     # Measured (benchmarks/README.md, "Update norms"): per-tensor work is what costs on a LoRA's hundreds
     # of small tensors (a Python view or a foreach slot each, ~5 us), so the weights are gathered with one
     # ``torch.cat`` into a flat buffer ordered by group, from views made once, and the norms are taken
-    # per group (a few dozen segments of the buffers), not per tensor.
+    # per group (a few dozen segments of the buffers), not per tensor. On large tensors the bytes cost
+    # instead, and the second gather is left out (``GATHER_BELOW``).
     def _stale(self) -> bool:
         """The trainable parameters changed since the views were made (a module swapped in, ``p.data`` replaced)."""
         params = self.collector.params
@@ -243,11 +262,20 @@ class UpdateNorms(WatchComponent):
         lengths = [sum(p.numel() for p, g in zip(params, index) if g == group) for group in present]
         total = sum(lengths)
         first = ordered[0]
+        gather = total < GATHER_BELOW * len(ordered)
         buffers = (torch.empty(total, dtype=first.dtype, device=first.device),
-                   torch.empty(total, dtype=first.dtype, device=first.device))
+                   torch.empty(total if gather else 0, dtype=first.dtype, device=first.device))
         self._key = tuple(map(id, params))
-        self._ordered, self._views, self._buffers, self._present = ordered, views, buffers, present
-        self._segments = [*buffers[0].split(lengths), *buffers[1].split(lengths)]
+        self._ordered, self._views, self._buffers, self._gather = ordered, views, buffers, gather
+        if gather:  # per group: the differences' segments of the copy, then the weights' of the second buffer
+            self._chunks = []
+            self._normed = [*buffers[0].split(lengths), *buffers[1].split(lengths)]
+            self._layout = (present, present)
+        else:  # per tensor: each one's slice of the copy (its difference after the step), then the weight itself
+            groups = [index[i] for i in order]
+            self._chunks = list(buffers[0].split([v.numel() for v in views]))
+            self._normed = [*self._chunks, *views]
+            self._layout = (groups, groups)
         return None
 
     def _why_not(self) -> str | None:
@@ -306,18 +334,21 @@ class UpdateNorms(WatchComponent):
             self._judged = pending[0]
             self._take(pending[0], pending[1].tolist(), pending[2], judge=False)
 
-    def _take(self, step: int, values: Sequence[float], present: list[int], judge: bool = True) -> list[Event]:
-        """``values``: the per-group norms of the differences, then of the weights, for the groups ``present``."""
-        n = len(present)
+    def _take(self, step: int, values: Sequence[float], layout: Layout, judge: bool = True) -> list[Event]:
+        """``values``: the norms of the differences, then of the weights, each part's group in ``layout``."""
+        delta_groups, weight_groups = layout
         groups = list(self.history.groups)
+        delta_sq = [0.0] * len(groups)
+        weight_sq = [0.0] * len(groups)
+        for g, delta in zip(delta_groups, values):
+            delta_sq[g] += delta * delta
+        for g, weight in zip(weight_groups, values[len(delta_groups):]):
+            weight_sq[g] += weight * weight
         ratios: list[float | None] = [None] * len(groups)
-        delta_sq, weight_sq = [], []
-        for i, g in enumerate(present):
-            delta, weight = values[i], values[n + i]
-            ratios[g] = _ratio(delta * delta, weight * weight)
-            delta_sq.append(delta * delta)
-            weight_sq.append(weight * weight)
-        total = _ratio(sum(delta_sq), sum(weight_sq))
+        present = sorted(set(delta_groups))
+        for g in present:
+            ratios[g] = _ratio(delta_sq[g], weight_sq[g])
+        total = _ratio(sum(delta_sq[g] for g in present), sum(weight_sq[g] for g in present))
         self.history.record_update(step, ratios, total)
         self._fresh = (step, ratios, total)
         if not judge:
