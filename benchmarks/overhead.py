@@ -35,9 +35,12 @@ the first.
     OMP_NUM_THREADS=1 python benchmarks/overhead.py --paired --rounds 150 --clock cpu --threads 1
     OMP_NUM_THREADS=1 python benchmarks/overhead.py --copy-spread --rounds 80 --clock cpu --threads 1
 
-``--against TREE`` adds the fused read of another checkout (``git worktree add /tmp/main main``) to the
-same rounds: a before/after under the same load, where separate runs on a shared machine differ by more
-than the change.
+``--against TREE`` (repeatable) adds the watch of another checkout (``git worktree add /tmp/prev 1049326``,
+or ``git archive 1049326 nbguard | tar -x -C /tmp/prev``) to the same rounds, in the default mode and in
+``--fixed-cost``: a before/after under the same load, where separate runs on a shared machine differ by
+more than the change. ``--update-norms-off`` adds this tree's watch without its update norms.
+
+    OMP_NUM_THREADS=1 python benchmarks/overhead.py --layers 2 --rounds 30 --clock cpu --threads 1 --against /tmp/prev
 """
 from __future__ import annotations
 
@@ -83,14 +86,19 @@ def synchronize(device):
 
 
 class Variant:
-    def __init__(self, name, model, args):
+    def __init__(self, name, model, args, watch_class=None):
         self.name = name
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         self.times: list[float] = []
         self.extra = None
-        if name.startswith("nbguard watch"):
-            self.extra = NanWatch(model, optimizer=self.opt, activations=name.endswith("+ activations")).attach()
+        if name == UPDATE_NORMS_OFF:
+            from nbguard.watcher import WatchSettings
+
+            self.extra = NanWatch(model, optimizer=self.opt, settings=WatchSettings(update_norms=False)).attach()
+        elif name.startswith("nbguard watch"):
+            self.extra = (watch_class or NanWatch)(model, optimizer=self.opt,
+                                                   activations=name.endswith("+ activations")).attach()
         elif name == "DebugUnderflowOverflow":
             from transformers.debug_utils import DebugUnderflowOverflow
 
@@ -109,7 +117,12 @@ class Variant:
         return clock() - start
 
 
+UPDATE_NORMS_OFF = "nbguard watch, update norms off"
+
+
 def measure(args):
+    # other checkouts' watches first: their clip taps then sit inside this tree's (see other_tree_watch)
+    others = {f"nbguard watch, {tree}": other_tree_watch(tree) for tree in args.against}
     base = build_model(args)
     n_params = sum(p.numel() for p in base.parameters())
     names = ["baseline", "nbguard watch", "nbguard watch + activations", "detect_anomaly", "DebugUnderflowOverflow"]
@@ -117,8 +130,13 @@ def measure(args):
         names.remove("DebugUnderflowOverflow")
     if args.watch_only:  # a tighter estimate of the watch alone: more rounds in the same time
         names = names[:3]
+    if args.skip_activations:
+        names.remove("nbguard watch + activations")
+    if args.update_norms_off:
+        names.insert(2, UPDATE_NORMS_OFF)
+    names += others  # attached last
     # every variant is a copy (the baseline too): the same kind of allocation, none favoured
-    variants = [Variant(n, copy.deepcopy(base), args) for n in names]
+    variants = [Variant(n, copy.deepcopy(base), args, others.get(n)) for n in names]
     batches = [make_batch(args, s) for s in range(4)]
     for v in variants:  # warm-up: allocator, autograd caches, first AdamW state
         for w in range(args.warmup):
@@ -134,9 +152,10 @@ def measure(args):
             ratios[v.name].append(this_round[v.name] / this_round["baseline"])
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {t * 1e3:.0f} ms" for k, t in this_round.items()),
               file=sys.stderr)
-    for watch in (variants[1].extra, variants[2].extra):
-        assert watch.events == [], watch.summary()  # a healthy run raises no alarm
-        watch.detach()
+    for v in variants:
+        if v.name.startswith("nbguard watch"):
+            assert v.extra.events == [], v.extra.summary()  # a healthy run raises no alarm
+            v.extra.detach()
     return n_params, variants, ratios
 
 
@@ -204,20 +223,26 @@ def tiny_batch(seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
 def other_tree_watch(tree: str):
     """``NanWatch`` from another checkout's ``nbguard`` (e.g. main, for a before/after in one process).
 
-    The tree is copied as the package ``nbguard_other`` with its own clip-tap mark, so both taps stack:
-    attach this tree's watches first (its tap then wraps torch's own ``clip_grad_norm_``), the other
-    tree's last (its wrapper sits outside and calls through). Every variant pays both wrappers.
+    Each tree is copied as its own package (``nbguard_other``, ``nbguard_other1``, ...) with its own
+    clip-tap mark, so the taps stack: attach this tree's watches first (its tap then wraps torch's own
+    ``clip_grad_norm_``), the other trees' last (their wrappers sit outside and call through). Every
+    variant pays every wrapper.
     """
     import importlib
     import shutil
     import tempfile
 
-    target = Path(tempfile.mkdtemp()) / "nbguard_other"
+    name = f"nbguard_other{len(_OTHER_TREES) or ''}"
+    target = Path(tempfile.mkdtemp()) / name
     shutil.copytree(Path(tree) / "nbguard", target)
-    tap = target / "watcher" / "clip_tap.py"
-    tap.write_text(tap.read_text().replace("__nbguard_clip_tap__", "__nbguard_other_clip_tap__"))
+    for tap in target.glob("watcher/**/clip_tap.py"):  # (watcher/clip_tap.py before 95777ff, reads/ since)
+        tap.write_text(tap.read_text().replace("__nbguard_clip_tap__", f"__{name}_clip_tap__"))
     sys.path.insert(0, str(target.parent))
-    return importlib.import_module("nbguard_other.watcher").NanWatch
+    _OTHER_TREES.append(tree)
+    return importlib.import_module(f"{name}.watcher").NanWatch
+
+
+_OTHER_TREES: list[str] = []
 
 
 class FixedCostVariant:
@@ -282,7 +307,7 @@ def launches(variant: FixedCostVariant, batch, steps: int, device: str, loss_ite
 
 def fixed_cost(args) -> None:
     clock = CLOCKS[args.clock]
-    other = other_tree_watch(args.against) if args.against else None
+    others = {tree: other_tree_watch(tree) for tree in args.against}
     batch = tiny_batch(device=args.device)
     where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
     print(f"\n### the watch's fixed cost ({where}, {args.rounds} rounds of {args.steps_per_round} steps, "
@@ -295,8 +320,8 @@ def fixed_cost(args) -> None:
         base = build().to(args.device)
         names = ["no watch", "hook per parameter (before)", "fused read (after)", "no gradient read"]
         variants = [FixedCostVariant(n, copy.deepcopy(base)) for n in names]  # all copies, the baseline too
-        if other is not None:  # attached last: its clip wrapper goes around this tree's
-            names.append(f"fused read, {args.against}")
+        for tree, other in others.items():  # attached last: their clip wrappers go around this tree's
+            names.append(f"fused read, {tree}")
             variants.append(FixedCostVariant(names[-1], copy.deepcopy(base), other))
         n_tensors = len(variants[0].params)
         for v in variants:
@@ -726,9 +751,14 @@ def main(argv=None):
     parser.add_argument("--copy-spread", action="store_true",
                         help="five unwatched copies of the tiny Llama against the first: the spread between "
                              "copies that --paired removes")
-    parser.add_argument("--against", metavar="TREE", default=None,
-                        help="--fixed-cost: also the fused read of another checkout's nbguard (e.g. main), "
-                             "in the same process and rounds")
+    parser.add_argument("--against", metavar="TREE", action="append", default=[],
+                        help="also the watch of another checkout's nbguard (e.g. the previous release; "
+                             "repeatable), in the same process and rounds (default mode and --fixed-cost)")
+    parser.add_argument("--skip-localise", action="store_true", help="leave out the planted-NaN localisation")
+    parser.add_argument("--skip-activations", action="store_true",
+                        help="leave out the watch with its activation probe")
+    parser.add_argument("--update-norms-off", action="store_true",
+                        help="also this tree's watch with WatchSettings(update_norms=False)")
     parser.add_argument("--launches", action="store_true",
                         help="--fixed-cost: also count, per step, the device kernels (CUDA), aten ops and host "
                              "waits on the device of each variant, and list the aten ops the fused read adds "
@@ -774,6 +804,8 @@ def main(argv=None):
         med = statistics.median(v.times)
         print(f"| {v.name} | {med * 1e3:.1f} | {med / base_median:.3f}x | {statistics.median(ratios[v.name]):.3f}x |")
 
+    if args.skip_localise:
+        return
     loc = localise(args)
     same = "same step" if loc["steps_to_localise"] == 0 else f"{loc['steps_to_localise']} steps later"
     print(f"\n### time to localise (NaN planted in `{loc['target']}`)\n")
