@@ -36,14 +36,18 @@ class _PlantNaN(TrainerCallback):
             self.hook = None
 
 
-def run_exp(callbacks=None, *, plant_at=None, add_later=(), **overrides):
-    """A framework's entry point: the Trainer is built and trained in here and never returned."""
+def _trainer(callbacks, **overrides):
     settings = dict(output_dir=tempfile.mkdtemp(), max_steps=STEPS, per_device_train_batch_size=4, use_cpu=True,
                     report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True, learning_rate=1e-3,
                     lr_scheduler_type="constant", seed=0)
+    return Trainer(model=tiny_llama(), args=TrainingArguments(**{**settings, **overrides}),
+                   train_dataset=TinyDataset(64), callbacks=callbacks)
+
+
+def run_exp(callbacks=None, *, plant_at=None, add_later=(), **overrides):
+    """A framework's entry point: the Trainer is built and trained in here and never returned."""
     own = [_PlantNaN(plant_at)] if plant_at is not None else []
-    trainer = Trainer(model=tiny_llama(), args=TrainingArguments(**{**settings, **overrides}),
-                      train_dataset=TinyDataset(64), callbacks=[*own, *(callbacks or [])])
+    trainer = _trainer([*own, *(callbacks or [])], **overrides)
     for callback in add_later:
         trainer.add_callback(callback)
     trainer.train()
@@ -96,6 +100,20 @@ def test_a_callback_added_after_the_trainer_was_built_attaches_when_training_sta
     cb = nbguard.callback(policy="skip", log_to=None, verify=False)
     run_exp(add_later=[cb], plant_at=3)
     assert [(e.kind, e.step) for e in cb.watch.events if e.kind.startswith("nonfinite")] == [("nonfinite-loss", 3)]
+
+
+def test_a_watch_you_detach_stays_detached_and_a_second_trainer_gets_its_own():
+    cb = nbguard.callback(log_to=None, verify=False)
+    first = _trainer([cb], max_steps=2)
+    watch = cb.watch
+    assert watch.trainer is first and watch.attached
+    watch.detach()
+    first.train()
+    assert cb.watch is watch and not watch.attached and watch.history.loss == []
+    second = _trainer([cb], max_steps=2)
+    assert cb.watch is not watch and cb.watch.trainer is second and cb.watch.attached
+    second.train()
+    assert len(cb.watch.history.loss) == 2
 
 
 def test_rewind_through_the_callback_rescues_an_lr_blow_up():

@@ -39,28 +39,27 @@ class AttachOnInit(TrainerCallback):
     """Attaches ``attach(trainer)`` (``nbguard.watch`` with the options given to ``nbguard.callback``) to
     the Trainer this callback is given to: when the Trainer is built (``on_init_end``), or at the start
     of training when the callback was added later (``trainer.add_callback``). ``watch`` is the watch,
-    once attached; a callback handed to a second Trainer watches that one from then on."""
+    once attached (a watch you detach stays detached); a callback handed to a second Trainer watches
+    that one from then on."""
 
     def __init__(self, attach: Callable[[Any], Any]):
         self._attach = attach
         self.watch: Any = None
 
     def on_init_end(self, args, state, control, **kwargs):
-        self._attach_to_caller(state)
+        self._attach_to(calling_trainer(self, state))
 
     def on_train_begin(self, args, state, control, **kwargs):
-        # added after the Trainer was built: on_init_end never reached it. The watch this attaches is
-        # appended to the handler's list now, so the handler still calls its on_train_begin next.
-        if self.watch is None or not self.watch.attached:
-            self._attach_to_caller(state)
-
-    def _attach_to_caller(self, state: Any) -> None:
+        # added after the Trainer was built (on_init_end never reached it), or handed to another Trainer.
+        # The watch this attaches is appended to the handler's list now, so its on_train_begin still runs.
         trainer = calling_trainer(self, state)
+        if self.watch is None or self.watch.trainer is not trainer:
+            self._attach_to(trainer)
+
+    def _attach_to(self, trainer: Any) -> None:
         if trainer is None:  # never the user's run's failure: it trains on, unwatched, and is told so
             warn("nbguard.callback() found no transformers Trainer calling it, so nothing is watched: pass it "
-                 "in a Trainer's callbacks=[...] or trainer.add_callback(...)", RuntimeWarning, stacklevel=2)
-            return
-        if self.watch is not None and self.watch.trainer is trainer and self.watch.attached:
+                 "in a Trainer's callbacks=[...] or trainer.add_callback(...)", RuntimeWarning, stacklevel=3)
             return
         self.watch = self._attach(trainer)
 
