@@ -217,13 +217,36 @@ export function renderCard(card: Card, sectionKind: string, palette: Palette, co
   for (const fold of card.folds) {
     box.appendChild(renderFold(fold));
   }
-  for (const fix of card.fixes) {
-    box.appendChild(renderFix(fix, palette, context));
+  const [first, ...others] = shownFirst(card.fixes);
+  if (first) {
+    box.appendChild(renderFix(first, palette, context));
+  }
+  if (others.length) {
+    // the other fixes one click away, as the static HTML folds them (nbguard/render/html.py, _fixes_html)
+    const fold = el('details', 'nbg-fold nbg-fix-others');
+    const s = others.length > 1 ? 'es' : '';
+    fold.appendChild(el('summary', '', first ? `${others.length} other fix${s}` : `${others.length} fix${s}, none verified`));
+    for (const fix of others) {
+      fold.appendChild(renderFix(fix, palette, context));
+    }
+    box.appendChild(fold);
   }
   if (card.code) {
     box.appendChild(codeBox(card.code));
   }
   return box;
+}
+
+/** [the fix shown open, ...the rest]: the view sends a card's fixes ranked (nbguard/document/view.py), so the
+ * first is the recommended one when verified, or when nothing was run at all; with fixes run and none
+ * verified, none is shown open (the first slot is null) and all wait under the fold. */
+export function shownFirst(fixes: FixView[]): [FixView | null, ...FixView[]] {
+  if (!fixes.length) {
+    return [null];
+  }
+  const [top, ...rest] = fixes;
+  const open = top.verdict?.status === 'verified' || fixes.every(f => !f.verdict);
+  return open ? [top, ...rest] : [null, ...fixes];
 }
 
 function renderFold(fold: Fold): HTMLElement {

@@ -90,6 +90,35 @@ describe('finding cards of a real audit', () => {
     expect(withCode.querySelector('.nbg-verdict-detail')!.textContent).toBe('step 3 finite');
     expect(without.querySelector('button')).toBeNull();
   });
+
+  it('show the recommended fix open and fold every other fix under one click (issue 41)', () => {
+    const { raw } = render('audit');
+    const { card, fix, palette } = fixedCard(raw);
+    const verdict = (status: 'verified' | 'not-enough') => ({ status, label: status, detail: '' });
+    const three = (first: ReturnType<typeof verdict> | null, rest: ReturnType<typeof verdict> | null) => ({
+      ...card,
+      fixes: [{ ...fix, verdict: first }, { ...fix, id: 'second', verdict: rest }, { ...fix, id: 'third', verdict: rest }]
+    });
+    const open = (node: HTMLElement) => [...node.querySelectorAll('.nbg-fix')].filter(f => !f.closest('details'));
+    const folded = (node: HTMLElement) => [...node.querySelectorAll('details.nbg-fix-others .nbg-fix')];
+    const summary = (node: HTMLElement) => node.querySelector('details.nbg-fix-others > summary')!.textContent;
+
+    const verified = renderCard(three(verdict('verified'), verdict('not-enough')), 'findings', palette, { insertFix: vi.fn(), trusted: true });
+    expect(open(verified).map(f => (f as HTMLElement).dataset.fix)).toEqual([fix.id]);
+    expect(folded(verified).map(f => (f as HTMLElement).dataset.fix)).toEqual(['second', 'third']);
+    expect(summary(verified)).toBe('2 other fixes');
+    expect((verified.querySelector('details.nbg-fix-others') as HTMLDetailsElement).open).toBe(false);
+    expect(open(verified)[0].querySelectorAll('button.nbg-insert')).toHaveLength(1); // one insert button in sight
+
+    const noneVerified = renderCard(three(verdict('not-enough'), verdict('not-enough')), 'findings', palette, { insertFix: vi.fn(), trusted: true });
+    expect(open(noneVerified)).toHaveLength(0);
+    expect(folded(noneVerified)).toHaveLength(3);
+    expect(summary(noneVerified)).toBe('3 fixes, none verified');
+
+    const nothingRun = renderCard(three(null, null), 'findings', palette, { insertFix: vi.fn(), trusted: true });
+    expect(open(nothingRun)).toHaveLength(1);
+    expect(summary(nothingRun)).toBe('2 other fixes');
+  });
 });
 
 describe('renderPayload', () => {
