@@ -178,3 +178,48 @@ def test_a_failure_in_the_backward_tap_never_breaks_the_users_backward(monkeypat
     assert seen == truth
     for mine, theirs in zip(model.parameters(), twin.parameters()):
         assert torch.equal(mine, theirs)
+
+
+def _recipe(*, watched: bool, policy: str = "warn", blow_up: tuple[int, ...] = (), steps: int = 36):
+    """A torchtune-style recipe loop: logits from the model, cross-entropy computed after it; the LR is
+    multiplied by 1000 for the steps in ``blow_up`` (a scheduler gone wrong). Returns per-step losses."""
+    from nbguard.testing import tiny_llama
+    from nbguard.watcher import RewindSettings
+
+    torch.manual_seed(0)
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    watch = nbguard.watch(model, optimizer=opt, policy=policy, log_to=None, verify=False,
+                          rewind=RewindSettings(every=5) if policy == "rewind" else None) if watched else None
+    data = torch.Generator().manual_seed(1)
+    zipf = 1.0 / torch.arange(1, model.config.vocab_size + 1, dtype=torch.float64) ** 1.5
+    losses = []
+    for step in range(steps):
+        # fresh tokens each step from a skewed (Zipf) distribution: the loss settles at its entropy, well
+        # below a uniform guess, so a run that lost a few steps to a rewind ends where the healthy one does
+        ids = torch.multinomial(zipf, 8 * 16, replacement=True, generator=data).view(8, 16)
+        if step in blow_up or (blow_up and step == blow_up[-1] + 1):
+            for group in opt.param_groups:
+                group["lr"] = 3e-3 * (1000.0 if step in blow_up else 1.0)
+        logits = model(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    if watch is not None:
+        watch.detach()
+    return losses, watch
+
+
+def test_a_blow_up_of_a_loss_computed_outside_the_model_is_a_divergence_and_rewind_rescues_it():
+    healthy, _ = _recipe(watched=False)
+    blown, _ = _recipe(watched=False, blow_up=(20, 21, 22))
+    assert blown[-1] > 5 * healthy[-1]  # the planted fault: the unwatched run never recovers
+    _, warned = _recipe(watched=True, blow_up=(20, 21, 22))
+    divergence = [e for e in warned.events if e.kind == "divergence"]
+    assert divergence and divergence[0].step in (20, 21)
+    assert divergence[0].evidence.get("loss") is not None  # judged with the loss, not the gradient norm alone
+    rescued, watch = _recipe(watched=True, policy="rewind", blow_up=(20, 21, 22))
+    assert any(e.kind == "rewind" for e in watch.events)
+    assert rescued[-1] <= 1.25 * healthy[-1], (rescued[-1], healthy[-1])
