@@ -109,14 +109,19 @@ def lightning_callback(*, module=None, **options):
 
     The optimizer, its LR scheduler and 16-mixed's GradScaler are Lightning's own, found at ``on_fit_start``;
     automatic and manual optimization are both watched. ``module="net"`` roots the watch at the submodule
-    ``training_step`` calls where it does not call ``self(batch)`` (docs/guides/frameworks.md).
+    ``training_step`` calls where it does not call ``self(batch)``. ``log_to="lightning"`` sends the watch's
+    scalars and events to the tracker behind the Trainer's logger (TensorBoardLogger's SummaryWriter,
+    WandbLogger's run); other ``log_to`` values are ``nbguard.watch``'s (docs/guides/frameworks.md).
     """
     import functools
 
     from .watcher.integrations.lightning import lightning_callback as make
 
     _check_callback_options(options, set_by_callback=("optimizer", "scaler", "scheduler"))
-    return make(functools.partial(watch, **options), module=module)
+    to_logger = options.get("log_to") == "lightning"
+    if to_logger:  # the Trainer's logger is known at fit's start: the callback passes its tracker then
+        options["log_to"] = None
+    return make(functools.partial(watch, **options), module=module, to_logger=to_logger)
 
 
 def _check_callback_options(options, set_by_callback):

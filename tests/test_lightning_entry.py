@@ -84,10 +84,11 @@ def _data(rows=120):  # 30 batches: whole accumulation windows of 3 in every epo
 def _fit(callback=None, accumulate=1, trainer_options=None, **module_options):
     torch.manual_seed(0)
     module = Regression(**module_options)
-    trainer = lightning.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False,
-                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    options = {"logger": False, **(trainer_options or {})}
+    trainer = lightning.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False,
                                 accumulate_grad_batches=accumulate, callbacks=[callback] if callback else [],
-                                **(trainer_options or {}))
+                                **options)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(num_workers|does not have many workers).*")
         trainer.fit(module, _data())
@@ -195,6 +196,30 @@ def test_a_root_that_training_step_never_calls_is_said_after_the_first_step():
     cb = nbguard.lightning_callback(log_to=None, verify=False)
     with pytest.warns(RuntimeWarning, match="training_step did not call the LightningModule itself"):
         _fit(cb, calls_self=False)
+
+
+def test_log_to_lightning_sends_the_events_to_the_trainers_tensorboard_logger(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    logger = lightning.pytorch.loggers.TensorBoardLogger(str(tmp_path), name="run")
+    cb = nbguard.lightning_callback(policy="skip", log_to="lightning", verify=False)
+    _fit(cb, plant_at=12, trainer_options={"logger": logger})
+    events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0})
+    events.Reload()
+    texts = [(t.step, tensor_util.make_ndarray(t.tensor_proto).item().decode())
+             for t in events.Tensors("nbguard/events/text_summary")]
+    assert [step for step, _ in texts] == [12] and texts[0][1].startswith("**nonfinite-loss** at step 12")
+    assert "nbguard/total_grad_norm" in events.Tags()["scalars"]
+
+
+def test_log_to_lightning_without_a_tracker_says_so_and_still_watches(tmp_path):
+    logger = lightning.pytorch.loggers.CSVLogger(str(tmp_path))
+    cb = nbguard.lightning_callback(policy="skip", log_to="lightning", verify=False)
+    with pytest.warns(RuntimeWarning, match="log_to='lightning' found no tracker"):
+        _fit(cb, plant_at=3, trainer_options={"logger": logger})
+    assert [(e.kind, e.step) for e in cb.watch.events] == [("nonfinite-loss", 3)]
 
 
 def test_the_callback_refuses_what_it_sets_itself():

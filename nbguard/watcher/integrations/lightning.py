@@ -56,12 +56,13 @@ class LightningWatchHooks:
 
     ``attach(root, optimizer=, scaler=, scheduler=)`` is ``nbguard.watch`` with the user's options."""
 
-    def __init__(self, attach: Callable[..., Any], module: str | None = None):
+    def __init__(self, attach: Callable[..., Any], module: str | None = None, to_logger: bool = False):
         if module is not None and not isinstance(module, str):
             raise TypeError(f"module must be the name of the submodule training_step calls (e.g. 'model'), "
                             f"got {type(module).__name__}")
         self._attach = attach
         self.module = module
+        self.to_logger = to_logger  # log_to="lightning": the tracker behind the Trainer's logger
         self.watch: Any = None
         self._root_calls: TrainingCalls | None = None
 
@@ -76,9 +77,26 @@ class LightningWatchHooks:
             return
         optimizer = optimizers[0]
         root = pl_module.get_submodule(self.module) if self.module else pl_module
-        self.watch = self._attach(root, optimizer=optimizer, scaler=getattr(trainer.precision_plugin, "scaler", None),
-                                  scheduler=scheduler_of(trainer, optimizer))
+        steps = dict(optimizer=optimizer, scaler=getattr(trainer.precision_plugin, "scaler", None),
+                     scheduler=scheduler_of(trainer, optimizer))
+        self.watch = self._attach_logging(trainer, root, steps) if self.to_logger else self._attach(root, **steps)
         self._root_calls = TrainingCalls(root)
+
+    def _attach_logging(self, trainer: Any, root: Any, steps: dict[str, Any]) -> Any:
+        """The watch, sending to the tracker behind the Trainer's logger; one nbguard cannot write to (a
+        CSVLogger, no logger) is said, and the watch attaches without it (its events stay local)."""
+        logger = getattr(trainer, "logger", None)
+        tracker = getattr(logger, "experiment", None) if logger is not None else None
+        if tracker is not None:
+            try:
+                return self._attach(root, log_to=tracker, **steps)
+            except TypeError as exc:  # refused before anything attached: a tracker nbguard has no sink for
+                why = str(exc).split(";")[0]
+        else:
+            why = "this Trainer has no logger"
+        warn(f"nbguard: log_to='lightning' found no tracker to write to ({why}); the events stay in the watch "
+             f"(callback.watch, nbguard.report())", RuntimeWarning, stacklevel=3)
+        return self._attach(root, **steps)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         calls, self._root_calls = self._root_calls, None
@@ -121,11 +139,11 @@ def scheduler_of(trainer: Any, optimizer: Any) -> Any:
 _CLASSES: dict[type, type] = {}
 
 
-def lightning_callback(attach: Callable[..., Any], module: str | None = None) -> Any:
+def lightning_callback(attach: Callable[..., Any], module: str | None = None, to_logger: bool = False) -> Any:
     """A Lightning ``Callback`` (of the package in use) that attaches ``attach`` at ``fit``'s start."""
     base = callback_base()
     cls = _CLASSES.get(base)
     if cls is None:
         cls = _CLASSES[base] = type("NbguardCallback", (LightningWatchHooks, base),
                                     {"__module__": __name__, "__doc__": LightningWatchHooks.__doc__})
-    return cls(attach, module)
+    return cls(attach, module, to_logger)
