@@ -61,6 +61,9 @@ def test_labels_that_would_collide_keep_more_until_they_differ():
     fitted = fit_labels(names, 12)
     assert len(set(fitted)) == 3 and all(label.endswith("layers.0.mlp") for label in fitted[:2])
     assert fit_labels(["model.layers.0.mlp"], 40) == ["model.layers.0.mlp"]  # what fits stays whole
+    # a short one-off row beside cut layer rows keeps its name (the quickstart's Gemma 3: model.norm)
+    quickstart = ["model.embed_tokens", "model.layers.0.post_feedforward_layernorm", "model.norm"]
+    assert fit_labels(quickstart, 36) == ["model.embed_tokens", "…layers.0.post_feedforward_layernorm", "model.norm"]
 
 
 def test_the_step_axis_is_labelled_with_steps():

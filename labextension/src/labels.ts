@@ -25,7 +25,12 @@ export function fitLabels(labels: string[], maxChars: number): string[] {
 function fitAll(labels: string[], budget: number): string[] {
   const split = labels.map(headAndTail);
   const cut = new Set(split.filter(([head], i) => head !== '' && labels[i].length > budget).map(([head]) => head));
-  return labels.map((label, i) => (cut.has(split[i][0]) ? ELLIPSIS + split[i][1] : label));
+  // a row too long is cut; so is each layer row beside it (same head); a short one-off like model.norm is not
+  return labels.map((label, i) => {
+    const [head, tail] = split[i];
+    const cutHere = head !== '' && (label.length > budget || (cut.has(head) && tail.split('.').some(isIndex)));
+    return cutHere ? ELLIPSIS + tail : label;
+  });
 }
 
 /** [what a short label may drop, what it always keeps]: from the container of the last layer index, else the leaf. */

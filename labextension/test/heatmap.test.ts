@@ -200,6 +200,9 @@ describe('readable rows and steps (issue 41)', () => {
     expect(new Set(fitted).size).toBe(3);
     expect(fitted.slice(0, 2).every(l => l.endsWith('layers.0.mlp'))).toBe(true);
     expect(fitLabels(['model.layers.0.mlp'], 40)).toEqual(['model.layers.0.mlp']);
+    // a short one-off row beside cut layer rows keeps its name (the quickstart's Gemma 3: model.norm)
+    expect(fitLabels(['model.embed_tokens', 'model.layers.0.post_feedforward_layernorm', 'model.norm'], 36)).toEqual(
+      ['model.embed_tokens', '…layers.0.post_feedforward_layernorm', 'model.norm']);
   });
 
   it('sizes the label margin, the grid and the axis from the rows, the columns and the labels', () => {

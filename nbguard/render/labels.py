@@ -25,11 +25,17 @@ def fit_labels(labels: list[str], max_chars: int) -> list[str]:
 
 
 def _fit_all(labels: list[str], budget: int) -> list[str]:
-    """Every label sharing a head with one too long loses that head, so sibling rows read alike
+    """Every layer row sharing a head with one too long loses that head, so sibling rows read alike
     (``…layers.0.mlp`` under ``…layers.0.post_feedforward_layernorm``, not the one full, the other cut)."""
     split = [head_and_tail(label) for label in labels]
     cut = {head for label, (head, _) in zip(labels, split) if head and len(label) > budget}
-    return [ELLIPSIS + tail if head in cut else label for label, (head, tail) in zip(labels, split)]
+    # a row too long is cut; so is each layer row beside it (same head); a short one-off like model.norm is not
+    return [ELLIPSIS + tail if head and (len(label) > budget or (head in cut and _has_index(tail))) else label
+            for label, (head, tail) in zip(labels, split)]
+
+
+def _has_index(tail: str) -> bool:
+    return any(_is_index(part) for part in tail.split("."))
 
 
 def head_and_tail(label: str) -> tuple[str, str]:
