@@ -67,12 +67,13 @@ def test_per_layer_type_rotary_is_compared_per_type():
 @pytest.mark.parametrize("build", [
     lambda: tiny_qwen2(rope_theta=1e6),
     lambda: tiny_qwen2(dtype=torch.bfloat16),  # inv_freq rounded to bf16 is not a difference
+    lambda: tiny_llama(dtype=torch.float16, rope_theta=5e5, hidden_size=256, num_attention_heads=2),  # subnormals
     tiny_gemma3,
     lambda: tiny_llama(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5,
                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                         "original_max_position_embeddings": 64}),
     lambda: tiny_llama(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5}),
-], ids=["qwen2", "bf16", "gemma3", "llama3-scaling", "yarn"])
+], ids=["qwen2", "bf16", "fp16-head-128", "gemma3", "llama3-scaling", "yarn"])
 def test_healthy_rotary_layers_stay_quiet(build):
     assert rules(build()) == {}
 

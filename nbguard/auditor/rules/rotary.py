@@ -81,10 +81,11 @@ def _tolerance(cached: torch.Tensor) -> float:
     return max(1e-3, 2 * torch.finfo(cached.dtype).eps)
 
 
-def stale_rotary_layers(model: Any) -> list[dict[str, Any]]:
-    """One dict per rotary layer (and layer type) whose cached frequencies differ from its config's."""
-    out = []
-    for name, module in model.named_modules():
+def stale_rotary_layers(modules: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+    """One dict per rotary layer (and layer type) whose cached frequencies differ from its config's
+    (``modules``: the audit's one walk of the model)."""
+    out: list[dict[str, Any]] = []
+    for name, module in modules:
         if getattr(module, "config", None) is None or not any(n.endswith("inv_freq") for n in module._buffers):
             continue
         for layer_type, rope_type in _rope_types(module).items():
@@ -102,7 +103,9 @@ def stale_rotary_layers(model: Any) -> list[dict[str, Any]]:
                 continue
             if expected is None or expected.shape != cached.shape:
                 continue
-            cached_f, expected_f = cached.detach().float().cpu(), expected.float().cpu()
+            # in the buffer's own dtype: a half-precision model rounds small frequencies to subnormals
+            cached_f = cached.detach().float().cpu()
+            expected_f = expected.detach().cpu().to(cached.dtype).float()
             relative = float(((cached_f - expected_f).abs() / expected_f.abs().clamp_min(1e-30)).max())
             if relative <= _tolerance(cached):
                 continue
@@ -119,7 +122,7 @@ def rotary_frequencies_stale(ctx):
     """A rotary layer's cached inv_freq differs from what the model's config implies (config edited after the model was built, or a RoPE override the layer never saw)."""
     if ctx.model is None:
         return None
-    stale = stale_rotary_layers(ctx.model)
+    stale = stale_rotary_layers(ctx.modules)
     if not stale:
         return None
     first = stale[0]
