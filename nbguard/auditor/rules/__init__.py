@@ -34,5 +34,6 @@ from . import (  # noqa: F401  (registers them)
     train_mode,
     training,
     truncation,
+    turn_prefix,
     vlm,
 )
