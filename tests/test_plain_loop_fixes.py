@@ -83,6 +83,7 @@ def _watched(shell):  # noqa: F811
 def test_the_recommended_cell_run_as_inserted_trains_healthy(shell):  # noqa: F811
     watch = _watched(shell)
     verdicts = {v.fix: v for v in watch.verification.verdicts}
+    assert "init-new-embeddings" not in verdicts  # (item 5) Net has no embeddings: nothing for it to change
     for fix_id in ("upcast-trainable-fp32", "switch-precision"):
         assert verdicts[fix_id].verdict == "verified", (fix_id, verdicts[fix_id].reason)
         assert "install_input_cast(model)" in verdicts[fix_id].code  # the cell that ran carries the cast
@@ -131,3 +132,18 @@ def test_a_not_enough_cell_is_refused_unless_forced(shell):  # noqa: F811
 
 def test_force_goes_with_apply(shell):  # noqa: F811
     assert "--force goes with %nbguard fix ID --apply" in usage_line(run(shell, "%nbguard fix upcast-trainable-fp32 --force"))
+
+
+def test_help_names_the_recommended_fix_the_story_and_the_card_name(shell):  # noqa: F811
+    empty = run(shell, "%nbguard help")
+    assert empty.error is None and "Nothing went wrong yet" in empty.stdout
+    watch = _watched(shell)
+    card = next(c for s in view(watch.to_document()).sections if s.kind == "watch" for c in s.cards)
+    fix = recommended_fix(card.fixes).id
+    story = [f.text for f in view(nbguard.report().to_dict()).section("story").facts]
+    assert next(t for t in story if t.startswith("Fix: ")).startswith(f"Fix: {fix} ")
+    shown = run(shell, "%nbguard help")
+    assert shown.error is None
+    assert f"Recommended fix: {fix}: %nbguard fix {fix} --apply" in shown.stdout
+    assert "What went wrong: step 4: non-finite loss (overflow)" in shown.stdout
+    assert len(shown.stdout.splitlines()) <= 12  # a few lines, not a report

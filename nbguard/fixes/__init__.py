@@ -28,6 +28,7 @@ from . import (  # noqa: F401  (registers the fixes)
     truncation_fixes,
     unsloth_fixes,
 )
+from .parts import has
 from .refusal import FixNotEnough, refusal
 from .registry import FIXES, Fix, Names, Target
 from .result import FixResult
@@ -106,10 +107,12 @@ def _target(fix: Fix, model, trainer, args, tokenizer=None, optimizer=None, scal
              if value is not None}
     if fix.needs == "tokenizer":  # a trainer reaches one only through its processing_class, resolved above
         given = {"tokenizer"} if hasattr(tokenizer, "pad_token_id") else set()
+    target = Target(model=model, trainer=trainer, args=args, tokenizer=tokenizer, optimizer=optimizer, scaler=scaler)
     if not fix.reached_by(given):
-        got = f"; got {type(tokenizer).__name__}" if fix.needs == "tokenizer" and tokenizer is not None else ""
+        got = f"; got {type(tokenizer).__name__}" if fix.needs == "tokenizer" and tokenizer is not None else \
+            f"; you gave {has(target)}"
         raise ValueError(f"fix {fix.id!r} needs {fix.need.keywords}{got}")
-    return Target(model=model, trainer=trainer, args=args, tokenizer=tokenizer, optimizer=optimizer, scaler=scaler)
+    return target
 
 
 def apply(fix_id: str, *, model=None, trainer=None, names: dict[str, str] | None = None, force: bool = False,

@@ -68,11 +68,11 @@ def half_inputs_to_float32(module, positional, keywords):
     return tuple(cast(a) for a in positional), {k: cast(v) for k, v in keywords.items()}
 
 
-def install_input_cast(model):
-    """Cast the model's half-precision inputs before every forward (running it twice adds no hook)."""
-    if getattr(model, "_input_cast_hook", None) is not None:
+def install_input_cast(module):
+    """Cast the module's half-precision inputs before every forward (running it twice adds no hook)."""
+    if getattr(module, "_input_cast_hook", None) is not None:
         return False
-    model._input_cast_hook = model.register_forward_pre_hook(half_inputs_to_float32, with_kwargs=True)
+    module._input_cast_hook = module.register_forward_pre_hook(half_inputs_to_float32, with_kwargs=True)
     return True
 
 
@@ -197,8 +197,8 @@ def loop_precision_code(names: Names, to: str) -> str:
     code = loop_inputs_code(names.model) + (loop_optimizer_code(opt) if opt else "")
     if to == "bf16":
         code += f"""
-# In your loop: torch.autocast(device_type, dtype=torch.bfloat16) instead of dtype=torch.float16. bf16 has
-# fp32's range, so no loss scaling is needed: {scaler} (its calls stay valid).
+# If your loop runs under torch.autocast: torch.autocast(device_type, dtype=torch.bfloat16) instead of
+# dtype=torch.float16. bf16 has fp32's range, so no loss scaling is needed: {scaler} (its calls stay valid).
 """
     else:
         code += f"""

@@ -29,7 +29,7 @@ from .verdicts import cell_verdict_line
 # at %load_ext; tests/test_nanwatch_rewind_options.py checks they agree
 POLICIES = ("warn", "skip", "stop", "rewind")
 SCHEDULES = ("keep", "restore")
-NBGUARD_COMMANDS = ("fix", "report", "explain", "export-check", "config")
+NBGUARD_COMMANDS = ("fix", "report", "explain", "export-check", "config", "help")
 ISSUES_HINT = "this is a bug in nbguard, not in your notebook: please report it with the traceback below"
 
 
@@ -478,7 +478,7 @@ class NbguardMagics(Magics):
               help="fix: put a fix's cell below (with your variable names); report: write everything this "
                    "session recorded to a file; explain: diagnose the last exception again; export-check: "
                    "compare the trained model with what you saved or merged; config: the watch's components and "
-                   "the settings %%nanwatch --config takes")
+                   "the settings %%nanwatch --config takes; help: what happened so far and the one fix to make")
     @argument("value", nargs="?", metavar="ID_OR_PATH",
               help="fix: the fix id (nbguard.fixes.available()); report: the file, ending .html, .md or .json; "
                    "export-check: the trained model or Trainer, by its notebook name")
@@ -500,6 +500,7 @@ class NbguardMagics(Magics):
             %nbguard explain
             %nbguard export-check model out/adapter     # is the saved adapter the model you trained?
             %nbguard config                             # what %nanwatch --config SECTION.FIELD=VALUE takes
+            %nbguard help                               # what happened, and the one recommended fix
         """
         return self._guarded("nbguard", self._nbguard, line)
 
@@ -531,10 +532,35 @@ class NbguardMagics(Magics):
 
             say("%nanwatch --config SECTION.FIELD=VALUE (nbguard.WatchConfig(SECTION={FIELD: VALUE})):")
             say("\n".join(f"  {line}" for line in describe_sections()))
+        elif opts.command == "help":
+            if opts.value:
+                raise MagicError(f"%nbguard help takes no argument (got {opts.value!r})")
+            say(self._help())
         else:
             if opts.value:
                 raise MagicError(f"%nbguard explain takes no argument (got {opts.value!r})")
             self._explain_last()
+
+    @staticmethod
+    def _help() -> str:
+        """The commands, then the session's story as the report's headline tells it: what went wrong, where,
+        and the one fix to make, which the story chose with ``document.view.recommended_fix`` (as the audit,
+        the watch's card and the report do), with the command that applies it."""
+        from .. import api, fixes
+        from ..document.view import view
+
+        lines = ["nbguard: %nbguard fix ID [--apply [--force]] | report PATH | explain | export-check MODEL EXPORTED "
+                 "| config | help; %precision_check audits, %%nanwatch watches a training cell"]
+        story = view(api.report().to_dict()).section("story")
+        if story is None:
+            return "\n".join([*lines, "Nothing went wrong yet in this session: no audit finding, no watch event."])
+        lines += [f"  {fact.text}" for fact in story.facts]
+        fix_line = next((f.text for f in story.facts if f.text.startswith("Fix: ")), "")
+        recommended = fix_line.split()[1].rstrip(":") if len(fix_line.split()) > 1 else ""
+        if recommended in fixes.FIXES:
+            lines.append(f"Recommended fix: {recommended}: %nbguard fix {recommended} --apply (or without --apply "
+                         "to insert its cell)")
+        return "\n".join(lines)
 
     def _export_check(self, name: str, exported_name: str) -> None:
         import os
@@ -572,8 +598,11 @@ class NbguardMagics(Magics):
         say(f"nbguard: report written to {path}")
 
     def _fix(self, fix_id: str, apply_now: bool, force: bool = False) -> None:
-        from .. import fixes
+        from .. import fixes  # local: %load_ext stays light
+        from ..fixes.parts import missing_part
         from ..fixes.refusal import FixNotEnough, refusal
+        from ..fixes.registry import Target
+        from ..fixes.summary import changed_summary
 
         try:
             fix = fixes.get(fix_id)
@@ -599,19 +628,25 @@ class NbguardMagics(Magics):
                 raise MagicError(str(err)) from None
             except (TypeError, ValueError) as err:  # the fix's own checks of the objects it was given
                 raise MagicError(f"{fix_id} cannot apply here: {err}") from None
-            from ..fixes.summary import changed_summary  # local, as fixes above: %load_ext stays light
-
-            # one line, counted ("28 float16 -> float32"); every change is in nbguard.fixes.apply's result
-            say(f"nbguard: applied {fix_id}: {changed_summary(applied.changed)}")
+            # one line, counted ("28 float16 -> float32"); every change is in nbguard.fixes.apply's result, and
+            # nothing changed says why when the model lacks the part the fix changes
+            lacks = None if applied.changed else missing_part(fix, Target(**{k: v for k, v in objects.items()
+                                                                            if k != "scaler"}))
+            say(f"nbguard: applied {fix_id}: {changed_summary(applied.changed)}" + (f" ({lacks})" if lacks else ""))
         self.ip.set_next_input(code, replace=False)
 
     def _fix_objects(self, fix, names: dict[str, str]) -> dict[str, Any]:
         """Every object the fix acts on, looked up by the notebook's names; a missing one is named."""
+        from ..fixes.parts import not_offered
+        from ..fixes.registry import Target
+
         objects = {key: R.lookup(self.ns, name) for key, name in names.items()
                    if key in ("model", "trainer", "args", "tokenizer", "optimizer", "scaler")}
         if not fix.reached_by(objects):
-            raise MagicError(f"fix {fix.id!r} acts on {fix.need.wanted}, and the notebook has no single variable "
-                             "holding one; create it, or run %precision_check NAME first so nbguard knows its name")
+            have = ", ".join(f"{key} {name!r}" for key, name in names.items()) or "none nbguard can name"
+            why = not_offered(fix, Target(**{k: v for k, v in objects.items() if k != "scaler"}))
+            raise MagicError(f"{why or fix.id + ' acts on ' + fix.need.wanted} (this notebook's: {have}); if one "
+                             "exists, name it to %precision_check first so nbguard knows it")
         return objects
 
     def _explain_last(self) -> None:

@@ -18,7 +18,7 @@ from ..step.eager import eager_name
 from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
 from ..step.precision import PrecisionUnavailable, args_mixed_precision, trainer_autocast
 from ..step.targets import resolve_targets
-from .candidates import CAUSE_FIXES, for_event, with_options
+from .candidates import CAUSE_FIXES, applies, event_fix_ids, for_event, with_options
 from .engine import verify_step
 from .reaudit import merged, reaudit_verdicts, split_by_reaudit
 from .result import NOT_CHECKED, NOT_ENOUGH, VERDICTS, VERIFIED, FixVerdict, ModuleCheck, StepEvidence, Verification
@@ -112,7 +112,8 @@ def verify(subject: Any, fix_id: str | None = None, *, model: Any = None, batch:
                              f"be re-run as it failed. The verification made when it failed is watch.verification "
                              f"(also event.evidence['verification']); verify on a batch with "
                              f"nbguard.verify(finding, model=model, batch=batch)")
-        fix_ids = [fix_id] if fix_id else list(CAUSE_FIXES.get(subject.cause or "", []))
+        optimizer = getattr(watch, "optimizer", None)
+        fix_ids = [fix_id] if fix_id else [f for f in event_fix_ids(subject, optimizer) if applies(f, step, optimizer)]
         candidates = with_options(fix_ids, step, options, hardware)
         names = loop_names(watch, SESSION.fix_names("trainer" if getattr(watch, "trainer", None) is not None else "model"))
         return _recorded(verify_step(step, candidates, _subject_of_event(subject), memory_budget=memory_budget,
@@ -168,7 +169,7 @@ def auto_verify(watch: Any, event: Any) -> None:
         step.args = watch.trainer.args if watch.trainer is not None else None
         watch.keep_step(event, step)
         # the fixes the target would run (the hardware named to the audit: fp32 for a T4, never bf16)
-        candidates = for_event(event, step, hardware=SESSION.target_hardware)
+        candidates = for_event(event, step, hardware=SESSION.target_hardware, optimizer=getattr(watch, "optimizer", None))
         names = loop_names(watch, SESSION.fix_names("trainer" if watch.trainer is not None else "model"))
         result = verify_step(step, candidates, _subject_of_event(event), max_step_runs=AUTO_MAX_STEP_RUNS,
                              baseline=False, names=names)

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from .. import fixes
+from ..document.view import plural
 from ..findings import FixOffer
 from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
 from .memory import check_budget, default_budget, estimate_step_bytes, gb
@@ -99,7 +100,10 @@ def verify_step(step: CapturedStep, candidates: list[FixOffer], subject: str, *,
         step_skipped = (f"the step needs about {gb(base['total'])} (gradients {gb(base['gradients'])}, activations "
                         f"{gb(base['activations'])}) and the budget is {gb(budget)}: only the module level ran")
 
-    module_check, inputs = _module_level(step)
+    broken = _nonfinite_weights(step)
+    if broken is not None:  # no re-run of this step can show a fix: each verdict says so instead of "not enough"
+        step_skipped = broken
+    module_check, inputs = _module_level(step) if broken is None else (None, None)
     baseline_evidence = None
     runs = 0
     cache: dict[tuple, StepEvidence | BaseException] = {}
@@ -127,7 +131,9 @@ def verify_step(step: CapturedStep, candidates: list[FixOffer], subject: str, *,
                 verdict.module = run_module(step, inputs, plan)
             except Exception as exc:  # the module check is evidence; the step level decides
                 notes.append(f"module level under {fix_id}: {type(exc).__name__}: {exc}")
-        if baseline_evidence is not None and baseline_evidence.healthy:
+        if broken is not None:
+            verdict.reason = broken
+        elif baseline_evidence is not None and baseline_evidence.healthy:
             verdict.reason = "the step is healthy without it, so this batch cannot show what it changes"
         elif step_skipped is not None:
             _module_only(verdict, step_skipped)
@@ -148,6 +154,21 @@ def verify_step(step: CapturedStep, candidates: list[FixOffer], subject: str, *,
         verdicts.append(verdict)
     return Verification(subject, verdicts, baseline_evidence, module_check, step_skipped is None, step_skipped,
                         memory, time.perf_counter() - started, notes)
+
+
+def _nonfinite_weights(step: CapturedStep) -> str | None:
+    """Why the step cannot judge a fix when its weights were non-finite before it ran (an earlier update made
+    them so: Adam's eps rounding to 0 in float16, say); else None. One read for every weight."""
+    params = [(n, p) for n, p in step.eager.named_parameters() if p.is_floating_point()]
+    if not params:
+        return None
+    finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in params]).tolist()
+    bad = [n for (n, _), ok in zip(params, finite) if not ok]
+    if not bad:
+        return None
+    return (f"the weights were already non-finite when this step began ({plural(len(bad), 'parameter')}, e.g. "
+            f"{bad[0]}): an earlier update made them so, so no re-run of this step can show a fix; the fixes are "
+            "offered unverified, what the audit predicted first")
 
 
 def _module_level(step: CapturedStep) -> tuple[ModuleCheck | None, tuple | None]:
