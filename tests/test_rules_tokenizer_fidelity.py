@@ -103,3 +103,28 @@ def test_the_saved_class_reloaded_by_autotokenizer_stays_quiet(tmp_path):
     trainer = lm_trainer(tiny_llama(vocab_size=512), make_args(tmp_path), rows_of(tok), tokenizer=tok)
     rules = found(trainer)
     assert DIFFERS not in rules and NOTHING not in rules
+
+
+def test_a_mistral_tokenizer_loaded_with_the_regex_fix_stays_quiet(tmp_path):
+    """fix_mistral_regex=True replaces the saved pre-tokenizer on purpose: digits encode otherwise than the file."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>", "<pad>"],
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    spec = json.loads(backend.to_str())
+    vocab = spec["model"]["vocab"]  # transformers only patches tokenizers above 100,000 tokens
+    vocab.update({f"<extra_{i}>": len(vocab) + i for i in range(100_001 - len(vocab))})
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(tmp_path / "tok")
+    (tmp_path / "tok" / "config.json").write_text(json.dumps({"model_type": "mistral", "transformers_version": "4.40.0"}))
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok", fix_mistral_regex=True)
+    assert tok(CORPUS[1])["input_ids"] != Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json")).encode(
+        CORPUS[1], add_special_tokens=False).ids
+    trainer = lm_trainer(tiny_llama(vocab_size=512), make_args(tmp_path), rows_of(tok), tokenizer=tok)
+    assert DIFFERS not in found(trainer)
