@@ -7,6 +7,9 @@ Each notebook runs in a fresh kernel of *this* interpreter (a kernelspec written
 folder, so a global "python3" kernelspec pointing at another Python is never used), with widget
 state stored in the executed copy. The notebooks read ``NBGUARD_OUT`` and save their reports
 there. The exit status is non-zero when any notebook fails.
+
+Run this way no one is at a front end: nbguard shows its static views (no widgets), and a fix cell
+it would insert is printed in its cell's output instead; this script names those cells.
 """
 from __future__ import annotations
 
@@ -93,6 +96,14 @@ def execute_notebook(path: str | os.PathLike, out_dir: str | os.PathLike, *, tim
     return nb, seconds, error
 
 
+def not_inserted_cells(nb) -> list[int]:
+    """The code cells (numbered from 1) whose output says nbguard printed a cell it could not insert."""
+    from nbguard.notebook.frontend import NOT_INSERTED
+
+    return [number for number, cell in enumerate(nb.cells, 1) if cell.cell_type == "code" and any(
+        NOT_INSERTED in output.get("text", "") for output in cell.get("outputs", []) if output.get("output_type") == "stream")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="+", help="the .ipynb files to execute")
@@ -108,9 +119,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FAIL {name}: no such notebook", file=sys.stderr)
             failures += 1
             continue
-        _, seconds, error = execute_notebook(nb_path, out_dir, timeout=options.timeout)
+        nb, seconds, error = execute_notebook(nb_path, out_dir, timeout=options.timeout)
         status = "ok  " if error is None else "FAIL"
         print(f"{status} {nb_path.name} ({seconds:.1f} s) -> {out_dir / nb_path.name}")
+        for number in not_inserted_cells(nb):
+            print(f"     cell {number}: a fix cell was not inserted (no front end runs here); "
+                  "its code is printed in that cell's output")
         if error is not None:
             failures += 1
             print(f"     {type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}",

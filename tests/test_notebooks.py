@@ -357,3 +357,22 @@ def test_runner_reports_a_failing_notebook(tmp_path):
     printed = executed.cells[0].outputs[0]["text"].split()
     assert printed == [str(out.resolve()), sys.executable]       # this interpreter's kernel, not a global one
     assert executed.cells[1].outputs[0]["ename"] == "ValueError"
+
+
+def test_runner_names_the_cells_whose_fix_cell_was_printed_not_inserted(tmp_path, capsys):
+    """Headless nothing can insert a cell: the kernel prints it, and run.py says which cell holds it."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    nb = new_notebook(cells=[
+        new_code_cell("print('setup')"),
+        new_code_cell("from nbguard.notebook.frontend import put_next_cell\nput_next_cell('model = model.float()')"),
+    ])
+    source = tmp_path / "fix.ipynb"
+    nbformat.write(nb, source)
+    assert _runner().main(["--out", str(tmp_path / "out"), str(source)]) == 0
+    printed = capsys.readouterr().out
+    assert "cell 2: a fix cell was not inserted (no front end runs here)" in printed
+    assert "cell 1:" not in printed
+    executed = nbformat.read(tmp_path / "out" / "fix.ipynb", as_version=4)
+    assert "model = model.float()" in executed.cells[1].outputs[0]["text"]
