@@ -205,6 +205,12 @@ The public functions, from their docstrings.
 ::: nbguard.api.explain
 
 ::: nbguard.api.report
+
+::: nbguard.api.callback
+
+::: nbguard.api.lightning_callback
+
+::: nbguard.api.check_export
 """
 
 
