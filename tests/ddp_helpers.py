@@ -608,13 +608,12 @@ SCENARIO_FUNCTIONS = {f.__name__: f for f in (train_rank, train_trainer_rank, tr
 Scenario = tuple[str, str, str]  # (training function, scenario, policy)
 
 # The shared launches (``shared_batch``), each scenario a test (or several) reads. The Trainer goes after
-# the loops (its TrainingArguments reset accelerate's shared state). ``rank0only`` goes last: the watches of
-# the ranks pair by count (the n-th attach of each rank with the n-th of the others,
-# nbguard.watcher.distributed.ranks._SERIAL), and its rank 1 attaches none, so a watch on every rank after it
-# would pair rank 0's with rank 1's previous one and wait for a peer that never joins (seen: ``fail`` after
-# it hung).
+# the loops (its TrainingArguments reset accelerate's shared state). ``rank0only`` goes second, before every
+# scenario that watches on both ranks: when the ranks paired their watches by count, its rank 1 attached
+# none, so the next watch on every rank paired rank 0's with rank 1's previous one and waited for a peer that
+# never joined (``fail`` hung after it). They pair by where they attach among the collectives now.
 NOTEBOOK_BATCH: list[Scenario] = [
-    ("train_rank", "healthy", "warn"), ("train_rank", "unwatched", "warn"),
+    ("train_rank", "healthy", "warn"), ("train_rank", "rank0only", "warn"), ("train_rank", "unwatched", "warn"),
     ("train_rank", "accumulate", "warn"), ("train_rank", "accumulate-hooks", "warn"),
     ("train_rank", "forward", "skip"), ("train_rank", "forward", "warn"), ("train_rank", "forward", "stop"),
     ("train_rank", "backward", "skip"), ("train_rank", "loss", "skip"), ("train_rank", "scaler", "warn"),
@@ -622,7 +621,6 @@ NOTEBOOK_BATCH: list[Scenario] = [
     ("train_rewind_rank", "rewind", "rewind"),
     ("train_uneven_rank", "uneven", "warn"), ("train_uneven_rank", "normalised", "warn"),
     ("train_trainer_rank", "backward", "stop"),
-    ("train_rank", "rank0only", "warn"),
 ]
 TORCHRUN_BATCH: list[Scenario] = [
     ("train_rank", "healthy", "warn"), ("train_rank", "forward", "skip"), ("train_rank", "forward", "stop"),

@@ -49,6 +49,26 @@ def _default_store() -> Any:
         return None
 
 
+_AT_COLLECTIVE: dict[int, int] = {}  # collectives so far -> watches this rank attached there
+
+
+def _collectives_so_far() -> int | None:
+    """How many collectives the default process group has run (the same on every rank between the same
+    two collectives); None where this torch does not say (then the watches pair by count)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_group
+
+        return int(_get_default_group()._get_sequence_number_for_group())  # type: ignore[attr-defined]
+    except Exception:  # a private method of torch's process groups: absent or changed
+        return None
+
+
+def _attached_at(collectives: int) -> int:
+    """The n-th watch this rank attaches after ``collectives`` collectives (two models watched back to back)."""
+    _AT_COLLECTIVE[collectives] = _AT_COLLECTIVE.get(collectives, 0) + 1
+    return _AT_COLLECTIVE[collectives]
+
+
 def _stored(store: Any, key: str) -> bool:
     """Set ``key`` and return once the store holds it. TCPStore's set only sends (no reply): under load
     its server could answer a peer's check before reading the set, and that peer would watch alone while
@@ -121,7 +141,7 @@ class RankSync:
         self.owes_farewell = False  # this rank's watch failed: it still joins one exchange, saying so
         self.exchanges = 0
         self.step_exchanged = False  # this step's collective is done (reset at each step's end)
-        self.serial = 0  # set by announce()
+        self.serial: int | str = 0  # set by announce(): what pairs this watch with the other ranks'
         self._store: Any = None
         self.pre_reduce: Any = None  # FSDP2: a fsdp_grads.PreReduceGrads, this rank's own gradients
 
@@ -142,12 +162,19 @@ class RankSync:
 
     def announce(self) -> None:
         """Say through the process group's key-value store (no collective) that this rank watches
-        (at attach; again on a re-attach, harmlessly)."""
+        (at attach; again on a re-attach, harmlessly).
+
+        The watches of the ranks pair by where they attach in the group's sequence of collectives
+        (every rank passes the same collectives in the same order; the n-th watch attached between the
+        same two collectives pairs with the n-th of the others). A count of watches alone paired a
+        watch attached on rank 0 only with the next one rank 1 attached, which then waited in a
+        collective for a peer that never joined."""
         global _SERIAL
         if self.serial:
             return
         _SERIAL += 1
-        self.serial = _SERIAL  # the n-th watch of each rank pairs with the n-th of the others
+        collectives = _collectives_so_far()
+        self.serial = _SERIAL if collectives is None else f"c{collectives}.{_attached_at(collectives)}"
         self._store = _default_store()
         if self._store is not None:
             self._store = self._store if _stored(self._store, self._store_key(self.rank)) else None
