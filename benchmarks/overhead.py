@@ -395,6 +395,53 @@ class UpdateNormVariant(FixedCostVariant):
         return torch._foreach_norm(update) + torch._foreach_norm(params)
 
 
+def update_norm_work(args) -> None:
+    """The update norms' own work per step on the default mode's model (``--layers``, ``--hidden``, ``--vocab``;
+    a full fine-tune), timed directly for both ways of comparing the weights with their copy: the copy before
+    the step, the comparison and norms after it, and the host sums. Between repetitions a buffer larger than
+    the caches is written, as the model's step evicts the weights in a real run."""
+    from nbguard.watcher.components import update_norms
+
+    model = build_model(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    watch = NanWatch(model, optimizer=opt).attach()
+    model(**make_batch(args, 0)).loss.backward()
+    opt.step()
+    (reader,) = [d for d in watch.detectors if isinstance(d, update_norms.UpdateNorms)]
+    evict = torch.empty(64 * 2 ** 20 // 4)
+    clock = CLOCKS[args.clock]
+    n = sum(p.numel() for p in reader.collector.params)
+    print(f"\n### update-norm work per step ({n / 1e6:.1f}M trainable weights in {len(reader.collector.params)} "
+          f"tensors, {args.rounds} repetitions each, {args.clock} clock, medians)\n")
+    print("| path | copy before the step | compare + norms after it | host sums | in all |\n|---|---:|---:|---:|---:|")
+    for label, gather_below in (("gathered (before issue 45: every model)", 2 ** 62),
+                                ("per tensor (a full fine-tune now)", 0)):
+        update_norms.GATHER_BELOW = gather_below
+        reader._key = None  # (made again at the next copy, on this path)
+        times = []
+        for i in range(args.rounds + 2):
+            evict.add_(1.0)
+            start = clock()
+            reader.before_step(10 ** 6 + i)
+            copied = clock()
+            evict.add_(1.0)
+            after = clock()
+            reader.after_step(10 ** 6 + i)
+            pending = reader._pending
+            assert pending is not None
+            values = pending[1].tolist()  # (the device work waited for: the step's one read)
+            compared = clock()
+            reader.judge = type(reader.judge)()  # (no event from these repeated steps)
+            summing = clock()
+            reader._take(pending[0], values, pending[2])
+            times.append((copied - start, compared - after, clock() - summing))
+        times = times[2:]  # (the first two make the views and buffers)
+        parts = [statistics.median(t[k] for t in times) for k in range(3)]
+        print(f"| {label} | {parts[0] * 1e3:.2f} ms | {parts[1] * 1e3:.2f} ms | {parts[2] * 1e6:.0f} us "
+              f"| {sum(parts) * 1e3:.2f} ms |")
+    watch.detach()
+
+
 def update_norm_cost(args) -> None:
     """The step time of the watch with update norms against the watch without them, interleaved."""
     clock = CLOCKS[args.clock]
@@ -738,6 +785,9 @@ def main(argv=None):
     parser.add_argument("--update-norms", action="store_true",
                         help="the watch with and without its per-group update norms (and option (a), the update "
                              "from AdamW's state), on the --fixed-cost models, interleaved")
+    parser.add_argument("--update-norm-work", action="store_true",
+                        help="the update norms' own work per step on the default mode's model, timed directly, "
+                             "gathered against per tensor")
     parser.add_argument("--steps-per-round", type=int, default=5, help="--fixed-cost: steps per variant per round")
     parser.add_argument("--hook-times", action="store_true",
                         help="where the fixed part goes: time inside each step hook, the watch without its "
@@ -774,6 +824,9 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
         parser.error("--clock cpu measures one thread: use it with --device cpu --threads 1")
+    if args.update_norm_work:
+        update_norm_work(args)
+        return
     if args.update_norms:
         update_norm_cost(args)
         return
@@ -798,11 +851,13 @@ def main(argv=None):
     print(f"\n### nbguard watch overhead ({n_params / 1e6:.1f}M-parameter Llama, {args.device}, "
           f"batch {args.batch_size}x{args.seq_len}, {torch.get_num_threads()} threads, {args.rounds} rounds, "
           f"{args.clock} clock)\n")
-    print("| variant | median step (ms) | ratio of medians | median per-round ratio |")
-    print("|---|---:|---:|---:|")
+    print("| variant | median step (ms) | ratio of medians | median per-round ratio | its quartiles |")
+    print("|---|---:|---:|---:|---:|")
     for v in variants:
         med = statistics.median(v.times)
-        print(f"| {v.name} | {med * 1e3:.1f} | {med / base_median:.3f}x | {statistics.median(ratios[v.name]):.3f}x |")
+        low, _, high = statistics.quantiles(ratios[v.name], n=4)
+        print(f"| {v.name} | {med * 1e3:.1f} | {med / base_median:.3f}x | {statistics.median(ratios[v.name]):.3f}x "
+              f"| {low:.3f}-{high:.3f} |")
 
     if args.skip_localise:
         return
