@@ -7,6 +7,7 @@ rewind is a dashed bluish-green line at its step over a shaded span back to the 
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import numpy as np
 
@@ -88,7 +89,7 @@ def series_figure(history: dict, *, dpi: int = 100):
     height_in = header_in + len(shown) * (note_in + panel_in) + axis_in
     fig = Figure(figsize=(width_in, height_in), dpi=dpi)
     FigureCanvasAgg(fig)
-    axes = []
+    axes: list[Any] = []
     for index in range(len(shown)):
         bottom = axis_in + (len(shown) - 1 - index) * (note_in + panel_in)
         rect = (left_in / width_in, bottom / height_in, 1 - (left_in + 0.2) / width_in, panel_in / height_in)
@@ -129,7 +130,7 @@ def series_figure(history: dict, *, dpi: int = 100):
     for ax in axes[:-1]:
         ax.tick_params(axis="x", labelbottom=False)
     axes[-1].set_xlabel("optimizer step", fontsize=8)
-    handles = []
+    handles: list[Any] = []
     if any_bad:
         handles.append(Line2D([], [], color=NAN_COLOR, linewidth=1.5, label="non-finite step (NaN/Inf)"))
     if marks:
