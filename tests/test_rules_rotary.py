@@ -9,11 +9,11 @@ import torch
 import nbguard
 from nbguard.testing import tiny_gemma3, tiny_llama, tiny_qwen2
 
-STALE, CHECKPOINT = "rotary-frequencies-stale", "rope-theta-differs-from-checkpoint"
+STALE, CHECKPOINT, IGNORED = "rotary-frequencies-stale", "rope-theta-differs-from-checkpoint", "rope-theta-ignored"
 
 
 def rules(model) -> dict:
-    return {f.rule: f for f in nbguard.audit(model).findings if f.rule in (STALE, CHECKPOINT)}
+    return {f.rule: f for f in nbguard.audit(model).findings if f.rule in (STALE, CHECKPOINT, IGNORED)}
 
 
 def test_rope_theta_edited_after_build_is_named_with_its_size_and_matters_after_reload(tmp_path):
@@ -99,3 +99,21 @@ def test_checkpoint_loaded_with_an_override_at_another_base_is_named(tmp_path):
     repeated = AutoModelForCausalLM.from_pretrained(
         tmp_path, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6})
     assert rules(repeated) == {}
+
+
+def test_rope_theta_set_the_4x_way_is_named_as_ignored(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    config.rope_theta = 5e5  # transformers 4.x read this; 5 reads rope_parameters only
+    model = AutoModelForCausalLM.from_config(config)
+    assert model.model.rotary_emb.inv_freq[1] == pytest.approx(1e4 ** (-2 / 16))  # built at the default base
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(reloaded.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)  # still ignored
+    for m in (model, reloaded):
+        found = {f.rule: f for f in nbguard.audit(m).findings}
+        assert found[IGNORED].evidence == {"rope_theta_attribute": 5e5, "rope_parameters_theta": 1e4}
+        assert STALE not in found
+    assert IGNORED not in {f.rule for f in nbguard.audit(tiny_qwen2(rope_theta=5e5)).findings}  # the constructor

@@ -154,8 +154,9 @@ def rotary_frequencies_stale(ctx):
         {"layers": stale[:10], "layers_affected": len(stale)})
 
 
-def saved_rope_theta(config: Any) -> float | None:
-    """rope_theta in the config.json the model was loaded from (a local folder only; nothing is downloaded)."""
+def saved_config(config: Any) -> dict[str, Any] | None:
+    """The config.json the model was loaded from (a local folder only; nothing is downloaded), its text part for a
+    multimodal checkpoint whose text config is ``config``."""
     path = os.path.join(str(getattr(config, "_name_or_path", "") or ""), "config.json")
     if not os.path.isfile(path):
         return None
@@ -164,7 +165,19 @@ def saved_rope_theta(config: Any) -> float | None:
             saved = json.load(handle)
     except (OSError, ValueError):
         return None
-    saved = saved.get("text_config", saved) if getattr(config, "model_type", None) != saved.get("model_type") else saved
+    if not isinstance(saved, dict):
+        return None
+    if getattr(config, "model_type", None) != saved.get("model_type") and isinstance(saved.get("text_config"), dict):
+        return saved["text_config"]
+    return saved
+
+
+def saved_rope_theta(config: Any) -> float | None:
+    """rope_theta in the config.json the model was loaded from: its rope_parameters' (transformers 5), else the
+    top-level key (4.x)."""
+    saved = saved_config(config)
+    if saved is None:
+        return None
     params = saved.get("rope_parameters") or {}
     theta = params.get("rope_theta") if isinstance(params, dict) else None
     theta = theta if theta is not None else saved.get("rope_theta")
@@ -202,4 +215,41 @@ def rope_theta_differs_from_checkpoint(ctx):
             "report). Repeat rope_theta in the override; if the new base is intended (long-context training), "
             "ignore this.",
             {"saved_rope_theta": saved, "config_rope_theta": live, "loaded_from": str(config._name_or_path)})
+    return None
+
+
+def ignored_rope_theta(config: Any) -> tuple[float, float] | None:
+    """(the ``rope_theta`` attribute set on the config, or the top-level key of the config.json it was loaded from,
+    and the base its ``rope_parameters`` hold) when transformers 5
+    ignores the former: it reads the base from ``rope_parameters`` only, so ``config.rope_theta = x`` set after the
+    config was made (the 4.x way) changes nothing, and save_pretrained writes both."""
+    params = getattr(config, "rope_parameters", None)
+    stray = vars(config).get("rope_theta") if hasattr(config, "__dict__") else None
+    if stray is None:  # a reload drops the attribute; the config.json it came from still shows both
+        saved = saved_config(config) or {}
+        stray = saved.get("rope_theta") if isinstance(saved.get("rope_parameters"), dict) else None
+    if not isinstance(params, dict) or "rope_type" not in params or not isinstance(stray, (int, float)):
+        return None
+    used = params.get("rope_theta")
+    if not isinstance(used, (int, float)) or abs(float(stray) - float(used)) <= 1e-6 * abs(float(used)):
+        return None
+    return float(stray), float(used)
+
+
+@rule("rope-theta-ignored", "warning")
+def rope_theta_ignored(ctx):
+    """config.rope_theta set the transformers 4.x way, which transformers 5 ignores: the rotary layers use rope_parameters["rope_theta"], another base."""
+    for config in ctx.configs:
+        found = ignored_rope_theta(config)
+        if found is None:
+            continue
+        stray, used = found
+        return finding(
+            "rope-theta-ignored", f"config.rope_theta is {stray:g} but the model uses rope_theta {used:g}",
+            f"The config holds rope_theta {stray:g} as a plain attribute, while transformers 5 reads the RoPE base "
+            f"from config.rope_parameters, which says {used:g}: the attribute (set the 4.x way, after the config "
+            "was made) changes nothing, now or after save_pretrained and a reload, yet config.json shows both. Set "
+            f"config.rope_parameters[\"rope_theta\"] = {stray:g} before the model is built (or pass rope_theta to "
+            "the config's constructor), or delete the attribute if the base in rope_parameters is the one meant.",
+            {"rope_theta_attribute": stray, "rope_parameters_theta": used})
     return None
