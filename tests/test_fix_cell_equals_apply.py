@@ -394,7 +394,9 @@ CASES: dict[str, list[Case]] = {
     "untie-embeddings": [Case(lambda t: {"model": tiny_llama(tie_word_embeddings=True)}, ("model",)),
                          Case(lambda t: {"model": seed_peft_model(dtype=torch.float32, zero_tokens=False)}, ("model",)),
                          Case(lambda t: {"model": tiny_gemma3_multimodal()}, ("model",))],
-    "upcast-trainable-fp32": [Case(lambda t: {"model": seed_peft_model("llama")}, ("model",))],
+    "upcast-trainable-fp32": [Case(lambda t: {"model": seed_peft_model("llama")}, ("model",)),
+                              Case(lambda t: _fp16_loop_stepped(), ("model", "optimizer"))],
+    "cast-inputs-to-float32": [Case(lambda t: {"model": tiny_llama()}, ("model",))],
 }
 
 

@@ -147,3 +147,46 @@ def test_help_names_the_recommended_fix_the_story_and_the_card_name(shell):  # n
     assert f"Recommended fix: {fix}: %nbguard fix {fix} --apply" in shown.stdout
     assert "What went wrong: step 4: non-finite loss (overflow)" in shown.stdout
     assert len(shown.stdout.splitlines()) <= 12  # a few lines, not a report
+
+
+def test_a_loss_computed_outside_the_model_is_not_blamed_on_the_fix():
+    """The loop computes the loss from the model's output: the gradient it sent back at the failing step came
+    from an inf output, so a re-run under a fix cannot judge the backward; the fix is not checked (saying why),
+    never "not enough" because of that stale gradient."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), Square(), torch.nn.Linear(16, 1)).to(torch.float16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nbguard.watch(model, optimizer=optimizer, policy="skip") as watch:
+        for step in range(BAD_STEP + 1):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+            optimizer.zero_grad()
+            out = model((x * 400 if step == BAD_STEP else x).half())
+            ((out.float() - y) ** 2).mean().backward()
+            optimizer.step()
+    assert watch.events[0].cause == "overflow"
+    upcast = watch.verification.verdict("upcast-trainable-fp32")
+    assert upcast.verdict == "not checked" and "loss computed outside it" in upcast.reason, upcast.reason
+    assert upcast.step.first_nonfinite is None  # its forward is finite: the input cast and fp32 weights hold
+
+
+def test_float32_weights_fed_half_inputs_are_explained_with_the_cast_as_a_fix():
+    """The error the issue met after an upcast that did not cast the inputs: the explainer's card said "cast the
+    inputs to float32" and offered no cell; it offers cast-inputs-to-float32, and its cell makes the loop run."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), Square(), torch.nn.Linear(16, 1))  # float32
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError) as raised:
+        model(x.half())
+    diagnosis = nbguard.explain(raised.value)
+    assert diagnosis.signature == "matmul-dtype-mismatch" and diagnosis.evidence["cause"] == "forced-fp32"
+    assert diagnosis.fixes == ["cast-inputs-to-float32"]
+    cell = nbguard.fixes.code("cast-inputs-to-float32", model="net")
+    exec(cell, {"net": model})
+    assert model(x.half()).dtype == torch.float32  # the loop's own x.half() now meets float32 weights
+    assert nbguard.fixes.apply("cast-inputs-to-float32", model=model).changed == {}  # the cell did what apply does
+
+
+class Square(torch.nn.Module):
+    def forward(self, x):
+        return x * x

@@ -223,7 +223,10 @@ def matmul_dtype_mismatch(exc: BaseException) -> Diagnosis | None:
             evidence["linear4bit_compute_dtypes"] = facts.compute_dtypes
         if facts.minority:
             evidence["minority_dtype_modules"] = facts.minority
-    return _diagnosis("matmul-dtype-mismatch", exc, "Matrix multiply of mismatched dtypes" + seen, detail, **evidence)
+    # float32 weights fed half-precision inputs: the one cast the detail asks for, as a cell
+    fixes = ["cast-inputs-to-float32"] if cause == "forced-fp32" else []
+    return _diagnosis("matmul-dtype-mismatch", exc, "Matrix multiply of mismatched dtypes" + seen, detail, fixes,
+                      **evidence)
 
 
 @rule("no-grad-input")

@@ -8,7 +8,16 @@ import torch
 from ..introspect.dtypes import QUANTIZED_PARAM_CLASSES, dtype_name, quantized_or_integer
 from ..introspect.embeddings import embedding_matrices, padding_row, token_deltas, zero_mask, zero_rows
 from ..step.plan import CapturedStep, NotCheckable, ShadowPlan
-from .loop_cells import follow_weight_dtypes, input_cast_batch, loop_inputs_apply, loop_inputs_code, loop_optimizer_code
+from .loop_cells import (
+    follow_weight_dtypes,
+    half_inputs_to_float32,
+    input_cast_batch,
+    install_input_cast,
+    loop_inputs_apply,
+    loop_inputs_code,
+    loop_optimizer_code,
+    source,
+)
 from .registry import Fix, register
 
 
@@ -64,6 +73,37 @@ register(Fix("upcast-trainable-fp32", "Keep trainable parameters in float32",
              "Cast every parameter that requires grad to float32, leaving frozen and quantised weights alone.",
              _upcast, _upcast_code, plan=_upcast_plan,
              treats=("overflow", "invalid-op"), rank=20))
+
+
+# ---- cast-inputs-to-float32 ------------------------------------------------------------------
+def _cast_inputs(target, **_):
+    changed: dict[str, str] = {}
+    loop_inputs_apply(target.model, changed)
+    return changed
+
+
+def _cast_inputs_code(names, **_):
+    return f"""import torch
+
+# The model's weights are float32 and it is given float16/bfloat16 tensors (x.half(), inputs_embeds,
+# pixel_values): outside torch.autocast the first matmul refuses them. Cast them before every forward.
+{source(half_inputs_to_float32, install_input_cast)}
+
+install_input_cast({names.model})
+"""
+
+
+def _cast_inputs_plan(step: CapturedStep, **_: Any) -> ShadowPlan:
+    plan = ShadowPlan(batch=input_cast_batch(step.micro_batches[0].autocast if step.micro_batches else []))
+    if plan.batch is not None:
+        plan.changes["inputs"] = "float16/bfloat16 -> float32"
+    return plan
+
+
+register(Fix("cast-inputs-to-float32", "Cast half-precision inputs to float32 before the forward",
+             "A forward pre-hook on the model: float16/bfloat16 tensors it is given become float32 outside "
+             "torch.autocast, for float32 weights fed half-precision inputs.",
+             _cast_inputs, _cast_inputs_code, plan=_cast_inputs_plan))
 
 
 # ---- disable-use-cache -----------------------------------------------------------------------

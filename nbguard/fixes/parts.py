@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ..introspect.embeddings import embedding_matrices, token_deltas
 from ..introspect.modes import applies_dropout
 from ..introspect.moe import fused_expert_params, trainable_router_params
@@ -104,6 +106,12 @@ def _eval_mode(target: Target) -> str | None:
     return f"{_kind(target.model)} is in training mode already, every module of it"
 
 
+def _float32_weights(target: Target) -> str | None:
+    if any(p.dtype == torch.float32 for p in target.model.parameters()):
+        return None
+    return f"{_kind(target.model)} has no float32 weight to cast its inputs for"
+
+
 def _adam(target: Target) -> str | None:
     if any("eps" in g and "betas" in g for g in getattr(target.optimizer, "param_groups", None) or []):
         return None
@@ -138,6 +146,7 @@ LACKS: dict[str, Callable[[Target], str | None]] = {
     "float8-activation-lb": _float8,
     "optimizer-eps-for-dtype": _adam,
     "model-train-mode": _eval_mode,
+    "cast-inputs-to-float32": _float32_weights,
 }
 
 

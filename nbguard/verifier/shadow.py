@@ -161,6 +161,10 @@ def run_step(step: CapturedStep, plan: ShadowPlan) -> StepEvidence:
                     losses.append(float(loss.detach().float()))
                 if not targets or not inputs:
                     continue
+                if loss is None and not all(bool(torch.isfinite(s).all()) for s in seeds):
+                    # the loss is computed outside the model, and the gradient it sent back came from the failing
+                    # outputs (inf): it says nothing about the outputs under the fix, so no backward is judged
+                    continue
                 got = torch.autograd.grad(targets, inputs, seeds, allow_unused=True)
                 for i, g in enumerate(got):
                     if g is not None:
