@@ -19,6 +19,8 @@ from ..registry import finding, rule
 
 PROBES = ("The capital of France is Paris.", "Order 12345 shipped on 2024-05-06; total $1,299.99!", "hello world")
 VOCABULARY_PROBE_TOKENS = 16
+# a tokenizer that cannot be called the usual way (no add_special_tokens, no input_ids): nothing to compare
+UNENCODABLE = (TypeError, ValueError, KeyError, AttributeError, NotImplementedError)
 
 
 def _special_ids(tok: Any) -> set[int]:
@@ -86,7 +88,10 @@ def tokenizer_encodes_nothing(ctx):
     tok = ctx.tokenizer
     if tok is None or not callable(tok):
         return None
-    encoded = encodes_nothing(tok)
+    try:
+        encoded = encodes_nothing(tok)
+    except UNENCODABLE:
+        return None
     if encoded is None:
         return None
     folder = loaded_from(tok)
@@ -122,14 +127,18 @@ def tokenizer_differs_from_saved(ctx):
         return None
     if getattr(getattr(tok, "backend_tokenizer", None), "fix_mistral_regex", None) is True:
         return None  # the Mistral regex fix replaces the saved pre-tokenizer on purpose
-    if encodes_nothing(tok) is not None:
-        return None  # tokenizer-encodes-nothing says it, with the saved file's ids
-    texts = probe_texts(tok)
-    saved = saved_encodings(folder, texts)
+    try:
+        if encodes_nothing(tok) is not None:
+            return None  # tokenizer-encodes-nothing says it, with the saved file's ids
+        texts = probe_texts(tok)
+        saved = saved_encodings(folder, texts)
+        ours = {t: encode(tok, t) for t in saved or {}}
+    except UNENCODABLE:
+        return None
     saved_class = saved_tokenizer_class(folder)
     loaded_class = type(tok).__name__
     other_class = saved_class is not None and not same_tokenizer_class(saved_class, loaded_class)
-    differ = {t: (encode(tok, t), ids) for t, ids in (saved or {}).items() if encode(tok, t) != ids}
+    differ = {t: (ours[t], ids) for t, ids in (saved or {}).items() if ours[t] != ids}
     if not differ and not other_class:
         return None
     evidence = {"tokenizer_class": loaded_class, "saved_tokenizer_class": saved_class, "loaded_from": folder,
