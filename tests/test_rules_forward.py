@@ -153,3 +153,33 @@ def test_dry_forward_leaves_a_4bit_model_as_found(tmp_path):
     assert not findings(nbguard.audit(trainer=trainer), "forward-returns-no-loss")
     assert {n: (p.shape, p.dtype) for n, p in model.named_parameters()} == before
     assert [m.training for m in model.modules()] == modes
+
+
+# ---- a forward that crashes on parameters of two dtypes (axolotl's bf16: auto without bf16) ------------------
+def _mixed_dtype_trainer(tmp_path, own_loss: bool):
+    from transformers import Trainer
+
+    tok = word_tokenizer(pad="unk")
+    model = tiny_llama(dtype=torch.float16)
+    model.lm_head.float()  # float32 modules in a float16 model, no autocast: the matmul's dtypes differ
+    trainer = lm_trainer(model, make_args(tmp_path), ragged_examples(8), tokenizer=tok)
+    if own_loss:  # a framework's Trainer with its own compute_loss (axolotl's)
+        class FrameworkTrainer(Trainer):
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+        trainer.__class__ = FrameworkTrainer
+    return trainer
+
+
+@pytest.mark.parametrize("own_loss", [False, True], ids=["Trainer", "framework's compute_loss"])
+def test_a_forward_that_crashes_on_mixed_dtypes_is_predicted_with_the_dtypes_named(tmp_path, own_loss):
+    trainer = _mixed_dtype_trainer(tmp_path, own_loss)
+    result = nbguard.audit(trainer=trainer)
+    assert not [f for f in result.findings if f.rule == "rule-error"]  # (it was "rule weights-not-loaded could not run")
+    (f,) = findings(result, "forward-returns-no-loss")
+    assert f.severity.value == "error" and f.title == "the model's forward fails on the trainer's batches"
+    assert "float16" in f.detail and "float32: 1 (lm_head.weight)" in f.detail
+    with pytest.raises(RuntimeError) as raised:
+        trainer.train()
+    assert str(raised.value) in f.evidence["exception"]  # the crash the audit predicted, word for word

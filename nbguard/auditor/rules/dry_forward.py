@@ -1,4 +1,4 @@
-"""One dry forward on a sampled batch, the way the Trainer will call the model: does it return a loss?
+"""One dry forward on a sampled batch, the way the Trainer will call the model: does it run, and return a loss?
 
 A collator that adds no labels (DataCollatorWithPadding on a causal LM), a processor that drops an
 input the model needs in training (``token_type_ids``, ``mm_token_type_ids``), or a model whose head
@@ -40,7 +40,9 @@ def dry_forward(model: Any, batch: dict[str, torch.Tensor], trainer: Any = None)
             autocast() if callable(autocast) else contextlib.nullcontext()):
         try:
             return model(**{k: v.to(device) for k, v in batch.items()}), None
-        except (ValueError, TypeError, KeyError) as exc:  # what a missing input raises in modelling code
+        # a missing input raises ValueError/TypeError/KeyError in modelling code; parameters of two dtypes meeting
+        # in one matmul (float32 modules in a float16 model, no autocast), RuntimeError: train() raises the same
+        except (ValueError, TypeError, KeyError, RuntimeError) as exc:
             return None, f"{type(exc).__name__}: {exc}"
 
 
@@ -48,7 +50,7 @@ def dry_forward(model: Any, batch: dict[str, torch.Tensor], trainer: Any = None)
 def forward_returns_no_loss(ctx):
     """A dry forward of a sampled batch, as the Trainer calls the model, raises or returns no loss."""
     trainer = ctx.trainer
-    if trainer is None or not ctx.batches or not _uses_model_loss(trainer):
+    if trainer is None or not ctx.batches:
         return None
     if any(p.device.type == "meta" for _, p in ctx.named_params[:1]):
         return None
@@ -56,6 +58,8 @@ def forward_returns_no_loss(ctx):
     output, error = dry_forward(ctx.model, batch, trainer)
     keys = sorted(batch)
     if error is None:
+        if not _uses_model_loss(trainer):
+            return None  # (its own compute_loss makes the loss: a forward without one is not a failure)
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
         if loss is not None:
             return None
@@ -68,9 +72,37 @@ def forward_returns_no_loss(ctx):
               "Use a collator that adds labels (DataCollatorForLanguageModeling(tokenizer, mlm=False) for a causal "
               "LM, DataCollatorForSeq2Seq for labelled examples), or keep a labels column through remove_unused_columns.",
             {"inputs": keys, "returned": returned, **ctx.sample.to_evidence()})
+    dtypes = parameter_dtypes(ctx.named_params)
+    mixed = len(dtypes) > 1 and "dtype" in error
+    cause = (f"The model's parameters are in {len(dtypes)} dtypes ({describe_dtypes(dtypes)}) and this forward runs "
+             "without an autocast that would reconcile them: load the model in one dtype (torch_dtype=...), or let the "
+             "Trainer's bf16=True/fp16=True autocast the forward where the hardware has it." if mixed else
+             "A processor or collator that drops an input the model needs in training (token_type_ids, "
+             "pixel_values, mm_token_type_ids) or remove_unused_columns removing it are the usual causes.")
     return finding(
         "forward-returns-no-loss", "the model's forward fails on the trainer's batches",
-        f"A forward of the first sampled batch (inputs: {', '.join(keys)}) raised {error}. train() will raise the same on its "
-        "first step. A processor or collator that drops an input the model needs in training (token_type_ids, "
-        "pixel_values, mm_token_type_ids) or remove_unused_columns removing it are the usual causes.",
-        {"inputs": keys, "exception": error, **ctx.sample.to_evidence()})
+        f"A forward of the first sampled batch (inputs: {', '.join(keys)}) as the Trainer runs it raised {error}. "
+        f"train() will raise the same on its first step. {cause}",
+        {"inputs": keys, "exception": error, "parameter_dtypes": {d: names for d, names in dtypes.items()},
+         **ctx.sample.to_evidence()})
+
+
+def parameter_dtypes(named_params: list[tuple[str, torch.Tensor]]) -> dict[str, list[str]]:
+    """dtype -> every parameter of that dtype, the most common dtype first."""
+    by_dtype: dict[str, list[str]] = {}
+    for name, param in named_params:
+        by_dtype.setdefault(str(param.dtype).removeprefix("torch."), []).append(name)
+    return dict(sorted(by_dtype.items(), key=lambda item: -len(item[1])))
+
+
+def describe_dtypes(by_dtype: dict[str, list[str]]) -> str:
+    """'float16: 19 parameters; float32: 2 (lm_head.weight, model.norm.weight)': every name of the rarer dtypes
+    up to eight, and how many more (a list cut short says so)."""
+    parts = []
+    for i, (dtype, names) in enumerate(by_dtype.items()):
+        if i == 0:
+            parts.append(f"{dtype}: {len(names)} parameters")
+            continue
+        shown = ", ".join(names[:8]) + (f", and {len(names) - 8} more" if len(names) > 8 else "")
+        parts.append(f"{dtype}: {len(names)} ({shown})")
+    return "; ".join(parts)
