@@ -39,6 +39,7 @@ def test_word_level_tokenizer_reloaded_as_qwen2_is_named_with_where_it_came_from
     assert f.severity.value == "error" and DIFFERS not in rules
     assert f.evidence["tokenizer_class"] == "Qwen2Tokenizer" and f.evidence["loaded_from"] == folder
     assert "Qwen2Tokenizer loaded from " + folder in f.detail
+    assert "No tokenizer_config.json in that folder names a class" in f.detail
     assert all(ids == [] for ids in f.evidence["probes"].values())
     own_words = next(t for t in f.evidence["saved_tokenizer_json_ids"] if "paris" in t)
     assert f.evidence["saved_tokenizer_json_ids"][own_words][-8:] == [3, 4, 5, 6, 7, 8, 9, 10]
@@ -56,6 +57,19 @@ def test_the_same_file_loaded_as_what_it_is_stays_quiet(tmp_path):
     tok.save_pretrained(tmp_path / "saved")  # the remedy: its class is now written down, and AutoTokenizer reads it
     rules = found(sft_on_text(AutoTokenizer.from_pretrained(tmp_path / "saved"), tmp_path / "out"))
     assert NOTHING not in rules and DIFFERS not in rules
+
+
+def test_the_saved_class_is_named_when_another_class_loads_the_file_to_nothing(tmp_path):
+    pytest.importorskip("trl")
+    from transformers import PreTrainedTokenizerFast, Qwen2Tokenizer
+
+    folder = word_level_beside_qwen2(tmp_path / "tok")
+    PreTrainedTokenizerFast(tokenizer_file=folder + "/tokenizer.json", pad_token="<pad>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(tmp_path / "saved")
+    tok = Qwen2Tokenizer.from_pretrained(tmp_path / "saved")
+    f = found(sft_on_text(tok, tmp_path / "out"))[NOTHING]
+    assert f.evidence["saved_tokenizer_class"] == "TokenizersBackend"
+    assert "saved as TokenizersBackend (tokenizer_config.json) and loaded as Qwen2Tokenizer" in f.detail
 
 
 def test_a_small_vocabulary_that_does_not_know_english_is_not_called_empty(tmp_path):

@@ -82,6 +82,17 @@ def _where(tok: Any) -> str:
     return f"{type(tok).__name__} loaded from {folder}" if folder else type(tok).__name__
 
 
+def _why_this_class(tok: Any, folder: str | None, saved_class: str | None) -> str:
+    loaded = type(tok).__name__
+    if folder and saved_class is None:
+        return (f"No tokenizer_config.json in that folder names a class, so transformers chose {loaded} from the "
+                "model's config (a word-level tokenizer.json saved beside a Qwen2 config reloads as Qwen2Tokenizer).")
+    if saved_class and not same_tokenizer_class(saved_class, loaded):
+        return f"It was saved as {saved_class} (tokenizer_config.json) and loaded as {loaded}."
+    return (f"Its vocabulary or pre-tokenizer does not match {loaded} (a word-level tokenizer.json reloaded as "
+            "Qwen2Tokenizer is one way to get there).")
+
+
 @rule("tokenizer-encodes-nothing", "error")
 def tokenizer_encodes_nothing(ctx):
     """The trainer's tokenizer encodes every probe text (plain sentences and words from its own vocabulary) to no ids or to special tokens only: its class does not match its vocabulary (a word-level tokenizer.json reloaded as Qwen2Tokenizer)."""
@@ -111,9 +122,8 @@ def tokenizer_encodes_nothing(ctx):
         f"{_where(tok)} turns every probe (plain sentences and words taken from its own vocabulary) into "
         f"{'an empty list of ids' if not any(encoded.values()) else 'special or unknown tokens only'}.{saved_note} "
         "Every training row is then special tokens only: SFT logs loss 0 and grad norm 0 every step, and the "
-        "no-supervised-tokens finding, if present, has this cause. transformers chose the class from the model's "
-        "config because no tokenizer_config.json named another (a word-level tokenizer.json saved beside a Qwen2 "
-        "config reloads as Qwen2Tokenizer). Load the tokenizer as what it is: "
+        f"no-supervised-tokens finding, if present, has this cause. {_why_this_class(tok, folder, saved_class)} "
+        "Load the tokenizer as what it is: "
         "PreTrainedTokenizerFast(tokenizer_file=\".../tokenizer.json\", ...), then save it with save_pretrained so "
         "its class is written down.", evidence)
 
