@@ -162,7 +162,10 @@ def _nonfinite_weights(step: CapturedStep) -> str | None:
     params = [(n, p) for n, p in step.eager.named_parameters() if p.is_floating_point()]
     if not params:
         return None
-    finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in params]).tolist()
+    try:
+        finite = torch.stack([torch.isfinite(p.detach()).all().to(params[0][1].device) for _, p in params]).tolist()
+    except Exception:  # a tensor subclass (a sharded or quantised weight) that cannot say: judge the step as before
+        return None
     bad = [n for (n, _), ok in zip(params, finite) if not ok]
     if not bad:
         return None
