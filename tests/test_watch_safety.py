@@ -99,3 +99,29 @@ def test_a_watch_that_fails_after_the_last_forward_gives_torch_its_clip_back_at_
         opt.step()  # the detector fails in the step-end hook (not a safe point: the hooks stay)
     assert not watch.active and watch.attached and not clip_tap.tapped()
     watch.detach()
+
+
+def test_a_failure_in_a_tap_on_the_users_objects_is_the_watchs_error_not_a_stray_warning(monkeypatch):
+    """The GradScaler's update tap failing in nbguard's part: one watch-error event, the watch steps aside,
+    and the user's update still runs (the scale moves as it would unwatched). It was only warned."""
+    from nbguard.watcher.core.steps import WatchSteps
+
+    def broken(self):
+        raise RuntimeError("planted failure before the scaler's update")
+
+    monkeypatch.setattr(WatchSteps, "_before_scaler_update", broken)
+    torch.manual_seed(0)
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1)
+    watch = nbguard.watch(model, optimizer=opt, scaler=scaler, verify=False, log_to=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no stray warning either
+        for batch in batches(2):
+            opt.zero_grad()
+            scaler.scale(model(**batch).loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert [e.kind for e in watch.events] == ["watch-error"]
+    assert "planted failure" in watch.events[0].message and not watch.active
+    assert scaler.get_scale() == 2.0 ** 10  # both updates ran: growth_interval=1 doubled it twice

@@ -67,7 +67,7 @@ class WatchLifecycle(WatchSteps):
         if self._probe is not None:
             self._probe.attach()
         if self.optimizer is not None:
-            self._opt_binding = OptimizerBinding(self.optimizer, self._pre_step, self._post_step, self._zero_grad)
+            self._opt_binding = self._bind_optimizer(self.optimizer)
         if self.scaler is not None:
             self._scaler_binding = self._bind_scaler(self.scaler)
         if self.trainer is not None:
@@ -76,8 +76,8 @@ class WatchLifecycle(WatchSteps):
             self._callback = WatchCallback(self)
             self.trainer.add_callback(self._callback)
             if trainer_computes_its_loss(self.trainer):  # read before LabelsTap sets compute_loss on it
-                self._loss_tap = TrainingLossTap(self.trainer, self._take_trainer_loss)
-            self._labels_tap = LabelsTap(self.trainer)
+                self._loss_tap = TrainingLossTap(self.trainer, self._take_trainer_loss, self._context.fail)
+            self._labels_tap = LabelsTap(self.trainer, self._context.fail)
             if self._rows not in self._board.detectors:  # its attach follows the dataset indices the Trainer draws
                 self._board.add(self._rows)
             self.attached = True
@@ -260,7 +260,7 @@ class WatchLifecycle(WatchSteps):
                 if self._opt_binding is not None:
                     self._opt_binding.remove()
                 self.optimizer = inner
-                self._opt_binding = OptimizerBinding(inner, self._pre_step, self._post_step, self._zero_grad)
+                self._opt_binding = self._bind_optimizer(inner)
         scaler = trainer_scaler(self.trainer)
         if scaler is not None and (self._scaler_binding is None or self._scaler_binding.scaler is not scaler):
             if self._scaler_binding is not None:
@@ -269,4 +269,7 @@ class WatchLifecycle(WatchSteps):
             self._scaler_binding = self._bind_scaler(scaler)
 
     def _bind_scaler(self, scaler: Any) -> ScalerBinding:
-        return ScalerBinding(scaler, self._before_scaler_update, self._after_scaler_update)
+        return ScalerBinding(scaler, self._before_scaler_update, self._after_scaler_update, self._context.fail)
+
+    def _bind_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerBinding:
+        return OptimizerBinding(optimizer, self._pre_step, self._post_step, self._zero_grad, self._context.fail)

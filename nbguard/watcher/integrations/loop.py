@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..core.guard import OnError
+from ..core.guard import OnError, warn_failure
 from .instance_wrap import InstanceWrap, patch
 
 
@@ -92,7 +92,7 @@ class OptimizerBinding:
     removed on detach): clearing gradients mid-step tells the watch that an interrupted step was
     abandoned."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, pre, post, zero_grad=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, pre, post, zero_grad=None, on_error: OnError = warn_failure):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.optimizer = optimizer
@@ -103,7 +103,7 @@ class OptimizerBinding:
                 zero_grad()
                 return original(*args, **kwargs)
 
-            self._zero_grad = InstanceWrap(optimizer, "zero_grad", cleared)
+            self._zero_grad = InstanceWrap(optimizer, "zero_grad", cleared, on_error)
 
     def remove(self) -> None:
         for h in self.handles:
@@ -119,7 +119,7 @@ class ScalerBinding:
     read before it, the step's end after it. The gradients are read wherever they are then (still
     scaled, or unscaled by ``unscale_``); ``grads_scaled`` tells the read which."""
 
-    def __init__(self, scaler, before, after):
+    def __init__(self, scaler, before, after, on_error: OnError = warn_failure):
         if not callable(getattr(scaler, "update", None)) or not hasattr(scaler, "step"):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         self.scaler = scaler
@@ -130,7 +130,7 @@ class ScalerBinding:
             after()
             return result
 
-        self._update = InstanceWrap(scaler, "update", update)
+        self._update = InstanceWrap(scaler, "update", update, on_error)
 
     def grads_scaled(self, optimizer) -> bool:
         """Whether ``optimizer``'s gradients are still multiplied by the loss scale (the scaler has

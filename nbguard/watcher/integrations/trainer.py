@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from ..core.guard import OnError, warn_failure
 from .instance_wrap import InstanceWrap
 
 
@@ -22,9 +23,9 @@ class _MethodTap:
 
     method = ""
 
-    def __init__(self, trainer, around: Callable[..., Any]):
+    def __init__(self, trainer, around: Callable[..., Any], on_error: OnError = warn_failure):
         self.trainer = trainer
-        self._wrap = InstanceWrap(trainer, self.method, around)
+        self._wrap = InstanceWrap(trainer, self.method, around, on_error)
 
     def remove(self) -> None:
         self._wrap.remove()
@@ -40,7 +41,7 @@ class LabelsTap(_MethodTap):
 
     method = "compute_loss"
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, on_error: OnError = warn_failure):
         self.labels: torch.Tensor | None = None
 
         def compute_loss(original, model, inputs, *args, **kwargs):
@@ -48,7 +49,7 @@ class LabelsTap(_MethodTap):
             self.labels = labels if isinstance(labels, torch.Tensor) else None
             return original(model, inputs, *args, **kwargs)
 
-        super().__init__(trainer, compute_loss)
+        super().__init__(trainer, compute_loss, on_error)
 
     def take(self) -> torch.Tensor | None:
         """The labels of the forward about to run; each set is handed out once."""
@@ -75,14 +76,14 @@ class TrainingLossTap(_MethodTap):
 
     method = "training_step"
 
-    def __init__(self, trainer, on_loss: Callable[[torch.Tensor], None]):
+    def __init__(self, trainer, on_loss: Callable[[torch.Tensor], None], on_error: OnError = warn_failure):
         def training_step(original, model, inputs, *args, **kwargs):
             loss = original(model, inputs, *args, **kwargs)
             if isinstance(loss, torch.Tensor):
                 on_loss(loss)
             return loss
 
-        super().__init__(trainer, training_step)
+        super().__init__(trainer, training_step, on_error)
 
 
 class WatchCallback(TrainerCallback):

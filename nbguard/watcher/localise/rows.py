@@ -31,6 +31,7 @@ from ...document.outward import outward, outward_text
 from ...findings import Event
 from ...introspect.tokenizers import tokenizer_of
 from ...step.capture import MicroBatch
+from ..core.guard import OnError, warn_failure
 from ..core.pipeline import Detector
 from ..integrations.instance_wrap import InstanceWrap
 from .row_grads import row_grad_shares
@@ -115,13 +116,14 @@ class RowTracker(Detector):
     # ---- the watch's lifecycle points (a component from the first loader it follows, or a Trainer) ------
     def attach(self, context: Any) -> None:
         if context.trainer is not None:
-            self.bind_trainer(context.trainer)
+            self.bind_trainer(context.trainer, context.fail)
 
     def detach(self) -> None:
         self.unbind()
 
-    def bind_trainer(self, trainer: Any) -> None:
-        """Follow every train dataloader the Trainer builds (inside ``train()``)."""
+    def bind_trainer(self, trainer: Any, on_error: OnError = warn_failure) -> None:
+        """Follow every train dataloader the Trainer builds (inside ``train()``); a failure of nbguard's
+        part is ``on_error``'s (the watch's internal error), the loader is the user's either way."""
         self.tokenizer = tokenizer_of(trainer)
         def get_train_dataloader(original, *args, **kwargs):
             loader = original(*args, **kwargs)
@@ -131,7 +133,7 @@ class RowTracker(Detector):
                 pass
             return loader
 
-        self._tap = InstanceWrap(trainer, "get_train_dataloader", get_train_dataloader)
+        self._tap = InstanceWrap(trainer, "get_train_dataloader", get_train_dataloader, on_error)
 
     def unbind(self) -> None:
         if self._tap is not None:
