@@ -16,12 +16,11 @@ How the update is read. Three ways were weighed (measured in ``benchmarks/overhe
 
 (b) it is: cheaper than (a) in kernels and in passes over memory, and right for every optimizer. How the
 weights after the step are compared with the copy depends on their size (``GATHER_BELOW``, measured in
-``benchmarks/README.md``, "Update norms"): many small tensors (a LoRA's adapters) are gathered a second
-time and normed per group over the two flat buffers (a foreach slot per tensor would cost more than the
-bytes); large ones (a full fine-tune) are subtracted from the copy in place, tensor by tensor, and
-normed per tensor (no second gather: one pass over the weights less, which is most of the cost there).
-A run
-whose trainable weights exceed the budget (a full fine-tune of a large model), or whose weights are
+``benchmarks/README.md``, "Issue 45, CPU part"): many small tensors (a LoRA's adapters) are gathered a
+second time and normed per group over the two flat buffers (a foreach slot per tensor would cost more
+than the bytes); large ones (a full fine-tune) are subtracted from the copy in place, tensor by tensor,
+and normed per tensor (no second gather: one pass over the weights less, where passes are the cost). A
+run whose trainable weights exceed the budget (a full fine-tune of a large model), or whose weights are
 sharded (FSDP, DeepSpeed), gets no update norms and the history says why, once.
 
 The read costs no host sync of its own: the norms are taken on the device right after
@@ -67,7 +66,7 @@ if TYPE_CHECKING:
 SCALAR = "update_norms"
 # Mean elements per trainable tensor under which the weights after the step are gathered a second time
 # (one op, but a pass over every weight) rather than subtracted tensor by tensor (a foreach slot each, a few
-# us on a CPU): the two cost the same near 16k elements per tensor here (benchmarks/README.md, "Update norms")
+# us on a CPU): the two cost the same near 16k elements per tensor (benchmarks/README.md, "Issue 45, CPU part")
 GATHER_BELOW = 16384
 
 
