@@ -35,6 +35,8 @@ def test_word_level_tokenizer_reloaded_as_qwen2_is_named_with_where_it_came_from
     rules = found(trainer)
     assert "prompt-encodes-empty" not in rules  # the row check sees the appended EOS
     assert rules["no-supervised-tokens"].severity.value == "error"
+    assert rules["no-supervised-tokens"].evidence["tokenizer_class"] == "Qwen2Tokenizer"  # the finding names it
+    assert f"encoded by Qwen2Tokenizer loaded from {folder}" in rules["no-supervised-tokens"].detail
     f = rules[NOTHING]
     assert f.severity.value == "error" and DIFFERS not in rules
     assert f.evidence["tokenizer_class"] == "Qwen2Tokenizer" and f.evidence["loaded_from"] == folder

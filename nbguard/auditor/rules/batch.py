@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ...document.view import plural
+from ...introspect.tokenizers import loaded_from
 from ..registry import capped, finding, rule
 
 IGNORE_INDEX = -100
@@ -136,7 +137,14 @@ def no_supervised_tokens(ctx):
                   "row contributes nothing: an example the model never learns from (a completion-only collator that "
                   "did not find its response template, or truncation that cut the answer away, leaves exactly "
                   "this). ")
-    evidence = {"rows": capped(_row_ids(empty)), "batch_size": int(all_labels[0].shape[0]),
+    tok = ctx.tokenizer
+    if tok is not None:  # the labels come from its encoding: name it (a tokenizer encoding text to nothing is a cause)
+        folder = loaded_from(tok)
+        detail += (f"The rows were encoded by {type(tok).__name__}" + (f" loaded from {folder}" if folder else "")
+                   + "; a tokenizer that encodes text to nothing leaves only special tokens to train on. ")
+    evidence = {"tokenizer_class": type(tok).__name__ if tok is not None else None,
+                "tokenizer_loaded_from": loaded_from(tok) if tok is not None else None,
+                "rows": capped(_row_ids(empty)), "batch_size": int(all_labels[0].shape[0]),
                 "shifted": _is_causal_lm(ctx), "rows_seen": rows_seen, "empty_share": share,
                 "empty_batches": whole, "normalised_by_num_items": by_items,
                 "gradient_accumulation_steps": accumulation, "loss_can_be_nan": nan_step, **ctx.sample.to_evidence()}
