@@ -112,6 +112,7 @@ def test_tab_completes_the_notebooks_objects_of_the_right_kind(shell):
     assert "off" in _complete(shell, "%nanwatch o")
     assert set(_complete(shell, "%nbguard ")) >= {"fix", "report", "explain"}
     assert "upcast-trainable-fp32" in _complete(shell, "%nbguard fix upc")
+    assert _complete(shell, "%nbguard fix upcast-trainable-fp32 --apply --f") == ["--force"]
 
 
 def test_unload_removes_the_completers(shell):

@@ -106,5 +106,5 @@ class Completers:
 
             return fixes.available()
         if words[1] == "fix":
-            return ["--apply"]
+            return [flag for flag in ("--apply", "--force") if flag not in words[2:]]
         return []
