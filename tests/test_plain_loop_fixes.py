@@ -87,6 +87,9 @@ def test_the_recommended_cell_run_as_inserted_trains_healthy(shell):  # noqa: F8
     for fix_id in ("upcast-trainable-fp32", "switch-precision"):
         assert verdicts[fix_id].verdict == "verified", (fix_id, verdicts[fix_id].reason)
         assert "install_input_cast(model)" in verdicts[fix_id].code  # the cell that ran carries the cast
+    switch = verdicts["switch-precision"].code  # its header says what a loop without a Trainer computes in
+    assert "# Train in fp32" in switch or "the loop\n# computes in bf16 only under its torch.autocast" in switch
+    assert "# Train in bf16 instead of fp16.\n" not in switch
     card = next(c for s in view(watch.to_document()).sections if s.kind == "watch" for c in s.cards)
     fix = recommended_fix(card.fixes)
     assert fix is not None and fix.verdict.status == "verified"

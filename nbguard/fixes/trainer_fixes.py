@@ -269,9 +269,14 @@ def _switch_code(names, to=None, hardware=None, only=None, **_):
     to = _resolve_to(to, hardware)
     a, m, t = names.args, names.model, names.trainer
     mixed = "bf16" if to == "bf16" else "no"
+    plain_loop = not a and not t
+    header = f"Train in {to} instead of fp16{'/bf16' if to == 'fp32' else ''}."
+    if plain_loop and to == "bf16":  # no Trainer to set bf16=True on: without the loop's autocast it computes in fp32
+        header = ("Train in bf16 instead of fp16: trainable weights in float32, frozen ones in bfloat16; the loop\n"
+                  "# computes in bf16 only under its torch.autocast(dtype=torch.bfloat16) (see the end of this cell).")
     code = f"""import torch
 
-# Train in {to} instead of fp16{"/bf16" if to == "fp32" else ""}.
+# {header}
 """
     if a:
         code += f"""import os
@@ -320,7 +325,7 @@ for _name, _param in {m}.named_parameters():
 if {t}.optimizer is not None:
     follow_weight_dtypes({t}.optimizer)
 """
-    if not a and not t:  # a plain loop: its optimizer, and its own autocast / GradScaler lines
+    if plain_loop:  # a plain loop: its optimizer, and its own autocast / GradScaler lines
         code += loop_precision_code(names, to)
     compute = "torch.float32" if to == "fp32" else "torch.bfloat16"
     code += f"""
