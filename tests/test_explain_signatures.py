@@ -56,6 +56,15 @@ def mixed_dtype_model():
     model(**tiny_batch())
 
 
+def norms_and_head_in_float32_model():
+    """axolotl's case: the norms and the head in float32 (nine modules) on a bf16 model, outside autocast."""
+    model = tiny_llama(dtype=torch.bfloat16, num_hidden_layers=4)
+    for name, module in model.named_modules():
+        if name.endswith("norm") or name.endswith("layernorm") or name == "lm_head":
+            module.float()
+    model(**tiny_batch())
+
+
 def forced_fp32_model():
     model = tiny_llama()  # float32 everywhere
     model.model.layers[0].mlp(torch.randn(1, 4, 64, dtype=torch.bfloat16))
@@ -223,6 +232,14 @@ def test_dtype_mismatch_in_a_mixed_model_names_the_odd_module_not_a_precision_sw
     assert d.evidence["weight_dtype"] == "float32" and d.evidence["input_dtype"] == "bfloat16"
     assert d.evidence["minority_dtype_modules"] == {"float32": ["lm_head"]}
     assert "switch-precision" not in d.fixes
+
+
+def test_a_cut_list_of_odd_modules_says_how_many_more_there_are():
+    d = diagnose(raised(norms_and_head_in_float32_model))
+    assert d.evidence["cause"] == "mixed-dtypes"
+    assert d.evidence["minority_dtype_module_counts"] == {"float32": 10}  # 4 layers x 2 norms, the final norm, the head
+    assert "lm_head" in d.evidence["minority_dtype_modules"]["float32"]
+    assert "and 2 more" in d.detail  # eight named, the rest counted: the list no longer stops without a word
 
 
 def test_dtype_mismatch_in_a_forced_fp32_model():

@@ -23,7 +23,7 @@ class ModelFacts:
     model: str | None = None  # class name of the outermost module
     param_dtypes: dict[str, int] = field(default_factory=dict)  # floating, non-quantised parameters
     compute_dtypes: dict[str, int] = field(default_factory=dict)  # of bitsandbytes Linear4bit layers
-    minority: dict[str, list[str]] = field(default_factory=dict)  # dtype -> first modules holding it
+    minority: dict[str, list[str]] = field(default_factory=dict)  # dtype -> every module holding it (not the majority's)
 
 
 def _dtype(value: Any) -> str:
@@ -73,7 +73,7 @@ def model_facts(exc: BaseException) -> ModelFacts | None:
             if p.is_floating_point() and type(p).__name__ != "Params4bit":
                 counts[_dtype(p.dtype)] += p.numel()
                 holders.setdefault(_dtype(p.dtype), [])
-                if name not in holders[_dtype(p.dtype)] and len(holders[_dtype(p.dtype)]) < 5:
+                if name not in holders[_dtype(p.dtype)]:
                     holders[_dtype(p.dtype)].append(name or type(root).__name__)
     facts.param_dtypes = dict(counts)
     if len(counts) > 1:

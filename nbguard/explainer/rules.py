@@ -162,6 +162,15 @@ def _dtype_name(text: str) -> str:
     return {"float": "float32", "half": "float16", "bfloat16": "bfloat16", "double": "float64"}.get(text, text)
 
 
+SHOWN_MODULES = 8  # module names a detail lists before it says how many more there are
+
+
+def _first_of(names: list[str]) -> str:
+    """The first names, and how many more (a list cut short says so)."""
+    more = len(names) - SHOWN_MODULES
+    return ", ".join(names[:SHOWN_MODULES]) + (f" and {more} more" if more > 0 else "")
+
+
 def _mismatch_cause(facts: ModelFacts | None, dtypes: list[str]) -> tuple[str, str]:
     """(cause, what to do) from what the failing model really held."""
     if facts is None:
@@ -189,7 +198,7 @@ def _mismatch_cause(facts: ModelFacts | None, dtypes: list[str]) -> tuple[str, s
             "in one dtype."
         )
     if facts.minority:
-        odd = "; ".join(f"{d}: {', '.join(names)}" for d, names in facts.minority.items())
+        odd = "; ".join(f"{d}: {_first_of(names)}" for d, names in facts.minority.items())
         return "mixed-dtypes", (
             f"{facts.model} holds parameters of several dtypes ({', '.join(facts.param_dtypes)}); the fewer ones "
             f"are {odd}. {layer} met an input of another dtype. Cast the odd modules to the dtype of the rest "
@@ -222,7 +231,8 @@ def matmul_dtype_mismatch(exc: BaseException) -> Diagnosis | None:
         if facts.compute_dtypes:
             evidence["linear4bit_compute_dtypes"] = facts.compute_dtypes
         if facts.minority:
-            evidence["minority_dtype_modules"] = facts.minority
+            evidence["minority_dtype_modules"] = {d: names[:4 * SHOWN_MODULES] for d, names in facts.minority.items()}
+            evidence["minority_dtype_module_counts"] = {d: len(names) for d, names in facts.minority.items()}
     # float32 weights fed half-precision inputs: the one cast the detail asks for, as a cell
     fixes = ["cast-inputs-to-float32"] if cause == "forced-fp32" else []
     return _diagnosis("matmul-dtype-mismatch", exc, "Matrix multiply of mismatched dtypes" + seen, detail, fixes,
