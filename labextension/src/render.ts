@@ -160,8 +160,19 @@ export function renderSection(section: Section, doc: NbguardDocument, palette: P
   for (const note of section.notes) {
     body.appendChild(el('div', 'nbg-note', note));
   }
-  for (const chart of section.charts) {
-    body.appendChild(renderChart(chart, doc, palette));
+  // The first chart (a watch's gradient heatmap) in sight; the others (update norms, the series) one click
+  // away, so a watch's output stays near one screen (issue 41).
+  const [firstChart, ...moreCharts] = section.charts;
+  if (firstChart) {
+    body.appendChild(renderChart(firstChart, doc, palette));
+  }
+  if (moreCharts.length) {
+    const more = el('details', 'nbg-fold nbg-more-charts');
+    more.appendChild(el('summary', '', `${moreCharts.length} more chart${moreCharts.length > 1 ? 's' : ''}: ${moreCharts.map(c => c.alt).join('; ')}`));
+    for (const chart of moreCharts) {
+      more.appendChild(renderChart(chart, doc, palette));
+    }
+    body.appendChild(more);
   }
   return box;
 }
@@ -284,9 +295,13 @@ export function renderFix(fix: FixView, palette: Palette, context: RenderContext
   if (!fix.code) {
     return box; // no cell was recorded for this fix: nothing to insert
   }
-  // The one string this fix's cell is: shown here, shown in the confirmation, inserted.
+  // The one string this fix's cell is: shown here (a click away, as the static HTML folds it: the buttons
+  // stay in sight), shown in the confirmation, inserted.
   const cell = cellSource(fix.code);
-  box.appendChild(codeBox(cell.source));
+  const lines = cell.source.split('\n').length;
+  const folded = el('details', 'nbg-fold nbg-fold-code nbg-fix-cell');
+  folded.append(el('summary', '', `the cell (${lines} line${lines === 1 ? '' : 's'})`), codeBox(cell.source));
+  box.appendChild(folded);
   if (!cell.ok) {
     box.appendChild(
       el('div', 'nbg-note nbg-fix-refused', `This cell holds control characters (${cell.refused.join(', ')}) and cannot be inserted.`)

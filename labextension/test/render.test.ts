@@ -34,10 +34,22 @@ describe('finding cards of a real audit', () => {
     expect(cards[0].style.borderLeftColor).not.toBe('');
     findings.cards.forEach((card, i) => {
       expect(cards[i].querySelector('.nbg-card-title')!.textContent).toBe(card.title);
-      const folds = [...cards[i].querySelectorAll('details.nbg-fold')] as HTMLDetailsElement[];
+      const folds = [...cards[i].querySelectorAll('details.nbg-fold:not(.nbg-fix-cell):not(.nbg-fix-others)')] as HTMLDetailsElement[];
       expect(folds.map(f => f.querySelector('summary')!.textContent)).toEqual(card.folds.map(f => f.label));
       expect(folds.every(f => !f.open)).toBe(true);
       expect([...cards[i].querySelectorAll('.nbg-fix')].map(f => (f as HTMLElement).dataset.fix)).toEqual(card.fixes.map(f => f.id));
+      // each fix's cell a click away (issue 41: the audit drew 45-line cells open), its buttons in sight
+      for (const box of cards[i].querySelectorAll('.nbg-fix')) {
+        const fixCard = card.fixes.find(f => f.id === (box as HTMLElement).dataset.fix)!;
+        if (!fixCard.code) {
+          continue;
+        }
+        const cell = box.querySelector('details.nbg-fix-cell') as HTMLDetailsElement;
+        expect(cell.open).toBe(false);
+        expect(cell.querySelector('summary')!.textContent).toMatch(/^the cell \(\d+ lines?\)$/);
+        expect(cell.querySelector('pre.nbg-code')).not.toBeNull();
+        expect(box.querySelector(':scope > .nbg-fix-actions button.nbg-insert')).not.toBeNull();
+      }
     });
   });
 
@@ -166,6 +178,15 @@ describe('renderPayload', () => {
       const lastBad = [...panel.children].map(el => el.classList.contains('nbg-series-bad')).lastIndexOf(true);
       expect([...panel.children].indexOf(marks[0])).toBeGreaterThan(lastBad);
     });
+    // one chart in sight per section, the rest one click away (issue 41: a watch drew three screens)
+    for (const section of raw.view.sections.filter(s => s.charts.length > 1)) {
+      const box = root.querySelector(`.nbg-section[data-section="${section.kind}"]`)!;
+      const more = box.querySelector(':scope > details.nbg-more-charts') as HTMLDetailsElement;
+      expect(more.open).toBe(false);
+      expect(more.querySelector('summary')!.textContent).toContain(`${section.charts.length - 1} more chart`);
+      expect(more.querySelectorAll(':scope > *:not(summary)')).toHaveLength(section.charts.length - 1);
+    }
+    expect(raw.view.sections.some(s => s.charts.length > 1)).toBe(true);
   });
 
   it('says why a chart is empty instead of drawing an empty canvas', () => {
