@@ -29,6 +29,7 @@ CELLS = [
     "%%nanwatch model\nfor _ in range(2):\n    opt.zero_grad()\n    model(**batch).loss.backward()\n    opt.step()",
     "from nbguard.notebook.frontend import put_next_cell\ninserted = put_next_cell('model = model.float()  # the fix')\n"
     "print('inserted:', inserted)",
+    "%nbguard fix upcast-trainable-fp32",
 ]
 
 
@@ -102,6 +103,13 @@ def test_headless_cell_to_insert_is_printed_and_says_it_was_not_inserted(execute
     text = "".join(o.get("text", "") for o in executed.cells[6].outputs if o.get("output_type") == "stream")
     assert "no front end is connected" in text and "was not inserted" in text
     assert "model = model.float()  # the fix" in text and "inserted: False" in text
+
+
+def test_headless_nbguard_fix_prints_the_cell_it_could_not_insert(executed):
+    """The magic itself, not only the helper: `%nbguard fix` run by nbclient said nothing and inserted nothing."""
+    text = "".join(o.get("text", "") for o in executed.cells[7].outputs if o.get("output_type") == "stream")
+    assert "was not inserted" in text
+    assert "float32" in text.split("was not inserted", 1)[1]  # the cell's code follows the line
 
 
 def test_a_shell_with_a_front_end_gets_the_cell_as_its_next_input():

@@ -22,6 +22,7 @@ from ..document.outward import outward_text, say, warn
 from ..errors import NbguardError
 from ..session import SESSION
 from . import resolve as R
+from .frontend import put_next_cell
 from .resolve import MagicError
 from .verdicts import cell_verdict_line
 
@@ -633,7 +634,7 @@ class NbguardMagics(Magics):
             lacks = None if applied.changed else missing_part(fix, Target(**{k: v for k, v in objects.items()
                                                                             if k != "scaler"}))
             say(f"nbguard: applied {fix_id}: {changed_summary(applied.changed)}" + (f" ({lacks})" if lacks else ""))
-        self.ip.set_next_input(code, replace=False)
+        put_next_cell(code, self.ip)  # headless (nbclient): printed, saying it was not inserted
 
     def _fix_objects(self, fix, names: dict[str, str]) -> dict[str, Any]:
         """Every object the fix acts on, looked up by the notebook's names; a missing one is named."""
