@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..document.outward import say
+
 
 def front_end_connected(shell: Any = None) -> bool:
     """False only when the running cell's request says no one can answer it (nbclient); True otherwise,
@@ -47,6 +49,6 @@ def put_next_cell(code: str, shell: Any = None) -> bool:
     if shell is not None and front_end_connected(shell):
         shell.set_next_input(code, replace=False)
         return True
-    print(NOT_INSERTED)
-    print(code.rstrip("\n"))
+    say(NOT_INSERTED)
+    say(code.rstrip("\n"))
     return False

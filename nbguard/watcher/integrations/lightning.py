@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ...document.outward import warn
+from ...document.outward import outward_text, warn
 
 _PACKAGES = ("lightning.pytorch", "pytorch_lightning")  # Lightning 2's unified package, then the standalone one
 
@@ -124,7 +124,7 @@ class LightningWatchHooks:
             self.watch.detach()
 
     def __repr__(self) -> str:
-        return f"<nbguard Lightning callback: {'watching' if self.watch is not None else 'not attached'}>"
+        return outward_text(f"<nbguard Lightning callback: {'watching' if self.watch is not None else 'not attached'}>")
 
 
 def scheduler_of(trainer: Any, optimizer: Any) -> Any:

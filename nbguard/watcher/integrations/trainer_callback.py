@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ...document.outward import warn
+from ...document.outward import outward_text, warn
 
 
 def calling_trainer(callback: Any, state: Any) -> Any:
@@ -65,4 +65,4 @@ class AttachOnInit(TrainerCallback):
 
     def __repr__(self) -> str:
         watched = type(self.watch.trainer).__name__ if self.watch is not None else "no Trainer yet"
-        return f"<nbguard callback: {watched}>"
+        return outward_text(f"<nbguard callback: {watched}>")
