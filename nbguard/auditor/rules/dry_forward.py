@@ -42,6 +42,8 @@ def dry_forward(model: Any, batch: dict[str, torch.Tensor], trainer: Any = None)
             return model(**{k: v.to(device) for k, v in batch.items()}), None
         # a missing input raises ValueError/TypeError/KeyError in modelling code; parameters of two dtypes meeting
         # in one matmul (float32 modules in a float16 model, no autocast), RuntimeError: train() raises the same
+        except torch.cuda.OutOfMemoryError:  # (torch.OutOfMemoryError from 2.5 on: the same class)
+            raise  # this one forward's memory is not the training step's: no prediction from it
         except (ValueError, TypeError, KeyError, RuntimeError) as exc:
             return None, f"{type(exc).__name__}: {exc}"
 
@@ -74,11 +76,15 @@ def forward_returns_no_loss(ctx):
             {"inputs": keys, "returned": returned, **ctx.sample.to_evidence()})
     dtypes = parameter_dtypes(ctx.named_params)
     mixed = len(dtypes) > 1 and "dtype" in error
-    cause = (f"The model's parameters are in {len(dtypes)} dtypes ({describe_dtypes(dtypes)}) and this forward runs "
-             "without an autocast that would reconcile them: load the model in one dtype (torch_dtype=...), or let the "
-             "Trainer's bf16=True/fp16=True autocast the forward where the hardware has it." if mixed else
-             "A processor or collator that drops an input the model needs in training (token_type_ids, "
-             "pixel_values, mm_token_type_ids) or remove_unused_columns removing it are the usual causes.")
+    if mixed:
+        cause = (f"The model's parameters are in {len(dtypes)} dtypes ({describe_dtypes(dtypes)}) and this forward runs "
+                 "without an autocast that would reconcile them: load the model in one dtype (torch_dtype=...), or let "
+                 "the Trainer's bf16=True/fp16=True autocast the forward where the hardware has it.")
+    elif error.startswith("RuntimeError"):
+        cause = "The error is raised inside the model's own computation; train()'s traceback will show the module."
+    else:
+        cause = ("A processor or collator that drops an input the model needs in training (token_type_ids, "
+                 "pixel_values, mm_token_type_ids) or remove_unused_columns removing it are the usual causes.")
     return finding(
         "forward-returns-no-loss", "the model's forward fails on the trainer's batches",
         f"A forward of the first sampled batch (inputs: {', '.join(keys)}) as the Trainer runs it raised {error}. "
