@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -124,8 +125,9 @@ def test_the_counter_sees_every_kind_of_host_read():
     assert reads.sites == Counter({f"{here}:{line}": 7, f"{here}:{line + 1}": 1})
 
 
-def _plain_loop(steps: int) -> tuple[list[Counter[str]], nbguard.watcher.NanWatch]:
-    """A plain loop every default on (clip, AdamW, a GradScaler-free fp32 step); the reads of each step."""
+def _plain_loop(steps: int, loop: str = "model's loss") -> tuple[list[Counter[str]], nbguard.watcher.NanWatch]:
+    """A plain loop every default on (clip, AdamW, a GradScaler-free fp32 step); the reads of each step. ``loop``:
+    the model's own loss, a loss computed after the model (read at backward's root), or a step(closure)."""
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     watch = nbguard.watch(model, optimizer=opt)
@@ -133,19 +135,33 @@ def _plain_loop(steps: int) -> tuple[list[Counter[str]], nbguard.watcher.NanWatc
     with counting_host_reads() as reads:
         for step in range(steps):
             snapshots.append(reads.snapshot())
-            loss = model(**tiny_batch(seed=step)).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            batch = tiny_batch(seed=step)
+
+            def forward_backward(batch=batch):
+                if loop == "model's loss":
+                    loss = model(**batch).loss
+                else:
+                    logits = model(input_ids=batch["input_ids"]).logits
+                    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                return loss
+
+            if loop == "step(closure)":
+                opt.step(forward_backward)
+            else:
+                forward_backward()
+                opt.step()
             opt.zero_grad(set_to_none=True)
         snapshots.append(reads.snapshot())
     watch.detach()
     return _per_step(snapshots), watch
 
 
-def test_a_healthy_plain_loop_step_costs_one_host_read_of_nbguards():
+@pytest.mark.parametrize("loop", ["model's loss", "loss after the model", "step(closure)"])
+def test_a_healthy_plain_loop_step_costs_one_host_read_of_nbguards(loop):
     steps = 12  # past the first steps' one-time work, and over a weight fingerprint (every 10th step)
-    per_step, watch = _plain_loop(steps)
+    per_step, watch = _plain_loop(steps, loop)
     assert watch.events == [] and watch.step == steps
     assert [sum(c.values()) for c in per_step] == [1] * steps, per_step
     (site,) = set().union(*per_step)  # every step's one read is the same one: the sentinel's
