@@ -50,6 +50,7 @@ from typing import Any
 
 from ...document.model import register_event_kind
 from ...findings import Event
+from ...introspect.weight_sync import describe, weight_sync_frames
 from ..core.context import WatchContext
 from ..core.pipeline import StepView, WatchComponent
 from ..core.registry import ComponentSetup, register_component
@@ -59,7 +60,7 @@ SLOW = "slow-steps"
 register_event_kind(STALL, "no optimizer step completed within the bound learned from the run's own step times "
                            "(every thread's Python stack at that moment)",
                     ("after_step", "waited_s", "bound_s", "waiting_in", "user_frame", "collective", "saving",
-                     "stacks", "resumed_at_step", "stalled_s"))
+                     "weight_sync", "stacks", "resumed_at_step", "stalled_s"))
 register_event_kind(SLOW, "optimizer steps took several times the run's median step time, several steps in a row",
                     ("first_step", "steps", "median_s", "ratio", "recent_s", "recovered_at_step"))
 
@@ -530,10 +531,20 @@ class Heartbeat:
                 f"torch.distributed.{in_collective}"
             text += (f"; it is inside {label}: a collective waits for a rank that does not "
                      f"join it (a rank that crashed, hangs, or took another branch)")
+        syncing = weight_sync_frames(training)
+        if syncing:  # named before the stacks: the one wait here with no timeout of its own (trl#6796)
+            outer, inner = describe(syncing[0]), describe(syncing[-1])
+            text += (f"; it is inside TRL's weight sync to the generation engine ({outer}"
+                     + (f", in {inner}" if inner != outer else "") + "): the trainer sends the policy's weights to "
+                     "vLLM and waits for the server to take them, with no timeout, so a vLLM server that crashed or "
+                     "hangs, or an NCCL weight-transfer group that cannot connect, leaves it here for good. Read the "
+                     "vLLM server's log; restarting the trainer re-sends every weight")
         text += ". Every thread's stack is on the event (evidence.stacks)"
         evidence: dict[str, Any] = {
             "after_step": after, "waited_s": waited, "bound_s": bound, "bound_from": how, "waiting_in": waiting_in,
             "user_frame": where(user) if user is not None else None, "collective": in_collective, "stacks": stacks}
+        if syncing:
+            evidence["weight_sync"] = [describe(f) for f in syncing]
         if clock.saving is not None:
             evidence["saving"] = clock.saving["in"]
             text += (f"; the training thread has been inside a checkpoint save ({clock.saving['in']}) for "
