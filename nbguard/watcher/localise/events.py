@@ -38,6 +38,8 @@ def event_message(kind: str, cause: str | None, origins: list, evidence: dict[st
             text += f", micro-batch {o.micro_batch}"
         if o.evidence.get("bypassed_children"):
             text += "; made inside its own forward: a fused kernel bypassed its children's hooks"
+        if o.evidence.get("fused_loss"):  # the loss read this module's weight without running it
+            text += f"; read by {o.evidence['fused_loss']} in {o.evidence.get('read_by')}, logits never materialised"
     elif cause == "not-reproducible" and evidence.get("next_steps"):
         text += f" (not reproduced by an eager replay; next: {evidence['next_steps'][0].split(':')[0]})"
     elif cause:

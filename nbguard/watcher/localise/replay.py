@@ -28,6 +28,7 @@ from ...step.capture import MicroBatch, capture_rng, restore_rng
 from ...step.eager import eager_everywhere, eager_name, unwrap_compiled
 from ...step.precision import autocast_as
 from ...step.tensors import Summary, float_tensors, iter_tensors, nonfinite_params, summarize
+from .fused_loss import fused_loss_origin
 
 
 class _Tap(torch.autograd.Function):
@@ -62,6 +63,7 @@ class _ForwardProbe:
         self.cause: str | None = None
         self.done = False
         self.children_ran: list[bool] = []  # per stack frame: did any child module run inside it?
+        self.outputs: dict[torch.nn.Module, Summary] = {}  # the finite outputs so far (a fused loss's inputs)
 
     def pre(self, module, args, kwargs):
         if self.done:
@@ -101,6 +103,7 @@ class _ForwardProbe:
         children_ran = self.children_ran.pop() if self.children_ran else True
         if self.origin is None:
             out = summarize(float_tensors(output, skip_masks=False))
+            self.outputs[module] = out
             if not out.finite:
                 bad = nonfinite_params(module)
                 self.cause = "nonfinite-parameter" if bad else out.cause
@@ -117,6 +120,9 @@ class _ForwardProbe:
                 self.origin = Origin(self.names.get(module, "?"), "forward", out.dtype, inputs.absmax,
                                      out.absmax, ", ".join(bad) if bad else out.first_bad,
                                      self.micro_batch, evidence)
+                fused = fused_loss_origin(module, output, out, self.names, self.outputs, self.micro_batch)
+                if fused is not None:  # the loss read the output embedding inside a fused kernel
+                    self.cause, self.origin = fused
         return None
 
 
