@@ -11,7 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..session import SESSION, record_diagnosis
-from . import trl_rules  # noqa: F401  (registers the TRL signatures)
+from . import (
+    liger_rules,  # noqa: F401  (registers the Triton/Liger signatures)
+    trl_rules,  # noqa: F401  (registers the TRL signatures)
+)
 from .diagnosis import Diagnosis, exception_text
 from .rules import RULES, rule
 from .warnings import WARNING_SIGNATURES, diagnose_warning, warning_signature
