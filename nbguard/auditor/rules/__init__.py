@@ -26,6 +26,7 @@ from . import (  # noqa: F401  (registers them)
     quantized_dry_pass,
     resume,
     rl,
+    rollout_memory,
     rotary,
     serving_template,
     tied,
