@@ -54,6 +54,7 @@ from ...introspect.weight_sync import describe, weight_sync_frames
 from ..core.context import WatchContext
 from ..core.pipeline import StepView, WatchComponent
 from ..core.registry import ComponentSetup, register_component
+from .compile_log import CompileLog, compile_words
 
 STALL = "stall"
 SLOW = "slow-steps"
@@ -62,7 +63,7 @@ register_event_kind(STALL, "no optimizer step completed within the bound learned
                     ("after_step", "waited_s", "bound_s", "waiting_in", "user_frame", "collective", "saving",
                      "weight_sync", "stacks", "resumed_at_step", "stalled_s"))
 register_event_kind(SLOW, "optimizer steps took several times the run's median step time, several steps in a row",
-                    ("first_step", "steps", "median_s", "ratio", "recent_s", "recovered_at_step"))
+                    ("first_step", "steps", "median_s", "ratio", "recent_s", "recovered_at_step", "cause"))
 
 DEFAULT_STALL_AFTER_S = 120.0  # the floor of the bound: a stall is never called sooner
 STALL_MEDIAN_FACTOR = 10.0  # the learned bound: this many median step times...
@@ -193,6 +194,7 @@ class StepClock(WatchComponent):
         self._median = 0.0  # the baseline's median, recomputed every MEDIAN_EVERY ordinary steps (a sort of 32)
         self._fresh = 0  # ordinary step times added since
         self.heartbeat: Heartbeat | None = None
+        self.compiles = CompileLog()  # what torch.compile did per step: names a slow-steps episode's cause
 
     # ---- the watch's lifecycle points -----------------------------------------------------------------
     def attach(self, context: WatchContext) -> None:
@@ -231,6 +233,7 @@ class StepClock(WatchComponent):
         last = self.last_end
         self.last_end = self.last_beat = now
         self.after_step = view.step
+        self.compiles.tick(view.step)
         depth = self._loop_depth
         try:
             frame: FrameType | None = sys._getframe(depth) if depth >= 0 else None
@@ -327,6 +330,10 @@ class StepClock(WatchComponent):
             f"died or num_workers=0), or another process on the same device",
             evidence={"first_step": first, "last_step": step, "steps": len(times), "median_s": median,
                       "ratio": ratio, "factor": SLOW_FACTOR, "recent_s": times})
+        compiled = self.compiles.cause(first, step)
+        if compiled is not None:
+            self.episode.evidence["cause"] = compiled
+            self.episode.message += compile_words(compiled, len(times))
         return [self.episode]
 
     # ---- what the heartbeat reads --------------------------------------------------------------------
