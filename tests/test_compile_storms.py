@@ -11,7 +11,8 @@ import torch
 import torch._dynamo
 
 import nbguard
-from nbguard.watcher.components.compile_log import CompileLog, guard_kind
+from nbguard.introspect.dynamo_guards import guard_kind
+from nbguard.watcher.components.compile_log import CompileLog
 from nbguard.watcher.components.stall import StepClock
 
 FEATURES = 8

@@ -15,15 +15,15 @@ runs uncompiled from then on) or ``compiles`` (new code compiled, e.g. an evalua
 """
 from __future__ import annotations
 
-import re
 import sys
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...introspect.dynamo_guards import REMEDIES, guard_kind, reason_line, where
+
 RECORDS = 64  # compiling steps remembered
 REASONS = 5  # reasons kept per kind on a record and on an event
-_COMPILE_ID = re.compile(r"^\s*\[?\d+/\d+\]?:\s*")  # "0/3: " before a guard failure's reason
 _LIMIT = ("recompile limit", "recompile_limit", "cache size limit", "cache_size_limit")
 
 
@@ -41,12 +41,6 @@ class Compiled:
     graph_breaks: list[str] = field(default_factory=list)  # new graph breaks' first lines
 
 
-def reason_line(reason: Any) -> str:
-    """A guard failure's reason without its compile id and user stack: ``tensor 'x' size mismatch at index 0...``."""
-    text = str(reason).split("\nUser stack trace:")[0]
-    return " ".join(_COMPILE_ID.sub("", text).split("#")[0].split())
-
-
 def break_line(reason: Any) -> str:
     """A graph break's kind and, where dynamo gives one, its explanation (which names the call that broke it)."""
     lines = [line.strip() for line in str(reason).strip().splitlines() if line.strip()]
@@ -55,17 +49,6 @@ def break_line(reason: Any) -> str:
     explanation = next((line.removeprefix("Explanation:").strip() for line in lines[1:]
                         if line.startswith("Explanation:")), None)
     return f"{lines[0]}: {explanation}" if explanation else lines[0]
-
-
-def where(code: Any) -> str:
-    """The function dynamo compiled; torch's own wrapper of a compiled module says so instead of naming itself."""
-    name = getattr(code, "co_name", None)
-    if name is None:
-        return str(code)
-    path = code.co_filename.replace("\\", "/")
-    if "/torch/_dynamo/" in path or path.endswith("/torch/nn/modules/module.py"):
-        return "a module compiled with torch.compile(module)"
-    return f"{name} ({code.co_filename}:{code.co_firstlineno})"
 
 
 class CompileLog:
@@ -171,31 +154,6 @@ def unique(lines: Any) -> list[str]:
         if line not in out and len(out) < REASONS:
             out.append(line)
     return out
-
-
-def guard_kind(reasons: list[str]) -> str:
-    """What the failing guards check: ``shape``, ``object`` (an object's identity), ``value`` (a Python number)."""
-    text = " ".join(reasons).lower()
-    if "size mismatch" in text or "stride mismatch" in text or ".size()" in text:
-        return "shape"
-    if "check_obj_id" in text or "id_match" in text or "weakref" in text:
-        return "object"
-    if re.search(r"== -?[\d.]+", text):
-        return "value"
-    return "other"
-
-
-REMEDIES = {
-    "shape": "the inputs' shapes change from step to step (a batch padded to its longest row compiles once per "
-             "length): pad to a fixed length or a few buckets (pad_to_multiple_of), or compile with dynamic=True / "
-             "torch._dynamo.mark_dynamic(tensor, dim) so one graph serves every length",
-    "object": "a guard checks an object's identity and a new object comes each step (a module, closure or "
-              "weakref created per step or per layer, the same compiled function called on each layer): create "
-              "it once outside the loop, or compile the module itself rather than a function it is passed to",
-    "value": "a Python number that changes every step (a step count, a learning rate, a length) is baked into "
-             "the graph as a constant: pass it as a tensor (torch.tensor(value)) so the graph takes it as an input",
-    "other": "run once with TORCH_LOGS=recompiles to see every guard that failed, and keep what it checks constant",
-}
 
 
 def remedy(kind: str, reasons: list[str]) -> str:
