@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 from ..session import SESSION, record_diagnosis
 from . import (
+    compile_rules,  # noqa: F401  (registers the torch.compile signatures)
     liger_rules,  # noqa: F401  (registers the Triton/Liger signatures)
     trl_rules,  # noqa: F401  (registers the TRL signatures)
 )
