@@ -13,7 +13,6 @@ import torch
 from rl_helpers import grpo_trainer
 
 import nbguard
-import nbguard.auditor.rules.rollout_memory  # noqa: F401  (registered once committed)
 from nbguard.auditor.context import AuditContext
 from nbguard.auditor.memory import GIB
 from nbguard.auditor.rules.rollout_memory import rollout_oom
