@@ -11,6 +11,7 @@ from . import (  # noqa: F401  (registers them)
     dry_forward,
     embeddings,
     export,
+    fsdp_quant_storage,
     known_bugs,
     labels,
     loading,
