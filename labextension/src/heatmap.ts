@@ -261,9 +261,12 @@ export const LABEL_FONT_PX = 11;
 const CHAR_PX = 6.4;
 const TICK_FONT_PX = 10;
 const TICK_CHAR_PX = 6.2;
+/** The tallest row: the label font and a pixel, so every row keeps its label. */
+export const ROW_PX = LABEL_FONT_PX + 1;
 
 /** Sizes that follow the rows, the columns and the longest label: cells wide enough to hover, a grid
- * never wider than ~600 px nor taller than ~320 px, a label margin that holds the labels uncut. */
+ * never wider than ~600 px nor taller than ~320 px, a label margin that holds the labels uncut. A row is at
+ * most ROW_PX tall: room for its label, and a short run's map stays a third of a screen (issue 41). */
 export function layoutFor(model: HeatmapModel): HeatLayout {
   const longest = model.rows.reduce((n, row) => Math.max(n, row.label.length), 0);
   const labelWidth = Math.max(60, Math.min(360, Math.ceil(longest * CHAR_PX) + 12));
@@ -272,7 +275,7 @@ export function layoutFor(model: HeatmapModel): HeatLayout {
   const cols = Math.max(1, model.columns.length);
   const rows = Math.max(1, model.rows.length);
   const cellWidth = Math.max(2, Math.min(24, Math.floor(600 / cols)));
-  const cellHeight = Math.max(4, Math.min(18, Math.floor(320 / rows)));
+  const cellHeight = Math.max(4, Math.min(ROW_PX, Math.floor(320 / rows)));
   return {
     labelWidth,
     markerHeight,

@@ -101,10 +101,17 @@ export function renderView(view: View, doc: NbguardDocument, context: RenderCont
   if (view.summary) {
     root.appendChild(el('div', 'nbg-summary', view.summary));
   }
+  // Each picture once (issue 41): the story's chart is its watch's own, drawn in the watch's section (where
+  // its hover and the browser tests look for it); the story keeps one line pointing there.
+  const drawnLater = new Set(view.sections.filter(s => s.kind !== 'story').flatMap(s => s.charts.map(chartKey)));
   for (const section of view.sections) {
-    root.appendChild(renderSection(section, doc, view.palette, context));
+    root.appendChild(renderSection(section, doc, view.palette, context, section.kind === 'story' ? drawnLater : undefined));
   }
   return root;
+}
+
+function chartKey(chart: Chart): string {
+  return `${chart.kind} ${JSON.stringify(chart.source)}`;
 }
 
 /** An output saved by an nbguard without views: its title, and what to do. */
@@ -120,7 +127,15 @@ export function renderWithoutView(doc: NbguardDocument): HTMLElement {
   return root;
 }
 
-export function renderSection(section: Section, doc: NbguardDocument, palette: Palette, context: RenderContext): HTMLElement {
+/** A section; `drawnElsewhere` names the charts (by `chartKey`) another section of the view draws, which
+ * this one only points at. */
+export function renderSection(
+  section: Section,
+  doc: NbguardDocument,
+  palette: Palette,
+  context: RenderContext,
+  drawnElsewhere?: Set<string>
+): HTMLElement {
   if (section.kind === 'entry') {
     return el('h3', 'nbg-entry', section.title);
   }
@@ -155,14 +170,19 @@ export function renderSection(section: Section, doc: NbguardDocument, palette: P
     body.appendChild(el('div', 'nbg-cards-title', section.cards_title));
   }
   for (const card of section.cards) {
-    body.appendChild(renderCard(card, section.kind, palette, context));
+    const drawn = renderCard(card, section.kind, palette, context);
+    body.appendChild(isFixesRun(card, section.kind) ? foldedCard(card, drawn) : drawn);
   }
   for (const note of section.notes) {
     body.appendChild(el('div', 'nbg-note', note));
   }
+  const charts = section.charts.filter(chart => !drawnElsewhere?.has(chartKey(chart)));
+  for (const chart of section.charts.filter(chart => drawnElsewhere?.has(chartKey(chart)))) {
+    body.appendChild(el('div', 'nbg-note nbg-chart-below', `${chart.alt}: drawn below, in the watch`));
+  }
   // The first chart (a watch's gradient heatmap) in sight; the others (update norms, the series) one click
   // away, so a watch's output stays near one screen (issue 41).
-  const [firstChart, ...moreCharts] = section.charts;
+  const [firstChart, ...moreCharts] = charts;
   if (firstChart) {
     body.appendChild(renderChart(firstChart, doc, palette));
   }
@@ -175,6 +195,20 @@ export function renderSection(section: Section, doc: NbguardDocument, palette: P
     body.appendChild(more);
   }
   return box;
+}
+
+/** The card of the fixes a watch ran on an event's step (nbguard/document/view.py, `_event_cards`): its fixes,
+ * verdicts and proof are the event card's own, just above; what it adds (each fix's measurements) is detail. */
+function isFixesRun(card: Card, sectionKind: Section['kind']): boolean {
+  return sectionKind === 'watch' && card.tone === 'info' && card.fixes.length === 0;
+}
+
+/** A card one click away: its title in the summary line, the card itself under it. */
+function foldedCard(card: Card, drawn: HTMLElement): HTMLElement {
+  const fold = el('details', 'nbg-fold nbg-card-fold');
+  const rows = card.table?.rows.length ?? 0;
+  fold.append(el('summary', '', rows ? `${card.title}: each fix's verdict and measurements (${rows})` : card.title), drawn);
+  return fold;
 }
 
 // A fact's tone in the palette's colours: bad news in the NaN colour, as the static HTML shows it.
@@ -222,11 +256,19 @@ export function renderCard(card: Card, sectionKind: string, palette: Palette, co
   if (card.quote) {
     box.appendChild(el('code', 'nbg-quote', card.quote));
   }
+  // A watch event's title already says what and where; its origin table and evidence are detail, one click away.
+  const detail = sectionKind === 'watch' && card.tone !== 'info' && card.table ? el('details', 'nbg-fold nbg-event-detail') : box;
+  if (detail !== box) {
+    const origins = card.table!.rows.length;
+    const evidence = card.folds.length ? ' and evidence' : '';
+    detail.appendChild(el('summary', '', `where it was born: ${origins} origin${origins === 1 ? '' : 's'}${evidence}`));
+    box.appendChild(detail);
+  }
   if (card.table) {
-    box.appendChild(renderTable(card.table));
+    detail.appendChild(renderTable(card.table));
   }
   for (const fold of card.folds) {
-    box.appendChild(renderFold(fold));
+    detail.appendChild(renderFold(fold));
   }
   const [first, ...others] = shownFirst(card.fixes);
   if (first) {
