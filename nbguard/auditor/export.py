@@ -21,6 +21,7 @@ from ..introspect.inputs import is_trainer
 from ..introspect.modes import in_eval_mode
 from ..introspect.tokenizers import tokenizer_of
 from ..introspect.user_files import UserFileError, field_of, read_json_object, safetensors_header, special_kind
+from .saved_tensors import hollow_tensors
 
 PROBE_ROWS = 4
 PROBE_LEN = 24
@@ -240,7 +241,7 @@ def read_saved_adapter(path: str) -> dict[str, Any]:
     zero = [k for k in b_keys if not bool(state[k].ne(0).any())]
     return {"file": os.path.basename(file), "keys": len(state), "lora_B": len(b_keys), "zero_lora_B": zero[:10],
             "zero_lora_B_count": len(zero), "embedding_keys": sorted(k for k in state if "embed" in k or "lm_head" in k)[:10],
-            "other_keys": sorted(k for k in state if "lora_" not in k)[:20]}
+            "other_keys": sorted(k for k in state if "lora_" not in k)[:20], **hollow_tensors(state)}
 
 
 def _load_adapter_tensors(file: str) -> dict[str, torch.Tensor]:

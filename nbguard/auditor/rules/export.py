@@ -118,6 +118,11 @@ def export_adapter_no_effect(ctx):
         elif not saved.get("lora_B"):
             why = f"{saved.get('file') or 'the folder'} holds no lora_B tensor at all"
             fixes = ["resave-adapter"]
+        elif saved.get("all_zero_count") or saved.get("empty_count"):  # export-empty-tensors names them
+            why = (f"{saved.get('all_zero_count') or saved.get('empty_count')} saved tensors are all zeros or empty "
+                   f"({', '.join(saved.get('all_zero') or saved.get('empty') or [])}): an update through a lora_A of "
+                   "zeros is zero")
+            fixes = ["resave-adapter"]
         else:
             why = ("the saved tensors did not load into the adapter's layers (their names do not match the base "
                    "model's modules: a different base, or target_modules that differ)")
