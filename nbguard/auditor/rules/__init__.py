@@ -11,6 +11,7 @@ from . import (  # noqa: F401  (registers them)
     dry_forward,
     embeddings,
     export,
+    export_tensors,
     fsdp_quant_storage,
     known_bugs,
     labels,
