@@ -16,7 +16,6 @@ from test_export_check import load_base, lora, train
 
 import nbguard
 import nbguard.fixes
-import nbguard.auditor.rules.export_tensors  # noqa: F401  (registered once committed)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
