@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..integrations.trl import RewardCall, RewardTap
+from .rollout_drift import RolloutDrift
 
 LN2 = math.log(2.0)
 EXAMPLE_CHARS = 300  # an example completion in the evidence is cut to this many characters
@@ -433,6 +434,7 @@ class TRLChecks:
         sampled = self.stack in ("grpo", "rloo")  # TRL logs entropy, mean length and kl for these
         self.collapse = CollapseChecks(getattr(trainer, "args", None), self.settings) if sampled else None
         self.reference = ReferenceChecks(trainer, self.settings) if sampled else None
+        self.rollout = RolloutDrift(trainer, on_error) if self.stack == "grpo" else None  # sampled vs scored
         self.logged_flat: LoggedFlatness | None = None  # set on bind when a reward is a model the tap cannot see
         self.pending: list[Found] = []
         self.step = 0  # the watch's current optimizer step: reward calls happen inside it
@@ -440,12 +442,16 @@ class TRLChecks:
         self._tap: RewardTap | None = None
 
     def bind(self) -> None:
+        if self.rollout is not None:
+            self.rollout.bind()
         if self.rewards is not None and self._tap is None:
             self._tap = RewardTap(self.trainer, self._observe, self._on_error)
             if self._tap.wrapped < len(getattr(self.trainer, "reward_funcs", None) or []) and self.logged_flat is None:
                 self.logged_flat = LoggedFlatness(self.settings)
 
     def unbind(self) -> None:
+        if self.rollout is not None:
+            self.rollout.unbind()
         if self._tap is not None:
             self._tap.remove()
             self._tap = None
@@ -461,7 +467,7 @@ class TRLChecks:
 
     def on_log(self, step: int, logs: dict[str, Any]) -> list[Found]:
         found = self.preference.on_log(step, logs)
-        for check in (self.ratio, self.logged_flat, self.collapse, self.reference):
+        for check in (self.ratio, self.logged_flat, self.collapse, self.reference, self.rollout):
             if check is not None:
                 found += check.on_log(step, logs)
         return found
