@@ -455,6 +455,7 @@ export const DOCUMENT_SCHEMA: unknown = {
         "ratio-mismatch",
         "resume-jump",
         "rewind",
+        "rollout-logprob-mismatch",
         "scaler-skip",
         "skip-cannot-save",
         "skipped-steps",

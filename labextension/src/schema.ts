@@ -198,7 +198,7 @@ export interface Origin {
  * registers are added at run time by nbguard.document.schema.schema(), and the Lab extension
  * accepts any short lower-case name here.
  */
-export type EventKind = "completions-truncated" | "dead-run" | "divergence" | "few-supervised-tokens" | "frozen-eval-loss" | "frozen-params" | "grad-spike" | "kl-at-start" | "no-learning-signal" | "no-preference-signal" | "nonfinite-grad" | "nonfinite-loss" | "nonfinite-reward" | "policy-collapse" | "rank-token-imbalance" | "ratio-mismatch" | "resume-jump" | "rewind" | "scaler-skip" | "skip-cannot-save" | "skipped-steps" | "slow-steps" | "stall" | "trained-in-eval-mode" | "update-spike" | "watch-error";
+export type EventKind = "completions-truncated" | "dead-run" | "divergence" | "few-supervised-tokens" | "frozen-eval-loss" | "frozen-params" | "grad-spike" | "kl-at-start" | "no-learning-signal" | "no-preference-signal" | "nonfinite-grad" | "nonfinite-loss" | "nonfinite-reward" | "policy-collapse" | "rank-token-imbalance" | "ratio-mismatch" | "resume-jump" | "rewind" | "rollout-logprob-mismatch" | "scaler-skip" | "skip-cannot-save" | "skipped-steps" | "slow-steps" | "stall" | "trained-in-eval-mode" | "update-spike" | "watch-error";
 
 export interface NbEvent {
   kind: EventKind;

@@ -23,6 +23,7 @@ from . import (  # noqa: F401  (registers the fixes)
     optimizer_fixes,
     quantized_fixes,
     rl_fixes,
+    sampling_fixes,
     setup_fixes,
     trainer_fixes,
     truncation_fixes,

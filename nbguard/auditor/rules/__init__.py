@@ -29,6 +29,7 @@ from . import (  # noqa: F401  (registers them)
     resume,
     rl,
     rollout_memory,
+    rollout_sampling,
     rotary,
     serving_template,
     tied,
