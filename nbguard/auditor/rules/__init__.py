@@ -15,6 +15,7 @@ from . import (  # noqa: F401  (registers them)
     fsdp_quant_storage,
     known_bugs,
     labels,
+    liger,
     loading,
     mistral_regex,
     moe,
