@@ -13,6 +13,7 @@ from . import (  # noqa: F401  (registers them)
     export,
     export_tensors,
     fsdp_quant_storage,
+    kernels,
     known_bugs,
     labels,
     liger,
