@@ -1,0 +1,60 @@
+"""The watch localises a NaN through Liger's fused linear cross-entropy (issue 44 item 6): the fused loss
+never materialises the logits (``logits=None``) and reads ``lm_head.weight`` inside its kernel, so no hook
+sees lm_head run. An inf planted in ``lm_head.weight`` is named there, as it is without Liger, with the
+hidden states that entered the fused loss and the fused kernel that read it, not "invalid-op in <model>".
+
+Liger's kernels run for real on CPU in Triton's interpreter (TRITON_INTERPRET=1 in a child process).
+Only the fused loss is applied: Liger's RMSNorm kernel does not run in Triton 3.9's interpreter
+(InterpreterError "'float' object has no attribute 'to'"), and the fused loss is what this is about.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from liger_helpers import needs_liger, run_child
+
+if torch.cuda.is_available():
+    pytest.skip("runs Liger's kernels in Triton's CPU interpreter", allow_module_level=True)
+
+_RUN = """
+    import torch, nbguard
+    from transformers import Trainer, TrainingArguments
+    from nbguard.testing import tiny_llama, TinyDataset
+
+    def first_event(**liger):
+        model = tiny_llama()
+        with torch.no_grad():
+            model.lm_head.weight[5, 3] = float("inf")
+        args = TrainingArguments(output_dir="/tmp/nbguard-liger-watch", use_cpu=True, per_device_train_batch_size=2,
+                                 report_to=[], max_steps=1, save_strategy="no", **liger)
+        trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(rows=2))
+        watch = nbguard.watch(trainer)
+        trainer.train()
+        event = watch.events[0]
+        return {"message": event.message, "cause": event.cause, "origin": event.origins[0].to_dict(),
+                "forward": type(model.forward).__name__ + ":" + getattr(model.forward, "__module__", "")}
+
+    plain = first_event()
+    fused = first_event(use_liger_kernel=True,
+                        liger_kernel_config={"rms_norm": False, "swiglu": False, "rope": False})
+    emit({"plain": plain, "fused": fused})
+"""
+
+
+def test_an_inf_in_lm_head_read_by_liger_fused_loss_is_named_in_lm_head():
+    needs_liger()
+    result = run_child(_RUN, interpret=True)
+    plain, fused = result["plain"], result["fused"]
+    assert "liger_kernel" in fused["forward"]  # train() really applied Liger's fused-loss forward
+    # without Liger: lm_head runs as a module and its weight is named
+    assert (plain["cause"], plain["origin"]["module"], plain["origin"]["tensor"]) == (
+        "nonfinite-parameter", "lm_head", "weight")
+    # with Liger's fused loss: the same parameter, and the kernel that read it
+    origin = fused["origin"]
+    assert (fused["cause"], origin["module"], origin["tensor"]) == ("nonfinite-parameter", "lm_head", "weight")
+    assert "<model>" not in fused["message"] and "in LlamaForCausalLM.forward" in fused["message"]
+    assert "Liger's fused linear cross-entropy" in fused["message"] and "logits never materialised" in fused["message"]
+    assert origin["evidence"]["nonfinite_values"] == {"weight": 1}
+    hidden = origin["evidence"]["hidden_states"]
+    assert hidden["module"] == "model" and hidden["finite"] is True and 0 < hidden["absmax"] < 1e3
+    assert origin["input_absmax"] == hidden["absmax"]
