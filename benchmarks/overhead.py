@@ -96,6 +96,10 @@ class Variant:
             from nbguard.watcher import WatchSettings
 
             self.extra = NanWatch(model, optimizer=self.opt, settings=WatchSettings(update_norms=False)).attach()
+        elif name == READ_DEFERRED:
+            from nbguard.watcher import WatchSettings
+
+            self.extra = NanWatch(model, optimizer=self.opt, settings=WatchSettings(read="deferred")).attach()
         elif name.startswith("nbguard watch"):
             self.extra = (watch_class or NanWatch)(model, optimizer=self.opt,
                                                    activations=name.endswith("+ activations")).attach()
@@ -118,6 +122,7 @@ class Variant:
 
 
 UPDATE_NORMS_OFF = "nbguard watch, update norms off"
+READ_DEFERRED = "nbguard watch, read deferred"  # WatchSettings(read="deferred"): no host wait per step (issue 45)
 
 
 def measure(args):
@@ -134,6 +139,8 @@ def measure(args):
         names.remove("nbguard watch + activations")
     if args.update_norms_off:
         names.insert(2, UPDATE_NORMS_OFF)
+    if args.read_deferred:
+        names.insert(2, READ_DEFERRED)
     names += others  # attached last
     # every variant is a copy (the baseline too): the same kind of allocation, none favoured
     variants = [Variant(n, copy.deepcopy(base), args, others.get(n)) for n in names]
@@ -807,6 +814,8 @@ def main(argv=None):
     parser.add_argument("--skip-localise", action="store_true", help="leave out the planted-NaN localisation")
     parser.add_argument("--skip-activations", action="store_true",
                         help="leave out the watch with its activation probe")
+    parser.add_argument("--read-deferred", action="store_true",
+                        help="also this tree's watch with WatchSettings(read='deferred')")
     parser.add_argument("--update-norms-off", action="store_true",
                         help="also this tree's watch with WatchSettings(update_norms=False)")
     parser.add_argument("--launches", action="store_true",

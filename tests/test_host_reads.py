@@ -43,6 +43,7 @@ class HostReads(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.sites: Counter[str] = Counter()
+        self.landed = 0  # reads of host memory a non-blocking copy filled (see counting_host_reads)
         self._in_method = 0  # inside a wrapped tolist()/numpy(): its own copy to the host is that one read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -80,8 +81,10 @@ def _to_host(func, args, kwargs) -> bool:
 
 
 @contextmanager
-def counting_host_reads() -> Iterator[HostReads]:
-    """The dispatch mode, plus ``Tensor.tolist`` / ``Tensor.numpy`` wrapped (they dispatch nothing on CPU)."""
+def counting_host_reads(landed=lambda tensor: False) -> Iterator[HostReads]:
+    """The dispatch mode, plus ``Tensor.tolist`` / ``Tensor.numpy`` wrapped (they dispatch nothing on CPU).
+    ``landed(tensor)``: host memory a non-blocking copy filled a step earlier (read="deferred"'s mirror):
+    reading it waits for nothing, so it is counted apart, in ``reads.landed``."""
     reads = HostReads()
     originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
 
@@ -89,6 +92,9 @@ def counting_host_reads() -> Iterator[HostReads]:
         original = originals[name]
 
         def read(self, *args, **kwargs):
+            if landed(self):
+                reads.landed += 1
+                return original(self, *args, **kwargs)
             reads._charge()
             reads._in_method += 1
             try:
@@ -125,15 +131,20 @@ def test_the_counter_sees_every_kind_of_host_read():
     assert reads.sites == Counter({f"{here}:{line}": 7, f"{here}:{line + 1}": 1})
 
 
-def _plain_loop(steps: int, loop: str = "model's loss") -> tuple[list[Counter[str]], nbguard.watcher.NanWatch]:
+def _plain_loop(steps: int, loop: str = "model's loss", read: str = "host", policy: str = "warn",
+                fused: bool | None = None, landed: list[int] | None = None,
+                ) -> tuple[list[Counter[str]], nbguard.watcher.NanWatch]:
     """A plain loop every default on (clip, AdamW, a GradScaler-free fp32 step); the reads of each step. ``loop``:
-    the model's own loss, a loss computed after the model (read at backward's root), or a step(closure)."""
+    the model's own loss, a loss computed after the model (read at backward's root), or a step(closure).
+    ``read``: the watch's read mode; ``landed`` gets, per step, the reads of the deferred mode's host mirror."""
     model = tiny_llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    watch = nbguard.watch(model, optimizer=opt)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    watch = nbguard.watch(model, optimizer=opt, policy=policy, settings=nbguard.watcher.WatchSettings(read=read))
     snapshots = []
-    with counting_host_reads() as reads:
+    with counting_host_reads(landed=lambda t: watch._mirror.holds(t)) as reads:
         for step in range(steps):
+            if landed is not None:
+                landed.append(reads.landed)
             snapshots.append(reads.snapshot())
             batch = tiny_batch(seed=step)
 
@@ -154,6 +165,8 @@ def _plain_loop(steps: int, loop: str = "model's loss") -> tuple[list[Counter[st
                 opt.step()
             opt.zero_grad(set_to_none=True)
         snapshots.append(reads.snapshot())
+        if landed is not None:
+            landed.append(reads.landed)
     watch.detach()
     return _per_step(snapshots), watch
 
@@ -168,7 +181,9 @@ def test_a_healthy_plain_loop_step_costs_one_host_read_of_nbguards(loop):
     assert os.sep + os.path.join("watcher", "reads", "sentinel.py") in site, site
 
 
-def test_a_healthy_trainer_step_costs_one_host_read_of_nbguards(tmp_path):
+@pytest.mark.parametrize("read, expected", [("host", 1), ("deferred", 0)])
+def test_a_healthy_trainer_step_costs_one_host_read_of_nbguards(tmp_path, read, expected):
+    """The host mode: one read per step; read="deferred": none (the Trainer's fused AdamW skips on the device)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     steps = 12
@@ -187,17 +202,20 @@ def test_a_healthy_trainer_step_costs_one_host_read_of_nbguards(tmp_path):
                              gradient_accumulation_steps=2, use_cpu=True, report_to=[], save_strategy="no",
                              logging_steps=5, disable_tqdm=True, seed=0)
     trainer = Trainer(model=tiny_llama(), args=args, train_dataset=TinyDataset(64), callbacks=[EachStep()])
-    watch = nbguard.watch(trainer)
-    with counting_host_reads() as reads:
+    watch = nbguard.watch(trainer, policy="skip", settings=nbguard.watcher.WatchSettings(read=read))
+    with counting_host_reads(landed=lambda t: watch._mirror.holds(t)) as reads:
         reads_box.append(reads)
         trainer.train()
     watch.detach()
-    assert watch.events == [] and watch.step == steps
+    assert watch.events == [] and watch.step == steps  # (deferred: the last step judged at the end of train())
     per_step = _per_step(snapshots)
     assert len(per_step) == steps
-    assert [sum(c.values()) for c in per_step] == [1] * steps, per_step
-    (site,) = set().union(*per_step)
-    assert os.sep + os.path.join("watcher", "reads", "sentinel.py") in site, site
+    assert [sum(c.values()) for c in per_step] == [expected] * steps, per_step
+    if expected:
+        (site,) = set().union(*per_step)
+        assert os.sep + os.path.join("watcher", "reads", "sentinel.py") in site, site
+    else:
+        assert reads.landed == steps  # each step's numbers read once, from the host mirror
     # (the Trainer's own reads, its loss filter and logging, are its own: not counted above)
     assert sum(reads.sites.values()) > sum(reads.nbguard().values())
 
@@ -217,3 +235,17 @@ def test_a_second_read_in_nbguards_step_is_counted_with_its_place(monkeypatch):
     per_step, _ = _plain_loop(3)
     assert [sum(c.values()) for c in per_step] == [2] * 3, per_step
     assert all(any("update_norms.py" in site for site in c) for c in per_step)
+
+
+@pytest.mark.parametrize("policy, fused", [("warn", None), ("skip", True)], ids=["warn", "skip on the device"])
+def test_read_deferred_costs_no_host_read_per_healthy_step(policy, fused):
+    """Issue 45: the verdict stays on the device and the numbers reach the host without a wait; each step reads
+    only host memory a non-blocking copy filled a step earlier (on a GPU: pinned, after its event)."""
+    steps = 12
+    landed: list[int] = []
+    per_step, watch = _plain_loop(steps, read="deferred", policy=policy, fused=fused, landed=landed)
+    assert [sum(c.values()) for c in per_step] == [0] * steps, per_step
+    # from the second step on, each reads the step before it: one read of the mirror each
+    assert [after - before for before, after in zip(landed, landed[1:])] == [0] + [1] * (steps - 1)
+    assert watch.events == [] and watch.step == steps  # the last step was judged at detach
+    assert len(watch.history.loss) == steps

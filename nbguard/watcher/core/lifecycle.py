@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ...errors import NonFiniteError
 from ..distributed import ranks
 from ..distributed.ddp_buckets import bucket_reader, find_ddp
 from ..integrations.loop import BackwardRoots, OptimizerBinding, ScalerBinding, unwrap_optimizer
@@ -150,6 +151,11 @@ class WatchLifecycle(WatchSteps):
                 module_hooks.register_module_parameter_registration_hook(registered)]
 
     def detach(self: W) -> W:
+        self._device_skip.disarm()
+        try:
+            self.flush()  # read="deferred": the last step is judged before the components go
+        except NonFiniteError:  # the stop policy's ending, here of a loop that already ended: the event is kept
+            pass
         if self._board.context is not None:  # the components' threads end here: nothing of the watch runs on
             guarded_call(lambda exc: self._fail(exc, safe=False), self._board.detach)
         for h in self._handles:

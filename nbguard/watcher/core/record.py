@@ -103,6 +103,16 @@ class WatchRecord(ABC):
     _step_dropped: bool
     _forward_open: bool  # a training forward started and has not returned
     _accumulations_at_capture: int  # the collector's count at this step's last capture
+    # ---- read="deferred" (reads/deferred.py): a step judged a step late ---------------------------
+    _parked: Any  # ParkedStep: the step whose numbers are on their way to the host
+    _queued_micro_batches: list[MicroBatch]  # the components hear of these after the parked step is judged
+    _gathered: Any  # this step's numbers stacked on the device (sentinel.Gathered), until it is parked
+    _late_for: Any
+    _late: bool
+    _judging_late: bool
+    _replay_trusted: bool  # False: the judged step's bad update was applied (no replay on what it changed)
+    _device_skip: Any
+    _mirror: Any
 
     @abstractmethod
     def detach(self) -> Any:
@@ -118,7 +128,7 @@ class WatchRecord(ABC):
     def _emit(self, event: Event, agreed: bool = False) -> None:
         if self._ranks is not None and not agreed and event.rank is None:
             event.rank = self._ranks.rank  # this rank's own event (an agreed one names its origin rank)
-        if self._verifier is not None and self._kept_step is None:
+        if self._verifier is not None and self._kept_step is None and self._replay_trusted:
             self._verifier(self, event)  # first, so listeners see the event with its verdicts
         self.events.append(event)
         self._notify("event", event)
@@ -199,11 +209,14 @@ class WatchRecord(ABC):
         ranks the agreed event: the bad ranks localise, all get the same."""
         def make(replay: bool = True) -> Event:
             return self._localiser.event(kind, self.step, stats, self.history.groups, self._micro_batches, extra,
-                                         budget, replay=replay and self.localize)
+                                         budget, replay=replay and self.localize and self._replay_trusted)
 
         if self._ranks is None or self._verdict is None:
             event = make()
-            if kind in ("nonfinite-loss", "nonfinite-grad", "scaler-skip") and self.localize:
+            if not self._replay_trusted:
+                event.evidence["not_replayed"] = ("read a step late (read='deferred') under a policy that keeps bad "
+                                                  "updates: the update had changed the weights the replay would run on")
+            if kind in ("nonfinite-loss", "nonfinite-grad", "scaler-skip") and self.localize and self._replay_trusted:
                 guarded_call(lambda exc: event.evidence.update(rows_error=f"{type(exc).__name__}: {exc}"),
                              self._name_rows, event)
             return event

@@ -29,6 +29,7 @@ from ..distributed.rank_tokens import losses_are_rank_means, step_supervised_tok
 from ..integrations.loop import step_closure, then_after_first_call, with_closure
 from ..policy.policies import drop_update, training_stopper, update_dropper
 from ..reads.activations import host_values
+from ..reads.deferred import ParkedStep, finite_flag, unavailable
 from ..reads.sentinel import StepStats
 from .guard import watch_hook
 from .pipeline import Detector, DetectorBoard, StepView
@@ -45,6 +46,7 @@ class WatchSteps(WatchRecord):
 
     def end_training(self) -> None:
         """The loop ended: drop every reference to the unfinished step's batches."""
+        self.flush()  # a step read late is judged before the components hear the loop ended
         self._dispatch("on_train_end")  # (the update norms' last read: no next step's read will bring it)
         self._release_step()
 
@@ -101,7 +103,10 @@ class WatchSteps(WatchRecord):
         micro_batch = MicroBatch(len(self._micro_batches), args, dict(kwargs), capture_rng(), capture_autocast(),
                                  trainer_labels=trainer_labels)
         self._micro_batches.append(micro_batch)
-        self._board.on_micro_batch(micro_batch)
+        if self._parked is not None:  # the components still hold the parked step's: they hear of this one after it
+            self._queued_micro_batches.append(micro_batch)
+        else:
+            self._board.on_micro_batch(micro_batch)
 
     @watch_hook(safe=False)
     def _root_post(self, module, args, kwargs, output):
@@ -215,16 +220,108 @@ class WatchSteps(WatchRecord):
 
     @watch_hook(safe=False)
     def _check_step(self) -> None:
-        if not self._scaler_guards():
-            self._check_update(self._read())
+        if self._scaler_guards():
+            return
+        if self._reads_late():
+            self._finish_parked()  # the previous step's numbers, landed on the host meanwhile
+            self._gather_late()
+            return
+        self._check_update(self._read())
 
     @watch_hook(safe=False)
     def _post_step(self, optimizer, args, kwargs):
+        self._device_skip.disarm()
         self._optimizer_stepped = True
         self._dispatch("after_optimizer_step", self.step)
         if self._scaler_binding is None:
-            self._end_step(skipped=self._step_dropped)
+            if self._gathered is not None:
+                self._park_step()
+            else:
+                self._end_step(skipped=self._step_dropped)
         return None
+
+    # ---- statistics read a step late (WatchSettings(read="deferred"), reads/deferred.py) -------------
+    def _reads_late(self) -> bool:
+        """Whether this step's numbers go to the host a step late; where they cannot, said once."""
+        if self.settings.read != "deferred":
+            return False
+        if self._late_for is not self.optimizer:  # decided per optimizer (a Trainer builds its own in train())
+            self._late_for = self.optimizer
+            why = unavailable(policy=self.policy, optimizer=self.optimizer, across_ranks=self._ranks is not None,
+                              per_parameter=self._collector.per_parameter, scaler=self._scaler_binding is not None,
+                              activations=self._probe is not None)
+            self._late = why is None
+            if why is not None:
+                warn(f"nbguard: read='deferred' is not possible here ({why}): the watch reads each step's numbers "
+                     f"on the host before the update instead", RuntimeWarning, stacklevel=2)
+        return self._late
+
+    def _gather_late(self) -> None:
+        """This step's numbers, stacked on the device; a policy that drops bad updates arms the optimizer's
+        device skip with their finiteness; then a copy to the host that nobody waits for."""
+        losses, shares = self._step_losses()
+        gathered = self._collector.gather(losses, None, False, sum_losses=shares, extra=self._board.collect(self))
+        if gathered.vector is None:
+            return
+        self._gathered = gathered
+        if self.policy in ("skip", "stop", "rewind") and self.active:
+            self._device_skip.arm(self.optimizer, finite_flag(gathered.vector, gathered.n_checked))
+        self._mirror.start(gathered.vector)
+
+    def _park_step(self) -> None:
+        """The optimizer moved: this step waits for its numbers; the watch is free for the next one."""
+        gathered, self._gathered = self._gathered, None
+        self._parked = ParkedStep(gathered, self._micro_batches, self._losses, self._backward_roots,
+                                  self._optimizer_stepped,
+                                  skipped_on_device=self.policy in ("skip", "stop", "rewind") and self.active)
+        self._micro_batches, self._losses, self._backward_roots = [], [], []
+        self._stats = self._step_view = None
+        self._optimizer_stepped = self._step_dropped = self._forward_open = False
+        self._accumulations_at_capture = -1
+        self._collector.reset()
+
+    def flush(self) -> None:
+        """Judge the step whose numbers are still on their way (``read="deferred"``): the loop ended, or you
+        read the watch's events now. Nothing to do otherwise."""
+        if self._parked is not None:
+            self._finish_parked()
+
+    @watch_hook(safe=True)
+    def _finish_parked(self) -> None:
+        """The parked step judged as the host mode judges a step, a step late: its events, localisation (on
+        its own micro-batches), detectors, history; the policy acts on the update now pending."""
+        parked, self._parked = self._parked, None
+        if parked is None:
+            return
+        current = (self._micro_batches, self._losses, self._backward_roots, self._stats, self._step_view,
+                   self._optimizer_stepped, self._step_dropped)
+        stats = self._collector.decode(parked.gathered, self._mirror.values(), rereads=False)
+        self._micro_batches, self._losses, self._backward_roots = parked.micro_batches, parked.losses, \
+            parked.backward_roots
+        self._stats, self._step_view, self._optimizer_stepped = stats, None, parked.optimizer_stepped
+        bad = not (stats.loss_finite and stats.grads_finite)
+        self._step_dropped = bad and parked.skipped_on_device
+        # where the bad update was applied (warn), a replay would run on the weights it changed
+        self._replay_trusted = not bad or parked.skipped_on_device
+        self._judging_late = True
+        try:
+            self._check_update(stats)
+            self._end_step(skipped=self._step_dropped)
+        finally:
+            self._judging_late, self._replay_trusted = False, True
+            (self._micro_batches, self._losses, self._backward_roots, self._stats, self._step_view,
+             self._optimizer_stepped, self._step_dropped) = current
+            queued, self._queued_micro_batches = self._queued_micro_batches, []
+            for micro_batch in queued:
+                self._board.on_micro_batch(micro_batch)
+
+    def _drop_pending_update(self, event: Event | None) -> None:
+        """Judged late, the judged step's update is history (dropped on the device if it was not finite):
+        the update now pending, computed from what it left, is the one the policy drops."""
+        drop_update(self.optimizer, self.model)
+        self._device_skip.disarm()
+        if event is not None:
+            event.evidence["next_update_dropped"] = True
 
     def _before_scaler_update(self) -> None:
         """Not a watch_hook itself, for the same farewell as ``_pre_step``."""
@@ -271,18 +368,26 @@ class WatchSteps(WatchRecord):
         if self._bad_streak == 1:
             kind = "nonfinite-loss" if not stats.loss_finite else "nonfinite-grad"
             event = self._localised_event(kind, stats)
+            if self._judging_late and kind == "nonfinite-grad":
+                event.evidence["overflow_unchecked"] = (
+                    "read a step late (read='deferred'): the step's gradients are gone, so finite gradients whose "
+                    "fp32 norm overflowed (an explosion) cannot be told from non-finite ones")
             self._emit(event, agreed=True)
         else:
             event = next((e for e in reversed(self.events) if e.kind in ("nonfinite-loss", "nonfinite-grad")), None)
             if event is not None:
                 event.evidence["consecutive_bad_steps"] = self._bad_streak
-        if self.policy in ("skip", "stop", "rewind"):
+        if self.policy in ("skip", "stop", "rewind") and not self._judging_late:
             drop_update(self.optimizer, self.model)
             self._step_dropped = True
         if self.policy == "stop":
+            if self._judging_late:  # a Trainer ends after the step under way: not with its update
+                self._drop_pending_update(event)
             self._stop(event)
         if self.policy == "rewind" and self._rewinder is not None:
             self._rewinder.respond(self._context, event, self.step)
+            if self._judging_late:  # the pending update was computed on the weights the rewind replaced
+                self._drop_pending_update(event)
 
     def _before_update(self, stats: StepStats) -> None:
         """The detectors see the finite update before the optimizer applies it; one may have it dropped
@@ -292,9 +397,13 @@ class WatchSteps(WatchRecord):
                                  across_ranks=self._ranks is not None)
         if dropper is None:
             return
-        drop_update(self.optimizer, self.model)
-        self._step_dropped = True
-        dropper.evidence["update_dropped"] = True
+        if self._judging_late:  # its update was applied before the numbers reached the host
+            dropper.evidence["update_dropped"] = False
+            self._drop_pending_update(dropper)
+        else:
+            drop_update(self.optimizer, self.model)
+            self._step_dropped = True
+            dropper.evidence["update_dropped"] = True
         if self.policy == "stop":
             self._stop(dropper)
         if self.policy == "rewind" and self._rewinder is not None:
@@ -346,7 +455,10 @@ class WatchSteps(WatchRecord):
                 self._emit(uneven, agreed=True)
         stop_event = training_stopper(self.policy, found, across_ranks=self._ranks is not None)
         self.step += 1
-        self._release_step()
+        if self._judging_late:  # the next step is under way: only the judged step's per-step state goes
+            self._board.reset_step()
+        else:
+            self._release_step()
         if self._listeners:  # (the payload's dicts are built only for someone to read them)
             payload: dict[str, Any] = {"step": step, "loss": stats.loss, "total_grad_norm": total_grad_norm,
                                        "loss_scale": stats.loss_scale, "skipped": skipped,
@@ -361,7 +473,11 @@ class WatchSteps(WatchRecord):
             self._stop(stop_event, step_ended=True)
 
     def _release_step(self) -> None:
-        """Drop every reference to this step's batches and output gradients."""
+        """Drop every reference to this step's batches and output gradients (a parked step is judged first)."""
+        if getattr(self, "_parked", None) is not None:
+            self._finish_parked()
+        self._queued_micro_batches = []
+        self._gathered = None
         self._micro_batches = []
         self._losses = []
         self._backward_roots = []

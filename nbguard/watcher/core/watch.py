@@ -30,6 +30,7 @@ from ..localise.rows import RowTracker
 from ..policy.policies import check_policy
 from ..policy.rewind import Rewinder, RewindSettings
 from ..reads.activations import FP16_LIMIT, ActivationProbe
+from ..reads.deferred import DeviceSkip, HostMirror
 from ..reads.history import ActivationHistory, GradHistory
 from ..reads.sentinel import GradNormCollector
 from .config import WatchConfig, config_from_keywords
@@ -165,6 +166,17 @@ class NanWatch(WatchLifecycle, Displayable):
         self._micro_batches = []
         self._losses = []
         self._backward_roots = []
+        # read="deferred" (reads/deferred.py): the step whose numbers are on their way, the micro-batches the
+        # components hear of after it, this step's gathered numbers, and the device skip and host buffer
+        self._parked = None
+        self._queued_micro_batches = []
+        self._gathered = None
+        self._late_for: Any = ()  # the optimizer the mode was decided for (none yet)
+        self._late = False
+        self._judging_late = False
+        self._replay_trusted = True
+        self._device_skip = DeviceSkip()
+        self._mirror = HostMirror()
         self._backward_binding = None  # BackwardRoots while attached
         self._stats = None
         # policy rewind (rewind.py): snapshots every few steps, restored on trouble; it says at once

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -20,6 +21,15 @@ class WatchSettings:
     # each step, left out (the history says why) where they take more than this many MiB
     update_norms: bool = True
     update_norm_budget_mb: float = 512.0  # two copies: a LoRA r=16 on every linear of a 7B (40M fp32 weights) fits
+    # "host": the step's numbers are read before the optimizer moves (one host wait per step); "deferred":
+    # the verdict stays on the device, the numbers are read a step late (reads/deferred.py). The environment's
+    # NBGUARD_READ sets it for watches a framework creates (and runs the suite in either mode)
+    read: str = field(default_factory=lambda: os.environ.get("NBGUARD_READ", "host"))
+
+    def __post_init__(self) -> None:
+        if self.read not in ("host", "deferred"):
+            raise ValueError(f"WatchSettings(read={self.read!r}): use 'host' (the default: the step is judged before "
+                             f"the update) or 'deferred' (no host wait; judged a step late)")
 
 
 class SkipStreak:

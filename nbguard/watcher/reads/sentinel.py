@@ -89,6 +89,30 @@ class StepStats:
         return self.loss is None or math.isfinite(self.loss)
 
 
+@dataclass
+class Gathered:
+    """One step's numbers stacked on the device (``GradNormCollector.gather``), and how to split them."""
+
+    vector: torch.Tensor | None  # every value, fp32, on the device; None: nothing to read
+    n_norms: int
+    host_grouped: bool  # per-tensor norms, summed per group on the host (each tensor's group: taken_index)
+    taken_index: list[Sequence[int]]
+    has_loss: bool
+    has_scale: bool
+    has_found_inf: bool
+    has_activations: bool
+    n_acts: int
+    with_fingerprint: bool
+    n_extra: int
+    n_exchanged: int
+    norms_scaled: bool
+
+    @property
+    def n_checked(self) -> int:
+        """How many leading values decide whether the update is finite: the norms and the loss."""
+        return self.n_norms + int(self.has_loss)
+
+
 class GradNormCollector:
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], on_error: Callable[[BaseException], None],
                  grads_scaled: Callable[[], bool] = lambda: False):
@@ -357,11 +381,12 @@ class GradNormCollector:
         zero = torch.zeros((), device=self.device())
         return self._per_group([n if n is not None else zero for n in self._norms], square=True).sqrt()
 
-    def _host_group_norms(self, values: list[float]) -> list[float]:
-        """The fused read's per-tensor norms (``values``, in ``_taken``'s order) summed per group on the host."""
+    def _host_group_norms(self, values: list[float], taken_index: list[Sequence[int]]) -> list[float]:
+        """The fused read's per-tensor norms (``values``, in the order they were taken, each tensor's group
+        in ``taken_index``) summed per group on the host."""
         squares = [0.0] * (len(self.groups) + 1)  # the last slot: norms of the clip's that are not ours
         at = 0
-        for _, index in self._taken or ():  # none: no gradient this step (or paused): zeros, as the hooks gave
+        for index in taken_index:  # none: no gradient this step (or paused): zeros, as the hooks gave
             for group, value in zip(index, values[at:at + len(index)]):
                 squares[group] += value * value
             at += len(index)
@@ -378,18 +403,33 @@ class GradNormCollector:
         ``exchange(norms, loss)`` (multi-rank runs) returns the step's all-reduced flags; they are
         appended last and read in the same ``tolist()``.
         """
+        gathered = self.gather(losses, scale, with_fingerprint, sum_losses, found_inf, activations, extra, exchange)
+        # the one host sync of the step (none: nothing to read)
+        values = gathered.vector.tolist() if gathered.vector is not None else []
+        return self.decode(gathered, values)
+
+    def gather(self, losses: list[torch.Tensor], scale: torch.Tensor | None, with_fingerprint: bool,
+               sum_losses: bool = False, found_inf: torch.Tensor | None = None,
+               activations: Callable[[torch.device], torch.Tensor] | None = None,
+               extra: list[torch.Tensor] | None = None,
+               exchange: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None) -> Gathered:
+        """Everything this step produced, stacked into one fp32 tensor on the device (no host read): the
+        norms first, then the loss, the scale, the GradScaler's flag, activations, fingerprint, detectors'
+        scalars and the exchange. ``decode`` turns its values into the step's numbers."""
         # Across ranks the norms are each rank's own, taken before the all-reduce: per parameter, or
         # from DDP's buckets (the watch sets one of them wherever it exchanges)
         host_grouped = not self.per_parameter
         if host_grouped and exchange is not None and not self.bucketed:
             raise ValueError("an exchange across ranks needs this rank's own gradients: the per-parameter "
                              "hooks or DDP's communication hook")
+        taken_index: list[Sequence[int]] = []
         if host_grouped:  # the fused read: per-tensor norms, summed per group on the host after the read
             self.take()
             taken = self._taken or []
             device = taken[0][0].device if taken else self.device()
             parts = [norms if norms.device == device else norms.to(device) for norms, _ in taken]
-            n_norms = sum(len(index) for _, index in taken)
+            taken_index = [index for _, index in taken]
+            n_norms = sum(len(index) for index in taken_index)
         else:
             parts = [self._group_norms()]
             device = parts[0].device
@@ -401,12 +441,11 @@ class GradNormCollector:
             else:
                 stacked = torch.stack([loss.detach().float().to(device) for loss in losses])
                 parts.append((stacked.sum() if sum_losses else stacked.mean()).reshape(1))
-        n_exchanged = 0
+        shared = None
         if exchange is not None:
             own = parts[0] if n_norm_parts == 1 else (
                 torch.cat(parts[:n_norm_parts]) if n_norm_parts else torch.zeros(0, device=device))
             shared = exchange(own, parts[n_norm_parts] if losses else None)
-            n_exchanged = shared.numel()
         if scale is not None:
             parts.append(_flat(scale, device))
         if found_inf is not None:
@@ -423,31 +462,40 @@ class GradNormCollector:
             flat = _flat(tensor, device)
             n_extra += flat.numel()
             parts.append(flat)
-        if n_exchanged:
+        if shared is not None and shared.numel():
             parts.append(shared)
-        values = torch.cat(parts).tolist() if parts else []  # the one host sync of the step (none: nothing to read)
+        return Gathered(torch.cat(parts) if parts else None, n_norms, host_grouped, taken_index, bool(losses),
+                        scale is not None, found_inf is not None, activations is not None, n_acts, with_fingerprint,
+                        n_extra, shared.numel() if shared is not None else 0, self.norms_scaled)
+
+    def decode(self, gathered: Gathered, values: list[float], rereads: bool = True) -> StepStats:
+        """The step's numbers from the values of ``gathered.vector``. ``rereads``: on a step whose norm is
+        not finite, read the gradients again to tell an overflowed norm from a non-finite gradient
+        (``norm_overflow``): only while they are still this step's (not where the read came a step late)."""
+        g = gathered
+        n_exchanged = g.n_exchanged
         exchanged = values[len(values) - n_exchanged:] if n_exchanged else None
         values = values[:len(values) - n_exchanged]
-        extra_values = values[len(values) - n_extra:] if n_extra else None
-        values = values[:len(values) - n_extra]
-        norms, rest = values[:n_norms], values[n_norms:]
-        if host_grouped:
-            norms = self._host_group_norms(norms)
-        loss = rest.pop(0) if losses else None
-        loss_scale = rest.pop(0) if scale is not None else None
-        inf_flags = rest.pop(0) if found_inf is not None else None
+        extra_values = values[len(values) - g.n_extra:] if g.n_extra else None
+        values = values[:len(values) - g.n_extra]
+        norms, rest = values[:g.n_norms], values[g.n_norms:]
+        if g.host_grouped:
+            norms = self._host_group_norms(norms, g.taken_index)
+        loss = rest.pop(0) if g.has_loss else None
+        loss_scale = rest.pop(0) if g.has_scale else None
+        inf_flags = rest.pop(0) if g.has_found_inf else None
         overflow = None
         # rare: more reads, on this step only; not where the loss is already non-finite or the GradScaler
         # found an inf, nor on DDP's reduced gradients (no longer the ones the norms were taken of)
-        if host_grouped and not self.bucketed and not inf_flags and (loss is None or math.isfinite(loss)) \
-                and not all_finite(norms):
+        if rereads and g.host_grouped and not self.bucketed and not inf_flags \
+                and (loss is None or math.isfinite(loss)) and not all_finite(norms):
             norms, overflow = self.norm_overflow(norms)
-        acts_values, rest = (rest[:n_acts], rest[n_acts:]) if activations is not None else (None, rest)
-        if loss_scale and self.norms_scaled:
+        acts_values, rest = (rest[:g.n_acts], rest[g.n_acts:]) if g.has_activations else (None, rest)
+        if loss_scale and g.norms_scaled:
             norms = [v / loss_scale for v in norms]  # activations are forward values: never scaled
             if overflow is not None and overflow["max_abs_grad"] is not None:
                 overflow["max_abs_grad"] /= loss_scale
-        return StepStats(norms, loss, loss_scale, rest if with_fingerprint else None, inf_flags, acts_values,
+        return StepStats(norms, loss, loss_scale, rest if g.with_fingerprint else None, inf_flags, acts_values,
                          extra_values, exchanged, overflow)
 
     def norm_overflow(self, norms: list[float]) -> tuple[list[float], dict | None]:

@@ -1,0 +1,135 @@
+"""``WatchSettings(read="deferred")`` (issue 45): the verdict stays on the device, a non-finite update is
+skipped by the fused optimizer's own ``found_inf``, and the numbers are judged a step late. Every claim
+is checked against the host-read watch and an unwatched twin of the same seed."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import nbguard
+from nbguard.watcher import WatchSettings
+
+
+class Dome(torch.nn.Module):
+    """About the identity for |h| well below 1e6; NaN beyond it: a fault the data sets off at one step,
+    in one module, that a replay of that step's batch sets off again."""
+
+    def forward(self, h):
+        return h + (torch.sqrt(1e12 - h * h) - 1e6)
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.dome = Dome()
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.dome(self.a(x))))
+
+
+def _train(*, read: str | None, policy: str = "warn", fused: bool = True, plant_at: int | None = None,
+           spike_at: int | None = None, steps: int = 8, keep: list | None = None):
+    """A loop whose loss is computed after the model; ``read`` None: unwatched. At ``plant_at`` the data is
+    scaled 1e7 (``dome`` turns it NaN); at ``spike_at`` 1e4 (finite: an explosion). ``keep`` gets the model (a run that raises)."""
+    torch.manual_seed(0)
+    model = TwoLayers()
+    if keep is not None:
+        keep.append(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=fused)
+    watch = None
+    if read is not None:
+        watch = nbguard.watch(model, optimizer=opt, policy=policy, log_to=None, verify=False,
+                              settings=WatchSettings(read=read))
+    data = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x, y = torch.randn(4, 8, generator=data), torch.randn(4, 4, generator=data)
+        if spike_at == step:
+            x = x * 1e4
+        if plant_at == step:
+            x = x * 1e7
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return model, watch
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("policy", ["warn", "skip"])
+def test_a_healthy_run_is_bit_identical_quiet_and_has_every_step(policy):
+    twin, _ = _train(read=None)
+    host_model, host = _train(read="host", policy=policy)
+    model, watch = _train(read="deferred", policy=policy)
+    assert _same(model, twin) and _same(host_model, twin)
+    watch.detach()
+    host.detach()
+    assert watch.events == [] and watch.step == 8
+    assert watch.history.loss == host.history.loss  # the same numbers, a step later
+    assert watch.history.total_grad_norm == host.history.total_grad_norm
+
+
+def test_skip_drops_the_nonfinite_update_on_the_device_and_localises_it_at_its_step():
+    host_model, host = _train(read="host", policy="skip", plant_at=3)
+    model, watch = _train(read="deferred", policy="skip", plant_at=3)
+    watch.detach()
+    host.detach()
+    # the fused AdamW skipped step 3 on the device: weights, moments and step counts as the host mode left them
+    assert _same(model, host_model)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    (event,) = [e for e in watch.events if e.kind.startswith("nonfinite")]
+    (expected,) = [e for e in host.events if e.kind.startswith("nonfinite")]
+    assert (event.kind, event.step, event.origins[0].module) == \
+        (expected.kind, expected.step, expected.origins[0].module) == ("nonfinite-loss", 3, "dome")
+    assert watch.history.skipped_steps == host.history.skipped_steps == [3]
+
+
+def test_stop_ends_the_loop_a_step_late_with_the_weights_of_before_the_bad_step():
+    before_bad, _ = _train(read=None, steps=3)  # the weights steps 0-2 left
+    kept: list = []
+    with pytest.raises(nbguard.NonFiniteError, match="step 3"):
+        _train(read="deferred", policy="stop", plant_at=3, keep=kept)
+    # step 3's update was skipped on the device; the stop came at step 4's boundary, before its update
+    assert _same(kept[0], before_bad)
+
+
+def test_warn_reports_the_step_late_and_says_why_it_did_not_replay():
+    _, watch = _train(read="deferred", policy="warn", plant_at=3)
+    watch.detach()
+    event = next(e for e in watch.events if e.kind.startswith("nonfinite"))
+    assert event.step == 3 and event.kind == "nonfinite-loss"
+    assert "read a step late" in event.evidence["not_replayed"]
+
+
+def test_a_divergence_found_a_step_late_is_at_its_step_and_drops_the_update_then_pending():
+    """A finite update a detector drops under skip was applied before its numbers reached the host: the
+    event says so, and the next update (computed from what it left) is the one dropped."""
+    _, host = _train(read="host", policy="skip", spike_at=8, steps=12)
+    _, watch = _train(read="deferred", policy="skip", spike_at=8, steps=12)
+    host.detach()
+    watch.detach()
+    assert [(e.kind, e.step) for e in watch.events] == [(e.kind, e.step) for e in host.events] == [("divergence", 8)]
+    assert host.events[0].evidence["update_dropped"] is True
+    assert watch.events[0].evidence["update_dropped"] is False and watch.events[0].evidence["next_update_dropped"]
+    assert watch.history.skipped_steps == []  # (the dropped next update is not a skipped step: its gradients went)
+
+
+def test_a_policy_that_drops_updates_without_a_device_skip_reads_on_the_host_and_says_so():
+    twin, host = _train(read="host", policy="skip", fused=False, plant_at=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, watch = _train(read="deferred", policy="skip", fused=False, plant_at=3)
+    said = [str(w.message) for w in caught if "read='deferred' is not possible" in str(w.message)]
+    assert len(said) == 1 and "AdamW has no device-side skip" in said[0]
+    assert _same(model, twin)
+    assert [(e.kind, e.step) for e in watch.events] == [(e.kind, e.step) for e in host.events]
+
+
+def test_bad_read_mode_is_a_clear_error():
+    with pytest.raises(ValueError, match="read='late'.*'host'.*'deferred'"):
+        WatchSettings(read="late")
