@@ -40,6 +40,12 @@ def first_step(windows: list[int]) -> torch.Tensor:
 
 
 def test_the_recompile_limit_at_step_0_is_explained_and_the_limit_it_names_clears_it():
+    # another compiled function recompiled more often earlier in this process: the diagnosis still names the
+    # function that hit the limit (the code dynamo was compiling when it raised)
+    other = torch.compile(lambda x: x.sin().sum(), backend="eager", dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=False):
+        for rows in range(1, 7):
+            other(torch.randn(rows))
     with pytest.raises(Exception) as raised:
         first_step(list(range(1, LAYERS + 1)))
     assert type(raised.value).__name__ == "FailOnRecompileLimitHit"

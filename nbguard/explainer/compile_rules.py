@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import re
 import sys
+from types import CodeType
 
-from ..introspect.dynamo_guards import REMEDIES, guard_kind, most_recompiled, reason_line
+from ..introspect.dynamo_guards import REMEDIES, guard_kind, reason_line, recompiled
 from .match import normalised
 from .rules import _diagnosis, rule
 
@@ -22,6 +23,26 @@ _LIMIT_VALUE = re.compile(r"\(currently set to (\d+)\)|hit config\.\w+ \((\d+)\)
 _LIMIT_TYPE = re.compile(r"limit type: (\w+)")
 _RECOMPILE_ERROR = re.compile(r"recompiling function (\w+) in (\S+) triggered by the following guard failure")
 SUGGESTED_LIMIT = 64  # room for one graph per layer of a usual model, or a handful of shape buckets
+
+
+def _code_compiled(exc: BaseException):
+    """The code object dynamo was compiling when it raised: ``_compile``'s ``code`` in convert_frame.py, on the
+    traceback of ``exc`` or of the errors it was raised from (FailOnRecompileLimitHit is raised from dynamo's
+    Unsupported). Only the code object is kept, never a frame."""
+    link: BaseException | None = exc
+    for _ in range(4):
+        if link is None:
+            return None
+        tb = link.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            if frame.f_code.co_filename.replace("\\", "/").endswith("/torch/_dynamo/convert_frame.py"):
+                code = frame.f_locals.get("code")
+                if isinstance(code, CodeType):
+                    return code
+            tb = tb.tb_next
+        link = link.__cause__ or link.__context__
+    return None
 
 
 def _configured_limit() -> int | None:
@@ -46,7 +67,7 @@ def recompile_limit(exc):
     limit = int(value.group(1) or value.group(2)) if value else _configured_limit()
     typed = _LIMIT_TYPE.search(text)
     limit_type = typed.group(1) if typed else "recompile_limit"
-    seen = most_recompiled()
+    seen = recompiled(_code_compiled(exc))
     function, failures, reasons = seen if seen is not None else (None, 0, [])
     if error and not reasons:
         reasons = [reason_line(line) for line in str(exc).splitlines()[1:] if line.strip()][:5]

@@ -56,14 +56,18 @@ REMEDIES = {
 }
 
 
-def most_recompiled() -> tuple[str, int, list[str]] | None:
-    """The function dynamo compiled again most often in this process, how many guard failures sent it back,
-    and its latest distinct reasons (newest first); None where dynamo is not loaded or nothing recompiled."""
+def recompiled(code: Any = None) -> tuple[str, int, list[str]] | None:
+    """A function dynamo compiled again (``code``; else the one compiled again most often in this process), how
+    many guard failures sent it back, and its latest distinct reasons (newest first); None where dynamo is not
+    loaded or nothing recompiled."""
     utils = sys.modules.get("torch._dynamo.utils")
     failures = getattr(utils, "guard_failures", None)
     if not failures:
         return None
-    code, reasons = max(list(failures.items()), key=lambda item: len(item[1]))
+    if code is not None and failures.get(code):
+        reasons = failures[code]
+    else:
+        code, reasons = max(list(failures.items()), key=lambda item: len(item[1]))
     lines: list[str] = []
     for reason in reversed(reasons):
         line = reason_line(reason)
