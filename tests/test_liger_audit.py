@@ -116,3 +116,18 @@ def test_fused_loss_with_reduction_none_is_warned_about_in_releases_before_the_f
     assert "Liger-Kernel#968" in found.detail and "0.8.2" in found.detail
     # the healthy twin: a mean-reduced fused loss
     assert "liger-fused-loss-reduction-none" not in nbguard.audit(trainer=_trainer_with_fused_loss("mean")).rules
+
+
+def test_trl_sft_config_asking_for_liger_is_predicted():
+    """TRL's SFTTrainer keeps Liger's layer kernels (it turns only the fused loss off): the same crash."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from nbguard.testing import word_tokenizer
+
+    args = SFTConfig(output_dir="/tmp/nbguard-liger-sft", use_liger_kernel=True, use_cpu=True, report_to="none",
+                     max_steps=1, max_length=16, save_strategy="no")
+    trainer = SFTTrainer(model=tiny_llama(), args=args, processing_class=word_tokenizer(),
+                         train_dataset=Dataset.from_list([{"text": "w3 w4 w5 w6"}] * 4))
+    found = nbguard.audit(trainer=trainer).finding(NO_DRIVER)
+    assert found is not None and "SFTConfig(use_liger_kernel=True)" in found.detail
