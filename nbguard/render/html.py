@@ -180,16 +180,22 @@ def _fixes_html(fixes: list, shown: set[tuple[str, str]] | None = None) -> str:
     return first + _details(label, "".join(_fix_html(fix, shown) for fix in others))
 
 
-def card_html(card: Card, shown: set[tuple[str, str]] | None = None) -> str:
+def card_html(card: Card, shown: set[tuple[str, str]] | None = None, *, detail_folded: bool = False) -> str:
+    """A card; ``detail_folded``: its table and folds under one fold (a watch event, whose title says what and
+    where), as the Lab draws it."""
     badge = f'<span class="nbg-sev">{esc(card.badge)}</span> ' if card.badge else ""
     tag = f' <code class="nbg-meta">{esc(card.tag)}</code>' if card.tag else ""
     body = [f"<p>{badge}<strong>{esc(card.title)}</strong>{tag}</p>"]
     body.extend(f"<p>{esc(line)}</p>" for line in card.lines)
     if card.quote:
         body.append(f"<p><code>{esc(card.quote)}</code></p>")
-    if card.table:
-        body.append(table_html(card.table))
-    body.extend(_fold(fold) for fold in card.folds)
+    detail = (table_html(card.table) if card.table else "") + "".join(_fold(fold) for fold in card.folds)
+    if detail_folded and card.table:
+        origins = len(card.table.rows)
+        label = f"where it was born: {origins} origin{'' if origins == 1 else 's'}" + (" and evidence" if card.folds else "")
+        body.append(_details(esc(label), detail))
+    else:
+        body.append(detail)
     body.append(_fixes_html(card.fixes, shown))
     if card.code:  # a fix applied: the cell that ran, folded, or a pointer to the same cell shown above
         key = (card.title, card.code)
@@ -214,10 +220,24 @@ def section_html(section: Section, draw, shown: set[tuple[str, str]] | None = No
         parts.append(f"<p>{esc(section.empty)}</p>")
     if section.cards_title:
         parts.append(f"<h4>{esc(section.cards_title)}</h4>")
-    parts.extend(card_html(card, shown) for card in section.cards)
+    parts.extend(_folded_card_html(card, shown) if is_fixes_run(card, section.kind)
+                 else card_html(card, shown, detail_folded=section.kind == "watch") for card in section.cards)
     parts.extend(f'<p class="nbg-note">{esc(note)}</p>' for note in section.notes)
     parts.extend(draw(chart) for chart in section.charts)
     return "".join(parts)
+
+
+def is_fixes_run(card: Card, section_kind: str) -> bool:
+    """The card of the fixes a watch ran on an event's step (view.py, ``_event_cards``): its fixes, verdicts and
+    proof are the event card's own, just above it; what it adds (each fix's measurements) is detail."""
+    return section_kind == "watch" and card.tone == "info" and not card.fixes
+
+
+def _folded_card_html(card: Card, shown: set[tuple[str, str]] | None) -> str:
+    """A card one click away (issue 41: one screen), as the Lab draws it (labextension/src/render.ts)."""
+    rows = len(card.table.rows) if card.table else 0
+    label = f"{card.title}: each fix's verdict and measurements ({rows})" if rows else card.title
+    return _details(esc(label), card_html(card, shown))
 
 
 def _image(doc: dict, chart: Chart) -> str:
