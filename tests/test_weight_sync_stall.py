@@ -67,6 +67,18 @@ def client_factory(monkeypatch):
         server.server_close()
 
 
+STALL_FLOOR_S = 1.0  # the bound's floor: 5 s before three step times are known, so a slow first step on a
+# loaded machine is no stall of its own; past them the sync's silence is a stall after about a second
+
+
+class SyncGate(Gate):
+    """Released by the stall event that names the weight sync (a stall anywhere else leaves the sync waiting)."""
+
+    def listener(self, watch, kind, payload) -> None:
+        if kind == "event" and payload.kind == "stall" and "weight_sync" in payload.evidence:
+            self.event.set()
+
+
 def train_and_sync(model, optimizer, data, client, sync_at: int) -> list[str]:
     """A loop that pushes its weights to the engine before one step, as GRPO does before a generation."""
     outcomes = []
@@ -84,15 +96,15 @@ def train_and_sync(model, optimizer, data, client, sync_at: int) -> list[str]:
 
 
 def test_a_weight_sync_the_server_never_answers_is_a_stall_that_names_the_sync_and_its_answered_twin_is_quiet(client_factory):
-    model, optimizer, watch = watched()
-    gate = Gate()
+    model, optimizer, watch = watched(STALL_FLOOR_S)
+    gate = SyncGate()
     watch.add_listener(gate.listener)
     client = client_factory(gate.event)  # the server answers the update once the stall event is recorded
     try:
         train_and_sync(model, optimizer, loader(8), client, sync_at=5)
     finally:
         watch.detach()
-    assert gate.event.is_set(), "no stall event while the weight sync waited"
+    assert gate.event.is_set(), "no stall event named the weight sync while it waited"
     assert kinds(watch) == ["stall"], watch.summary()
     event = watch.events[0]
     sync = event.evidence["weight_sync"]
@@ -103,7 +115,7 @@ def test_a_weight_sync_the_server_never_answers_is_a_stall_that_names_the_sync_a
     assert event.evidence["collective"] is None
     assert "resumed at step 5" in event.message
     # its twin: the same loop and sync against a server that answers is quiet
-    model, optimizer, watch = watched()
+    model, optimizer, watch = watched(STALL_FLOOR_S)
     try:
         outcomes = train_and_sync(model, optimizer, loader(8), client_factory(None), sync_at=5)
     finally:
