@@ -15,7 +15,8 @@ stall_after_s`` before (a first step compiles, allocates, fills caches). Past th
 first) and the step it waits after; the training thread's next step end says on the same event when
 the run resumed. Under torch.distributed the event names the rank and, where the training thread is
 inside ``torch.distributed``, DistributedDataParallel's forward (its buffer broadcast) or, with several ranks,
-autograd's backward (where DDP's gradient all-reduce waits), the collective it waits in. A checkpoint save
+autograd's backward (where DDP's gradient all-reduce waits), the collective it waits in; inside TRL's weight
+sync to vLLM (``introspect/weight_sync.py``: a wait with no timeout, trl#6796), the sync's frames. A checkpoint save
 (``SAVE_FRAMES``: the Trainer's ``_save_checkpoint``, ``save_pretrained``, ``torch.save``, safetensors,
 accelerate's ``save_state``...) on the training thread's stack is not silence: each wake-up looks for one, the
 bound counts from the last look that saw it, and the gap around it is not learned; only a save that lasts
