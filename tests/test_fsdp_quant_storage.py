@@ -15,7 +15,6 @@ import torch
 from audit_helpers import make_args
 
 import nbguard
-import nbguard.auditor.rules.fsdp_quant_storage  # noqa: F401  (registered once committed)
 from nbguard.testing import tiny_llama
 
 pytest.importorskip("bitsandbytes")
