@@ -54,7 +54,7 @@ def fused_loss_origin(module: torch.nn.Module, output: Any, found: Summary, name
     bad = nonfinite_params(head)
     decoder = _decoder(module)
     hidden = outputs.get(decoder) if decoder is not None else None
-    head_name, model_name = names.get(head, "?"), names.get(module, "?") or "<model>"
+    head_name, model_name = names.get(head, "?"), names.get(module, "?") or type(module).__name__
     decoder_name = names.get(decoder, "?") if decoder is not None else "the decoder"
     fused = (f"Liger's fused linear cross-entropy ({kernel})" if kernel else
              "a fused linear cross-entropy (the output has no logits)")
