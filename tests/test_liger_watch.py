@@ -17,7 +17,9 @@ if torch.cuda.is_available():
     pytest.skip("runs Liger's kernels in Triton's CPU interpreter", allow_module_level=True)
 
 _RUN = """
-    import torch, nbguard
+    import jsonschema, torch, nbguard
+    from nbguard.document import encode_document
+    from nbguard.document.schema import schema
     from transformers import Trainer, TrainingArguments
     from nbguard.testing import tiny_llama, TinyDataset
 
@@ -31,6 +33,7 @@ _RUN = """
         watch = nbguard.watch(trainer)
         trainer.train()
         event = watch.events[0]
+        jsonschema.Draft202012Validator(schema()).validate(encode_document(watch.to_document()))
         return {"message": event.message, "cause": event.cause, "origin": event.origins[0].to_dict(),
                 "forward": type(model.forward).__name__ + ":" + getattr(model.forward, "__module__", "")}
 
@@ -58,3 +61,4 @@ def test_an_inf_in_lm_head_read_by_liger_fused_loss_is_named_in_lm_head():
     hidden = origin["evidence"]["hidden_states"]
     assert hidden["module"] == "model" and hidden["finite"] is True and 0 < hidden["absmax"] < 1e3
     assert origin["input_absmax"] == hidden["absmax"]
+    assert "lce_forward" in origin["evidence"]["fused_loss"] and origin["evidence"]["read_by"] == "LlamaForCausalLM.forward"
