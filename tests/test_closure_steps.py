@@ -180,17 +180,20 @@ def test_a_failure_in_the_backward_tap_never_breaks_the_users_backward(monkeypat
         assert torch.equal(mine, theirs)
 
 
-def _recipe(*, watched: bool, policy: str = "warn", blow_up: tuple[int, ...] = (), steps: int = 36):
+def _recipe(*, watched: bool, policy: str = "warn", blow_up: tuple[int, ...] = (), steps: int = 36,
+            read: str = "host", fused: bool | None = None):
     """A torchtune-style recipe loop: logits from the model, cross-entropy computed after it; the LR is
-    multiplied by 1000 for the steps in ``blow_up`` (a scheduler gone wrong). Returns per-step losses."""
+    multiplied by 1000 for the steps in ``blow_up`` (a scheduler gone wrong). Returns per-step losses.
+    ``read``, ``fused``: the watch's read mode and the AdamW's (test_deferred_read.py)."""
     from nbguard.testing import tiny_llama
-    from nbguard.watcher import RewindSettings
+    from nbguard.watcher import RewindSettings, WatchSettings
 
     torch.manual_seed(0)
     model = tiny_llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=fused)
     watch = nbguard.watch(model, optimizer=opt, policy=policy, log_to=None, verify=False,
-                          rewind=RewindSettings(every=5) if policy == "rewind" else None) if watched else None
+                          rewind=RewindSettings(every=5) if policy == "rewind" else None,
+                          settings=WatchSettings(read=read)) if watched else None
     data = torch.Generator().manual_seed(1)
     zipf = 1.0 / torch.arange(1, model.config.vocab_size + 1, dtype=torch.float64) ** 1.5
     losses = []

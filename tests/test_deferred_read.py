@@ -133,3 +133,16 @@ def test_a_policy_that_drops_updates_without_a_device_skip_reads_on_the_host_and
 def test_bad_read_mode_is_a_clear_error():
     with pytest.raises(ValueError, match="read='late'.*'host'.*'deferred'"):
         WatchSettings(read="late")
+
+
+def test_rewind_a_step_late_still_rescues_a_blow_up_of_a_loss_computed_outside_the_model():
+    """The torchtune-style recipe of test_closure_steps (LR x1000 for three steps), read a step late: the
+    divergence at its step, the rewind one step later, the run back within 25% of the healthy one."""
+    from test_closure_steps import _recipe
+
+    healthy, _ = _recipe(watched=False, fused=True)
+    rescued, watch = _recipe(watched=True, policy="rewind", blow_up=(20, 21, 22), read="deferred", fused=True)
+    divergence = next(e for e in watch.events if e.kind == "divergence")
+    assert divergence.step in (20, 21) and divergence.evidence["next_update_dropped"]
+    assert any(e.kind == "rewind" for e in watch.events)
+    assert rescued[-1] <= 1.25 * healthy[-1], (rescued[-1], healthy[-1])
