@@ -39,6 +39,8 @@ def liger_without_driver(ctx):
     patched = patched_modules(_model(ctx))
     if not requested and not patched:
         return None
+    if not patched and liger_version() is None:  # train() raises transformers' ImportError first, not this
+        return None
     triton = triton_state()
     if triton.can_launch is not False:  # a driver, the interpreter, or Triton could not be asked
         return None
