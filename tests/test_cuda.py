@@ -136,3 +136,32 @@ def test_switch_to_bf16_is_verified_under_cuda_autocast(tmp_path):
     switch = verification.verdict("switch-precision")
     assert switch.verdict == "verified", switch.reason
     assert switch.step.precision.startswith("autocast cuda bfloat16") and "args.bf16 = True" in switch.code
+
+
+def test_read_deferred_makes_no_host_sync_in_a_healthy_step():
+    """Issue 45: with read="deferred" and a fused AdamW under skip, nbguard's step code synchronizes nothing:
+    torch.cuda.set_sync_debug_mode("error") raises on any synchronizing call in the steps after the first (the
+    first allocates the pinned buffer); the steps' own losses are not read (the loop reads nothing either)."""
+    torch.manual_seed(0)
+    model = tiny_llama().to(CUDA)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    watch = nbguard.watch(model, optimizer=opt, policy="skip", log_to=None, verify=False,
+                          settings=WatchSettings(read="deferred"))
+    batches = [_on_gpu(tiny_batch(seed=s)) for s in range(6)]
+
+    def step(batch):
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(batches[0])
+    step(batches[1])
+    torch.cuda.synchronize()  # the judged steps' copies have landed: what follows must not wait
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batch in batches[2:]:
+            step(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    watch.detach()
+    assert watch.events == [] and watch.step == 6 and all(map(math.isfinite, watch.history.loss))
