@@ -23,10 +23,14 @@ _RUN = """
     from transformers import Trainer, TrainingArguments
     from nbguard.testing import tiny_llama, TinyDataset
 
-    def first_event(**liger):
+    def first_event(peft=False, **liger):
         model = tiny_llama()
+        if peft:  # lm_head trained through PEFT's ModulesToSaveWrapper: the weight Liger reads is one level down
+            from peft import LoraConfig, get_peft_model
+            model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+        head = model.get_output_embeddings()
         with torch.no_grad():
-            model.lm_head.weight[5, 3] = float("inf")
+            (head.modules_to_save.default if peft else head).weight[5, 3] = float("inf")
         args = TrainingArguments(output_dir="/tmp/nbguard-liger-watch", use_cpu=True, per_device_train_batch_size=2,
                                  report_to=[], max_steps=1, save_strategy="no", **liger)
         trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(rows=2))
@@ -34,13 +38,13 @@ _RUN = """
         trainer.train()
         event = watch.events[0]
         jsonschema.Draft202012Validator(schema()).validate(encode_document(watch.to_document()))
-        return {"message": event.message, "cause": event.cause, "origin": event.origins[0].to_dict(),
-                "forward": type(model.forward).__name__ + ":" + getattr(model.forward, "__module__", "")}
+        return {"message": event.message, "cause": event.cause, "origin": event.origins[0].to_dict()}
 
     plain = first_event()
-    fused = first_event(use_liger_kernel=True,
-                        liger_kernel_config={"rms_norm": False, "swiglu": False, "rope": False})
-    emit({"plain": plain, "fused": fused})
+    only_fused_loss = {"rms_norm": False, "swiglu": False, "rope": False}
+    fused = first_event(use_liger_kernel=True, liger_kernel_config=only_fused_loss)
+    peft = first_event(peft=True, use_liger_kernel=True, liger_kernel_config=only_fused_loss)
+    emit({"plain": plain, "fused": fused, "peft": peft})
 """
 
 
@@ -48,7 +52,6 @@ def test_an_inf_in_lm_head_read_by_liger_fused_loss_is_named_in_lm_head():
     needs_liger()
     result = run_child(_RUN, interpret=True)
     plain, fused = result["plain"], result["fused"]
-    assert "liger_kernel" in fused["forward"]  # train() really applied Liger's fused-loss forward
     # without Liger: lm_head runs as a module and its weight is named
     assert (plain["cause"], plain["origin"]["module"], plain["origin"]["tensor"]) == (
         "nonfinite-parameter", "lm_head", "weight")
@@ -61,4 +64,10 @@ def test_an_inf_in_lm_head_read_by_liger_fused_loss_is_named_in_lm_head():
     hidden = origin["evidence"]["hidden_states"]
     assert hidden["module"] == "model" and hidden["finite"] is True and 0 < hidden["absmax"] < 1e3
     assert origin["input_absmax"] == hidden["absmax"]
+    # train() really applied Liger's fused-loss forward, and the replay names it
     assert "lce_forward" in origin["evidence"]["fused_loss"] and origin["evidence"]["read_by"] == "LlamaForCausalLM.forward"
+    # through PEFT: the wrapper Liger reads lm_head's weight through, and the weight it holds
+    peft = result["peft"]
+    assert (peft["cause"], peft["origin"]["module"], peft["origin"]["tensor"]) == (
+        "nonfinite-parameter", "base_model.model.lm_head", "modules_to_save.default.weight")
+    assert "Liger's fused linear cross-entropy" in peft["message"]

@@ -51,14 +51,16 @@ def fused_loss_origin(module: torch.nn.Module, output: Any, found: Summary, name
     if head is None or head in outputs:  # it ran as a module: the logits were made, the hooks saw them
         return None
     kernel = fused_loss_forward(module)
-    bad = nonfinite_params(head)
+    bad = {f"{sub}.{param}" if sub else param: count  # a PEFT wrapper holds the weight one level down
+           for sub, part in head.named_modules() for param, count in nonfinite_params(part).items()}
     decoder = _decoder(module)
     hidden = outputs.get(decoder) if decoder is not None else None
     head_name, model_name = names.get(head, "?"), names.get(module, "?") or type(module).__name__
     decoder_name = names.get(decoder, "?") if decoder is not None else "the decoder"
     fused = (f"Liger's fused linear cross-entropy ({kernel})" if kernel else
              "a fused linear cross-entropy (the output has no logits)")
-    weights = ", ".join(bad) if bad else "its weights were finite: the kernel's own computation overflowed or divided 0/0"
+    weights = (f"it holds non-finite values in {', '.join(bad)}" if bad else
+               "its weights were finite: the kernel's own computation overflowed or divided 0/0")
     evidence: dict[str, Any] = {
         "class": type(head).__name__,
         "fused_loss": fused,
