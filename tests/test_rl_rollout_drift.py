@@ -49,6 +49,9 @@ def test_a_generation_temperature_the_trainer_never_sees(tmp_path):
     (f,) = sampling_findings(trainer=trainer)
     assert f.rule == "rl-sampling-mismatch" and f.fixes == ["match-sampling-settings"]
     assert f.evidence["one_sided_settings"] == {"temperature": [0.5, 1.0]} and "trl#4159" in f.detail
+    # verified by a re-audit of a shadow of the trainer; the user's args (and their generation_kwargs) untouched
+    (verdict,) = nbguard.verify(f, trainer=trainer).verdicts
+    assert verdict.verdict == "verified" and trainer.args.generation_kwargs == {"temperature": 0.5}
 
     (event,) = rollout_events(trainer)
     ev = event.evidence

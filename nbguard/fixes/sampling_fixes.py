@@ -25,9 +25,12 @@ def _match(target, **_):
             setattr(args, key, value)
             changed[f"args.{key}"] = f"{old} -> {value} ({REBUILD})"
     extra = args.generation_kwargs
-    for key in SAMPLING_KEYS:
-        if isinstance(extra, dict) and key in extra:
-            changed[f"args.generation_kwargs[{key!r}]"] = f"{extra.pop(key)} -> removed ({REBUILD})"
+    if isinstance(extra, dict) and any(key in extra for key in SAMPLING_KEYS):
+        for key in SAMPLING_KEYS:
+            if key in extra:
+                changed[f"args.generation_kwargs[{key!r}]"] = f"{extra[key]} -> removed ({REBUILD})"
+        # a new dict, not the old one emptied: a copy of the args (a verification's shadow) shares it
+        args.generation_kwargs = {k: v for k, v in extra.items() if k not in SAMPLING_KEYS}
     return changed
 
 
@@ -38,8 +41,8 @@ def _match_code(names, **_):
 # the completions from another distribution than the one trained. Let the config's temperature rule both
 # sides; build the trainer again from these args.
 {a}.top_p, {a}.top_k, {a}.min_p, {a}.repetition_penalty = 1.0, 0, None, 1.0
-for _key in {SAMPLING_KEYS!r}:
-    ({a}.generation_kwargs or {{}}).pop(_key, None)
+if {a}.generation_kwargs:
+    {a}.generation_kwargs = {{k: v for k, v in {a}.generation_kwargs.items() if k not in {SAMPLING_KEYS!r}}}
 """
 
 

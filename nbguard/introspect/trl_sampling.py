@@ -21,20 +21,15 @@ def _number(value: Any) -> float | None:
 
 
 def sampler_settings(trainer: Any = None, args: Any = None) -> dict[str, Any]:
-    """The settings the generation engine samples with. Without vLLM, a built trainer's
-    ``generation_config`` (what ``generate`` is given: the config's settings with ``generation_kwargs``
-    over them); with vLLM, or from a config alone, the config's settings with ``generation_kwargs``
-    over them (both engines apply them that way)."""
+    """The settings the generation engine samples with: the config's, with ``generation_kwargs`` over
+    them, as GRPOTrainer builds transformers' ``generation_config`` and vLLM's sampling parameters from
+    them (read from the args, so a fix to the args shows in a re-audit of the trainer as built)."""
     args = args if args is not None else getattr(trainer, "args", None)
-    config = getattr(trainer, "generation_config", None) if trainer is not None else None
-    if config is not None and getattr(args, "use_vllm", False) is not True:
-        out = {k: getattr(config, k, None) for k in SAMPLING_KEYS}
-        out["do_sample"] = getattr(config, "do_sample", True)
-        return out
     out = {k: getattr(args, k, None) for k in SAMPLING_KEYS}
+    out["do_sample"] = True  # TRL always samples
     extra = getattr(args, "generation_kwargs", None)
     if isinstance(extra, dict):
-        out.update({k: extra[k] for k in SAMPLING_KEYS if k in extra})
+        out.update({k: extra[k] for k in (*SAMPLING_KEYS, "do_sample") if k in extra})
     return out
 
 
