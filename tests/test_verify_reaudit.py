@@ -46,7 +46,7 @@ def test_the_plan_less_data_and_config_fixes_are_the_ones_re_audited():
     assert sorted(k for k in FIXES if reauditable(k)) == [
         "add-entropy-bonus", "add-warmup", "distinct-pad-token", "drop-doubled-bos", "drop-mask-for-packing",
         "drop-rows", "drop-truncated-rows", "enable-router-aux-loss", "finite-rewards", "full-vocabulary-sampling",
-        "lower-beta", "mask-special-labels", "raise-temperature", "scale-loss-for-accumulation", "sync-pad-token-id",
+        "lower-beta", "mask-special-labels", "match-sampling-settings", "raise-temperature", "scale-loss-for-accumulation", "sync-pad-token-id",
         "tokenizer-no-bos", "unshift-labels"]
     # a fix with a step recipe keeps it; one that changes modules, files or process state is never re-audited
     assert not reauditable("drop-unsupervised-rows") and not reauditable("pad-right-for-training")
