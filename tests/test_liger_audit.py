@@ -38,6 +38,7 @@ def test_use_liger_kernel_without_a_triton_driver_is_predicted_before_train():
     assert NO_DRIVER not in nbguard.audit(trainer=_trainer()).rules
 
 
+@pytest.mark.slow  # a child process: Liger patches transformers' modules for good
 def test_a_model_patched_by_liger_is_predicted_and_train_really_crashes_as_said():
     """The model patched in place by liger's own _apply_liger_kernel_to_instance (no TrainingArguments):
     the audit names the patched modules, and the forward it predicts to crash does crash."""
@@ -63,6 +64,7 @@ def test_a_model_patched_by_liger_is_predicted_and_train_really_crashes_as_said(
     assert result["crash"].startswith("0 active drivers")
 
 
+@pytest.mark.slow  # a child process: Liger patches transformers' modules for good
 def test_the_interpreter_set_before_triton_makes_the_rule_quiet_and_train_runs():
     """Only the fused loss is applied: Liger's RMSNorm kernel does not run in Triton 3.9's interpreter."""
     result = run_child("""

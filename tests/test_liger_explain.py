@@ -13,6 +13,7 @@ if torch.cuda.is_available():
     pytest.skip("Triton has a driver on a CUDA machine: train() does not crash", allow_module_level=True)
 
 
+@pytest.mark.slow  # a child process: Liger patches transformers' modules for good
 def test_the_real_trainer_crash_is_explained_and_was_predicted():
     needs_liger()
     result = run_child("""

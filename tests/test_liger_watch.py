@@ -48,6 +48,7 @@ _RUN = """
 """
 
 
+@pytest.mark.slow  # a child process: Liger patches transformers' modules for good
 def test_an_inf_in_lm_head_read_by_liger_fused_loss_is_named_in_lm_head():
     needs_liger()
     result = run_child(_RUN, interpret=True)
