@@ -6,7 +6,7 @@ trainer's log-probabilities never see, top_p/top_k/min_p or a repetition penalty
 only: trl#4159, trl#6789), or vLLM's numbers drifting from the trainer's (trl#3867), breaks that with no
 NaN and no error: the run trains on biased gradients.
 
-Two readings, one event kind:
+Three readings, one event kind:
 
 - **Sampled tokens against the trainer's own distribution** (any generation engine, vLLM or not). For a
   token drawn from the trainer's distribution p, ``-log p(token)`` has expectation ``H(p)``, the entropy
@@ -22,13 +22,12 @@ Two readings, one event kind:
   log-to-log noise of it (log scale): a rise far outside that noise is drift (weights not synced,
   stale async rollouts, a kernel that changed). TRL logs the importance-sampling ratio after clipping
   (trl#5231), so the ratio's min/max ride along as evidence, not as the judge.
-
 - **The ids a custom ``rollout_func`` returns against its sampled log-probabilities**: a row with more
   or fewer ids than log-probabilities was rebuilt after sampling (decoded and rendered again), so the
   trainer trains on tokens that were never sampled (multi-turn and tool pipelines that re-render).
 
-The sums stay on the device and are read once per logged step, at the log (TRL itself reads many
-scalars per micro-batch); no per-step host read of nbguard's.
+The sums stay on the device and are read once per logged step, at the log: with ``logging_steps=1``
+that is one read per step, beside the dozen TRL itself makes per micro-batch for its metrics.
 """
 from __future__ import annotations
 
@@ -45,8 +44,9 @@ from ..integrations.instance_wrap import Patch, patch
 
 KIND = "rollout-logprob-mismatch"
 register_event_kind(KIND, "GRPO trains on tokens that were not sampled from the distribution its log-probabilities "
-                          "score (sampler and trainer settings differ, or vLLM's log-probabilities drift)",
-                    ("reason", "z", "gap_per_token", "tokens", "one_sided_settings"))
+                          "score (sampler and trainer settings differ, vLLM's log-probabilities drift, or a "
+                          "rollout's ids are not the sampled ones)",
+                    ("reason", "z", "gap_per_token", "tokens", "one_sided_settings", "difference_now", "rows"))
 
 Found = tuple[str, str, dict[str, Any]]
 DIFFERENCE = "sampling/sampling_logp_difference/mean"
