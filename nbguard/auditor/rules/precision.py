@@ -10,6 +10,7 @@ from ...introspect.dtypes import HALF_DTYPES, dtype_name
 from ..checkpoint import checkpoint_dtype
 from ..context import AuditContext
 from ..registry import capped, finding, rule
+from .dry_forward import describe_dtypes, parameter_dtypes
 
 FP16_MAX = 65504.0
 # Families pretrained in bf16 whose activations are known to exceed the fp16 range.
@@ -179,16 +180,24 @@ def precision_flag_ignored(ctx):
     if ctx.ignored_precision is None:
         return None
     why = ("use_cpu=True" if getattr(ctx.args, "use_cpu", False) else f"the hardware is {ctx.hardware.display_name}")
+    # no autocast: the step computes in the weights' own dtypes, which are float32 only if the model was loaded so
+    # (axolotl's bf16: auto on a machine without bf16 loads float16 weights and sets fp16=True)
+    dtypes = parameter_dtypes([(n, p) for n, p in ctx.named_params if p.is_floating_point()])
+    in_fp32 = set(dtypes) <= {"float32"}
+    computes = ("every step computes in float32" if in_fp32 else
+                f"every step computes in the weights' own dtypes ({describe_dtypes(dtypes)}), with nothing to "
+                "reconcile two of them where they meet in one operation")
     return finding(
         "precision-flag-ignored",
-        "fp16=True has no effect on the CPU: this run trains in fp32",
+        "fp16=True has no effect on the CPU: this run trains in fp32" if in_fp32 else
+        f"fp16=True has no effect on the CPU: this run computes in its weights' {' and '.join(dtypes)}, with no autocast",
         f"The run is on the CPU ({why}). accelerate only turns fp16 mixed precision on off the CPU "
         "(Accelerator.native_amp stays False for fp16 on \"cpu\"), so there is no fp16 autocast and no GradScaler: "
-        "every step computes in float32, and nothing here tells you whether fp16 would overflow. To check the run "
+        f"{computes}, and nothing here tells you whether fp16 would overflow. To check the run "
         "you mean to make on a GPU, audit it for that GPU (nbguard.audit(trainer, hardware=\"t4\"), or "
         "%precision_check trainer --hardware t4); bf16=True does run on the CPU (CPU autocast to bfloat16).",
-        {"requested": ctx.requested_precision, "effective": "fp32", "device": "cpu", "because": why,
-         "native_amp": False},
+        {"requested": ctx.requested_precision, "effective": "fp32" if in_fp32 else "+".join(dtypes), "device": "cpu",
+         "because": why, "native_amp": False, "parameter_dtypes": {d: len(names) for d, names in dtypes.items()}},
     )
 
 
