@@ -174,7 +174,7 @@ EVENT_KINDS: Sequence[str] = _KindNames()
 
 for _kind, _description, _evidence in (
     ("nonfinite-loss", "the step's loss is NaN/Inf", ("loss", "total_grad_norm", "nonfinite_groups")),
-    ("nonfinite-grad", "a gradient is NaN/Inf while the loss is finite", ("loss", "total_grad_norm",
+    ("nonfinite-grad", "a gradient is NaN/Inf while the loss is finite (or was not read)", ("loss", "total_grad_norm",
                                                                           "nonfinite_groups")),
     ("skipped-steps", "the GradScaler skipped many optimizer steps in a row or its scale collapsed",
      ("consecutive_skipped", "skipped_total", "streak_start", "scale_trend", "scale_collapsed")),

@@ -102,9 +102,10 @@ class WatchRecord(ABC):
     _optimizer_stepped: bool
     _step_dropped: bool
     _forward_open: bool  # a training forward started and has not returned
-    _accumulations_at_capture: int  # the collector's count at this step's last capture
     # ---- read="deferred" (reads/deferred.py): a step judged a step late ---------------------------
     _parked: Any  # ParkedStep: the step whose numbers are on their way to the host
+    _forward_traced: bool  # torch.compile traced the watched module's forward since the last step
+    _traced_said: bool
     _queued_micro_batches: list[MicroBatch]  # the components hear of these after the parked step is judged
     _gathered: Any  # this step's numbers stacked on the device (sentinel.Gathered), until it is parked
     _late_for: Any

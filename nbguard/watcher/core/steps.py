@@ -63,6 +63,8 @@ class WatchSteps(WatchRecord):
         return not self._replaying and module.training and torch.is_grad_enabled()
 
     def _root_pre(self, module, args, kwargs):
+        if torch.compiler.is_compiling():  # see _traced
+            return self._traced()
         if self._broken and self.attached:
             self._step_aside()  # a safe point: module hooks were copied before being called
             return None
@@ -95,10 +97,9 @@ class WatchSteps(WatchRecord):
     def _capture_micro_batch(self, args, kwargs) -> None:
         """A training forward starts (the caller checked): keep what its replay needs."""
         hooks_see_backward = self._deepspeed is None or self._collector.accumulations > 0  # DeepSpeed: own buffers
-        if self._micro_batches and hooks_see_backward \
-                and self._collector.accumulations == self._accumulations_at_capture:
+        if self._micro_batches and hooks_see_backward and not self._collector.backward_since_capture:
             self._release_step()  # no backward since the last forward: that step was abandoned
-        self._accumulations_at_capture = self._collector.accumulations
+        self._collector.backward_since_capture = False
         trainer_labels = self._labels_tap.take() if self._labels_tap is not None else None
         micro_batch = MicroBatch(len(self._micro_batches), args, dict(kwargs), capture_rng(), capture_autocast(),
                                  trainer_labels=trainer_labels)
@@ -108,8 +109,31 @@ class WatchSteps(WatchRecord):
         else:
             self._board.on_micro_batch(micro_batch)
 
+    def _traced(self) -> None:
+        """torch.compile is tracing the watched module: the watch was given the module inside a compiled one
+        (``nbguard.watch(model)``, then ``torch.compile(model)(...)``). Python inside a trace would break the
+        graph (an error under ``fullgraph=True``) or recompile on every count it reads: the watch stays out of
+        it. It still reads the gradients at the step; what the forward would give (the loss, the micro-batches
+        a replay needs) it says it lacks, once, at the step (``_say_traced``)."""
+        self._forward_traced = True  # (a side effect dynamo replays each time the compiled code runs)
+        return None
+
+    def _say_traced(self) -> None:
+        self._forward_traced = False
+        if self._traced_said or self._micro_batches:
+            return
+        self._traced_said = True
+        warn("nbguard: the watched module's forward runs inside torch.compile's trace (a compiled module calls it, "
+             "or model.compile() compiled it in place), where the watch cannot run: it reads the gradients (a "
+             "non-finite one is still caught at its step), but neither the loss nor the micro-batches a replay needs "
+             "to name the module. Watch the module "
+             "torch.compile returns, and call that: nbguard.watch(torch.compile(model), optimizer=...)",
+             RuntimeWarning, stacklevel=2)
+
     @watch_hook(safe=False)
     def _root_post(self, module, args, kwargs, output):
+        if torch.compiler.is_compiling():
+            return None
         self._forward_open = False
         if not self._training_forward(module) or not self._micro_batches:
             return None
@@ -220,6 +244,8 @@ class WatchSteps(WatchRecord):
 
     @watch_hook(safe=False)
     def _check_step(self) -> None:
+        if self._forward_traced:
+            self._say_traced()
         if self._scaler_guards():
             return
         if self._reads_late():
@@ -277,7 +303,6 @@ class WatchSteps(WatchRecord):
         self._micro_batches, self._losses, self._backward_roots = [], [], []
         self._stats = self._step_view = None
         self._optimizer_stepped = self._step_dropped = self._forward_open = False
-        self._accumulations_at_capture = -1
         self._collector.reset()
 
     def flush(self) -> None:
@@ -347,7 +372,7 @@ class WatchSteps(WatchRecord):
     @watch_hook(safe=False)
     def _zero_grad(self) -> None:
         """Gradients cleared after a backward of this step: the step was abandoned (interrupted)."""
-        if self._micro_batches and self._collector.accumulations != self._accumulations_at_capture:
+        if self._micro_batches and self._collector.backward_since_capture:
             self._release_step()
 
     # ---- the policy: before the update ---------------------------------------------------------------
@@ -486,7 +511,6 @@ class WatchSteps(WatchRecord):
         self._optimizer_stepped = False
         self._step_dropped = False
         self._forward_open = False
-        self._accumulations_at_capture = -1
         self._collector.reset()
         board: DetectorBoard | None = getattr(self, "_board", None)
         if board is not None:

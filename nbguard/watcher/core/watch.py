@@ -140,7 +140,6 @@ class NanWatch(WatchLifecycle, Displayable):
         self._localiser = Localiser(self.model, self.settings.max_replays, self.paused)
         self._handles = []
         self._modules_seen = weakref.WeakSet()
-        self._accumulations_at_capture = -1  # the collector's count at this step's last capture
         self._forward_open = False  # a training forward started and has not returned
         self._coverage_stale = False
         self._opt_binding = None
@@ -169,6 +168,8 @@ class NanWatch(WatchLifecycle, Displayable):
         # read="deferred" (reads/deferred.py): the step whose numbers are on their way, the micro-batches the
         # components hear of after it, this step's gathered numbers, and the device skip and host buffer
         self._parked = None
+        self._forward_traced = False  # torch.compile traced the watched module's forward (steps._traced)
+        self._traced_said = False
         self._queued_micro_batches = []
         self._gathered = None
         self._late_for: Any = ()  # the optimizer the mode was decided for (none yet)

@@ -126,7 +126,10 @@ class GradNormCollector:
         # DDP: this step's norms by bucket index. A loop that accumulates without no_sync reduces every
         # micro-batch; each bucket then holds the gradient accumulated so far: the last one is the step's
         self._bucket_norms: dict[int, list[tuple[torch.Tensor, Sequence[int]]]] = {}
-        self.accumulations = 0  # backwards (per-parameter: accumulations) seen, ever; compared across captures
+        self.accumulations = 0  # backwards (per-parameter: accumulations) seen, ever
+        # a backward ran since the step's last capture: a bool, not a count, because the capture runs inside the
+        # forward, where torch.compile traces it and would recompile for every new value of a count it reads
+        self.backward_since_capture = False
         self.handles: list = []
         self._tapped = False
         # fused: this step's per-tensor 2-norms once taken, as (norms on the device, each one's group);
@@ -200,6 +203,7 @@ class GradNormCollector:
                 live = collector()
                 if live is not None and live.enabled:
                     live.accumulations += 1
+                    live.backward_since_capture = True
 
             self._backward_seen = guarded(seen, self._on_error)  # never break the user's backward
         return self._backward_seen
@@ -318,6 +322,7 @@ class GradNormCollector:
             live = collector()
             if live is not None and live.enabled and param.grad is not None:
                 live.accumulations += 1  # a backward ran: the step's captured micro-batches are in use
+                live.backward_since_capture = True
                 # FSDP2: the rank's shard; the shards' squares are summed across ranks later
                 grad = local_tensor(param.grad.detach())
                 live._norms[i] = torch.linalg.vector_norm(grad, dtype=torch.float32)
