@@ -107,7 +107,21 @@ DEVICE_ASSERT = ("CUDA error: device-side assert triggered\nCUDA kernel errors m
                  "some other API call, so the stacktrace below might be incorrect.\nFor debugging consider passing "
                  "CUDA_LAUNCH_BLOCKING=1")
 
+def recompile_limit_at_step_0():
+    """FailOnRecompileLimitHit at step 0 (unsloth#6825): layers calling one compiled function, each with its own
+    window, past a recompile limit of 2 (tests/test_compile_explainer.py has the diagnosis in full)."""
+    from test_compile_explainer import first_step
+
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+            first_step([1, 2, 3, 4])
+    finally:
+        torch._dynamo.reset()
+
+
 CASES = {
+    "torch-compile-recompile-limit": recompile_limit_at_step_0,
     "half-overflow-value": half_overflow,
     "half-op-on-cpu": message(RuntimeError, ADDMM_HALF),
     "flash-attention-unsupported": message(RuntimeError, FLASH_AMPERE),
