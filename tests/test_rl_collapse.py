@@ -278,7 +278,12 @@ def test_untruncated_or_uncorrected_sampling_is_quiet(tmp_path, settings):
 
 
 def test_full_vocabulary_sampling_clears_the_finding(tmp_path):
+    import copy
+
     args = _grpo_args(tmp_path, use_vllm=True, top_p=0.9, generation_kwargs={"top_k": 20})
+    trial = copy.copy(args)  # what a verification applies it to: the user's args must not change
+    assert nbguard.fixes.apply("full-vocabulary-sampling", args=trial).changed
+    assert args.generation_kwargs == {"top_k": 20} and trial.generation_kwargs == {}
     assert nbguard.fixes.apply("full-vocabulary-sampling", args=args).changed
     assert (args.top_p, args.top_k, args.min_p, args.generation_kwargs) == (1.0, 0, None, {})
     result = nbguard.audit(model=tiny_qwen2(), args=args)

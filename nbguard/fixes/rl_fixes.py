@@ -260,9 +260,12 @@ def _full_vocabulary(target, **_):
             setattr(args, key, value)
             changed[f"args.{key}"] = f"{old} -> {value} ({REBUILD})"
     extra = getattr(args, "generation_kwargs", None)
-    for key in TRUNCATION:
-        if isinstance(extra, dict) and key in extra:
-            changed[f"args.generation_kwargs[{key!r}]"] = f"{extra.pop(key)} -> removed"
+    if isinstance(extra, dict) and any(key in extra for key in TRUNCATION):
+        for key in TRUNCATION:
+            if key in extra:
+                changed[f"args.generation_kwargs[{key!r}]"] = f"{extra[key]} -> removed"
+        # a new dict, not the user's emptied in place: a verification works on a shallow copy of the args
+        args.generation_kwargs = {k: v for k, v in extra.items() if k not in TRUNCATION}
     return changed
 
 
@@ -273,8 +276,8 @@ def _full_vocabulary_code(names, **_):
 # the kept mass whatever the policy did. Sample from the full distribution; build the trainer again from
 # these args.
 {a}.top_p, {a}.top_k, {a}.min_p = 1.0, 0, None
-for _key in ("top_p", "top_k", "min_p"):
-    ({a}.generation_kwargs or {{}}).pop(_key, None)
+if {a}.generation_kwargs:
+    {a}.generation_kwargs = {{k: v for k, v in {a}.generation_kwargs.items() if k not in ("top_p", "top_k", "min_p")}}
 """
 
 
