@@ -122,6 +122,7 @@ def recompile_limit_at_step_0():
 
 CASES = {
     "torch-compile-recompile-limit": recompile_limit_at_step_0,
+    "triton-no-active-driver": message(RuntimeError, "0 active drivers ([]). There should only be one."),
     "half-overflow-value": half_overflow,
     "half-op-on-cpu": message(RuntimeError, ADDMM_HALF),
     "flash-attention-unsupported": message(RuntimeError, FLASH_AMPERE),
