@@ -1,7 +1,8 @@
 # Everything a fresh machine (Python 3.11, no GPU) needs, from two commands:
 #   make demo   run the quickstart notebook headless; executed copies and reports land in build/
 #   make test   every test lane: the pinned releases (constraints/main.txt; the docs build and the wheel check
-#               included), its multi-rank tests with both cores busy, the Colab profile, transformers 4.50
+#               included), its multi-rank tests with both cores busy, the Colab profile, transformers 4.50,
+#               the real axolotl and LLaMA-Factory
 # Also: make check (lint, types and the fast tests, the inner loop), make docs (the site, strictly, into build/site/), make wheel (dist/, with the prebuilt Lab extension),
 # make test-newest (the newest releases, unpinned: reports drift, gates nothing), make lock (re-pin main),
 # make test-loaded RUNS=3 (the multi-rank tests with both cores busy, three times in a row).
@@ -38,6 +39,11 @@ TF450_VENV := .venv-tf450
 # changes how every other lane loads models and prints its "Failed to load" lines into every kernel's output.
 QUANT_VENV := .venv-quant
 NEWEST_VENV := .venv-newest
+# axolotl and LLaMA-Factory build the transformers Trainer themselves and each pins its own transformers (5.16 and
+# 5.6): a venv each, where nbguard's plugin and callback are tested on the real packages (tests/test_axolotl_entry.py,
+# tests/test_llamafactory_entry.py).
+AXOLOTL_VENV := .venv-axolotl
+LLAMAFACTORY_VENV := .venv-llamafactory
 EXTRAS := hf,test,browser,trackers,docs,frameworks
 # How many times test-loaded runs the multi-rank tests under load (three in a row before a stop).
 RUNS ?= 1
@@ -46,6 +52,7 @@ WORKERS ?= 2
 PYTEST_PARALLEL = -n $(WORKERS) --dist loadfile
 
 .PHONY: demo check docs wheel test test-main test-main-parallel test-main-serial test-loaded test-labextension test-colab test-tf450 test-quant test-newest lock \
+	test-axolotl test-llamafactory \
 	install clean lint
 
 install: $(VENV)/.stamp
@@ -89,6 +96,21 @@ $(QUANT_VENV)/.stamp: pyproject.toml $(CONSTRAINTS)/main.txt | $(UV)
 	$(UV_INSTALL) -p $(QUANT_VENV) -e ".[hf,quant]" pytest pytest-timeout -c $(CONSTRAINTS)/main.txt
 	touch $@
 
+# axolotl as `pip install axolotl` resolves it, held by its lock.
+$(AXOLOTL_VENV)/.stamp: pyproject.toml $(CONSTRAINTS)/axolotl.txt | $(UV)
+	$(call new_venv,$(AXOLOTL_VENV))
+	$(UV_INSTALL) -p $(AXOLOTL_VENV) -e ".[hf]" axolotl pytest pytest-timeout -c $(CONSTRAINTS)/axolotl.txt
+	touch $@
+
+# LLaMA-Factory: its lock installed as it stands (--no-deps), without torchvision, and torchaudio without its
+# compiled extension: on PyPI both are built against CUDA torch and fail to load beside the CPU torch
+# (constraints/llamafactory.txt says why each is safe to leave out).
+$(LLAMAFACTORY_VENV)/.stamp: pyproject.toml $(CONSTRAINTS)/llamafactory.txt | $(UV)
+	$(call new_venv,$(LLAMAFACTORY_VENV))
+	$(UV_INSTALL) -p $(LLAMAFACTORY_VENV) --no-deps -r $(CONSTRAINTS)/llamafactory.txt -e .
+	rm -f $(LLAMAFACTORY_VENV)/lib/python*/site-packages/torchaudio/lib/*.so
+	touch $@
+
 # The newest releases, unpinned, rebuilt each time: what a user who pip-installs today gets.
 $(NEWEST_VENV)/.stamp: pyproject.toml | $(UV)
 	$(call new_venv,$(NEWEST_VENV))
@@ -117,25 +139,27 @@ wheel: $(VENV)/.stamp
 # 1. mypy (one core) while the Colab and transformers 4.50 venvs install (network and disk);
 # 2. the main lane on both cores;
 # 3. its serial step (one process: the wheel build, ~160 s) beside the transformers 4.50 lane, then the
-#    Lab extension's tests (not beside the wheel build: both run npm in labextension/);
+#    quantised lane beside the axolotl lane and the Lab extension's tests beside the LLaMA-Factory lane (each
+#    one process; the Lab extension not beside the wheel build: both run npm in labextension/);
 # 4. the loaded multi-rank run beside the Colab lane: each is the other's load, and the burners, at the
 #    lowest priority, fill whatever core the two leave idle.
 # One after the other these took 66 minutes of CI's 90 on a fresh clone (3956 s of make test); see
 # docs/contributing.md for the figures since. Lines of the side-by-side steps interleave (each carries its
 # elapsed seconds in CI): a run cut off still shows every lane's progress.
 test: $(VENV)/.stamp
-	$(MAKE) --no-print-directory -j4 lint $(COLAB_VENV)/.stamp $(TF450_VENV)/.stamp $(QUANT_VENV)/.stamp
+	$(MAKE) --no-print-directory -j4 lint $(COLAB_VENV)/.stamp $(TF450_VENV)/.stamp $(QUANT_VENV)/.stamp \
+		$(AXOLOTL_VENV)/.stamp $(LLAMAFACTORY_VENV)/.stamp
 	$(MAKE) --no-print-directory test-main-parallel
 	$(MAKE) --no-print-directory -j2 test-main-serial test-tf450
-	$(MAKE) --no-print-directory test-quant
-	$(MAKE) --no-print-directory test-labextension
+	$(MAKE) --no-print-directory -j2 test-quant test-axolotl
+	$(MAKE) --no-print-directory -j2 test-labextension test-llamafactory
 	$(MAKE) --no-print-directory -j2 BURNER_NICE=19 test-loaded test-colab
 
 # Every test of the main lane but the multi-rank ones (test-loaded runs those) and the notebooks (test-colab
 # runs every one, on the releases notebook users have; executing them twice did not fit CI's 90 minutes),
 # on every core; after them, in one process, the tests that rewrite files others read (isolated: the wheel
 # build).
-MAIN_TESTS := not tf450 and not multirank and not notebooks and not quant
+MAIN_TESTS := not tf450 and not multirank and not notebooks and not quant and not axolotl and not llamafactory
 test-main: lint
 	$(MAKE) --no-print-directory test-main-parallel
 	$(MAKE) --no-print-directory test-main-serial
@@ -199,10 +223,19 @@ test-colab: $(COLAB_VENV)/.stamp
 test-tf450: $(TF450_VENV)/.stamp
 	$(TF450_VENV)/bin/python -m pytest -m tf450
 
+# The frameworks' own entry points on the real packages, one process each (a couple of minutes, most of it
+# importing them). axolotl sends telemetry unless told not to: nothing leaves a test run.
+test-axolotl: $(AXOLOTL_VENV)/.stamp
+	AXOLOTL_DO_NOT_TRACK=1 $(AXOLOTL_VENV)/bin/python -m pytest -m axolotl -p no:cacheprovider tests/test_axolotl_entry.py
+
+test-llamafactory: $(LLAMAFACTORY_VENV)/.stamp
+	$(LLAMAFACTORY_VENV)/bin/python -m pytest -m llamafactory -p no:cacheprovider tests/test_llamafactory_entry.py
+
 test-quant: $(QUANT_VENV)/.stamp
 	$(QUANT_VENV)/bin/python -m pytest -m quant -p no:cacheprovider tests/test_quantized_dry_pass.py \
 		tests/test_fix_cell_equals_apply.py
 
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) $(COLAB_VENV) $(TF450_VENV) $(QUANT_VENV) $(NEWEST_VENV) $(UV_TOOL) build dist test-artifacts
+	rm -rf $(VENV) $(DEMO_VENV) $(COLAB_VENV) $(TF450_VENV) $(QUANT_VENV) $(NEWEST_VENV) $(AXOLOTL_VENV) $(LLAMAFACTORY_VENV) \
+		$(UV_TOOL) build dist test-artifacts
 	rm -rf labextension/node_modules labextension/lib labextension/build labextension/tsconfig.tsbuildinfo nbguard/labextension
