@@ -91,6 +91,18 @@ def test_a_nan_planted_at_a_step_is_found_there_in_its_module_and_skip_keeps_the
     assert trainer.state.global_step == STEPS  # axolotl's own count: the skipped step still counts
 
 
+def test_rewind_on_a_nan_caught_before_the_update_drops_it_and_the_run_ends_finite(files, tmp_path):
+    PLANT.update(at=5, kind="nan")
+    model, trainer = run_axolotl(files, tmp_path, plugins=[PLUGIN_PATH], nbguard_policy="rewind",
+                                 nbguard_rewind_every=2)
+    bad = [e for e in the_watch().events if e.kind.startswith("nonfinite")]
+    assert [(e.kind, e.step) for e in bad] == [("nonfinite-loss", 5)]
+    # the watch reads the step before the optimizer moves: the weights are still finite, nothing to restore
+    assert bad[0].evidence["rewind"]["restored"] is False and "nothing to undo" in bad[0].evidence["rewind"]["reason"]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert trainer.state.global_step == STEPS
+
+
 def test_the_plugin_refuses_a_policy_it_does_not_have_when_axolotl_loads_the_config(files, tmp_path):
     with pytest.raises(ValueError, match="policy='sometimes'"):
         run_axolotl(files, tmp_path, plugins=[PLUGIN_PATH], nbguard_policy="sometimes")
