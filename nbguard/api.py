@@ -34,7 +34,7 @@ def audit(model=None, trainer=None, *, args=None, batch=None, hardware=None, pro
 
 def watch(target, *, optimizer=None, scaler=None, policy="warn", config=None, log_to="auto", localize=True,
           activations=False, verify=True, detectors=(), log_every=10, rewind=None, scheduler=None,
-          log_rows=False, save_report=None, **deprecated):
+          log_rows=False, save_report=None, settings=None, **deprecated):
     """Attach a NaN/Inf watch to a model (with its optimizer) or a Trainer; returns a ``NanWatch``.
 
     ``activations=True`` also records each module group's output abs-max per step (fp16 headroom).
@@ -59,6 +59,8 @@ def watch(target, *, optimizer=None, scaler=None, policy="warn", config=None, lo
     ``config=nbguard.WatchConfig(section={...})`` sets the watch's components, one section each
     (docs/guides/detectors.md, "Components", lists them with their settings); a component's older keyword works
     for one release, with a DeprecationWarning naming its section.
+    ``settings=nbguard.watcher.WatchSettings(...)`` holds the watch's own thresholds and its read mode:
+    ``read="deferred"`` judges each step a step late with no host wait (docs/guides/gradient-reads.md).
     """
     from .verifier import auto_verify
     from .watcher import NanWatch
@@ -72,7 +74,7 @@ def watch(target, *, optimizer=None, scaler=None, policy="warn", config=None, lo
                          "log_to='auto' or 'report_to' (log_to=None sends and saves nothing)")
     watch = NanWatch(target, optimizer=optimizer, scaler=scaler, policy=policy, localize=localize,
                      activations=activations, verifier=auto_verify if verify else None, detectors=detectors,
-                     rewind=rewind, scheduler=scheduler, config=config, **deprecated)
+                     rewind=rewind, scheduler=scheduler, config=config, settings=settings, **deprecated)
     if log_to is not None:  # checked before attaching: a bad log_to leaves no hooks behind
         from .trackers import connect
 
