@@ -2,7 +2,7 @@
 #   make demo   run the quickstart notebook headless; executed copies and reports land in build/
 #   make test   every test lane: the pinned releases (constraints/main.txt; the docs build and the wheel check
 #               included), its multi-rank tests with both cores busy, the Colab profile, transformers 4.50,
-#               the real axolotl and LLaMA-Factory
+#               the real axolotl, LLaMA-Factory, litgpt and torchtune
 # Also: make check (lint, types and the fast tests, the inner loop), make docs (the site, strictly, into build/site/), make wheel (dist/, with the prebuilt Lab extension),
 # make test-newest (the newest releases, unpinned: reports drift, gates nothing), make lock (re-pin main),
 # make test-loaded RUNS=3 (the multi-rank tests with both cores busy, three times in a row).
@@ -44,6 +44,10 @@ NEWEST_VENV := .venv-newest
 # tests/test_llamafactory_entry.py).
 AXOLOTL_VENV := .venv-axolotl
 LLAMAFACTORY_VENV := .venv-llamafactory
+# litgpt (a Fabric loop) and torchtune (a recipe class) run their own loops: a venv each, where the watch is
+# tested on the real packages (tests/test_litgpt_entry.py, tests/test_torchtune_entry.py).
+LITGPT_VENV := .venv-litgpt
+TORCHTUNE_VENV := .venv-torchtune
 EXTRAS := hf,test,browser,trackers,docs,frameworks
 # How many times test-loaded runs the multi-rank tests under load (three in a row before a stop).
 RUNS ?= 1
@@ -52,7 +56,7 @@ WORKERS ?= 2
 PYTEST_PARALLEL = -n $(WORKERS) --dist loadfile
 
 .PHONY: demo check docs wheel test test-main test-main-parallel test-main-serial test-loaded test-labextension test-colab test-tf450 test-quant test-newest lock \
-	test-axolotl test-llamafactory \
+	test-axolotl test-llamafactory test-litgpt test-torchtune \
 	install clean lint
 
 install: $(VENV)/.stamp
@@ -111,6 +115,17 @@ $(LLAMAFACTORY_VENV)/.stamp: pyproject.toml $(CONSTRAINTS)/llamafactory.txt | $(
 	rm -f $(LLAMAFACTORY_VENV)/lib/python*/site-packages/torchaudio/lib/*.so
 	touch $@
 
+$(LITGPT_VENV)/.stamp: pyproject.toml $(CONSTRAINTS)/litgpt.txt | $(UV)
+	$(call new_venv,$(LITGPT_VENV))
+	$(UV_INSTALL) -p $(LITGPT_VENV) -e ".[hf,test]" litgpt -c $(CONSTRAINTS)/litgpt.txt
+	touch $@
+
+# torchtune 0.6.1 imports torchao without requiring it: named here, held at 0.13.0 by its lock (0.18 lacks nf4tensor).
+$(TORCHTUNE_VENV)/.stamp: pyproject.toml $(CONSTRAINTS)/torchtune.txt | $(UV)
+	$(call new_venv,$(TORCHTUNE_VENV))
+	$(UV_INSTALL) -p $(TORCHTUNE_VENV) -e ".[hf,test]" torchtune torchao -c $(CONSTRAINTS)/torchtune.txt
+	touch $@
+
 # The newest releases, unpinned, rebuilt each time: what a user who pip-installs today gets.
 $(NEWEST_VENV)/.stamp: pyproject.toml | $(UV)
 	$(call new_venv,$(NEWEST_VENV))
@@ -139,8 +154,9 @@ wheel: $(VENV)/.stamp
 # 1. mypy (one core) while the Colab and transformers 4.50 venvs install (network and disk);
 # 2. the main lane on both cores;
 # 3. its serial step (one process: the wheel build, ~160 s) beside the transformers 4.50 lane, then the
-#    quantised lane beside the axolotl lane and the Lab extension's tests beside the LLaMA-Factory lane (each
-#    one process; the Lab extension not beside the wheel build: both run npm in labextension/);
+#    quantised lane beside the axolotl lane, the Lab extension's tests beside the LLaMA-Factory lane, and the
+#    litgpt lane beside the torchtune lane (each one process; the Lab extension not beside the wheel build: both
+#    run npm in labextension/);
 # 4. the loaded multi-rank run beside the Colab lane: each is the other's load, and the burners, at the
 #    lowest priority, fill whatever core the two leave idle.
 # One after the other these took 66 minutes of CI's 90 on a fresh clone (3956 s of make test); see
@@ -148,18 +164,20 @@ wheel: $(VENV)/.stamp
 # elapsed seconds in CI): a run cut off still shows every lane's progress.
 test: $(VENV)/.stamp
 	$(MAKE) --no-print-directory -j4 lint $(COLAB_VENV)/.stamp $(TF450_VENV)/.stamp $(QUANT_VENV)/.stamp \
-		$(AXOLOTL_VENV)/.stamp $(LLAMAFACTORY_VENV)/.stamp
+		$(AXOLOTL_VENV)/.stamp $(LLAMAFACTORY_VENV)/.stamp $(LITGPT_VENV)/.stamp $(TORCHTUNE_VENV)/.stamp
 	$(MAKE) --no-print-directory test-main-parallel
 	$(MAKE) --no-print-directory -j2 test-main-serial test-tf450
 	$(MAKE) --no-print-directory -j2 test-quant test-axolotl
 	$(MAKE) --no-print-directory -j2 test-labextension test-llamafactory
+	$(MAKE) --no-print-directory -j2 test-litgpt test-torchtune
 	$(MAKE) --no-print-directory -j2 BURNER_NICE=19 test-loaded test-colab
 
 # Every test of the main lane but the multi-rank ones (test-loaded runs those) and the notebooks (test-colab
 # runs every one, on the releases notebook users have; executing them twice did not fit CI's 90 minutes),
 # on every core; after them, in one process, the tests that rewrite files others read (isolated: the wheel
 # build).
-MAIN_TESTS := not tf450 and not multirank and not notebooks and not quant and not axolotl and not llamafactory
+MAIN_TESTS := not tf450 and not multirank and not notebooks and not quant and not axolotl and not llamafactory \
+	and not litgpt and not torchtune
 test-main: lint
 	$(MAKE) --no-print-directory test-main-parallel
 	$(MAKE) --no-print-directory test-main-serial
@@ -231,11 +249,17 @@ test-axolotl: $(AXOLOTL_VENV)/.stamp
 test-llamafactory: $(LLAMAFACTORY_VENV)/.stamp
 	$(LLAMAFACTORY_VENV)/bin/python -m pytest -m llamafactory -p no:cacheprovider tests/test_llamafactory_entry.py
 
+test-litgpt: $(LITGPT_VENV)/.stamp
+	$(LITGPT_VENV)/bin/python -m pytest -m litgpt -p no:cacheprovider tests/test_litgpt_entry.py
+
+test-torchtune: $(TORCHTUNE_VENV)/.stamp
+	$(TORCHTUNE_VENV)/bin/python -m pytest -m torchtune -p no:cacheprovider tests/test_torchtune_entry.py
+
 test-quant: $(QUANT_VENV)/.stamp
 	$(QUANT_VENV)/bin/python -m pytest -m quant -p no:cacheprovider tests/test_quantized_dry_pass.py \
 		tests/test_fix_cell_equals_apply.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_VENV) $(COLAB_VENV) $(TF450_VENV) $(QUANT_VENV) $(NEWEST_VENV) $(AXOLOTL_VENV) $(LLAMAFACTORY_VENV) \
-		$(UV_TOOL) build dist test-artifacts
+		$(LITGPT_VENV) $(TORCHTUNE_VENV) $(UV_TOOL) build dist test-artifacts
 	rm -rf labextension/node_modules labextension/lib labextension/build labextension/tsconfig.tsbuildinfo nbguard/labextension
