@@ -113,8 +113,8 @@ def test_the_recompile_limit_hit_is_named_as_a_fall_back_to_eager():
 def test_a_new_graph_break_is_named_and_a_step_that_compiled_nothing_leaves_no_record():
     def noisy(x):
         y = x.sum()
-        print("step", end="\r")  # a graph break
-        return y * 2
+        torch._dynamo.graph_break()  # (a print breaks the graph too, but what print runs depends on the process:
+        return y * 2                 # after TRL's imports dynamo compiled 19 frames for it, giving up on some)
 
     broken = torch.compile(noisy, backend="eager")
     x = torch.randn(3)
@@ -122,7 +122,7 @@ def test_a_new_graph_break_is_named_and_a_step_that_compiled_nothing_leaves_no_r
     assert [r.step for r in log.records] == [0]  # the same call again: the cached graphs, no record
     cause = log.cause(0, 0)
     assert cause is not None and cause["cause"] == "graph-breaks"
-    assert any("print" in line for line in cause["graph_breaks"]), cause["graph_breaks"]
+    assert any("graph_break" in line for line in cause["graph_breaks"]), cause["graph_breaks"]
     assert log.cause(1, 2) is None
 
 
