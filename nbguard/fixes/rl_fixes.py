@@ -156,6 +156,25 @@ register(Fix("disable-dropout", "Turn dropout off",
 REBUILD = "takes effect when the trainer is built again from these args"
 
 
+def neutral_sampling(args: Any, neutral: dict[str, Any], keys: tuple[str, ...], note: str = "") -> dict[str, str]:
+    """Set ``args``' sampling settings to ``neutral`` and drop ``keys`` from its ``generation_kwargs``
+    (where the sampler reads them over the config's); returns what changed. ``generation_kwargs`` gets a new
+    dict, not the user's emptied in place: a verification applies a fix to a shallow copy of the args."""
+    changed = {}
+    for key, value in neutral.items():
+        old = getattr(args, key, None)
+        if old != value:
+            setattr(args, key, value)
+            changed[f"args.{key}"] = f"{old} -> {value} ({REBUILD})"
+    extra = getattr(args, "generation_kwargs", None)
+    if isinstance(extra, dict) and any(key in extra for key in keys):
+        for key in keys:
+            if key in extra:
+                changed[f"args.generation_kwargs[{key!r}]"] = f"{extra[key]} -> removed{note}"
+        args.generation_kwargs = {k: v for k, v in extra.items() if k not in keys}
+    return changed
+
+
 def _check_positive(name: str, value: Any, upper: float) -> float:
     if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= upper):
         raise ValueError(f"{name} must be a number in (0, {upper:g}]; got {value!r}")
@@ -253,20 +272,7 @@ TRUNCATION = {"top_p": 1.0, "top_k": 0, "min_p": None}  # GRPOConfig's defaults:
 
 def _full_vocabulary(target, **_):
     args = _rl_args(target, "full-vocabulary-sampling", "top_p")
-    changed = {}
-    for key, value in TRUNCATION.items():
-        old = getattr(args, key, None)
-        if old != value:
-            setattr(args, key, value)
-            changed[f"args.{key}"] = f"{old} -> {value} ({REBUILD})"
-    extra = getattr(args, "generation_kwargs", None)
-    if isinstance(extra, dict) and any(key in extra for key in TRUNCATION):
-        for key in TRUNCATION:
-            if key in extra:
-                changed[f"args.generation_kwargs[{key!r}]"] = f"{extra[key]} -> removed"
-        # a new dict, not the user's emptied in place: a verification works on a shallow copy of the args
-        args.generation_kwargs = {k: v for k, v in extra.items() if k not in TRUNCATION}
-    return changed
+    return neutral_sampling(args, TRUNCATION, tuple(TRUNCATION))
 
 
 def _full_vocabulary_code(names, **_):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from ..introspect.trl_sampling import SAMPLING_KEYS
 from .registry import Fix, register
+from .rl_fixes import REBUILD, neutral_sampling
 
 NEUTRAL = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}  # GRPOConfig's defaults
-REBUILD = "takes effect when the trainer is built again from these args"
 
 
 def _match(target, **_):
@@ -18,20 +18,7 @@ def _match(target, **_):
     if not isinstance(getattr(args, "temperature", None), (int, float)) or not hasattr(args, "generation_kwargs"):
         raise ValueError("fix 'match-sampling-settings' needs a TRL GRPOConfig (a numeric temperature and "
                          f"generation_kwargs); got {type(args).__name__}")
-    changed = {}
-    for key, value in NEUTRAL.items():
-        old = getattr(args, key, None)
-        if old != value:
-            setattr(args, key, value)
-            changed[f"args.{key}"] = f"{old} -> {value} ({REBUILD})"
-    extra = args.generation_kwargs
-    if isinstance(extra, dict) and any(key in extra for key in SAMPLING_KEYS):
-        for key in SAMPLING_KEYS:
-            if key in extra:
-                changed[f"args.generation_kwargs[{key!r}]"] = f"{extra[key]} -> removed ({REBUILD})"
-        # a new dict, not the old one emptied: a copy of the args (a verification's shadow) shares it
-        args.generation_kwargs = {k: v for k, v in extra.items() if k not in SAMPLING_KEYS}
-    return changed
+    return neutral_sampling(args, NEUTRAL, SAMPLING_KEYS, note=f" ({REBUILD})")
 
 
 def _match_code(names, **_):

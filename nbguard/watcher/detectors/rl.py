@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..integrations.trl import RewardCall, RewardTap
-from .rollout_drift import RolloutDrift
+from .rollout_drift import RolloutDrift, finite_number
 
 LN2 = math.log(2.0)
 EXAMPLE_CHARS = 300  # an example completion in the evidence is cut to this many characters
@@ -156,7 +156,7 @@ class LoggedFlatness:
         self.reported = False
 
     def on_log(self, step: int, logs: dict[str, Any]) -> list[Found]:
-        share = _number(logs.get("frac_reward_zero_std"))
+        share = finite_number(logs.get("frac_reward_zero_std"))
         if share is None or self.reported:
             return []
         self.flat = self.flat + [step] if share == 1.0 else []
@@ -164,8 +164,8 @@ class LoggedFlatness:
             return []
         self.reported = True
         evidence = {"reason": "frac-reward-zero-std", "logged_steps": len(self.flat), "since_step": self.flat[0],
-                    "frac_reward_zero_std": share, "reward": _number(logs.get("reward")),
-                    "grad_norm": _number(logs.get("grad_norm"))}
+                    "frac_reward_zero_std": share, "reward": finite_number(logs.get("reward")),
+                    "grad_norm": finite_number(logs.get("grad_norm"))}
         return [("no-learning-signal", f"frac_reward_zero_std is 1.0 for {len(self.flat)} logged steps: every "
                  "group's completions got the same reward, so the advantages, the loss and the gradient are 0",
                  evidence)]
@@ -181,7 +181,7 @@ class PreferenceChecks:
         self.reported = False
 
     def on_log(self, step: int, logs: dict[str, Any]) -> list[Found]:
-        margins, loss = _number(logs.get("rewards/margins")), _number(logs.get("loss"))
+        margins, loss = finite_number(logs.get("rewards/margins")), finite_number(logs.get("loss"))
         if margins is None or loss is None or self.reported:
             return []
         first, self.first_log_seen = not self.first_log_seen, True
@@ -194,7 +194,7 @@ class PreferenceChecks:
         if margins != 0.0:
             self.flat_logs = []
             return []
-        self.flat_logs.append({"step": step, "loss": loss, **{k: _number(logs.get(k)) for k in (
+        self.flat_logs.append({"step": step, "loss": loss, **{k: finite_number(logs.get(k)) for k in (
             "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")}})
         if len(self.flat_logs) < self.settings.preference_flat_after:
             return []
@@ -227,15 +227,15 @@ class RatioChecks:
         self.done = False
 
     def on_log(self, step: int, logs: dict[str, Any]) -> list[Found]:
-        clipped = _number(logs.get("clip_ratio/region_mean"))
+        clipped = finite_number(logs.get("clip_ratio/region_mean"))
         if self.done or clipped is None:
             return []
         self.done = True  # only the first log of the run; later ones mix later inner steps
         if step != 0 or clipped <= 0.0:  # the first log must cover the first optimizer step alone
             return []
         dropout = dropout_settings(self.model)
-        evidence = {"clip_ratio/region_mean": clipped, "clip_ratio/high_max": _number(logs.get("clip_ratio/high_max")),
-                    "clip_ratio/low_min": _number(logs.get("clip_ratio/low_min")), "dropout": dropout}
+        evidence = {"clip_ratio/region_mean": clipped, "clip_ratio/high_max": finite_number(logs.get("clip_ratio/high_max")),
+                    "clip_ratio/low_min": finite_number(logs.get("clip_ratio/low_min")), "dropout": dropout}
         cause = (f"; dropout is on in the policy ({', '.join(f'{k}={v:g}' for k, v in list(dropout.items())[:3])}), "
                  "so the two forwards differ" if dropout else "")
         return [("ratio-mismatch", f"{clipped:.1%} of the tokens were clipped on the first inner step, where the "
@@ -266,9 +266,9 @@ class CollapseChecks:
         self.reported: set[str] = set()
 
     def on_log(self, step: int, logs: dict[str, Any]) -> list[Found]:
-        row = {"step": step, "entropy": _number(logs.get("entropy")),
-               "length": _number(logs.get("completions/mean_length")), "reward": _number(logs.get("reward")),
-               "reward_std": _number(logs.get("reward_std"))}
+        row = {"step": step, "entropy": finite_number(logs.get("entropy")),
+               "length": finite_number(logs.get("completions/mean_length")), "reward": finite_number(logs.get("reward")),
+               "reward_std": finite_number(logs.get("reward_std"))}
         if row["reward"] is None or (row["entropy"] is None and row["length"] is None):
             return []
         w = self.settings.collapse_window
@@ -331,7 +331,7 @@ class ReferenceChecks:
         self.done = not self.beta  # beta 0 (or unknown): no KL to judge
 
     def on_log(self, step: int, logs: dict[str, Any]) -> list[Found]:
-        kl = _number(logs.get("kl"))
+        kl = finite_number(logs.get("kl"))
         if self.done or kl is None:
             return []
         self.done = True  # the first log with a KL; later ones cover a policy that has moved
@@ -400,14 +400,6 @@ def dropout_settings(model: Any) -> dict[str, float]:
         if isinstance(p, (int, float)) and p > 0:
             found[name or "<model>"] = float(p)
     return found
-
-
-def _number(value: Any) -> float | None:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
 
 
 KIND_FIXES = {"nonfinite-reward": ["finite-rewards"], "ratio-mismatch": ["disable-dropout"],

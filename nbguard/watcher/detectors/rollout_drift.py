@@ -67,7 +67,8 @@ class RolloutDriftSettings:
         return 2 * self.z ** 2
 
 
-def _number(value: Any) -> float | None:
+def finite_number(value: Any) -> float | None:
+    """A logged value as a finite float; None where it is missing, not a number, or not finite."""
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -236,7 +237,7 @@ class LoggedDifferenceCheck:
         self.reported = False
 
     def on_log(self, step: int, logs: dict[str, Any]) -> list[Found]:
-        value = _number(logs.get(DIFFERENCE))
+        value = finite_number(logs.get(DIFFERENCE))
         if self.reported or value is None or value <= 0:
             return []
         self.series.append((step, value))
@@ -251,7 +252,7 @@ class LoggedDifferenceCheck:
         if level1 - level0 < self.settings.sigmas * noise:
             return []
         self.reported = True
-        ratio = {k.rsplit("/", 1)[1]: _number(logs.get(k)) for k in RATIO_KEYS}
+        ratio = {k.rsplit("/", 1)[1]: finite_number(logs.get(k)) for k in RATIO_KEYS}
         evidence = {"reason": "logprob-difference-rising", "difference_early": math.exp(level0),
                     "difference_now": math.exp(level1), "noise_log": noise, "sigmas": self.settings.sigmas,
                     "since_step": self.series[-w][0], "importance_sampling_ratio": ratio,
