@@ -6,6 +6,7 @@ a function is still a cycle, and an upward import inside a function still goes u
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -28,13 +29,24 @@ def _resolve(module: str, level: int, target: str | None) -> str:
     return ".".join([*base, target] if target else base)
 
 
+@functools.cache
+def _parsed() -> dict[str, tuple[Path, ast.Module]]:
+    """module -> (its file, its syntax tree): every file parsed once for all the checks of this file."""
+    return {_module_name(p): (p, ast.parse(p.read_text(encoding="utf-8"))) for p in PACKAGE.rglob("*.py")}
+
+
 def import_graph() -> dict[str, set[str]]:
     """module -> the nbguard modules it imports (``from pkg import name`` counts ``pkg.name`` when
-    that is a module, else ``pkg``)."""
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py") if "labextension" not in p.parts}
+    that is a module, else ``pkg``). A fresh copy each call: a check may not change another's graph."""
+    return {name: set(targets) for name, targets in _import_graph().items()}
+
+
+@functools.cache
+def _import_graph() -> dict[str, set[str]]:
+    modules = {name: tree for name, (path, tree) in _parsed().items() if "labextension" not in path.parts}
     graph: dict[str, set[str]] = {name: set() for name in modules}
-    for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for name, tree in modules.items():
+        for node in ast.walk(tree):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -144,12 +156,12 @@ def _package(module: str) -> str:
     return module if _is_package(module) else module.rsplit(".", 1)[0]
 
 
-def private_reads(source: str, module: str, modules: set[str]) -> list[str]:
+def private_reads(tree: ast.Module, module: str, modules: set[str]) -> list[str]:
     """``from <other package> import _name`` and ``<alias of another package's module>._name``."""
     found: list[str] = []
     aliases: dict[str, str] = {}
     own = _unit(module)
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             base = _resolve(module, node.level, node.module) if node.level else (node.module or "")
             for alias in node.names:
@@ -162,7 +174,7 @@ def private_reads(source: str, module: str, modules: set[str]) -> list[str]:
             for alias in node.names:
                 if alias.name in modules and alias.asname:
                     aliases[alias.asname] = alias.name
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and _private(node.attr):
             target = aliases.get(node.value.id)
             if target is not None and _unit(target) != own:
@@ -177,16 +189,15 @@ def _private(name: str) -> bool:
 def test_no_module_reads_another_packages_private_names():
     # A package's private names are its own: another package goes through a public function
     # (the shadow step finds the watches to quiet with ``nbguard.watcher.core.lifecycle.attached_watches``).
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    found = [hit for name, path in sorted(modules.items())
-             for hit in private_reads(path.read_text(encoding="utf-8"), name, set(modules))]
+    modules = _parsed()
+    found = [hit for name, (_, tree) in sorted(modules.items()) for hit in private_reads(tree, name, set(modules))]
     assert found == []
 
 
 def test_the_private_name_check_finds_planted_reads():
     modules = {"nbguard.fixes", "nbguard.fixes.model_fixes", "nbguard.verifier", "nbguard.verifier.engine"}
     source = "from ..fixes.model_fixes import _configs, configs\nfrom ..fixes import model_fixes as mf\nmf._x\n"
-    assert private_reads(source, "nbguard.verifier.engine", modules) == [
+    assert private_reads(ast.parse(source), "nbguard.verifier.engine", modules) == [
         "nbguard.verifier.engine: from nbguard.fixes.model_fixes import _configs",
         "nbguard.verifier.engine: mf._x (nbguard.fixes.model_fixes)"]
-    assert private_reads("from .model_fixes import _configs\n", "nbguard.fixes", modules) == []
+    assert private_reads(ast.parse("from .model_fixes import _configs\n"), "nbguard.fixes", modules) == []
