@@ -3,6 +3,7 @@ skipped by the fused optimizer's own ``found_inf``, and the numbers are judged a
 is checked against the host-read watch and an unwatched twin of the same seed."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -106,17 +107,30 @@ def test_warn_reports_the_step_late_and_says_why_it_did_not_replay():
     assert "read a step late" in event.evidence["not_replayed"]
 
 
-def test_a_divergence_found_a_step_late_is_at_its_step_and_drops_the_update_then_pending():
-    """A finite update a detector drops under skip was applied before its numbers reached the host: the
-    event says so, and the next update (computed from what it left) is the one dropped."""
-    _, host = _train(read="host", policy="skip", spike_at=8, steps=12)
-    _, watch = _train(read="deferred", policy="skip", spike_at=8, steps=12)
-    host.detach()
-    watch.detach()
-    assert [(e.kind, e.step) for e in watch.events] == [(e.kind, e.step) for e in host.events] == [("divergence", 8)]
-    assert host.events[0].evidence["update_dropped"] is True
-    assert watch.events[0].evidence["update_dropped"] is False and watch.events[0].evidence["next_update_dropped"]
-    assert watch.history.skipped_steps == []  # (the dropped next update is not a skipped step: its gradients went)
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_a_divergence_is_dropped_on_the_device_at_its_step_as_the_host_mode_drops_it(policy):
+    """The explosion test of the step in flight runs on the device, against the bounds the steps judged so far
+    set: the exploded update is skipped by the fused AdamW before it is applied, as the host mode drops it."""
+    host_kept: list = []
+    kept: list = []
+    with _stopping(policy):
+        host_model, host = _train(read="host", policy=policy, spike_at=8, steps=12, keep=host_kept)
+    with _stopping(policy):
+        model, watch = _train(read="deferred", policy=policy, spike_at=8, steps=12, keep=kept)
+    host_model, model = host_kept[0], kept[0]
+    assert _same(model, host_model)  # weights, and (under skip) every later step's, bit for bit
+    if policy == "skip":
+        host.detach()
+        watch.detach()
+        assert [(e.kind, e.step) for e in watch.events] == [(e.kind, e.step) for e in host.events] \
+            == [("divergence", 8)]
+        assert watch.events[0].evidence["update_dropped"] is True
+        assert "next_update_dropped" not in watch.events[0].evidence
+        assert watch.history.skipped_steps == host.history.skipped_steps == [8]
+
+
+def _stopping(policy: str):
+    return pytest.raises(nbguard.NonFiniteError, match="step 8") if policy == "stop" else contextlib.nullcontext()
 
 
 def test_a_policy_that_drops_updates_without_a_device_skip_reads_on_the_host_and_says_so():

@@ -6,8 +6,8 @@ step once: before its update where the watch checks updates (``before_update``: 
 is then dropped under policy skip/stop, like a non-finite one), else at its end (``update``); the
 trainer's logged metrics through ``on_log``. A watch component (section ``run_checks`` of
 ``WatchConfig``, ``enabled``); it judges after every other component, and its attach/detach put TRL's
-reward-function taps on and off. Nothing here touches the device. Their verdicts are this rank's own,
-so across ranks they only report.
+reward-function taps on and off. Nothing here touches the device but ``drops_on_device`` (read a step
+late). Their verdicts are this rank's own, so across ranks they only report.
 """
 from __future__ import annotations
 
@@ -15,12 +15,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ...findings import EVENT_KIND_REGISTRY, Event
 from ...introspect.trl import GENERATING, PREFERENCE, trl_stack
 from ..core.context import WatchContext
 from ..core.pipeline import StepView, WatchComponent
 from ..core.registry import ComponentSetup, register_component
 from ..detectors.divergence import RUN_FIXES, RunHealth
+from ..detectors.divergence_device import explodes_on_device
 from ..detectors.rl import KIND_FIXES, Found, TRLChecks
 
 # kind -> one line for the reference table of event kinds
@@ -74,6 +77,12 @@ class RunChecks(WatchComponent):
 
     def before_update(self, view: StepView) -> list[Event]:
         return self.update(view)
+
+    def drops_on_device(self, total: torch.Tensor, loss: torch.Tensor | None) -> torch.Tensor | None:
+        """Read a step late: the divergence test of the step in flight, on the device, against the bounds the
+        steps judged so far set (a climb or a dead run spans steps: judged late, the next update dropped)."""
+        bounds = self.health.divergence.bounds()
+        return explodes_on_device(total, loss, bounds) if bounds is not None else None
 
     def drops_update(self, event: Event) -> bool:
         """An exploded (finite) update is dropped like a non-finite one: the weights stay the last good ones. So

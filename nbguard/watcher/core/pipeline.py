@@ -163,6 +163,12 @@ class WatchComponent:
         before the optimizer moves (not under an enabled GradScaler, which decides itself)."""
         return []
 
+    def drops_on_device(self, total: torch.Tensor, loss: torch.Tensor | None) -> torch.Tensor | None:
+        """``read="deferred"`` under a policy that drops updates: whether ``before_update`` will drop this step's
+        update, decided now from its total gradient norm and loss (0-d device tensors) as a 0-d bool device tensor
+        (no host read), so the update is dropped on the device before it is applied. None: no opinion."""
+        return None
+
     def drops_update(self, event: Event) -> bool:
         """Whether ``event`` (one ``before_update`` returned) drops the update under policy skip or stop;
         the event then carries ``update_dropped: True``, and under stop training ends."""
@@ -198,6 +204,7 @@ def check_detector(detector: Any) -> Detector:
 # base's methods do nothing), so a step pays for the components it has, not for the protocol
 _HOOKS = ("attach", "detach", "on_forward_start", "on_train_begin", "on_train_end", "before_optimizer_step",
           "after_optimizer_step", "step_payload", "scalars", "on_micro_batch", "update", "before_update", "on_log", "reset_step",
+          "drops_on_device",
           "rewound")
 
 
@@ -315,6 +322,15 @@ class DetectorBoard:
                 emit(detector, event)
                 found.append((detector, event))
         return found
+
+    def drops_on_device(self, total: torch.Tensor, loss: torch.Tensor | None) -> torch.Tensor | None:
+        """Whether any component's ``before_update`` will drop this update, as a device flag (None: none can)."""
+        verdict = None
+        for _, drops in self._by_hook["drops_on_device"]:
+            flag = drops(total, loss)
+            if flag is not None:
+                verdict = flag if verdict is None else verdict | flag
+        return verdict
 
     def reset_step(self) -> None:
         self._asked = []

@@ -112,6 +112,7 @@ class WatchRecord(ABC):
     _late: bool
     _judging_late: bool
     _replay_trusted: bool  # False: the judged step's bad update was applied (no replay on what it changed)
+    _exploded_on_device: bool  # the judged step's finite update was dropped on the device as a divergence
     _device_skip: Any
     _mirror: Any
 

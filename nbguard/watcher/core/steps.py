@@ -30,7 +30,7 @@ from ..integrations.loop import step_closure, then_after_first_call, with_closur
 from ..policy.policies import drop_update, training_stopper, update_dropper
 from ..reads.activations import host_values
 from ..reads.deferred import ParkedStep, finite_flag, unavailable
-from ..reads.sentinel import StepStats
+from ..reads.sentinel import Gathered, StepStats
 from .guard import watch_hook
 from .pipeline import Detector, DetectorBoard, StepView
 from .record import WatchRecord
@@ -290,16 +290,28 @@ class WatchSteps(WatchRecord):
         if gathered.vector is None:
             return
         self._gathered = gathered
+        exploded = None
         if self.policy in ("skip", "stop", "rewind") and self.active:
-            self._device_skip.arm(self.optimizer, finite_flag(gathered.vector, gathered.n_checked))
-        self._mirror.start(gathered.vector)
+            exploded = self._explodes_on_device(gathered)
+            self._device_skip.arm(self.optimizer, finite_flag(gathered.vector, gathered.n_checked), exploded)
+        # (the device's divergence verdict travels with the numbers: the late judgement knows what it dropped)
+        self._mirror.start(gathered.vector, exploded)
+
+    def _explodes_on_device(self, gathered: Gathered) -> torch.Tensor | None:
+        """Whether a component will drop this finite update (a divergence), judged now on the device."""
+        vector = gathered.vector
+        if vector is None or not gathered.n_norms:
+            return None
+        total = torch.linalg.vector_norm(vector[:gathered.n_norms])
+        return self._board.drops_on_device(total, vector[gathered.n_norms] if gathered.has_loss else None)
 
     def _park_step(self) -> None:
         """The optimizer moved: this step waits for its numbers; the watch is free for the next one."""
         gathered, self._gathered = self._gathered, None
         self._parked = ParkedStep(gathered, self._micro_batches, self._losses, self._backward_roots,
                                   self._optimizer_stepped,
-                                  skipped_on_device=self.policy in ("skip", "stop", "rewind") and self.active)
+                                  skipped_on_device=self.policy in ("skip", "stop", "rewind") and self.active,
+                                  judged_on_device=self._mirror.carries_verdict)
         self._micro_batches, self._losses, self._backward_roots = [], [], []
         self._stats = self._step_view = None
         self._optimizer_stepped = self._step_dropped = self._forward_open = False
@@ -320,7 +332,9 @@ class WatchSteps(WatchRecord):
             return
         current = (self._micro_batches, self._losses, self._backward_roots, self._stats, self._step_view,
                    self._optimizer_stepped, self._step_dropped)
-        stats = self._collector.decode(parked.gathered, self._mirror.values(), rereads=False)
+        values = self._mirror.values()
+        exploded = parked.judged_on_device and values.pop() > 0  # the device dropped this finite update
+        stats = self._collector.decode(parked.gathered, values, rereads=False)
         self._micro_batches, self._losses, self._backward_roots = parked.micro_batches, parked.losses, \
             parked.backward_roots
         self._stats, self._step_view, self._optimizer_stepped = stats, None, parked.optimizer_stepped
@@ -328,12 +342,14 @@ class WatchSteps(WatchRecord):
         self._step_dropped = bad and parked.skipped_on_device
         # where the bad update was applied (warn), a replay would run on the weights it changed
         self._replay_trusted = not bad or parked.skipped_on_device
-        self._judging_late = True
+        self._judging_late, self._exploded_on_device = True, exploded
         try:
             self._check_update(stats)
+            # (where the host's fp64 judgement fell a rounding short of the device's bound, no event drops it)
+            self._step_dropped = self._step_dropped or exploded
             self._end_step(skipped=self._step_dropped)
         finally:
-            self._judging_late, self._replay_trusted = False, True
+            self._judging_late, self._replay_trusted, self._exploded_on_device = False, True, False
             (self._micro_batches, self._losses, self._backward_roots, self._stats, self._step_view,
              self._optimizer_stepped, self._step_dropped) = current
             queued, self._queued_micro_batches = self._queued_micro_batches, []
@@ -422,11 +438,14 @@ class WatchSteps(WatchRecord):
                                  across_ranks=self._ranks is not None)
         if dropper is None:
             return
-        if self._judging_late:  # its update was applied before the numbers reached the host
+        if self._judging_late and not self._exploded_on_device:  # applied before the numbers reached the host
             dropper.evidence["update_dropped"] = False
             self._drop_pending_update(dropper)
         else:
-            drop_update(self.optimizer, self.model)
+            if not self._judging_late:
+                drop_update(self.optimizer, self.model)
+            elif self.policy in ("stop", "rewind"):  # dropped on the device; the update now pending is void too
+                self._drop_pending_update(dropper)
             self._step_dropped = True
             dropper.evidence["update_dropped"] = True
         if self.policy == "stop":

@@ -175,6 +175,7 @@ class NanWatch(WatchLifecycle, Displayable):
         self._late_for: Any = ()  # the optimizer the mode was decided for (none yet)
         self._late = False
         self._judging_late = False
+        self._exploded_on_device = False
         self._replay_trusted = True
         self._device_skip = DeviceSkip()
         self._mirror = HostMirror()

@@ -73,6 +73,23 @@ def log_norm(value: float | None) -> float | None:
     return math.log10(value)
 
 
+@dataclass(frozen=True)
+class JumpBounds:
+    """``DivergenceDetector.update``'s test of the next step, as numbers (``DivergenceDetector.bounds``): it
+    explodes where its log10 norm is above ``level`` by more than ``limit`` (``limit_falling`` while the loss
+    is below ``loss_median``), or by more than ``rising`` while the loss is past ``rising_loss_factor`` x
+    ``loss_median``, or ``ramp_decades`` above the trail's lowest ``ramp[0]`` while the loss is past
+    ``ramp_loss_factor`` x the loss then (``ramp[1]``). A None part cannot fire yet."""
+
+    level: float | None
+    limit: float | None
+    limit_falling: float | None
+    loss_median: float | None
+    rising: float | None
+    ramp: tuple[float, float] | None
+    settings: DivergenceSettings
+
+
 class DivergenceDetector:
     """Judges each step's total gradient norm against the recent healthy steps (log scale).
 
@@ -107,6 +124,24 @@ class DivergenceDetector:
             return max(s.early_decades, s.falling_loss_decades) if loss_falling else s.early_decades
         floor = max(s.min_decades, s.falling_loss_decades) if loss_falling else s.min_decades
         return max(floor, self.baseline.noise_bound(s.robust_z))
+
+    def bounds(self) -> JumpBounds | None:
+        """What ``update`` will compare the next step with, as plain numbers: the run so far decides them, so
+        the step in flight can be judged on the device before its numbers reach the host (``read="deferred"``).
+        None: the next step cannot start a new explosion (one is under way)."""
+        if self.exploding:
+            return None
+        s = self.settings
+        level = self.level()
+        limit, falling = self.threshold(), self.threshold(loss_falling=True)
+        rising = s.rising_loss_decades if level is not None and len(self.baseline) >= s.early_steps else None
+        ramp = None
+        if self.trail:
+            _, low, low_loss = min(self.trail, key=lambda t: t[1])
+            if low_loss is not None and math.isfinite(low_loss) and low_loss > 0:
+                ramp = (low, low_loss)
+        return JumpBounds(level, limit, falling, statistics.median(self.recent_loss) if self.recent_loss else None,
+                          rising, ramp, s)
 
     def update(self, step: int, loss: float | None, total: float, groups: Sequence[str],
                norms: Sequence[float], overflow: dict[str, Any] | None = None) -> dict[str, Any] | None:

@@ -6,7 +6,8 @@ CPU may not let the optimizer update until it has the verdict. Here the verdict 
 - ``finite_flag``: whether the step's norms and loss are finite, a 0-d tensor (no host read);
 - ``DeviceSkip``: torch's fused Adam, AdamW and SGD skip their update when ``optimizer.found_inf`` is
   non-zero (the contract GradScaler uses), so a non-finite update is dropped on the device, moments
-  and step count untouched;
+  and step count untouched; so is an exploded one (a divergence: the detectors' bounds, set by the steps
+  judged so far, compared on the device: ``WatchComponent.drops_on_device``);
 - ``HostMirror``: the step's gathered numbers are copied into a host buffer without waiting
   (pinned memory, ``non_blocking``, an event recorded after the copy) and read at the next step,
   when the copy has long landed. Events, localisation, detectors and trackers run one step late;
@@ -59,10 +60,12 @@ class DeviceSkip:
     def __init__(self) -> None:
         self._armed: Any = None
 
-    def arm(self, optimizer: Any, finite: torch.Tensor) -> None:
+    def arm(self, optimizer: Any, finite: torch.Tensor, exploded: torch.Tensor | None = None) -> None:
+        """``exploded``: a device flag for a finite update a detector drops (a divergence): skipped alike."""
         self.disarm()
         optimizer.grad_scale = None
-        optimizer.found_inf = 1.0 - finite  # what GradScaler hands fused steps: non-zero skips
+        found_inf = 1.0 - finite  # what GradScaler hands fused steps: non-zero skips
+        optimizer.found_inf = found_inf if exploded is None else torch.maximum(found_inf, exploded.float())
         self._armed = optimizer
 
     def disarm(self) -> None:
@@ -80,16 +83,21 @@ class HostMirror:
         self._buffer: torch.Tensor | None = None
         self._event: Any = None
         self._size = 0
+        self.carries_verdict = False  # the last start copied a device verdict after the vector
 
-    def start(self, vector: torch.Tensor) -> None:
-        size = vector.numel()
+    def start(self, vector: torch.Tensor, verdict: torch.Tensor | None = None) -> None:
+        """``verdict``: a 0-d device flag copied after the vector (``values()`` ends with it)."""
+        size = vector.numel() + (verdict is not None)
         buffer = self._buffer
         if buffer is None or buffer.numel() < size:
             # pinned where the vector is on a GPU: only then does a non_blocking copy not wait
             buffer = self._buffer = torch.empty(max(size, 16), dtype=torch.float32,
                                                 pin_memory=vector.is_cuda)
-        buffer[:size].copy_(vector, non_blocking=True)
+        buffer[:vector.numel()].copy_(vector, non_blocking=True)
+        if verdict is not None:
+            buffer[size - 1:size].copy_(verdict.reshape(1), non_blocking=True)
         self._size = size
+        self.carries_verdict = verdict is not None
         if vector.is_cuda:
             self._event = torch.cuda.Event()
             self._event.record()
@@ -116,10 +124,11 @@ class ParkedStep:
     late judgement needs (its micro-batches for the replay, its losses, how its read is laid out)."""
 
     def __init__(self, gathered: Any, micro_batches: list, losses: list, backward_roots: list,
-                 optimizer_stepped: bool, skipped_on_device: bool):
+                 optimizer_stepped: bool, skipped_on_device: bool, judged_on_device: bool = False):
         self.gathered = gathered
         self.micro_batches = micro_batches
         self.losses = losses
         self.backward_roots = backward_roots
         self.optimizer_stepped = optimizer_stepped
         self.skipped_on_device = skipped_on_device  # a non-finite update was dropped by the device skip
+        self.judged_on_device = judged_on_device  # its mirrored values end with the device's divergence verdict
