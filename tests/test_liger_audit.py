@@ -64,27 +64,6 @@ def test_a_model_patched_by_liger_is_predicted_and_train_really_crashes_as_said(
     assert result["crash"].startswith("0 active drivers")
 
 
-@pytest.mark.slow  # a child process: Liger patches transformers' modules for good
-def test_the_interpreter_set_before_triton_makes_the_rule_quiet_and_train_runs():
-    """Only the fused loss is applied: Liger's RMSNorm kernel does not run in Triton 3.9's interpreter."""
-    result = run_child("""
-        import nbguard
-        from transformers import Trainer, TrainingArguments
-        from nbguard.introspect.liger import triton_state
-        from nbguard.testing import tiny_llama, TinyDataset
-        args = TrainingArguments(output_dir="/tmp/nbguard-liger-audit", use_liger_kernel=True, use_cpu=True,
-                                 liger_kernel_config={"rms_norm": False, "swiglu": False, "rope": False},
-                                 per_device_train_batch_size=2, report_to=[], max_steps=1, save_strategy="no")
-        trainer = Trainer(model=tiny_llama(), args=args, train_dataset=TinyDataset(rows=2))
-        rules = sorted(nbguard.audit(trainer=trainer).rules)
-        trainer.train()
-        emit({"rules": rules, "triton": triton_state().to_dict(), "loss": trainer.state.log_history[-1]["train_loss"]})
-    """, interpret=True)
-    assert NO_DRIVER not in result["rules"]
-    assert result["triton"]["triton_interpret"] is True and result["triton"]["active_drivers"] == []
-    assert 0 < result["loss"] < 10  # Liger's fused loss really ran, in the interpreter
-
-
 def test_the_interpreter_set_after_liger_kernels_were_defined_does_not_count(monkeypatch):
     """Triton reads TRITON_INTERPRET when a kernel is defined: set after liger_kernel's import it changes nothing."""
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # noqa: F401  (defines the kernels)

@@ -6,12 +6,15 @@ hidden states that entered the fused loss and the fused kernel that read it, not
 Liger's kernels run for real on CPU in Triton's interpreter (TRITON_INTERPRET=1 in a child process).
 Only the fused loss is applied: Liger's RMSNorm kernel does not run in Triton 3.9's interpreter
 (InterpreterError "'float' object has no attribute 'to'"), and the fused loss is what this is about.
+The audit's own check of a run in the interpreter shares the child (a fresh Python's imports are most of its time).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 from liger_helpers import needs_liger, run_child
+
+NO_DRIVER = "liger-no-triton-driver"
 
 if torch.cuda.is_available():
     pytest.skip("runs Liger's kernels in Triton's CPU interpreter", allow_module_level=True)
@@ -40,18 +43,35 @@ _RUN = """
         jsonschema.Draft202012Validator(schema()).validate(encode_document(watch.to_document()))
         return {"message": event.message, "cause": event.cause, "origin": event.origins[0].to_dict()}
 
-    plain = first_event()
+    def audited_and_trained():  # a healthy run: what the audit says in the interpreter, and that train() runs
+        from nbguard.introspect.liger import triton_state
+        args = TrainingArguments(output_dir="/tmp/nbguard-liger-audit", use_liger_kernel=True, use_cpu=True,
+                                 liger_kernel_config=only_fused_loss,
+                                 per_device_train_batch_size=2, report_to=[], max_steps=1, save_strategy="no")
+        trainer = Trainer(model=tiny_llama(), args=args, train_dataset=TinyDataset(rows=2))
+        rules = sorted(nbguard.audit(trainer=trainer).rules)
+        trainer.train()
+        return {"rules": rules, "triton": triton_state().to_dict(),
+                "loss": trainer.state.log_history[-1]["train_loss"]}
+
     only_fused_loss = {"rms_norm": False, "swiglu": False, "rope": False}
+    audited = audited_and_trained()  # first: nothing else ran Liger's kernels in this process yet
+    plain = first_event()
     fused = first_event(use_liger_kernel=True, liger_kernel_config=only_fused_loss)
     peft = first_event(peft=True, use_liger_kernel=True, liger_kernel_config=only_fused_loss)
-    emit({"plain": plain, "fused": fused, "peft": peft})
+    emit({"plain": plain, "fused": fused, "peft": peft, "audited": audited})
 """
 
 
-@pytest.mark.slow  # a child process: Liger patches transformers' modules for good
-def test_an_inf_in_lm_head_read_by_liger_fused_loss_is_named_in_lm_head():
+@pytest.fixture(scope="module")
+def interpreted():
     needs_liger()
-    result = run_child(_RUN, interpret=True)
+    return run_child(_RUN, interpret=True)
+
+
+@pytest.mark.slow  # a child process: Liger patches transformers' modules for good
+def test_an_inf_in_lm_head_read_by_liger_fused_loss_is_named_in_lm_head(interpreted):
+    result = interpreted
     plain, fused = result["plain"], result["fused"]
     # without Liger: lm_head runs as a module and its weight is named
     assert (plain["cause"], plain["origin"]["module"], plain["origin"]["tensor"]) == (
@@ -72,3 +92,12 @@ def test_an_inf_in_lm_head_read_by_liger_fused_loss_is_named_in_lm_head():
     assert (peft["cause"], peft["origin"]["module"], peft["origin"]["tensor"]) == (
         "nonfinite-parameter", "base_model.model.lm_head", "modules_to_save.default.weight")
     assert "Liger's fused linear cross-entropy" in peft["message"]
+
+
+@pytest.mark.slow  # a child process: Liger patches transformers' modules for good
+def test_the_interpreter_set_before_triton_makes_the_rule_quiet_and_train_runs(interpreted):
+    """Only the fused loss is applied: Liger's RMSNorm kernel does not run in Triton 3.9's interpreter."""
+    result = interpreted["audited"]
+    assert NO_DRIVER not in result["rules"]
+    assert result["triton"]["triton_interpret"] is True and result["triton"]["active_drivers"] == []
+    assert 0 < result["loss"] < 10  # Liger's fused loss really ran, in the interpreter
