@@ -230,22 +230,28 @@ def test_the_callback_refuses_what_it_sets_itself():
 
 
 # ---- Fabric: the user's own loop; the watch goes on the module and optimizer Fabric set up --------------------
-def _fabric_run(watched, plant_at=None, policy="warn", steps=12):
+def _fabric_run(watched, plant_at=None, policy="warn", steps=12, spike=None, lr=1e-2, **watch_options):
+    """``spike``: a LambdaLR schedule puts the LR at that value for steps 20-22 (a bad schedule), then back."""
     from lightning.fabric import Fabric
 
     torch.manual_seed(0)
     fabric = Fabric(accelerator="cpu", devices=1)
     net = Net()
-    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    raw = torch.optim.AdamW(net.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(raw, lambda s: spike / lr if spike and 20 <= s < 23 else 1.0)
+    model, optimizer = fabric.setup(net, raw)
     loader = fabric.setup_dataloaders(_data(), move_to_device=True)
-    watch = nbguard.watch(net, optimizer=optimizer, policy=policy, log_to=None, verify=False) if watched else None
+    watch = nbguard.watch(net, optimizer=optimizer, scheduler=scheduler, policy=policy, log_to=None, verify=False,
+                          **watch_options) if watched else None
     losses = []
-    for step, (x, y) in zip(range(steps), loader):
+    batches = (batch for _ in range(steps) for batch in loader)  # epoch after epoch
+    for step, (x, y) in zip(range(steps), batches):
         hook = net.b.register_forward_hook(lambda m, a, out: out * float("nan")) if step == plant_at else None
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)  # computed outside the model, as Fabric loops do
         fabric.backward(loss)
         optimizer.step()
+        scheduler.step()
         losses.append(float(loss.detach()))
         if hook is not None:
             hook.remove()
@@ -266,3 +272,22 @@ def test_fabric_nan_is_caught_at_its_step_in_its_module_and_skipped():
     bad = [e for e in watch.events if e.kind.startswith("nonfinite")]
     assert [(e.kind, e.step, e.origins[0].module) for e in bad] == [("nonfinite-loss", 4, "b")]
     assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
+def test_fabric_lr_blow_up_is_caught_as_divergence_and_rewind_brings_the_loop_back():
+    # three epochs, each loss the mean of the last one (this data's batches differ in loss by up to 5x); AdamW at 3e-2:
+    # after the spike's two rewinds the LR is a quarter of it, and at a quarter of 1e-2 the loop has not
+    # converged by the end (rewound 3.86 vs healthy 0.47)
+    steps, final = 90, lambda losses: sum(losses[-30:]) / 30  # noqa: E731
+    _, _, healthy = _fabric_run(watched=False, steps=steps, lr=3e-2)
+    _, _, ruined = _fabric_run(watched=False, steps=steps, lr=3e-2, spike=3.0)
+    net, watch, rewound = _fabric_run(watched=True, steps=steps, lr=3e-2, spike=3.0, policy="rewind",
+                                      rewind=RewindSettings(every=5))
+    assert not math.isfinite(final(ruined)) or final(ruined) > 1.25 * final(healthy)
+    assert math.isfinite(final(rewound)) and abs(final(rewound) - final(healthy)) <= 0.25 * final(healthy)
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+    diverged = [e.step for e in watch.events if e.kind == "divergence"]
+    assert diverged and 20 <= diverged[0] <= 23 and not [e for e in watch.events if e.step < 20]
+    rewinds = [e for e in watch.events if e.kind == "rewind"]
+    assert rewinds and all(e.evidence["restored"] and e.evidence["restored_after_step"] <= 19 for e in rewinds)
+    assert len(rewound) == steps  # the loop's own count moves on: the batches in between were dropped

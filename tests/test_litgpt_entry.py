@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import nbguard
+from nbguard.watcher import RewindSettings
 
 pytestmark = pytest.mark.litgpt
 pytest.importorskip("litgpt")
@@ -24,6 +25,7 @@ from lightning.fabric.loggers import Logger  # noqa: E402
 from litgpt.args import EvalArgs, TrainArgs  # noqa: E402
 from litgpt.data import JSON  # noqa: E402
 from litgpt.lora import GPT, Config, mark_only_lora_as_trainable  # noqa: E402
+from litgpt.prompts import Default  # noqa: E402
 from litgpt.tokenizer import Tokenizer  # noqa: E402
 from litgpt.utils import instantiate_torch_optimizer, load_checkpoint  # noqa: E402
 
@@ -91,12 +93,24 @@ def _write_data(path):
     path.write_text(json.dumps(rows))
 
 
+def _write_levelling_data(path):
+    """Rows whose answer is three random words for one fixed prompt: the loss levels off at the words' own
+    entropy, as a fine-tune's does at its data's, instead of falling for as long as the run lasts (the rows of
+    ``_write_data`` never reach the model: litgpt's Alpaca template, spelled out character by character by this
+    tokenizer, fills the 64 tokens, and the run memorises that one string to the end)."""
+    g = torch.Generator().manual_seed(11)
+    rows = [{"instruction": "say three words", "input": "",
+             "output": " ".join(WORDS[i] for i in torch.randint(len(WORDS), (3,), generator=g))} for _ in range(48)]
+    path.write_text(json.dumps(rows))
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("litgpt")
     (root / "checkpoint").mkdir()
     vocab_size = _write_checkpoint_dir(root / "checkpoint")
     _write_data(root / "data.json")
+    _write_levelling_data(root / "levelling.json")
     return root, vocab_size
 
 
@@ -124,18 +138,21 @@ class StepFaults:
                 group["lr"] = group["lr"] * 1000 if inside else group["lr"] / 1000
 
 
-def _finetune(workdir, watched, nan_at=None, spike_from=None, **watch_options):
+def _finetune(workdir, watched, nan_at=None, spike_from=None, steps=STEPS, lr=2e-2, levelling=False, **watch_options):
     """litgpt's ``main`` up to ``fit`` (the same calls, in its order), the watch attached after Fabric's setup,
-    then litgpt's ``fit``. Returns the user's GPT, what ``fit`` logged, the losses it trained on, the watch."""
+    then litgpt's ``fit``. Returns the user's GPT, what ``fit`` logged, the scheduler, the watch. ``levelling``:
+    the rows of ``_write_levelling_data``, the prompt as written (litgpt's ``Default`` style) and masked."""
     root, vocab_size = workdir
     checkpoint_dir = root / "checkpoint"
     logger = RecordingLogger()
     fabric = Fabric(accelerator="cpu", devices=1, precision="32-true", loggers=[logger])
     train = TrainArgs(save_interval=None, log_interval=1, global_batch_size=2, micro_batch_size=2, lr_warmup_steps=2,
-                      epochs=1000, max_steps=STEPS, max_seq_length=64)
+                      epochs=1000, max_steps=steps, max_seq_length=64)
     eval_args = EvalArgs(interval=10**6, max_new_tokens=4, max_iters=1, initial_validation=False,
                          final_validation=False)
-    data = JSON(json_path=root / "data.json", val_split_fraction=0.125, num_workers=0)
+    data = JSON(json_path=root / "levelling.json", val_split_fraction=0.125, num_workers=0, prompt_style=Default(),
+                mask_prompt=True) if levelling else \
+        JSON(json_path=root / "data.json", val_split_fraction=0.125, num_workers=0)
 
     tokenizer = Tokenizer(checkpoint_dir)
     train_loader, val_loader = lora_script.get_dataloaders(fabric, data, tokenizer, train)
@@ -144,10 +161,10 @@ def _finetune(workdir, watched, nan_at=None, spike_from=None, **watch_options):
         gpt = GPT(_config(vocab_size))
     mark_only_lora_as_trainable(gpt)
     model = fabric.setup_module(gpt)
-    optimizer = instantiate_torch_optimizer({"class_path": "torch.optim.AdamW", "init_args": {"lr": 2e-2}},
+    optimizer = instantiate_torch_optimizer({"class_path": "torch.optim.AdamW", "init_args": {"lr": lr}},
                                             model.parameters())
     optimizer = fabric.setup_optimizers(optimizer)
-    scheduler = lora_script.get_lr_scheduler(optimizer, warmup_steps=train.lr_warmup_steps, max_steps=STEPS)
+    scheduler = lora_script.get_lr_scheduler(optimizer, warmup_steps=train.lr_warmup_steps, max_steps=steps)
     load_checkpoint(fabric, model, checkpoint_dir / "lit_model.pth", strict=False)
     StepFaults(gpt, optimizer, scheduler, nan_at=nan_at, spike_from=spike_from)
 
@@ -190,3 +207,30 @@ def test_an_lr_blow_up_in_a_litgpt_finetune_is_caught_as_divergence(workdir):
     assert diverged and 15 <= diverged[0] <= 18
     assert not [e for e in watch.events if e.step < 15]
     assert logged[-1]["step"] == STEPS
+
+
+def _final_loss(logged):
+    return sum(m["loss"] for m in logged[-10:]) / 10
+
+
+def test_rewind_brings_an_lr_blow_up_in_a_litgpt_finetune_back_to_the_healthy_runs_loss(workdir):
+    # The same blow-up (LR x1000 for optimizer steps 15-17, then the schedule's own LR again), in a run a rescue can
+    # be measured on. In the 30-step run above nothing could bring the final loss within 25% of the healthy twin's:
+    # the run memorises one string until its cosine schedule reaches 0 at step 30, so every step lost costs final
+    # loss (rewound 2.68 vs healthy 1.87; with no LR cut at all, 2.45). Here the loss levels off, as a fine-tune's
+    # does, and there are steps after the blow-up to get there. Snapshots every 5 steps: the default 50 is longer
+    # than this run, which leaves only the state before the first step to go back to (rewound 3.91 vs 1.91).
+    levelling = {"steps": 60, "lr": 3e-2, "levelling": True}
+    _, healthy, healthy_scheduler, _ = _finetune(workdir, watched=False, **levelling)
+    _, ruined, _, _ = _finetune(workdir, watched=False, spike_from=15, **levelling)
+    gpt, logged, scheduler, watch = _finetune(workdir, watched=True, spike_from=15, policy="rewind",
+                                              rewind=RewindSettings(every=5), **levelling)
+    assert _final_loss(ruined) > 1.25 * _final_loss(healthy)  # the ground truth: unwatched, the blow-up ruins it
+    assert abs(_final_loss(logged) - _final_loss(healthy)) <= 0.25 * _final_loss(healthy)
+    assert all(torch.isfinite(p).all() for p in gpt.parameters())
+    rewinds = [e for e in watch.events if e.kind == "rewind"]
+    assert [e.evidence["trigger"] for e in rewinds][:1] == ["divergence"]
+    assert all(e.evidence["restored"] and e.evidence["restored_after_step"] <= 14 for e in rewinds)  # before 15
+    # litgpt's own counters move on as in the healthy run: the batches in between were dropped, not replayed
+    assert [(m["step"], m["iter"]) for m in logged] == [(m["step"], m["iter"]) for m in healthy]
+    assert scheduler.last_epoch == healthy_scheduler.last_epoch == 60

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import nbguard
+from nbguard.watcher import RewindSettings
 
 pytestmark = pytest.mark.torchtune
 pytest.importorskip("torchtune")
@@ -51,6 +52,11 @@ def _write_files(root):
         words = " ".join(WORDS[i] for i in torch.randint(len(WORDS), (3,), generator=g))
         rows.append({"instruction": "repeat", "input": words, "output": words})
     (root / "data.json").write_text(json.dumps(rows))
+    # three random words for one fixed prompt: the loss levels off at the words' own entropy, as a fine-tune's does
+    # at its data's (the rows above are learned by heart, and their loss falls for as long as the run lasts)
+    said = [{"input": "say three words", "output": " ".join(WORDS[i] for i in torch.randint(len(WORDS), (3,), generator=g))}
+            for _ in range(64)]
+    (root / "levelling.json").write_text(json.dumps(said))
     corpus = [f"{r['instruction']} {r['input']} Below is an instruction Response Input" for r in rows]
     spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus), model_prefix=str(root / "tokenizer"),
                                    vocab_size=MODEL["vocab_size"], model_type="bpe", character_coverage=1.0,
@@ -67,10 +73,16 @@ def workdir(tmp_path_factory):
     return root
 
 
-def _config(root, out):
+def _config(root, out, epochs=1, lr=2e-2, levelling=False):
+    """``levelling``: the rows of ``levelling.json`` through ``instruct_dataset``, the prompt masked (through
+    ``alpaca_dataset`` every label was masked, the loss NaN: its template, in this 128-token vocabulary, leaves
+    no room for the answer in 64 tokens)."""
+    data = {"_component_": "torchtune.datasets.instruct_dataset", "data_files": str(root / "levelling.json"),
+            "train_on_input": False} if levelling else \
+        {"_component_": "torchtune.datasets.alpaca_dataset", "data_files": str(root / "data.json")}
     return OmegaConf.create({
         "output_dir": str(out), "device": "cpu", "dtype": "fp32", "seed": 0, "shuffle": True, "batch_size": 2,
-        "epochs": 1, "max_steps_per_epoch": STEPS, "gradient_accumulation_steps": 1, "clip_grad_norm": None,
+        "epochs": epochs, "max_steps_per_epoch": STEPS, "gradient_accumulation_steps": 1, "clip_grad_norm": None,
         "compile": False, "resume_from_checkpoint": False, "save_adapter_weights_only": True,
         "enable_activation_checkpointing": False, "enable_activation_offloading": False, "log_every_n_steps": 1,
         "model": {"_component_": "torchtune.models.llama2.lora_llama2", **MODEL,
@@ -81,9 +93,8 @@ def _config(root, out):
         "checkpointer": {"_component_": "torchtune.training.FullModelTorchTuneCheckpointer",
                          "checkpoint_dir": str(root), "checkpoint_files": ["base.pt"], "output_dir": str(out),
                          "model_type": "LLAMA2"},
-        "dataset": {"_component_": "torchtune.datasets.alpaca_dataset", "source": "json",
-                    "data_files": str(root / "data.json"), "packed": False},
-        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 2e-2, "weight_decay": 0.01},
+        "dataset": {"source": "json", **data, "packed": False},
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": lr, "weight_decay": 0.01},
         "lr_scheduler": {"_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
                          "num_warmup_steps": 2},
         "loss": {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"},
@@ -118,8 +129,8 @@ def _logged(out):
     return [(int(step), float(loss)) for step, loss in re.findall(r"Step (\d+) \| loss:([-\d.eE+naif]+)", text)]
 
 
-def _train(workdir, out, watched, nan_at=None, spike_from=None, **watch_options):
-    cfg = _config(workdir, out)
+def _train(workdir, out, watched, nan_at=None, spike_from=None, run=None, **watch_options):
+    cfg = _config(workdir, out, **(run or {}))
     recipe = _recipe_class()(cfg)
     recipe.setup(cfg)
     StepFaults(recipe, nan_at=nan_at, spike_from=spike_from)
@@ -165,3 +176,31 @@ def test_an_lr_blow_up_in_a_torchtune_recipe_is_caught_as_divergence(workdir, tm
     assert diverged and 15 <= diverged[0] <= 18
     assert not [e for e in watch.events if e.step < 15]
     assert recipe.global_step == STEPS
+
+
+def _final_loss(logged):
+    return sum(loss for _, loss in logged[-10:]) / 10
+
+
+def test_rewind_brings_an_lr_blow_up_in_a_torchtune_recipe_back_to_the_healthy_runs_loss(workdir, tmp_path):
+    # The same blow-up (LR x1000 for steps 15-17, then the schedule's own LR again), in a run a rescue can be measured
+    # on. In the 30-step run above nothing could bring the final loss within 25% of the healthy twin's: the rows are
+    # learned by heart until the cosine schedule reaches 0 at step 30, so every step lost costs final loss (rewound
+    # 3.00 vs healthy 1.93; with no LR cut at all, 2.77). Here the loss levels off, as a fine-tune's does, and two
+    # epochs (60 steps) leave steps after the blow-up to get there. Snapshots every 5 steps: the default 50 leaves
+    # only the state before the first step to go back to in a run this short (rewound 3.80 vs 2.68).
+    run = {"epochs": 2, "lr": 3e-2, "levelling": True}
+    healthy, healthy_logged, _ = _train(workdir, tmp_path / "healthy", watched=False, run=run)
+    _, ruined, _ = _train(workdir, tmp_path / "ruined", watched=False, spike_from=15, run=run)
+    recipe, logged, watch = _train(workdir, tmp_path / "rewound", watched=True, spike_from=15, run=run,
+                                   policy="rewind", rewind=RewindSettings(every=5))
+    assert _final_loss(ruined) > 1.25 * _final_loss(healthy_logged)  # the ground truth: unwatched, it is ruined
+    assert abs(_final_loss(logged) - _final_loss(healthy_logged)) <= 0.25 * _final_loss(healthy_logged)
+    assert all(torch.isfinite(p).all() for p in recipe._model.parameters())
+    rewinds = [e for e in watch.events if e.kind == "rewind"]
+    assert [e.evidence["trigger"] for e in rewinds][:1] == ["divergence"]
+    assert all(e.evidence["restored"] and e.evidence["restored_after_step"] <= 14 for e in rewinds)  # before 15
+    # torchtune's own counters move on as in the healthy run: the batches in between were dropped, not replayed
+    assert recipe.global_step == healthy.global_step == 2 * STEPS
+    assert [s for s, _ in logged] == [s for s, _ in healthy_logged] == list(range(1, 2 * STEPS + 1))
+    assert recipe._lr_scheduler.last_epoch == healthy._lr_scheduler.last_epoch
