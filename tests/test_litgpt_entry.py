@@ -2,7 +2,8 @@
 unmodified: everything ``litgpt.finetune.lora.main`` does before ``fit`` is done here with litgpt's own functions
 (its tokenizer, its JSON data module and dataloaders, its LoRA ``GPT`` from a tiny ``Config``, Fabric's setup,
 its optimizer, its scheduler, its checkpoint loader reading a ``lit_model.pth`` written here), then the one line
-a user adds after ``fabric.setup``: ``nbguard.watch(model, optimizer=optimizer)`` on what Fabric returned.
+a user adds after ``fabric.setup``: ``nbguard.watch(model, optimizer=optimizer, scheduler=scheduler)`` on what
+Fabric returned (the scheduler: the one a rewind cuts the LR of).
 No hub access: the checkpoint directory (tokenizer, weights) and the data are written locally. Runs in make
 test-litgpt's venv (constraints/litgpt.txt); skipped where litgpt is not installed."""
 from __future__ import annotations
@@ -168,7 +169,8 @@ def _finetune(workdir, watched, nan_at=None, spike_from=None, steps=STEPS, lr=2e
     load_checkpoint(fabric, model, checkpoint_dir / "lit_model.pth", strict=False)
     StepFaults(gpt, optimizer, scheduler, nan_at=nan_at, spike_from=spike_from)
 
-    watch = nbguard.watch(model, optimizer=optimizer, log_to=None, verify=False, **watch_options) if watched else None
+    watch = nbguard.watch(model, optimizer=optimizer, scheduler=scheduler, log_to=None, verify=False,
+                          **watch_options) if watched else None
     lora_script.fit(fabric=fabric, model=model, optimizer=optimizer, scheduler=scheduler, train_dataloader=train_loader,
                     val_dataloader=val_loader, devices=1, checkpoint_dir=checkpoint_dir, out_dir=root / "out",
                     train=train, eval=eval_args, data=data)
