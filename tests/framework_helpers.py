@@ -1,6 +1,7 @@
 """What the axolotl and LLaMA-Factory lanes hand those frameworks: a tiny real Llama and its tokenizer saved to a
 folder (as a hub snapshot would be, none is fetched), an alpaca-format instruction set of words the tokenizer
-knows, and the framework's own kind of callback that makes one module's output NaN at one optimizer step."""
+knows, the framework's own kind of callback that makes one module's output NaN at one optimizer step, and one that
+blows the learning rate up for a few steps (with how to read the runs it spoils)."""
 from __future__ import annotations
 
 import json
@@ -51,3 +52,40 @@ class PlantNaN(TrainerCallback):
         if self.hook is not None:
             self.hook.remove()
             self.hook = None
+
+
+class LRBlowUp(TrainerCallback):
+    """A bad schedule, as a user meets it: the optimizer's LR multiplied by ``factor`` for optimizer steps
+    ``at`` .. ``at + steps - 1``; the Trainer's own scheduler puts it back at its next step."""
+
+    def __init__(self, at: int, steps: int = 3, factor: float = 1000.0):
+        self.at, self.steps, self.factor = at, steps, factor
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        if self.at <= state.global_step < self.at + self.steps:
+            for group in optimizer.param_groups:
+                group["lr"] *= self.factor
+
+
+def first_step_changed(healthy: list[float], spiked: list[float]) -> int:
+    """The first optimizer step whose logged loss differs between two runs that are bit-identical before the
+    fault: where the blown-up update first shows (its step + 1, the next forward's)."""
+    return next(step for step, (a, b) in enumerate(zip(healthy, spiked)) if a != b)
+
+
+def final_loss(losses: list[float], last: int = 5) -> float:
+    """The run's final loss level: the mean of its last logged losses (one step's batch is noise)."""
+    return sum(losses[-last:]) / last
+
+
+class SeenAtEnd(TrainerCallback):
+    """What a framework's Trainer ended with, for runs whose entry point returns nothing of it: its state,
+    its arguments, its LR scheduler (unwrapped) and its model."""
+
+    def on_train_end(self, args, state, control, model=None, lr_scheduler=None, **kwargs):
+        self.args, self.state, self.model = args, state, model
+        self.scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)  # accelerate's wrapper, where there is one
+
+    @property
+    def losses(self) -> list[float]:
+        return [entry["loss"] for entry in self.state.log_history if "loss" in entry]

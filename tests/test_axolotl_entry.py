@@ -8,7 +8,16 @@ import os
 import pytest
 import torch
 import yaml
-from framework_helpers import PLANTED_MODULE, PlantNaN, alpaca_rows, save_tiny_model, write_jsonl
+from framework_helpers import (
+    PLANTED_MODULE,
+    LRBlowUp,
+    PlantNaN,
+    alpaca_rows,
+    final_loss,
+    first_step_changed,
+    save_tiny_model,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.axolotl
 os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")  # axolotl's telemetry is on unless opted out: nothing leaves here
@@ -20,17 +29,21 @@ from axolotl.common.datasets import load_datasets  # noqa: E402
 from axolotl.integrations.base import BasePlugin, PluginManager  # noqa: E402
 from axolotl.train import setup_model_and_trainer, train  # noqa: E402
 
+from nbguard.watcher import RewindSettings  # noqa: E402
 from nbguard.watcher.integrations.axolotl import PLUGIN_PATH  # noqa: E402
 
 STEPS = 6
-PLANT = {"at": None, "kind": "nan"}  # what the framework-side plugin below plants, set by each test
+# what the framework-side plugin below plants, set by each test: a NaN/inf at step "at", an LR blow-up from "blow_up_at"
+PLANT = {"at": None, "kind": "nan", "blow_up_at": None}
 
 
 class PlantPlugin(BasePlugin):
-    """A user's own axolotl plugin: hands axolotl's Trainer a callback that makes a module's output NaN/inf."""
+    """A user's own axolotl plugin: hands axolotl's Trainer a callback that makes a module's output NaN/inf, or
+    one that blows its learning rate up for a few steps."""
 
     def add_callbacks_post_trainer(self, cfg, trainer):
-        return [PlantNaN(PLANT["at"], PLANT["kind"])] if PLANT["at"] is not None else []
+        plants = [PlantNaN(PLANT["at"], PLANT["kind"])] if PLANT["at"] is not None else []
+        return plants + ([LRBlowUp(PLANT["blow_up_at"])] if PLANT["blow_up_at"] is not None else [])
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +114,64 @@ def test_rewind_on_a_nan_caught_before_the_update_drops_it_and_the_run_ends_fini
     assert bad[0].evidence["rewind"]["restored"] is False and "nothing to undo" in bad[0].evidence["rewind"]["reason"]
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert trainer.state.global_step == STEPS
+
+
+BLOW_UP_AT = 20
+# 40 optimizer steps of 2 accumulated micro-batches (10 epochs of the 32 rows): enough healthy steps before the
+# blow-up for the watch's baseline, enough after it for the rewound run to learn again. No dataloader worker:
+# axolotl's default (one, spawned) starts a process each epoch, seconds apiece here; the batches are the same.
+BLOW_UP_RUN = {"max_steps": 40, "gradient_accumulation_steps": 2, "dataloader_num_workers": 0}
+
+
+def scheduler_of(trainer):
+    return getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)  # accelerate's wrapper, where there is one
+
+
+@pytest.fixture(scope="module")
+def blow_up(files, tmp_path_factory):
+    """One LR blow-up (x1000 for optimizer steps 20-22) in axolotl's Trainer, three runs: (healthy, spiked,
+    rewound) as (model, trainer), and the watch; the first two unwatched."""
+    out = tmp_path_factory.mktemp("blow-up")
+    PLANT.update(at=None, blow_up_at=None)
+    healthy = run_axolotl(files, out / "healthy", **BLOW_UP_RUN)
+    PLANT.update(blow_up_at=BLOW_UP_AT)
+    try:
+        spiked = run_axolotl(files, out / "spiked", **BLOW_UP_RUN)
+        rewound = run_axolotl(files, out / "rewound", plugins=[PLUGIN_PATH], nbguard_policy="rewind",
+                              nbguard_rewind_every=5, **BLOW_UP_RUN)
+    finally:
+        PLANT.update(blow_up_at=None)
+    return healthy, spiked, rewound, the_watch()
+
+
+def test_an_lr_blow_up_is_a_divergence_where_it_first_shows_and_rewind_keeps_the_trainers_counts(blow_up):
+    (_, healthy), (_, spiked), (model, rewound), watch = blow_up
+    shows = first_step_changed(losses(healthy), losses(spiked))
+    assert shows == BLOW_UP_AT + 1  # the blown-up update of step 20 first shows in step 21's loss
+    assert not [e for e in watch.events if e.step < BLOW_UP_AT]
+    assert [e.step for e in watch.events if e.kind == "divergence"][0] == shows
+    rewinds = [e for e in watch.events if e.kind == "rewind"]
+    assert rewinds[0].evidence["trigger"] == "divergence"
+    assert rewinds[0].evidence["restored_after_step"] < BLOW_UP_AT  # a state from before the blow-up
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    # axolotl's Trainer's own counts: every optimizer step taken, as many micro-batches drawn, the scheduler at
+    # the same place in its schedule, its base LR cut by lr_factor once per rewind
+    assert rewound.state.global_step == healthy.state.global_step == BLOW_UP_RUN["max_steps"]
+    assert rewound.state.epoch == healthy.state.epoch
+    assert rewound.args.gradient_accumulation_steps == BLOW_UP_RUN["gradient_accumulation_steps"]
+    assert scheduler_of(rewound).last_epoch == scheduler_of(healthy).last_epoch
+    cut = RewindSettings().lr_factor ** len(rewinds)
+    assert scheduler_of(rewound).base_lrs == pytest.approx([lr * cut for lr in scheduler_of(healthy).base_lrs])
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 44, measured: rewound to step 15 at step 21; the bad schedule's step 22 (LR 0.5, x1000 of the halved LR) "
+    "blows up again and is rewound at step 23 to step 15 once more: LR x0.25, 8 batches skipped; final 3.69 "
+    "against the healthy 2.94 (+25.7%; unwatched spiked 133)"))
+def test_rewind_brings_an_lr_blow_up_back_within_a_quarter_of_the_healthy_final_loss(blow_up):
+    (_, healthy), (_, spiked), (_, rewound), _ = blow_up
+    assert final_loss(losses(spiked)) > 1.25 * final_loss(losses(healthy))
+    assert abs(final_loss(losses(rewound)) - final_loss(losses(healthy))) <= 0.25 * final_loss(losses(healthy))
 
 
 def test_the_plugin_refuses_a_policy_it_does_not_have_when_axolotl_loads_the_config(files, tmp_path):

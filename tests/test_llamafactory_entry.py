@@ -7,7 +7,16 @@ import json
 
 import pytest
 import torch
-from framework_helpers import PLANTED_MODULE, PlantNaN, alpaca_rows, save_tiny_model
+from framework_helpers import (
+    PLANTED_MODULE,
+    LRBlowUp,
+    PlantNaN,
+    SeenAtEnd,
+    alpaca_rows,
+    final_loss,
+    first_step_changed,
+    save_tiny_model,
+)
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.llamafactory
@@ -16,6 +25,7 @@ pytest.importorskip("llamafactory")
 from llamafactory.train.tuner import run_exp  # noqa: E402
 
 import nbguard  # noqa: E402
+from nbguard.watcher import RewindSettings  # noqa: E402
 
 STEPS = 6
 
@@ -65,3 +75,50 @@ def test_an_inf_planted_at_a_step_is_found_there_in_its_module_and_skip_keeps_th
     assert cb.watch.history.skipped_steps == [4]
     assert all(torch.isfinite(w).all() for w in weights.values())
     assert steps == STEPS  # LLaMA-Factory's Trainer still counts the skipped step
+
+
+BLOW_UP_AT = 20
+# 40 optimizer steps of 2 accumulated micro-batches (10 epochs of the 32 rows): enough healthy steps before the
+# blow-up for the watch's baseline, enough after it for the rewound run to learn again
+BLOW_UP_RUN = {"max_steps": 40, "gradient_accumulation_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def blow_up(files, tmp_path_factory):
+    """One LR blow-up (x1000 for optimizer steps 20-22) through run_exp, three runs: (healthy, spiked, rewound,
+    the watch); the first two unwatched."""
+    out = tmp_path_factory.mktemp("blow-up")
+    healthy, spiked, rewound = SeenAtEnd(), SeenAtEnd(), SeenAtEnd()
+    train(files, out / "healthy", [healthy], **BLOW_UP_RUN)
+    train(files, out / "spiked", [LRBlowUp(BLOW_UP_AT), spiked], **BLOW_UP_RUN)
+    cb = nbguard.callback(policy="rewind", rewind=RewindSettings(every=5), log_to=None, verify=False)
+    train(files, out / "rewound", [LRBlowUp(BLOW_UP_AT), cb, rewound], **BLOW_UP_RUN)
+    return healthy, spiked, rewound, cb.watch
+
+
+def test_an_lr_blow_up_is_a_divergence_where_it_first_shows_and_rewind_keeps_the_trainers_counts(blow_up):
+    healthy, spiked, rewound, watch = blow_up
+    shows = first_step_changed(healthy.losses, spiked.losses)
+    assert shows == BLOW_UP_AT + 1  # the blown-up update of step 20 first shows in step 21's loss
+    assert not [e for e in watch.events if e.step < BLOW_UP_AT]
+    assert [e.step for e in watch.events if e.kind == "divergence"][0] == shows
+    rewinds = [e for e in watch.events if e.kind == "rewind"]
+    assert rewinds[0].evidence["trigger"] == "divergence"
+    assert rewinds[0].evidence["restored_after_step"] < BLOW_UP_AT  # a state from before the blow-up
+    assert all(torch.isfinite(p).all() for p in rewound.model.parameters())
+    # LLaMA-Factory's Trainer's own counts: every optimizer step taken, as many micro-batches drawn, the
+    # scheduler at the same place in its schedule, its base LR cut by lr_factor once per rewind
+    assert rewound.state.global_step == healthy.state.global_step == BLOW_UP_RUN["max_steps"]
+    assert rewound.state.epoch == healthy.state.epoch
+    assert rewound.args.gradient_accumulation_steps == BLOW_UP_RUN["gradient_accumulation_steps"]
+    assert rewound.scheduler.last_epoch == healthy.scheduler.last_epoch
+    cut = RewindSettings().lr_factor ** len(rewinds)
+    assert rewound.scheduler.base_lrs == pytest.approx([lr * cut for lr in healthy.scheduler.base_lrs])
+
+
+def test_rewind_brings_an_lr_blow_up_back_within_a_quarter_of_the_healthy_final_loss(blow_up):
+    healthy, spiked, rewound, _ = blow_up
+    assert final_loss(spiked.losses) > 1.25 * final_loss(healthy.losses)
+    # measured +24.5% (3.74 against 3.00): the bad schedule's step 22 blows up again after the first rewind and is
+    # rewound at step 23, the LR halved twice
+    assert abs(final_loss(rewound.losses) - final_loss(healthy.losses)) <= 0.25 * final_loss(healthy.losses)
