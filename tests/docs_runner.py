@@ -8,10 +8,17 @@ A line that is only ``...  # your loop ...`` is a training loop's body: it runs 
 A block with magics (a line starting with ``%``) is several notebook cells, split at blank lines.
 After each block every watch still attached is detached, as the next example starts on its own.
 Prints ``BLOCK <line> ok`` per block; exits 1 at the first block that fails, with its error.
+
+``python tests/docs_runner.py --serve MODULE...`` imports the modules once, then runs each page a request on stdin
+names in a process forked from it (a fresh shell and namespace; only the imports are shared): a fresh Python's
+imports were most of a page's time. ``page_imports`` names what the page's run imports anyway, so a page sees no
+module loaded that it would not have loaded itself.
 """
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
 import sys
 import tempfile
@@ -76,6 +83,9 @@ def _grpo_trainer():
     return grpo_trainer(Path(tempfile.mkdtemp()), reward_funcs=log_match_reward, max_steps=2)
 
 
+NEEDS_MODEL = ("model", "optimizer", "opt", "trainer", "loader", "batch", "scaler", "tokenizer")
+
+
 def _harness(ns: dict, names: set[str], page: str) -> None:
     import torch
 
@@ -84,7 +94,7 @@ def _harness(ns: dict, names: set[str], page: str) -> None:
     def need(*wanted):
         return any(name in names and name not in ns for name in wanted)
 
-    if need("model", "optimizer", "opt", "trainer", "loader", "batch", "scaler", "tokenizer"):
+    if need(*NEEDS_MODEL):
         ns["model"] = tiny_llama()
     if need("optimizer", "opt"):
         ns["optimizer"] = ns["opt"] = torch.optim.AdamW(ns["model"].parameters(), lr=1e-3)
@@ -137,14 +147,36 @@ def cells(code: str) -> list[str]:
     return [chunk for chunk in re.split(r"\n\s*\n", code) if chunk.strip()]
 
 
+def _blocks(page: str) -> list[tuple[int, str]]:
+    return [(line, code) for line, code, excerpt in python_blocks(Path(page).read_text()) if excerpt is None]
+
+
+def _page_names(blocks: list[tuple[int, str]]) -> set[str]:
+    return set().union(*(_free_names("\n\n".join(cells(code))) for _, code in blocks)) if blocks else set()
+
+
+def page_imports(page: str) -> tuple[str, ...]:
+    """Modules a run of the page imports whatever its blocks do: the runner's own, and those of the tiny
+    objects ``_harness`` builds for it (a tiny Llama, a Trainer), as ``_harness`` decides."""
+    names = _page_names(_blocks(page))
+    modules = ["torch", "IPython.core.interactiveshell", "nbguard.testing", "nbguard.watcher.core.watch"]
+    if names & set(NEEDS_MODEL):
+        modules.append("transformers.models.llama.modeling_llama")
+    if "trainer" in names and not page.endswith("trl.md"):  # (TRL's guide gets a GRPOTrainer: TRL imports it)
+        modules.append("transformers.trainer")  # (it imports transformers.training_args)
+    elif "training_args" in names:
+        modules.append("transformers.training_args")
+    return tuple(modules)
+
+
 def main(page: str) -> int:
     from IPython.core.interactiveshell import InteractiveShell
 
     from nbguard.watcher.core.watch import attached_watches
 
-    blocks = [(line, code) for line, code, excerpt in python_blocks(Path(page).read_text()) if excerpt is None]
+    blocks = _blocks(page)
     shell = InteractiveShell.instance()
-    names = set().union(*(_free_names("\n\n".join(cells(code))) for _, code in blocks)) if blocks else set()
+    names = _page_names(blocks)
     _harness(shell.user_ns, names, page)
     for line, code in blocks:
         for cell in cells(code):
@@ -159,5 +191,38 @@ def main(page: str) -> int:
     return 0
 
 
+def serve(modules: list[str]) -> int:
+    """Import ``modules``, then per request line (JSON: page, cwd, env, stdout and stderr files) fork a process
+    that runs the page as ``python docs_runner.py PAGE`` would; answer its pid, then its exit code, a line each."""
+    import importlib
+
+    for module in modules:
+        importlib.import_module(module)
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _run_forked(**request)
+        print(pid, flush=True)
+        print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+    return 0
+
+
+def _run_forked(page: str, cwd: str, env: dict[str, str], stdout: str, stderr: str):
+    """In the forked process: the page's directory, environment, argv and output files, then the page; the
+    exit (SystemExit) unwinds to the interpreter's own, atexit handlers and all, as a fresh Python's would."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [__file__, page]
+    for fd, path in ((1, stdout), (2, stderr)):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(opened, fd)
+        os.close(opened)
+    sys.exit(main(page))
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(serve(sys.argv[2:]) if sys.argv[1] == "--serve" else main(sys.argv[1]))

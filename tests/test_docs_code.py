@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 import re
+import select
+import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from docs_runner import FENCE, python_blocks
+from docs_runner import FENCE, page_imports, python_blocks
 from notebook_helpers import shell  # noqa: F401  (the fixture)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -179,30 +182,86 @@ def _runnable(page: Path) -> list[int]:
     return [line for line, _, excerpt in python_blocks(page.read_text(encoding="utf-8")) if excerpt is None]
 
 
-def _runner(page: Path, cwd: Path) -> subprocess.CompletedProcess:
+def _env(cwd: Path | None = None) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled",
-           "TRACKIO_DIR": str(cwd / "trackio"), "PYTHONPATH": str(REPO)}
+           "PYTHONPATH": str(REPO)}
     env.pop("MLFLOW_TRACKING_URI", None)  # MLflow's default store, in cwd
-    return subprocess.run([sys.executable, str(REPO / "tests" / "docs_runner.py"), str(page)], cwd=cwd,
-                          capture_output=True, text=True, timeout=600, env=env)
+    env.pop("TRACKIO_DIR", None)
+    return env if cwd is None else {**env, "TRACKIO_DIR": str(cwd / "trackio")}
+
+
+class Runners:
+    """``docs_runner.py --serve``, one process per set of modules the pages' runs import anyway, started at the
+    first page that needs it: each page runs in a process forked from it, so a page pays for its own imports
+    only (a fresh Python's imports were most of a page's time)."""
+
+    def __init__(self) -> None:
+        self.servers: dict[tuple[str, ...], subprocess.Popen] = {}
+
+    def run(self, page: Path, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+        modules = page_imports(str(page))
+        if modules not in self.servers:
+            self.servers[modules] = subprocess.Popen(
+                [sys.executable, str(REPO / "tests" / "docs_runner.py"), "--serve", *modules], cwd=REPO,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
+        server = self.servers[modules]
+        out, err = (cwd.parent / f"{cwd.name}.{stream}" for stream in ("stdout", "stderr"))  # not in the page's folder
+        server.stdin.write(json.dumps({"page": str(page), "cwd": str(cwd), "env": _env(cwd), "stdout": str(out),
+                                       "stderr": str(err)}) + "\n")
+        server.stdin.flush()
+        pid = server.stdout.readline()
+        assert pid, f"the docs runner importing {modules} exited ({server.wait()}): its stderr is in the captured output"
+        if not select.select([server.stdout], [], [], timeout)[0]:
+            os.kill(int(pid), signal.SIGKILL)
+        code = int(server.stdout.readline())
+        return subprocess.CompletedProcess([str(page)], code, out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        for server in self.servers.values():  # nothing of theirs to keep: no interpreter shutdown to wait for
+            server.kill()
+            server.wait(timeout=60)
+            server.stdin.close()
+            server.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def runner():
+    runners = Runners()
+    yield runners.run
+    runners.close()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", [p for p in PAGES if _runnable(p)], ids=_name)
-def test_every_python_block_of_the_page_runs(page, tmp_path):
+def test_every_python_block_of_the_page_runs(page, tmp_path, runner):
     """The page's blocks, in order, in one fresh shell with tiny real objects for the names they use."""
-    result = _runner(page, tmp_path)
+    result = runner(page, tmp_path)
     ran = [int(n) for n in re.findall(r"^BLOCK (\d+) ok$", result.stdout, re.M)]
     assert result.returncode == 0 and ran == _runnable(page), (result.stdout[-4000:], result.stderr[-3000:])
 
 
-def test_the_runner_fails_on_a_broken_block_and_skips_only_marked_excerpts(tmp_path):
+def test_the_runner_fails_on_a_broken_block_and_skips_only_marked_excerpts(tmp_path, runner):
     page = tmp_path / "page.md"
     page.write_text("# t\n\n<!-- excerpt: a fragment -->\n```python\nraise SystemExit(3)\n```\n\n"
                     "```python\nx = model.config.vocab_size\n```\n\n```python\nassert x == 0, 'the block is wrong'\n```\n")
-    result = _runner(page, tmp_path)
+    result = runner(page, tmp_path)
     assert result.returncode == 1 and "BLOCK 8 ok" in result.stdout  # the excerpt skipped, model supplied
     assert "BLOCK 12 failed: AssertionError: the block is wrong" in result.stdout
+
+
+def test_pages_run_by_one_runner_share_no_state(tmp_path, runner):
+    """Pages forked from the same runner process: what one page changes, the next does not see; each has its own
+    directory, environment and argv, as a fresh Python would."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    for folder in (first, second):
+        folder.mkdir()
+    (first / "page.md").write_text("```python\nimport sys, torch\ntorch.left_by_the_first_page = 1\n```\n")
+    (second / "page.md").write_text(
+        "```python\nimport os, sys, torch\nassert not hasattr(torch, 'left_by_the_first_page')\n"
+        "assert os.getcwd() == os.path.dirname(sys.argv[1]) and os.environ['TRACKIO_DIR'].startswith(os.getcwd())\n```\n")
+    assert page_imports(str(first / "page.md")) == page_imports(str(second / "page.md"))  # the same runner
+    results = [runner(folder / "page.md", folder) for folder in (first, second)]
+    assert [r.returncode for r in results] == [0, 0] and all("BLOCK 1 ok" in r.stdout for r in results), results
 
 
 def test_every_python_fence_is_read_and_excerpts_are_few_and_say_why():
