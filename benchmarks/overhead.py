@@ -38,9 +38,15 @@ the first.
 ``--against TREE`` (repeatable) adds the watch of another checkout (``git worktree add /tmp/prev 1049326``,
 or ``git archive 1049326 nbguard | tar -x -C /tmp/prev``) to the same rounds, in the default mode and in
 ``--fixed-cost``: a before/after under the same load, where separate runs on a shared machine differ by
-more than the change. ``--update-norms-off`` adds this tree's watch without its update norms.
+more than the change. ``--against-rev REV`` does the export itself (a commit of this repository, e.g. the
+previous release). ``--update-norms-off`` adds this tree's watch without its update norms.
 
     OMP_NUM_THREADS=1 python benchmarks/overhead.py --layers 2 --rounds 30 --clock cpu --threads 1 --against /tmp/prev
+
+In the default mode each watch is made by its tree's ``nbguard.watch(model, optimizer=opt)``: every default of
+the public entry point. No flag turns a default of the watch off: ``--skip-activations`` leaves out the extra
+variant with the activation probe (off by default), ``--watch-only`` / ``--skip-debug`` the anomaly-mode and
+DebugUnderflowOverflow variants, ``--skip-localise`` the planted-NaN run after the rounds.
 """
 from __future__ import annotations
 
@@ -101,8 +107,9 @@ class Variant:
 
             self.extra = NanWatch(model, optimizer=self.opt, settings=WatchSettings(read="deferred")).attach()
         elif name.startswith("nbguard watch"):
-            self.extra = (watch_class or NanWatch)(model, optimizer=self.opt,
-                                                   activations=name.endswith("+ activations")).attach()
+            # nbguard.watch itself (this tree's, or another checkout's): every default of the public entry point
+            watch = watch_class or default_watch()
+            self.extra = watch(model, optimizer=self.opt, activations=name.endswith("+ activations"))
         elif name == "DebugUnderflowOverflow":
             from transformers.debug_utils import DebugUnderflowOverflow
 
@@ -122,12 +129,19 @@ class Variant:
 
 
 UPDATE_NORMS_OFF = "nbguard watch, update norms off"
+
+
+def default_watch():
+    """This tree's ``nbguard.watch`` (imported late: the other trees' copies are imported first)."""
+    from nbguard.api import watch
+
+    return watch
 READ_DEFERRED = "nbguard watch, read deferred"  # WatchSettings(read="deferred"): no host wait per step (issue 45)
 
 
 def measure(args):
     # other checkouts' watches first: their clip taps then sit inside this tree's (see other_tree_watch)
-    others = {f"nbguard watch, {tree}": other_tree_watch(tree) for tree in args.against}
+    others = {f"nbguard watch, {label}": other_tree_watch(tree, "api").watch for label, tree in against_trees(args)}
     base = build_model(args)
     n_params = sum(p.numel() for p in base.parameters())
     names = ["baseline", "nbguard watch", "nbguard watch + activations", "detect_anomaly", "DebugUnderflowOverflow"]
@@ -227,8 +241,28 @@ def tiny_batch(seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def other_tree_watch(tree: str):
-    """``NanWatch`` from another checkout's ``nbguard`` (e.g. main, for a before/after in one process).
+def against_trees(args) -> list[tuple[str, str]]:
+    """(label, folder) of each checkout to compare with: ``--against TREE`` as given, ``--against-rev REV``
+    exported from this repository with ``git archive`` into a temporary folder (only ``nbguard/`` is needed)."""
+    import subprocess
+    import tempfile
+
+    trees = [(tree, tree) for tree in args.against]
+    repo = Path(__file__).resolve().parents[1]
+    for rev in args.against_rev:
+        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", rev], check=True,
+                                capture_output=True, text=True).stdout.strip()
+        folder = tempfile.mkdtemp(prefix=f"nbguard-{commit}-")
+        archive = subprocess.run(["git", "-C", str(repo), "archive", commit, "nbguard"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+        trees.append((commit if commit.startswith(rev) else f"{rev} ({commit})", folder))
+    return trees
+
+
+def other_tree_watch(tree: str, module: str = "watcher"):
+    """``NanWatch`` from another checkout's ``nbguard`` (e.g. main, for a before/after in one process); with
+    ``module="api"``, that checkout's ``nbguard.api`` module (its public ``watch``).
 
     Each tree is copied as its own package (``nbguard_other``, ``nbguard_other1``, ...) with its own
     clip-tap mark, so the taps stack: attach this tree's watches first (its tap then wraps torch's own
@@ -246,7 +280,8 @@ def other_tree_watch(tree: str):
         tap.write_text(tap.read_text().replace("__nbguard_clip_tap__", f"__{name}_clip_tap__"))
     sys.path.insert(0, str(target.parent))
     _OTHER_TREES.append(tree)
-    return importlib.import_module(f"{name}.watcher").NanWatch
+    package = importlib.import_module(f"{name}.{module}")
+    return package.NanWatch if module == "watcher" else package
 
 
 _OTHER_TREES: list[str] = []
@@ -314,7 +349,7 @@ def launches(variant: FixedCostVariant, batch, steps: int, device: str, loss_ite
 
 def fixed_cost(args) -> None:
     clock = CLOCKS[args.clock]
-    others = {tree: other_tree_watch(tree) for tree in args.against}
+    others = {label: other_tree_watch(tree) for label, tree in against_trees(args)}
     batch = tiny_batch(device=args.device)
     where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
     print(f"\n### the watch's fixed cost ({where}, {args.rounds} rounds of {args.steps_per_round} steps, "
@@ -811,6 +846,9 @@ def main(argv=None):
     parser.add_argument("--against", metavar="TREE", action="append", default=[],
                         help="also the watch of another checkout's nbguard (e.g. the previous release; "
                              "repeatable), in the same process and rounds (default mode and --fixed-cost)")
+    parser.add_argument("--against-rev", metavar="REV", action="append", default=[],
+                        help="as --against, for a commit of this repository (e.g. the previous release), "
+                             "exported with git archive into a temporary folder; repeatable")
     parser.add_argument("--skip-localise", action="store_true", help="leave out the planted-NaN localisation")
     parser.add_argument("--skip-activations", action="store_true",
                         help="leave out the watch with its activation probe")

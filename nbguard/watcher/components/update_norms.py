@@ -23,6 +23,15 @@ and normed per tensor (no second gather: one pass over the weights less, where p
 run whose trainable weights exceed the budget (a full fine-tune of a large model), or whose weights are
 sharded (FSDP, DeepSpeed), gets no update norms and the history says why, once.
 
+On a CPU those passes cost a full fine-tune about 3% of its step (the 15M-parameter run of issue 45: copy,
+subtraction and two norms over 59 MB, ~13 ms of a ~490 ms step), over the watch's whole budget. There, above
+``SAMPLE_ABOVE`` trainable elements, each step reads 1/k of each weight's rows, k = ceil(elements /
+SAMPLE_ABOVE): the weight's rows cut into k x ``SPREAD`` runs, step s taking runs s mod k, s mod k + k, ...
+The ratios are then those of about 4M weights spread over every tensor, an estimate of the whole's, and every
+step is still read and judged (an LR blow-up moves every row, so it is a spike in any sample, in its own step).
+Runs spread over the weight, not its first rows: an embedding's rows are tokens, and frequent and rare ones
+are both sampled. On a GPU the same passes take microseconds: every weight, every step.
+
 The read costs no host sync of its own: the norms are taken on the device right after
 ``optimizer.step`` (one ``torch._foreach_norm`` over the differences and the weights, per group or per
 tensor, summed per group on the host), and
@@ -68,6 +77,21 @@ SCALAR = "update_norms"
 # (one op, but a pass over every weight) rather than subtracted tensor by tensor (a foreach slot each, a few
 # us on a CPU): the two cost the same near 16k elements per tensor (benchmarks/README.md, "Issue 45, CPU part")
 GATHER_BELOW = 16384
+# Trainable elements above which a CPU reads 1/k of each weight's rows per step (see the docstring): the
+# passes over about 16 MB of fp32, ~4 ms a step on this CPU, whatever the model's size
+SAMPLE_ABOVE = 4 * 2 ** 20
+# ... as this many runs of rows per weight per step: contiguous runs (a strided view of every k-th row costs
+# 2-3x per byte, its norm more) spread over the weight (an embedding's rows are tokens, rare and frequent)
+SPREAD = 4
+
+
+@dataclass
+class RowSample:
+    """One step's share of the per-tensor path: its runs of each weight's rows and their place in the copy."""
+
+    rows: list[torch.Tensor]  # flat views of the weights' sampled runs of rows (each whole weight where k is 1)
+    copy: list[torch.Tensor]  # per run, its slice of the copy (subtracted in place)
+    normed: list[torch.Tensor]  # what one foreach norm takes: the differences, then the weights
 
 
 @dataclass
@@ -171,8 +195,9 @@ class UpdateNorms(WatchComponent):
         self._views: list[torch.Tensor] = []
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._gather = True  # the weights after the step are gathered too (else subtracted tensor by tensor)
-        self._chunks: list[torch.Tensor] = []  # per tensor, its slice of the copy (subtracted in place)
-        self._normed: list[torch.Tensor] = []  # what one foreach norm takes: the differences, then the weights
+        self._normed: list[torch.Tensor] = []  # gathered: what one foreach norm takes (differences, then weights)
+        self._samples: list[RowSample] = []  # per tensor: step s reads _samples[s % k] (k = 1: every row)
+        self._sample: RowSample | None = None  # the one the copy before this step took
         self._layout: Layout = ([], [])
         self._copied: int | None = None  # the step whose weights were copied
         self._pending: tuple[int, torch.Tensor, Layout] | None = None  # (step, norms on the device, their groups)
@@ -218,7 +243,11 @@ class UpdateNorms(WatchComponent):
             return
         assert self._buffers is not None
         with torch.no_grad():
-            torch.cat(self._views, out=self._buffers[0])
+            if self._gather:
+                torch.cat(self._views, out=self._buffers[0])
+            else:
+                self._sample = self._samples[step % len(self._samples)]
+                torch._foreach_copy_(self._sample.copy, self._sample.rows)
         self._copied = step
 
     def after_step(self, step: int) -> None:
@@ -231,9 +260,12 @@ class UpdateNorms(WatchComponent):
             if self._gather:
                 torch.cat(self._views, out=after)
                 before.sub_(after)  # w_before - w_after: -Δw
+                normed = self._normed
             else:
-                torch._foreach_sub_(self._chunks, self._views)  # the same, tensor by tensor, into the copy
-            norms = torch._foreach_norm(self._normed, 2, dtype=torch.float32)
+                assert self._sample is not None
+                torch._foreach_sub_(self._sample.copy, self._sample.rows)  # the same, tensor by tensor, into the copy
+                normed = self._sample.normed
+            norms = torch._foreach_norm(normed, 2, dtype=torch.float32)
             self._pending = (step, torch.stack(norms), self._layout)
 
     # Measured (benchmarks/README.md, "Update norms"): per-tensor work is what costs on a LoRA's hundreds
@@ -262,18 +294,25 @@ class UpdateNorms(WatchComponent):
         total = sum(lengths)
         first = ordered[0]
         gather = total < GATHER_BELOW * len(ordered)
-        buffers = (torch.empty(total, dtype=first.dtype, device=first.device),
+        parts = 1 if gather or first.device.type != "cpu" else -(-total // SAMPLE_ABOVE)
+        # each weight's rows (its first dimension; a vector's elements are its rows) cut into parts x SPREAD
+        # blocks, in order; sample p takes blocks p, p + parts, ...: SPREAD runs of rows spread over the weight
+        blocks = [list(_rows(p).tensor_split(parts * SPREAD if parts > 1 else 1)) for p in ordered]
+        samples = [[b.view(-1) for bs in blocks for b in bs[phase::parts]] for phase in range(parts)]
+        copied = total if gather else max(sum(b.numel() for b in rows) for rows in samples)
+        buffers = (torch.empty(copied, dtype=first.dtype, device=first.device),
                    torch.empty(total if gather else 0, dtype=first.dtype, device=first.device))
         self._key = tuple(map(id, params))
         self._ordered, self._views, self._buffers, self._gather = ordered, views, buffers, gather
+        self._normed, self._samples, self._sample = [], [], None
         if gather:  # per group: the differences' segments of the copy, then the weights' of the second buffer
-            self._chunks = []
             self._normed = [*buffers[0].split(lengths), *buffers[1].split(lengths)]
             self._layout = (present, present)
         else:  # per tensor: each one's slice of the copy (its difference after the step), then the weight itself
-            groups = [index[i] for i in order]
-            self._chunks = list(buffers[0].split([v.numel() for v in views]))
-            self._normed = [*self._chunks, *views]
+            groups = [index[i] for i, bs in zip(order, blocks) for _ in bs[::parts]]  # each block's group
+            for rows in samples:
+                copy = list(buffers[0][:sum(b.numel() for b in rows)].split([b.numel() for b in rows]))
+                self._samples.append(RowSample(rows, copy, [*copy, *rows]))
             self._layout = (groups, groups)
         return None
 
@@ -357,6 +396,12 @@ class UpdateNorms(WatchComponent):
             return []
         found["fixes"] = list(RUN_FIXES)
         return [Event("update-spike", step, update_spike_message(found), evidence=found)]
+
+
+def _rows(weight: torch.Tensor) -> torch.Tensor:
+    """The weight as rows (a view): its first dimension; a vector's elements, a scalar or an empty weight one row."""
+    rows = weight.shape[0] if weight.dim() and weight.shape[0] else 1
+    return weight.detach().view(rows, weight.numel() // rows)
 
 
 def _ratio(delta_sq: float, weight_sq: float) -> float | None:
