@@ -8,6 +8,9 @@ assertion, never as a hung test). A slowdown is a collate function that sleeps f
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import threading
 import time
 from typing import IO, cast
@@ -170,6 +173,88 @@ def test_steps_made_slow_by_a_sleeping_collate_are_one_slow_steps_event():
     assert evidence["steps"] == 6 and evidence["last_step"] == 19 and evidence["recovered_at_step"] == 20
     assert evidence["ratio"] > 3 and len(evidence["recent_s"]) == 6
     assert "dataloader gone synchronous" in event.message and "silent CPU fallback" in event.message
+
+
+BURNERS = 12  # spinning processes on the training thread's core: a step takes 13x its work on an idle core, and
+# still over 3x where CI's load already puts three more tasks on that core
+
+
+class PinnedBurners:
+    """From batch ``start`` to batch ``stop`` of a loop pinned to one core, BURNERS processes spin on that
+    same core: other processes taking the CPU (a neighbour on a shared machine, CI lanes beside the tests)."""
+
+    def __init__(self, start: int, stop: int) -> None:
+        self.start, self.stop = start, stop
+        self.cpu = min(os.sched_getaffinity(0))
+        self.procs: list[subprocess.Popen] = []
+
+    def at(self, index: int) -> None:
+        if index == self.start:
+            self.procs = [subprocess.Popen([sys.executable, "-S", "-c", "while True: pass"],
+                                           preexec_fn=lambda: os.sched_setaffinity(0, {self.cpu}))
+                          for _ in range(BURNERS)]
+        elif index == self.stop:
+            for proc in self.procs:
+                proc.kill()  # reaped after the loop: waiting here would be this step's own time
+
+    def end(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+        self.procs = []
+
+
+def train_pinned(model, optimizer, batches: int, burners: PinnedBurners, sleep_from: int | None = None) -> None:
+    """A loop on one core with one torch thread (the training thread, alone with the burners on its core)."""
+    threads, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
+    torch.set_num_threads(1)
+    os.sched_setaffinity(0, {burners.cpu})  # this thread only (Linux: pid 0 is the calling thread)
+    try:
+        for index in range(batches):
+            burners.at(index)
+            if sleep_from is not None and sleep_from <= index < burners.stop:
+                time.sleep(0.5)  # the step's own slowness: a dataloader that sleeps
+            batch = tiny_batch(8, 32, seed=index)
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        burners.end()
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+
+
+linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/task") or not hasattr(os, "sched_setaffinity"),
+                                reason="the wait for a CPU is read from Linux's /proc/<pid>/task/<tid>/schedstat")
+
+
+@linux_only
+def test_steps_slowed_by_other_processes_taking_the_cpu_are_no_slow_steps():
+    """Six steps in which twelve processes spin on the training thread's core: over 3x the median on the
+    clock, but the time is the thread waiting for its core, so the watch stays quiet."""
+    model, optimizer, watch = watched(stall_after_s=60.0)
+    clock = clock_of(watch)
+    try:
+        train_pinned(model, optimizer, 24, PinnedBurners(14, 20))
+    finally:
+        watch.detach()
+    assert watch.events == [], watch.summary()
+    assert clock.load_slowed >= 1  # the loaded steps were over the threshold, and judged less their wait
+
+
+@linux_only
+def test_steps_slow_for_their_own_work_are_slow_steps_under_the_same_load():
+    """The same load with a dataloader that sleeps 0.5 s in those steps: slow for the run's own reason."""
+    model, optimizer, watch = watched(stall_after_s=60.0)
+    try:
+        train_pinned(model, optimizer, 24, PinnedBurners(14, 20), sleep_from=14)
+    finally:
+        watch.detach()
+    assert kinds(watch) == ["slow-steps"], watch.summary()
+    evidence = watch.events[0].evidence
+    assert evidence["first_step"] == 14 and evidence["steps"] == 6, evidence
+    # the burners killed at step 20 may still hold the core in it: then step 21 is the first ordinary one
+    assert evidence["recovered_at_step"] >= 20, evidence
 
 
 def tiny_trainer(tmp_path, collator, max_steps):

@@ -29,7 +29,13 @@ kernel idle between cells, or a loop function that returned, is not a stall.
 of the last ``WINDOW`` ordinary ones (refreshed every ``MEDIAN_EVERY``), after ``SLOW_WARMUP`` steps (compilation, warm-up) and once
 ``SLOW_BASELINE`` ordinary step times are known. One event per episode; the step that is ordinary again
 closes it (``recovered_at_step``). Step times across a stall, or across a pause between two loops, are
-not learned.
+not learned. A step must be slow for its own work: once a step is over the threshold, the clock reads how
+long the training thread has waited for a CPU (:mod:`.cpu_wait`) at each step end until one is ordinary,
+and a step that is no longer over the threshold less that wait, a wait of at least half its excess over
+the median, was slowed by other processes taking the cores (a shared machine, CI lanes beside the run): it is not slow, not learned, and it ends the streak
+(``load_slowed`` counts them). The first step over the threshold has no reading from its start, so a streak
+holds at least ``SLOW_STREAK - 1`` steps slow for their own work; where the wait cannot be read (not Linux)
+steps are judged on their time alone.
 
 Nothing here touches the device; the heartbeat never raises into the run (a failure inside it is one
 ``watch-error`` event, and the heartbeat stops; the watch goes on).
@@ -56,6 +62,7 @@ from ..core.context import WatchContext
 from ..core.pipeline import StepView, WatchComponent
 from ..core.registry import ComponentSetup, register_component
 from .compile_log import CompileLog, compile_words
+from .cpu_wait import cpu_wait_ns
 
 STALL = "stall"
 SLOW = "slow-steps"
@@ -192,6 +199,8 @@ class StepClock(WatchComponent):
         self.baseline: deque[float] = deque(maxlen=WINDOW)  # ordinary step times (slow-steps)
         self.streak: list[tuple[int, float]] = []
         self.episode: Event | None = None  # the open slow-steps episode
+        self.waited_ns: int | None = None  # the CPU wait read at the last step end (only after a suspect step)
+        self.load_slowed = 0  # steps over the threshold that were not, less the time they waited for a CPU
         self._median = 0.0  # the baseline's median, recomputed every MEDIAN_EVERY ordinary steps (a sort of 32)
         self._fresh = 0  # ordinary step times added since
         self.heartbeat: Heartbeat | None = None
@@ -217,6 +226,7 @@ class StepClock(WatchComponent):
         """Policy rewind restored a snapshot in this step: the watch's own work, not the step's time."""
         self.last_end = None
         self.streak = []
+        self.waited_ns = None
 
     # ---- the training thread -------------------------------------------------------------------------
     def forward(self) -> None:
@@ -252,6 +262,7 @@ class StepClock(WatchComponent):
         if last is not None and self.save_seen >= last:
             last = None  # a checkpoint save ran in this gap: not a step time (nor a slow step)
         if last is None:
+            self.waited_ns = None  # a reading from before this gap does not bracket the next step
             return []
         gap = now - last
         self.gaps.append(gap)
@@ -301,13 +312,19 @@ class StepClock(WatchComponent):
         if self._fresh >= MEDIAN_EVERY:
             self._median, self._fresh = statistics.median(self.baseline), 0
         median = self._median
-        if gap <= SLOW_FACTOR * median or gap - median <= SLOW_MIN_EXTRA_S:
+        before, self.waited_ns = self.waited_ns, None
+        if gap <= SLOW_FACTOR * median or gap - median <= SLOW_MIN_EXTRA_S:  # (_over inlined: every step)
             if self.episode is not None:
                 self.episode.evidence["recovered_at_step"] = step
                 self.episode = None
             self.streak = []
             self.baseline.append(gap)
             self._fresh += 1
+            return []
+        waited = self.waited_ns = cpu_wait_ns()  # a suspect step: the next one is judged less its wait for a CPU
+        if before is not None and waited is not None and _load_slowed(gap, (waited - before) / 1e9, median):
+            self.load_slowed += 1  # slow for waiting on a CPU other processes took: not for the run's own work
+            self.streak = []
             return []
         self.streak.append((step, gap))
         if self.episode is not None:
@@ -361,6 +378,18 @@ class StepClock(WatchComponent):
         if heartbeat is not None:
             heartbeat.stop()
         self.disarm()
+
+
+def _over(seconds: float, median: float) -> bool:
+    """Over the slow-steps threshold: ``SLOW_FACTOR`` x the median, and ``SLOW_MIN_EXTRA_S`` more than it."""
+    return seconds > SLOW_FACTOR * median and seconds - median > SLOW_MIN_EXTRA_S
+
+
+def _load_slowed(gap: float, waited: float, median: float) -> bool:
+    """A step over the threshold only for waiting on a CPU: under it less the wait, and the wait is at least half
+    its excess over the median (the median was learned with the machine's usual wait in it: a step barely over it
+    less a small wait is still slow)."""
+    return not _over(gap - waited, median) and waited >= (gap - median) / 2
 
 
 def thread_stacks(frames: dict[int, FrameType], first: int | None, skip: int) -> list[dict[str, Any]]:
