@@ -19,12 +19,12 @@ LR = 1e-3
 DATA = [tiny_batch(4, 16, seed=i) for i in range(16)]
 
 
-def _spiked_loop(policy=None, spike=True, steps=100, every=5, scaler=None):
-    """A plain loop whose LambdaLR schedule puts the LR at 1.0 for steps 20-22; the mean loss of its last
-    10 steps, and the watch."""
+def _spiked_loop(policy=None, spike=True, steps=100, every=5, scaler=None, spike_steps=3):
+    """A plain loop whose LambdaLR schedule puts the LR at 1.0 for steps 20-22 (``spike_steps`` from 20); the mean
+    loss of its last 10 steps, and the watch."""
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (1.0 / LR) if spike and 20 <= s < 23 else 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (1.0 / LR) if spike and 20 <= s < 20 + spike_steps else 1.0)
     watch = nbguard.watch(model, optimizer=opt, policy=policy, scheduler=sched, scaler=scaler, verify=False,
                           rewind=RewindSettings(every=every)) if policy else None
     losses = []
@@ -68,6 +68,20 @@ def test_rewind_recovers_a_run_an_lr_spike_ruined():
     # the history records them, and the watch's document carries them
     assert [r["step"] for r in watch.rewinds] == [e.step for e in rewinds]
     assert watch.to_document()["history"]["rewinds"] == watch.rewinds
+
+
+def test_a_spike_that_outlasts_the_first_rewind_is_not_cut_again():
+    """LR 1.0 for steps 20-25: rewound at 21 (LR cut), the spike is still on and blows the same state up again.
+    The LR is then 1000x the one that state trained at: the schedule drives it, so the second rewind leaves it
+    (a second cut left the rest of the run at a quarter of its schedule: 4.37 against the healthy 3.59)."""
+    healthy, _, _ = _spiked_loop(spike=False)
+    rewound, watch, (_, _, sched) = _spiked_loop(policy="rewind", spike_steps=6)
+    first, second = [e.evidence for e in watch.events if e.kind == "rewind"]
+    assert first["restored_after_step"] == second["restored_after_step"] <= 19
+    assert first["lr_factor"] == 0.5 and "lr_not_cut" not in first
+    assert second["lr_factor"] == 1.0 and "driven from outside the watch" in second["lr_not_cut"]
+    assert sched.base_lrs[0] == pytest.approx(LR * 0.5)
+    assert abs(rewound - healthy) <= 0.25 * healthy
 
 
 def _poisoned_weights_loop(policy, bad_after=12, steps=20, every=5, **settings):

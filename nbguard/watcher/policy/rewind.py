@@ -50,6 +50,9 @@ GIB = 1 << 30
 # the events whose cause is an update too large: the LR is cut after their rewind (a run that learned and then
 # went dead had its logits saturated by one)
 LR_CAUSES = ("divergence", "dead-run")
+# a rewind to the state the last one restored, with the LR still this far above the one that state trained at
+# (after that rewind's cut): the LR is driven from outside (a spike), not cut again
+LR_DRIVEN_RATIO = 4.0
 SCHEDULES = ("keep", "restore")
 
 
@@ -152,6 +155,7 @@ class Snapshot:
         self.plain: dict[tuple, Any] = {}
         self.after_step: int | None = None  # the state after this step's update
         self.scheduler: dict | None = None
+        self.lr: list[float] | None = None  # the param groups' LR when it was taken
         self.rng: dict[str, Any] | None = None
         self.ready: Any = None  # a torch.cuda.Event the buffers are valid after
         self.finite: bool | None = None  # checked once, when first used
@@ -229,6 +233,7 @@ class Rewinder:
         self.slots = [Snapshot() for _ in range(settings.slots)]
         self.next_due = 0  # the first step whose end takes a snapshot
         self.rewinds = 0
+        self.last_lr_ratio = 0.0  # the last rewind's LR against the one its restored state trained at
         self.unavailable: str | None = None  # why rewinding is off (then the watch skips instead)
         self.taken = 0  # snapshots taken
         self.history: list[dict[str, Any]] = []
@@ -303,6 +308,7 @@ class Rewinder:
                 return
             slot.allocate(tensors)
         slot.fill(tensors, plain, step, self.current_scheduler(watch))
+        slot.lr = [g["lr"] for g in _optimizer(watch).param_groups]
         self.taken += 1
         self.next_due = step + self.settings.every
 
@@ -409,6 +415,9 @@ class Rewinder:
         self.next_due = step + 1  # the restored state, once a step shows it healthy, is the next snapshot
         lr_before = [g["lr"] for g in _optimizer(watch).param_groups]
         factor = self.settings.lr_factor if event.kind in LR_CAUSES else 1.0
+        driven = self.lr_driven_from_outside(snapshot, lr_before) if factor != 1.0 else None
+        if driven is not None:
+            factor = 1.0
         if factor != 1.0:
             self.scale_lr(watch, factor)
         lr_after = [g["lr"] for g in _optimizer(watch).param_groups]
@@ -418,15 +427,35 @@ class Rewinder:
                     "trigger_step": event.step, "batches_skipped": skipped, "lr_factor": factor,
                     "lr_before": lr_before, "lr_after": lr_after, "what": restored.what,
                     "rewinds": self.rewinds, "max_rewinds": self.settings.max_rewinds}
+        if driven is not None:
+            evidence["lr_not_cut"] = driven
         event.evidence["rewind"] = evidence
-        lr_text = (f"; lr x{factor:g} ({_lrs(lr_before)} -> {_lrs(lr_after)})" if factor != 1.0 else "; lr unchanged")
+        lr_text = (f"; lr x{factor:g} ({_lrs(lr_before)} -> {_lrs(lr_after)})" if factor != 1.0 else
+                   f"; lr not cut again ({driven})" if driven is not None else "; lr unchanged")
         message = (f"rewound to the state after step {snapshot.after_step} ({event.kind} at step {event.step}): "
                    f"restored {', '.join(restored.what)}; {skipped} batch(es) skipped{lr_text}; rewind "
                    f"{self.rewinds} of {self.settings.max_rewinds}")
         self.history.append({"step": step, "restored_after_step": snapshot.after_step, "batches_skipped": skipped,
                              "lr_factor": factor, "trigger": event.kind})
+        self.last_lr_ratio = _lr_ratio(lr_before, snapshot.lr)
         watch.history.record_rewind(self.history[-1])
         watch.emit(Event("rewind", step, message, evidence=evidence))
+
+    def lr_driven_from_outside(self, snapshot: Snapshot, lr_now: list[float]) -> str | None:
+        """Why the LR is not cut again (None: cut it). The last rewind went back to this same state and cut the
+        LR already, and then (or now) the LR was far above the one this state trained at: something outside the
+        watch drives it (a schedule's or a user's spike that outlasted the first rewind), and each further cut
+        would only leave the rest of the run at a quarter, an eighth, ... of its schedule once the spike has
+        passed. A run whose own LR is too high re-diverges at about the LR it was cut to: cut again there."""
+        last = self.history[-1] if self.history else None
+        if last is None or last["restored_after_step"] != snapshot.after_step or last["lr_factor"] == 1.0:
+            return None
+        ratio = max(_lr_ratio(lr_now, snapshot.lr), self.last_lr_ratio)
+        if ratio < LR_DRIVEN_RATIO:
+            return None
+        return (f"the LR reached {ratio:.3g}x the one the state after step {snapshot.after_step} trained at, after a "
+                "cut back to that same state: it is driven from outside the watch (a schedule, a spike), not too "
+                "high for the run")
 
     def judge_damage(self, watch: WatchContext, snapshot: Snapshot) -> dict[str, Any] | None:
         """Whether the weights are damaged, asked of the batch at hand: its loss on the current weights and on
@@ -568,6 +597,13 @@ def _loss_level(losses: dict[int, float | None], after_step: int) -> float | Non
 def p_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict | None:
     state = optimizer.state.get(p)
     return state if state else None
+
+
+def _lr_ratio(lr: list[float], then: list[float] | None) -> float:
+    """The least ratio of the param groups' LR to the one a snapshot was taken at (0: not known)."""
+    if not then or len(then) != len(lr):
+        return 0.0
+    return min((now / old for now, old in zip(lr, then) if old > 0), default=0.0)
 
 
 def _lrs(values: list[Any]) -> str:
