@@ -166,15 +166,17 @@ def test_an_lr_blow_up_is_a_divergence_where_it_first_shows_and_rewind_keeps_the
     assert rewound.scheduler.base_lrs == pytest.approx([lr * cut for lr in healthy.scheduler.base_lrs])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 44, measured: rewind restores step 15's state at step 21, but the bad schedule's step 22 then runs at "
-    "LR 0.5 (x1000 of the halved LR); the damage it does (step 23: loss 8.2, 1.8x the median; gradient norm 6.9x) "
-    "stays under the divergence thresholds (10x with the loss doubled) and the run stays near 7: final 6.24 "
-    "against the healthy 4.18 (+49%; unwatched spiked 57.4)"))
 def test_rewind_brings_an_lr_blow_up_back_within_a_quarter_of_the_healthy_final_loss(blow_up):
-    healthy, spiked, rewound, _ = blow_up
+    """Rewound at step 21 to step 15's state, the LR cut; the bad schedule's step 22 (x1000) then runs at most at
+    the cut LR (held for ``every`` steps): without the hold it ran at 0.5, did damage under the divergence
+    thresholds and the run ended at 6.24 against the healthy 4.18 (+49%)."""
+    healthy, spiked, rewound, watch = blow_up
     assert final_loss(spiked.losses) > 1.25 * final_loss(healthy.losses)
     assert abs(final_loss(rewound.losses) - final_loss(healthy.losses)) <= 0.25 * final_loss(healthy.losses)
+    rewind = next(e for e in watch.events if e.kind == "rewind")
+    held = rewind.evidence["lr_held"]  # the constant LR the restored state trained at, cut, for 5 steps
+    assert held["through_step"] == rewind.step + 5
+    assert held["at_most"] == pytest.approx([lr * 0.5 for lr in healthy.scheduler.base_lrs])
 
 
 def test_outside_a_trainer_it_says_so_and_watches_nothing():

@@ -19,7 +19,7 @@ LR = 1e-3
 DATA = [tiny_batch(4, 16, seed=i) for i in range(16)]
 
 
-def _spiked_loop(policy=None, spike=True, steps=100, every=5, scaler=None, spike_steps=3):
+def _spiked_loop(policy=None, spike=True, steps=100, every=5, scaler=None, spike_steps=3, lr_seen=None):
     """A plain loop whose LambdaLR schedule puts the LR at 1.0 for steps 20-22 (``spike_steps`` from 20); the mean
     loss of its last 10 steps, and the watch."""
     model = tiny_llama()
@@ -27,6 +27,8 @@ def _spiked_loop(policy=None, spike=True, steps=100, every=5, scaler=None, spike
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (1.0 / LR) if spike and 20 <= s < 20 + spike_steps else 1.0)
     watch = nbguard.watch(model, optimizer=opt, policy=policy, scheduler=sched, scaler=scaler, verify=False,
                           rewind=RewindSettings(every=every)) if policy else None
+    if lr_seen is not None:  # the LR each update runs at (after the watch's own pre-step hook)
+        opt.register_step_pre_hook(lambda o, args, kwargs: lr_seen.append(o.param_groups[0]["lr"]))
     losses = []
     for i in range(steps):
         loss = model(**DATA[i % len(DATA)]).loss
@@ -70,17 +72,23 @@ def test_rewind_recovers_a_run_an_lr_spike_ruined():
     assert watch.to_document()["history"]["rewinds"] == watch.rewinds
 
 
-def test_a_spike_that_outlasts_the_first_rewind_is_not_cut_again():
-    """LR 1.0 for steps 20-25: rewound at 21 (LR cut), the spike is still on and blows the same state up again.
-    The LR is then 1000x the one that state trained at: the schedule drives it, so the second rewind leaves it
-    (a second cut left the rest of the run at a quarter of its schedule: 4.37 against the healthy 3.59)."""
+def test_after_a_divergence_rewind_the_lr_is_held_at_the_restored_states_cut_lr_while_a_spike_goes_on():
+    """LR 1.0 for steps 20-25: rewound at 21, the LR cut; the schedule still sets 1000x for four more steps. For
+    ``every`` steps after the rewind no group's LR goes above the restored state's LR x lr_factor, so the spike
+    does no damage again: one rewind, the run back within 25% of the healthy one (without the hold a second
+    rewind to the same state cut the LR again: 4.37 against the healthy 3.59)."""
     healthy, _, _ = _spiked_loop(spike=False)
-    rewound, watch, (_, _, sched) = _spiked_loop(policy="rewind", spike_steps=6)
-    first, second = [e.evidence for e in watch.events if e.kind == "rewind"]
-    assert first["restored_after_step"] == second["restored_after_step"] <= 19
-    assert first["lr_factor"] == 0.5 and "lr_not_cut" not in first
-    assert second["lr_factor"] == 1.0 and "driven from outside the watch" in second["lr_not_cut"]
-    assert sched.base_lrs[0] == pytest.approx(LR * 0.5)
+    seen: list[float] = []
+    rewound, watch, (_, opt, sched) = _spiked_loop(policy="rewind", spike_steps=6, lr_seen=seen)
+    [rewind] = [e for e in watch.events if e.kind == "rewind"]
+    held = rewind.evidence["lr_held"]
+    assert held == {"at_most": [pytest.approx(LR * 0.5)], "through_step": rewind.step + 5}
+    assert f"at most {LR * 0.5:.3g} through step {rewind.step + 5}" in rewind.message
+    # the LR each update ran at: capped through the window (the schedule asked for 0.5), then the schedule's own;
+    # after each update the LR is the schedule's again (what a chainable schedule goes on from)
+    assert max(seen[rewind.step + 1:rewind.step + 6]) == pytest.approx(LR * 0.5)
+    assert seen[rewind.step + 6] == pytest.approx(sched.base_lrs[0]) == pytest.approx(LR * 0.5)
+    assert opt.param_groups[0]["lr"] == sched.get_last_lr()[0]
     assert abs(rewound - healthy) <= 0.25 * healthy
 
 

@@ -257,6 +257,8 @@ class WatchSteps(WatchRecord):
     @watch_hook(safe=False)
     def _post_step(self, optimizer, args, kwargs):
         self._device_skip.disarm()
+        if self._rewinder is not None:
+            self._rewinder.release_lr()
         self._optimizer_stepped = True
         self._dispatch("after_optimizer_step", self.step)
         if self._scaler_binding is None:
@@ -437,6 +439,8 @@ class WatchSteps(WatchRecord):
         dropper = update_dropper(self.policy, self._board.run("before_update", view, stats.extra, self._emit_from),
                                  across_ranks=self._ranks is not None)
         if dropper is None:
+            if self._rewinder is not None and not self._judging_late:
+                self._rewinder.hold_lr(self._context, self.step)  # (after a divergence rewind, for a few steps)
             return
         if self._judging_late and not self._exploded_on_device:  # applied before the numbers reached the host
             dropper.evidence["update_dropped"] = False

@@ -50,9 +50,6 @@ GIB = 1 << 30
 # the events whose cause is an update too large: the LR is cut after their rewind (a run that learned and then
 # went dead had its logits saturated by one)
 LR_CAUSES = ("divergence", "dead-run")
-# a rewind to the state the last one restored, with the LR still this far above the one that state trained at
-# (after that rewind's cut): the LR is driven from outside (a spike), not cut again
-LR_DRIVEN_RATIO = 4.0
 SCHEDULES = ("keep", "restore")
 
 
@@ -233,7 +230,13 @@ class Rewinder:
         self.slots = [Snapshot() for _ in range(settings.slots)]
         self.next_due = 0  # the first step whose end takes a snapshot
         self.rewinds = 0
-        self.last_lr_ratio = 0.0  # the last rewind's LR against the one its restored state trained at
+        # after a divergence rewind that cut the LR, each group's LR is held at most at the restored state's LR x
+        # lr_factor for ``every`` steps: a schedule still blown up (x1000 for a few steps) would otherwise do the
+        # damage again at once, under the divergence thresholds (a Trainer's run stayed 49% above the healthy one)
+        # or into a second rewind
+        self.lr_cap: list[float] | None = None
+        self.cap_until = -1
+        self._held: list[tuple[dict, float]] = []  # (param group, its LR) capped for the update under way
         self.unavailable: str | None = None  # why rewinding is off (then the watch skips instead)
         self.taken = 0  # snapshots taken
         self.history: list[dict[str, Any]] = []
@@ -415,47 +418,30 @@ class Rewinder:
         self.next_due = step + 1  # the restored state, once a step shows it healthy, is the next snapshot
         lr_before = [g["lr"] for g in _optimizer(watch).param_groups]
         factor = self.settings.lr_factor if event.kind in LR_CAUSES else 1.0
-        driven = self.lr_driven_from_outside(snapshot, lr_before) if factor != 1.0 else None
-        if driven is not None:
-            factor = 1.0
         if factor != 1.0:
             self.scale_lr(watch, factor)
         lr_after = [g["lr"] for g in _optimizer(watch).param_groups]
+        if factor != 1.0 and snapshot.lr:
+            self.lr_cap, self.cap_until = [lr * factor for lr in snapshot.lr], step + self.settings.every
         self.rewinds += 1
         skipped = step - (snapshot.after_step or 0)
-        evidence = {"restored": True, "restored_after_step": snapshot.after_step, "trigger": event.kind,
-                    "trigger_step": event.step, "batches_skipped": skipped, "lr_factor": factor,
-                    "lr_before": lr_before, "lr_after": lr_after, "what": restored.what,
-                    "rewinds": self.rewinds, "max_rewinds": self.settings.max_rewinds}
-        if driven is not None:
-            evidence["lr_not_cut"] = driven
+        evidence: dict[str, Any] = {
+            "restored": True, "restored_after_step": snapshot.after_step, "trigger": event.kind,
+            "trigger_step": event.step, "batches_skipped": skipped, "lr_factor": factor, "lr_before": lr_before,
+            "lr_after": lr_after, "what": restored.what, "rewinds": self.rewinds, "max_rewinds": self.settings.max_rewinds}
+        if self.lr_cap is not None and step <= self.cap_until:
+            evidence["lr_held"] = {"at_most": list(self.lr_cap), "through_step": self.cap_until}
         event.evidence["rewind"] = evidence
-        lr_text = (f"; lr x{factor:g} ({_lrs(lr_before)} -> {_lrs(lr_after)})" if factor != 1.0 else
-                   f"; lr not cut again ({driven})" if driven is not None else "; lr unchanged")
+        lr_text = f"; lr x{factor:g} ({_lrs(lr_before)} -> {_lrs(lr_after)})" if factor != 1.0 else "; lr unchanged"
+        if "lr_held" in evidence:
+            lr_text += f", at most {_lrs(self.lr_cap or [])} through step {self.cap_until}"
         message = (f"rewound to the state after step {snapshot.after_step} ({event.kind} at step {event.step}): "
                    f"restored {', '.join(restored.what)}; {skipped} batch(es) skipped{lr_text}; rewind "
                    f"{self.rewinds} of {self.settings.max_rewinds}")
         self.history.append({"step": step, "restored_after_step": snapshot.after_step, "batches_skipped": skipped,
                              "lr_factor": factor, "trigger": event.kind})
-        self.last_lr_ratio = _lr_ratio(lr_before, snapshot.lr)
         watch.history.record_rewind(self.history[-1])
         watch.emit(Event("rewind", step, message, evidence=evidence))
-
-    def lr_driven_from_outside(self, snapshot: Snapshot, lr_now: list[float]) -> str | None:
-        """Why the LR is not cut again (None: cut it). The last rewind went back to this same state and cut the
-        LR already, and then (or now) the LR was far above the one this state trained at: something outside the
-        watch drives it (a schedule's or a user's spike that outlasted the first rewind), and each further cut
-        would only leave the rest of the run at a quarter, an eighth, ... of its schedule once the spike has
-        passed. A run whose own LR is too high re-diverges at about the LR it was cut to: cut again there."""
-        last = self.history[-1] if self.history else None
-        if last is None or last["restored_after_step"] != snapshot.after_step or last["lr_factor"] == 1.0:
-            return None
-        ratio = max(_lr_ratio(lr_now, snapshot.lr), self.last_lr_ratio)
-        if ratio < LR_DRIVEN_RATIO:
-            return None
-        return (f"the LR reached {ratio:.3g}x the one the state after step {snapshot.after_step} trained at, after a "
-                "cut back to that same state: it is driven from outside the watch (a schedule, a spike), not too "
-                "high for the run")
 
     def judge_damage(self, watch: WatchContext, snapshot: Snapshot) -> dict[str, Any] | None:
         """Whether the weights are damaged, asked of the batch at hand: its loss on the current weights and on
@@ -525,6 +511,24 @@ class Rewinder:
             restore_rng(snapshot.rng)
             what.append("RNG states")
         return Restored(snapshot, copied, dropped, what)
+
+    def hold_lr(self, watch: WatchContext, step: int) -> None:
+        """Before an update that goes through: no group's LR above the cap a divergence rewind set. Only for the
+        update: ``release_lr`` puts each LR back after it, so a chainable schedule (CosineAnnealingLR computes each
+        LR from the last) or a user's own ``lr /= 1000`` goes on from the LR they set, not from the cap."""
+        self.release_lr()
+        if self.lr_cap is None or step > self.cap_until:
+            return
+        for group, cap in zip(_optimizer(watch).param_groups, self.lr_cap):
+            if not isinstance(group["lr"], torch.Tensor) and group["lr"] > cap:
+                self._held.append((group, group["lr"]))
+                group["lr"] = cap
+
+    def release_lr(self) -> None:
+        """After the update: the LRs ``hold_lr`` capped, as they were."""
+        held, self._held = self._held, []
+        for group, lr in held:
+            group["lr"] = lr
 
     def scale_lr(self, watch: WatchContext, factor: float) -> None:
         for group in _optimizer(watch).param_groups:
@@ -597,13 +601,6 @@ def _loss_level(losses: dict[int, float | None], after_step: int) -> float | Non
 def p_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict | None:
     state = optimizer.state.get(p)
     return state if state else None
-
-
-def _lr_ratio(lr: list[float], then: list[float] | None) -> float:
-    """The least ratio of the param groups' LR to the one a snapshot was taken at (0: not known)."""
-    if not then or len(then) != len(lr):
-        return 0.0
-    return min((now / old for now, old in zip(lr, then) if old > 0), default=0.0)
 
 
 def _lrs(values: list[Any]) -> str:
