@@ -5,8 +5,10 @@ blows the learning rate up for a few steps (with how to read the runs it spoils)
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import pytest
 from transformers import TrainerCallback
 
 from nbguard.testing import TINY_VOCAB, tiny_llama, word_tokenizer
@@ -89,3 +91,30 @@ class SeenAtEnd(TrainerCallback):
     @property
     def losses(self) -> list[float]:
         return [entry["loss"] for entry in self.state.log_history if "loss" in entry]
+
+
+def check_caught_and_rewound(watch, healthy: list[float], spiked: list[float], at: int, model) -> list:
+    """What every entry point's LR blow-up (``LRBlowUp(at)``) must show: the blown-up update of step ``at`` first
+    shows in the next step's loss (the unwatched spiked twin's first loss that differs from the healthy twin's),
+    and the divergence is at that step; nothing before the blow-up; a rewind to a state from before it, on a
+    divergence; the weights finite. Returns the rewind events."""
+    shows = first_step_changed(healthy, spiked)
+    assert shows == at + 1, (shows, at)
+    assert not [e for e in watch.events if e.step < at]
+    assert [e.step for e in watch.events if e.kind == "divergence"][0] == shows
+    rewinds = [e for e in watch.events if e.kind == "rewind"]
+    assert rewinds[0].evidence["trigger"] == "divergence"
+    assert rewinds[0].evidence["restored_after_step"] < at
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
+    return rewinds
+
+
+def check_trainer_counts_kept(healthy: SeenAtEnd, rewound: SeenAtEnd, rewinds: list, run: dict) -> None:
+    """The Trainer's own counts after rewinds: every optimizer step taken, as many micro-batches drawn (the skipped
+    ones too), the scheduler at the same place in its schedule, its base LR cut as each rewind's event says."""
+    assert rewound.state.global_step == healthy.state.global_step == run["max_steps"]
+    assert rewound.state.epoch == healthy.state.epoch
+    assert rewound.args.gradient_accumulation_steps == run["gradient_accumulation_steps"]
+    assert rewound.scheduler.last_epoch == healthy.scheduler.last_epoch
+    cut = math.prod(e.evidence["lr_factor"] for e in rewinds)
+    assert rewound.scheduler.base_lrs == pytest.approx([lr * cut for lr in healthy.scheduler.base_lrs])

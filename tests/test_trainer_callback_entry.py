@@ -9,7 +9,7 @@ from functools import partial
 
 import pytest
 import torch
-from framework_helpers import LRBlowUp, SeenAtEnd, final_loss, first_step_changed
+from framework_helpers import LRBlowUp, SeenAtEnd, check_caught_and_rewound, check_trainer_counts_kept, final_loss
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import nbguard
@@ -148,22 +148,8 @@ def blow_up():
 
 def test_an_lr_blow_up_is_a_divergence_where_it_first_shows_and_rewind_keeps_the_trainers_counts(blow_up):
     healthy, spiked, rewound, watch = blow_up
-    shows = first_step_changed(healthy.losses, spiked.losses)
-    assert shows == BLOW_UP_AT + 1  # the blown-up update of step 20 first shows in step 21's loss
-    assert not [e for e in watch.events if e.step < BLOW_UP_AT]
-    assert [e.step for e in watch.events if e.kind == "divergence"][0] == shows
-    rewinds = [e for e in watch.events if e.kind == "rewind"]
-    assert rewinds[0].evidence["trigger"] == "divergence"
-    assert rewinds[0].evidence["restored_after_step"] < BLOW_UP_AT  # a state from before the blow-up
-    assert all(torch.isfinite(p).all() for p in rewound.model.parameters())
-    # the Trainer's own counts: every optimizer step taken, as many micro-batches drawn (the skipped ones too),
-    # the scheduler at the same place in its schedule, its base LR cut as each rewind says
-    assert rewound.state.global_step == healthy.state.global_step == BLOW_UP_RUN["max_steps"]
-    assert rewound.state.epoch == healthy.state.epoch
-    assert rewound.args.gradient_accumulation_steps == BLOW_UP_RUN["gradient_accumulation_steps"]
-    assert rewound.scheduler.last_epoch == healthy.scheduler.last_epoch
-    cut = math.prod(e.evidence["lr_factor"] for e in rewinds)  # each rewind's own cut, as its event says
-    assert rewound.scheduler.base_lrs == pytest.approx([lr * cut for lr in healthy.scheduler.base_lrs])
+    rewinds = check_caught_and_rewound(watch, healthy.losses, spiked.losses, BLOW_UP_AT, rewound.model)
+    check_trainer_counts_kept(healthy, rewound, rewinds, BLOW_UP_RUN)
 
 
 def test_rewind_brings_an_lr_blow_up_back_within_a_quarter_of_the_healthy_final_loss(blow_up):
