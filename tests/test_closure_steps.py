@@ -181,10 +181,11 @@ def test_a_failure_in_the_backward_tap_never_breaks_the_users_backward(monkeypat
 
 
 def _recipe(*, watched: bool, policy: str = "warn", blow_up: tuple[int, ...] = (), steps: int = 36,
-            read: str = "host", fused: bool | None = None):
+            read: str = "host", fused: bool | None = None, lr_seen: list | None = None):
     """A torchtune-style recipe loop: logits from the model, cross-entropy computed after it; the LR is
     multiplied by 1000 for the steps in ``blow_up`` (a scheduler gone wrong). Returns per-step losses.
-    ``read``, ``fused``: the watch's read mode and the AdamW's (test_deferred_read.py)."""
+    ``read``, ``fused``: the watch's read mode and the AdamW's (test_deferred_read.py); ``lr_seen`` gets the LR
+    each update runs at (after the watch's own pre-step hook)."""
     from nbguard.testing import tiny_llama
     from nbguard.watcher import RewindSettings, WatchSettings
 
@@ -194,6 +195,8 @@ def _recipe(*, watched: bool, policy: str = "warn", blow_up: tuple[int, ...] = (
     watch = nbguard.watch(model, optimizer=opt, policy=policy, log_to=None, verify=False,
                           rewind=RewindSettings(every=5) if policy == "rewind" else None,
                           settings=WatchSettings(read=read)) if watched else None
+    if lr_seen is not None:
+        opt.register_step_pre_hook(lambda o, args, kwargs: lr_seen.append(o.param_groups[0]["lr"]))
     data = torch.Generator().manual_seed(1)
     zipf = 1.0 / torch.arange(1, model.config.vocab_size + 1, dtype=torch.float64) ** 1.5
     losses = []

@@ -155,8 +155,14 @@ def test_rewind_a_step_late_still_rescues_a_blow_up_of_a_loss_computed_outside_t
     from test_closure_steps import _recipe
 
     healthy, _ = _recipe(watched=False, fused=True)
-    rescued, watch = _recipe(watched=True, policy="rewind", blow_up=(20, 21, 22), read="deferred", fused=True)
+    seen: list[float] = []
+    rescued, watch = _recipe(watched=True, policy="rewind", blow_up=(20, 21, 22), read="deferred", fused=True,
+                             lr_seen=seen)
     divergence = next(e for e in watch.events if e.kind == "divergence")
     assert divergence.step in (20, 21) and divergence.evidence["next_update_dropped"]
-    assert any(e.kind == "rewind" for e in watch.events)
+    rewind = next(e for e in watch.events if e.kind == "rewind")
+    # the LR held at the cut one after the rewind, judged a step late too: the blow-up's later steps ran under it
+    held = rewind.evidence["lr_held"]
+    assert held["at_most"] == [pytest.approx(3e-3 * 0.5)]
+    assert max(seen[rewind.step + 1:held["through_step"] + 1]) == pytest.approx(3e-3 * 0.5)
     assert rescued[-1] <= 1.25 * healthy[-1], (rescued[-1], healthy[-1])

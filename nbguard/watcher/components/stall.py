@@ -32,8 +32,8 @@ closes it (``recovered_at_step``). Step times across a stall, or across a pause 
 not learned. A step must be slow for its own work: once a step is over the threshold, the clock reads how
 long the training thread has waited for a CPU (:mod:`.cpu_wait`) at each step end until one is ordinary,
 and a step that is no longer over the threshold less that wait, a wait of at least half its excess over
-the median, was slowed by other processes taking the cores (a shared machine, CI lanes beside the run): it is not slow, not learned, and it ends the streak
-(``load_slowed`` counts them). The first step over the threshold has no reading from its start, so a streak
+the median, was slowed by other processes taking the cores (a shared machine, CI lanes beside the run):
+it is not slow, not learned, and it ends the streak (``load_slowed`` counts them). The first step over the threshold has no reading from its start, so a streak
 holds at least ``SLOW_STREAK - 1`` steps slow for their own work; where the wait cannot be read (not Linux)
 steps are judged on their time alone.
 

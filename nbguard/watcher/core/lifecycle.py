@@ -152,6 +152,8 @@ class WatchLifecycle(WatchSteps):
 
     def detach(self: W) -> W:
         self._device_skip.disarm()
+        if self._rewinder is not None:
+            self._rewinder.release_lr()  # (a step that never reached its end keeps no capped LR)
         try:
             self.flush()  # read="deferred": the last step is judged before the components go
         except NonFiniteError:  # the stop policy's ending, here of a loop that already ended: the event is kept

@@ -240,7 +240,15 @@ class WatchSteps(WatchRecord):
         self._check_step()
         self._settle_farewell()  # the check failed before this rank's part of the exchange: pay it now
         if self.active:  # after the policy's decision, just before the optimizer moves the weights
+            self._hold_lr()
             self._dispatch("before_optimizer_step", self.step)
+
+    @watch_hook(safe=False)
+    def _hold_lr(self) -> None:
+        """For a few steps after a divergence rewind, this update runs at most at the cut LR (in either read mode,
+        under a GradScaler too); ``_post_step`` puts each LR back."""
+        if self._rewinder is not None:
+            self._rewinder.hold_lr(self._context, self.step)
 
     @watch_hook(safe=False)
     def _check_step(self) -> None:
@@ -439,8 +447,6 @@ class WatchSteps(WatchRecord):
         dropper = update_dropper(self.policy, self._board.run("before_update", view, stats.extra, self._emit_from),
                                  across_ranks=self._ranks is not None)
         if dropper is None:
-            if self._rewinder is not None and not self._judging_late:
-                self._rewinder.hold_lr(self._context, self.step)  # (after a divergence rewind, for a few steps)
             return
         if self._judging_late and not self._exploded_on_device:  # applied before the numbers reached the host
             dropper.evidence["update_dropped"] = False
