@@ -30,7 +30,7 @@ SAMPLE_ABOVE): the weight's rows cut into k x ``SPREAD`` runs, step s taking run
 The ratios are then those of about 4M weights spread over every tensor, an estimate of the whole's, and every
 step is still read and judged (an LR blow-up moves every row, so it is a spike in any sample, in its own step).
 Runs spread over the weight, not its first rows: an embedding's rows are tokens, and frequent and rare ones
-are both sampled. On a GPU the same passes take microseconds: every weight, every step.
+are both sampled. On a GPU (the passes run on the device, beside the CPU's work): every weight, every step.
 
 The read costs no host sync of its own: the norms are taken on the device right after
 ``optimizer.step`` (one ``torch._foreach_norm`` over the differences and the weights, per group or per
