@@ -108,11 +108,22 @@ def backward_targets(output: Any, found: tuple[str, torch.Tensor] | None) -> lis
     return [(p, t) for p, t in iter_tensors(output) if t.is_floating_point() and t.requires_grad]
 
 
+IGNORE_INDEX = -100
+
+
 def supervised_mask(labels: torch.Tensor) -> torch.Tensor:
-    """(rows, tokens): the labels the causal loss is computed over (the first one is shifted away)."""
-    labels = labels if labels.dim() >= 2 else labels[None]
-    shifted = labels[:, 1:] if labels.shape[-1] > 1 else labels
-    return (shifted != -100).reshape(shifted.shape[0], -1)
+    """(rows, tokens): the labels the causal loss scores, as the Trainer counts ``num_items_in_batch``.
+
+    The loss pads each row's labels and shifts them by one, so a row's first label is never scored and a
+    row of one token scores nothing (TRL's EOS alone, where the tokenizer encoded the text to nothing).
+    A 1-D tensor is one sequence without a batch dimension (a single label, one label per row, is kept).
+    """
+    if labels.dim() >= 2:
+        scored = labels[..., 1:]
+    else:
+        flat = labels.reshape(-1)
+        scored = (flat[1:] if flat.numel() > 1 else flat)[None]
+    return (scored != IGNORE_INDEX).flatten(1)  # (flatten, not reshape(rows, -1): a (rows, 0) shift has no -1)
 
 
 def supervised_rows(labels: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 
+from ...step.capture import supervised_mask
 from ..reads.rolling import RollingMedian
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -29,16 +28,8 @@ class SupervisionSettings:
 
 
 def supervised_count(labels: torch.Tensor) -> torch.Tensor:
-    """Labels the loss scores (after the causal shift, as the Trainer counts num_items_in_batch), on the device.
-
-    Rows of one token score nothing: the causal loss pads the labels and shifts them, so a batch of
-    one-token rows (TRL's EOS alone, where the tokenizer encoded the text to nothing) trains on 0 tokens.
-    """
-    if labels.dim() >= 2:
-        scored = labels[..., 1:]
-    else:  # one sequence without a batch dimension, or one label per row
-        scored = labels[1:] if labels.shape[-1] > 1 else labels
-    return torch.count_nonzero(scored != IGNORE_INDEX)  # one reduction kernel (a bool sum takes two ops' setup)
+    """Labels the loss scores (after the causal shift: ``supervised_mask``, one-token rows score 0), on the device."""
+    return torch.count_nonzero(supervised_mask(labels))  # one reduction kernel (a bool sum takes two ops' setup)
 
 
 class FewTokensDetector:
