@@ -56,7 +56,7 @@ WORKERS ?= 2
 PYTEST_PARALLEL = -n $(WORKERS) --dist loadfile
 
 .PHONY: demo check docs wheel test test-main test-main-parallel test-main-serial test-loaded test-labextension test-colab test-tf450 test-quant test-newest lock \
-	test-axolotl test-llamafactory test-litgpt test-torchtune \
+	test-axolotl test-llamafactory test-litgpt test-torchtune test-serial-then-labextension test-frameworks \
 	install clean lint
 
 install: $(VENV)/.stamp
@@ -151,12 +151,12 @@ wheel: $(VENV)/.stamp
 	$(VENV)/bin/pip wheel . --no-deps $(PIP_QUIET) -w dist/
 
 # make test packs the lanes onto the two cores: whatever leaves a core idle runs beside something else.
-# 1. mypy (one core) while the Colab and transformers 4.50 venvs install (network and disk);
+# 1. mypy (one core) while the other venvs install (network and disk), and, on the core mypy leaves idle once
+#    their venvs are in, the transformers 4.50 and quantised lanes (one process each);
 # 2. the main lane on both cores;
-# 3. its serial step (one process: the wheel build, ~160 s) beside the transformers 4.50 lane, then the
-#    quantised lane beside the axolotl lane, the Lab extension's tests beside the LLaMA-Factory lane, and the
-#    litgpt lane beside the torchtune lane (each one process; the Lab extension not beside the wheel build: both
-#    run npm in labextension/);
+# 3. the one-process steps as two chains side by side, each ~170 s: its serial step (the wheel build) then the
+#    Lab extension's tests (never beside each other: both run npm in labextension/), and axolotl, LLaMA-Factory,
+#    litgpt and torchtune one after the other (paired step by step they left a core idle ~130 s of 305);
 # 4. the loaded multi-rank run beside the Colab lane: each is the other's load, and the burners, at the
 #    lowest priority, fill whatever core the two leave idle.
 # One after the other these took 66 minutes of CI's 90 on a fresh clone (3956 s of make test); see
@@ -164,13 +164,22 @@ wheel: $(VENV)/.stamp
 # elapsed seconds in CI): a run cut off still shows every lane's progress.
 test: $(VENV)/.stamp
 	$(MAKE) --no-print-directory -j4 lint $(COLAB_VENV)/.stamp $(TF450_VENV)/.stamp $(QUANT_VENV)/.stamp \
-		$(AXOLOTL_VENV)/.stamp $(LLAMAFACTORY_VENV)/.stamp $(LITGPT_VENV)/.stamp $(TORCHTUNE_VENV)/.stamp
+		$(AXOLOTL_VENV)/.stamp $(LLAMAFACTORY_VENV)/.stamp $(LITGPT_VENV)/.stamp $(TORCHTUNE_VENV)/.stamp \
+		test-tf450 test-quant
 	$(MAKE) --no-print-directory test-main-parallel
-	$(MAKE) --no-print-directory -j2 test-main-serial test-tf450
-	$(MAKE) --no-print-directory -j2 test-quant test-axolotl
-	$(MAKE) --no-print-directory -j2 test-labextension test-llamafactory
-	$(MAKE) --no-print-directory -j2 test-litgpt test-torchtune
+	$(MAKE) --no-print-directory -j2 test-serial-then-labextension test-frameworks
 	$(MAKE) --no-print-directory -j2 BURNER_NICE=19 test-loaded test-colab
+
+# make test's two one-process chains (step 3 above).
+test-serial-then-labextension:
+	$(MAKE) --no-print-directory test-main-serial
+	$(MAKE) --no-print-directory test-labextension
+
+test-frameworks:
+	$(MAKE) --no-print-directory test-axolotl
+	$(MAKE) --no-print-directory test-llamafactory
+	$(MAKE) --no-print-directory test-litgpt
+	$(MAKE) --no-print-directory test-torchtune
 
 # Every test of the main lane but the multi-rank ones (test-loaded runs those) and the notebooks (test-colab
 # runs every one, on the releases notebook users have; executing them twice did not fit CI's 90 minutes),
