@@ -82,14 +82,68 @@ def test_after_a_divergence_rewind_the_lr_is_held_at_the_restored_states_cut_lr_
     rewound, watch, (_, opt, sched) = _spiked_loop(policy="rewind", spike_steps=6, lr_seen=seen)
     [rewind] = [e for e in watch.events if e.kind == "rewind"]
     held = rewind.evidence["lr_held"]
-    assert held == {"at_most": [pytest.approx(LR * 0.5)], "through_step": rewind.step + 5}
-    assert f"at most {LR * 0.5:.3g} through step {rewind.step + 5}" in rewind.message
+    assert held == {"at_most": [pytest.approx(LR * 0.5)], "through_step": rewind.step + 5,
+                    "longer_while_schedule_over": [pytest.approx(LR * 5)], "at_latest_through_step": rewind.step + 25}
+    assert f"at most {LR * 0.5:.3g} through step {rewind.step + 5} (longer while" in rewind.message
     # the LR each update ran at: capped through the window (the schedule asked for 0.5), then the schedule's own;
     # after each update the LR is the schedule's again (what a chainable schedule goes on from)
     assert max(seen[rewind.step + 1:rewind.step + 6]) == pytest.approx(LR * 0.5)
     assert seen[rewind.step + 6] == pytest.approx(sched.base_lrs[0]) == pytest.approx(LR * 0.5)
     assert opt.param_groups[0]["lr"] == sched.get_last_lr()[0]
     assert abs(rewound - healthy) <= 0.25 * healthy
+
+
+
+def test_a_spike_longer_than_the_hold_window_is_held_until_it_has_passed():
+    """LR 1.0 for steps 20-29, longer than the 5-step hold after the rewind at 21. The hold stays on while the
+    schedule asks for over 10x the cut LR, so no update runs spiked and no snapshot is taken after a spiked update:
+    one rewind, the run within 25% of the healthy one. With the hold ending at its window, steps 27-29 ran at 0.5,
+    a snapshot after step 27 was taken and rewound to, the LR cut twice: 4.69 against the healthy 3.59."""
+    healthy, _, _ = _spiked_loop(spike=False)
+    seen: list[float] = []
+    rewound, watch, (_, _, sched) = _spiked_loop(policy="rewind", spike_steps=10, lr_seen=seen)
+    assert abs(rewound - healthy) <= 0.25 * healthy
+    [rewind] = [e for e in watch.events if e.kind == "rewind"]
+    assert max(seen[rewind.step + 1:]) == pytest.approx(LR * 0.5) == pytest.approx(sched.base_lrs[0])
+    # the snapshots taken under the hold, while the schedule still asked for 0.5 (the run stopped at step 29), record
+    # the LR their updates ran at: a later rewind holds and cuts from there
+    _, during, _ = _spiked_loop(policy="rewind", spike_steps=10, steps=30)
+    assert sorted((slot.after_step, slot.lr) for slot in during._rewinder.slots) == [
+        (rewind.step + 1, [pytest.approx(LR * 0.5)]), (rewind.step + 6, [pytest.approx(LR * 0.5)])]
+
+
+def _warmup_loop(policy=None, steps=40):
+    """A healthy run whose LR warms up linearly from 0 over 30 steps (as transformers' linear warmup does)."""
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 30))
+    watch = nbguard.watch(model, optimizer=opt, policy=policy, scheduler=sched, verify=False,
+                          rewind=RewindSettings(every=5)) if policy else None
+    losses = []
+    for i in range(steps):
+        loss = model(**DATA[i % len(DATA)]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(loss.item())
+    if watch is not None:
+        watch.detach()
+    return losses, model, watch
+
+
+def test_a_healthy_warmup_run_keeps_its_snapshots_and_trains_as_its_unwatched_twin():
+    """The LR rising 5x and more between snapshots (from 0) is no spike: every due snapshot is taken, at the LR the
+    warmup set, and the watched run is bit for bit its unwatched twin (refusing snapshots while the LR is over 10x
+    the last one's kept a single snapshot here, the one at LR 0)."""
+    losses, model, watch = _warmup_loop("rewind")
+    twin_losses, twin, _ = _warmup_loop()
+    assert not [e for e in watch.events if e.kind == "rewind"]
+    assert watch._rewinder.taken == 8  # after steps 0, 5, ..., 35
+    assert sorted((slot.after_step, slot.lr[0]) for slot in watch._rewinder.slots) == [
+        (30, pytest.approx(LR)), (35, pytest.approx(LR))]
+    assert losses == twin_losses
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
 
 
 def _poisoned_weights_loop(policy, bad_after=12, steps=20, every=5, **settings):

@@ -233,9 +233,13 @@ class Rewinder:
         # after a divergence rewind that cut the LR, each group's LR is held at most at the restored state's LR x
         # lr_factor for ``every`` steps: a schedule still blown up (x1000 for a few steps) would otherwise do the
         # damage again at once, under the divergence thresholds (a Trainer's run stayed 49% above the healthy one)
-        # or into a second rewind
+        # or into a second rewind. Past that window the hold stays on while the schedule still asks for over
+        # SPIKE_FACTOR x the cap (a blow-up longer than the window), at most through ``hold_bound``; released, it is
+        # over for good (a warmup later rising past it is not held)
         self.lr_cap: list[float] | None = None
         self.cap_until = -1
+        self.hold_bound = -1
+        self.held_through = -1  # the last step whose update ran under the hold (a snapshot then records the cap)
         self._held: list[tuple[dict, float]] = []  # (param group, its LR) capped for the update under way
         self.unavailable: str | None = None  # why rewinding is off (then the watch skips instead)
         self.taken = 0  # snapshots taken
@@ -311,7 +315,7 @@ class Rewinder:
                 return
             slot.allocate(tensors)
         slot.fill(tensors, plain, step, self.current_scheduler(watch))
-        slot.lr = [g["lr"] for g in _optimizer(watch).param_groups]
+        slot.lr = self.lr_ran_at(watch, step)
         self.taken += 1
         self.next_due = step + self.settings.every
 
@@ -423,6 +427,7 @@ class Rewinder:
         lr_after = [g["lr"] for g in _optimizer(watch).param_groups]
         if factor != 1.0 and snapshot.lr:
             self.lr_cap, self.cap_until = [lr * factor for lr in snapshot.lr], step + self.settings.every
+            self.hold_bound = self.cap_until + HOLD_MORE_WINDOWS * self.settings.every
         self.rewinds += 1
         skipped = step - (snapshot.after_step or 0)
         evidence: dict[str, Any] = {
@@ -430,11 +435,14 @@ class Rewinder:
             "trigger_step": event.step, "batches_skipped": skipped, "lr_factor": factor, "lr_before": lr_before,
             "lr_after": lr_after, "what": restored.what, "rewinds": self.rewinds, "max_rewinds": self.settings.max_rewinds}
         if self.lr_cap is not None and step <= self.cap_until:
-            evidence["lr_held"] = {"at_most": list(self.lr_cap), "through_step": self.cap_until}
+            evidence["lr_held"] = {"at_most": list(self.lr_cap), "through_step": self.cap_until,
+                                   "longer_while_schedule_over": [cap * SPIKE_FACTOR for cap in self.lr_cap],
+                                   "at_latest_through_step": self.hold_bound}
         event.evidence["rewind"] = evidence
         lr_text = f"; lr x{factor:g} ({_lrs(lr_before)} -> {_lrs(lr_after)})" if factor != 1.0 else "; lr unchanged"
         if "lr_held" in evidence:
-            lr_text += f", at most {_lrs(self.lr_cap or [])} through step {self.cap_until}"
+            lr_text += (f", at most {_lrs(self.lr_cap or [])} through step {self.cap_until} (longer while the schedule "
+                        f"asks for over {SPIKE_FACTOR:g}x that, at most through step {self.hold_bound})")
         message = (f"rewound to the state after step {snapshot.after_step} ({event.kind} at step {event.step}): "
                    f"restored {', '.join(restored.what)}; {skipped} batch(es) skipped{lr_text}; rewind "
                    f"{self.rewinds} of {self.settings.max_rewinds}")
@@ -517,12 +525,36 @@ class Rewinder:
         update: ``release_lr`` puts each LR back after it, so a chainable schedule (CosineAnnealingLR computes each
         LR from the last) or a user's own ``lr /= 1000`` goes on from the LR they set, not from the cap."""
         self.release_lr()
-        if self.lr_cap is None or step > self.cap_until:
+        if self.lr_cap is None or not self.holds(watch, step):
             return
+        self.held_through = step
         for group, cap in zip(_optimizer(watch).param_groups, self.lr_cap):
             if not isinstance(group["lr"], torch.Tensor) and group["lr"] > cap:
                 self._held.append((group, group["lr"]))
                 group["lr"] = cap
+
+    def holds(self, watch: WatchContext, step: int) -> bool:
+        """Whether this step's update runs under the hold: through ``cap_until``; past it, while some group's LR is
+        still over SPIKE_FACTOR x its cap (the schedule's blow-up has not passed: released, it would do the damage
+        again and a snapshot taken meanwhile would be rewound to), at most through ``hold_bound``. The first step
+        past the window that is not held ends the hold."""
+        if step <= self.cap_until:
+            return True
+        # (a cap of 0, from a snapshot at a warmup's LR 0, measures no spike)
+        if step <= self.hold_bound and any(cap > 0 and not isinstance(group["lr"], torch.Tensor)
+                                           and group["lr"] > SPIKE_FACTOR * cap
+                                           for group, cap in zip(_optimizer(watch).param_groups, self.lr_cap or [])):
+            return True
+        self.hold_bound = -1
+        return False
+
+    def lr_ran_at(self, watch: WatchContext, step: int) -> list[Any]:
+        """Each group's LR for a snapshot taken after ``step``: the capped LR where the hold was on for its update
+        (not the blown-up schedule's, which a later rewind would hold at and cut from)."""
+        lrs = [g["lr"] for g in _optimizer(watch).param_groups]
+        if self.lr_cap is None or step > self.held_through:
+            return lrs
+        return [lr if isinstance(lr, torch.Tensor) else min(lr, cap) for lr, cap in zip(lrs, self.lr_cap)]
 
     def release_lr(self) -> None:
         """After the update: the LRs ``hold_lr`` capped, as they were."""
@@ -566,6 +598,11 @@ def _state_finite(watch: WatchContext) -> bool:
         return all(bool(torch.stack(found).all()) for found in flags.values())
 
 
+# after a divergence rewind's hold window, a schedule still asking for over this many times the cap is still blown up
+# (x1000 spikes; a warmup cut alike asks for its rise since the restored snapshot, over 10x only from a snapshot in its
+# first tenth): the hold goes on, for at most HOLD_MORE_WINDOWS x every steps more
+SPIKE_FACTOR = 10.0
+HOLD_MORE_WINDOWS = 4
 SUSPECT_LOSS_FACTOR = 1.5  # a snapshot whose next loss is this far over the losses before it is not trusted
 # a newer snapshot whose loss level is this far over an older one's: the run has been getting worse since (a
 # flat run's level moves a few percent between snapshots; a falling one's goes down)
