@@ -226,16 +226,24 @@ def view(doc: dict) -> View:
 BROKE_THE_RUN = ("nonfinite-loss", "nonfinite-grad", "divergence")
 
 
-def _story(doc: dict) -> list[Section]:
-    """The first screen: what went wrong, where, and the fix to make (verified first), one line each.
+@dataclass
+class _Lead:
+    """What leads a document's story: the card whose fixes it offers, what went wrong and where."""
 
-    The first watch event that broke the run wins (``BROKE_THE_RUN``), else the first event, else the
-    latest audit's worst finding."""
+    card: Card
+    what: str
+    where: str
+    bad: bool  # an event that broke the run, or an audit error
+    charts: list[Chart]
+
+
+def _lead(doc: dict) -> _Lead | None:
+    """The first watch event that broke the run (``BROKE_THE_RUN``), else the first event, else the latest
+    audit's worst finding; None when nothing went wrong."""
     docs = [(doc, []), *((entry, ["entries", i]) for i, entry in enumerate(_entries(doc)))]
     watched = [(d, [*at, *w["path"]], w, e) for d, at in docs for w in watch_sections(d)
                for e in w["events"] if isinstance(e, dict)]
     watched.sort(key=lambda dwe: dwe[3].get("kind") not in BROKE_THE_RUN)
-    events = [(d, e) for d, _, _, e in watched]
     charts = []
     if watched:  # the run's heatmap beside the story: healthy steps, then the turn
         _, at, watch, _ = watched[0]
@@ -243,12 +251,8 @@ def _story(doc: dict) -> list[Section]:
         if overview.get("n_steps") and overview.get("n_groups"):
             charts.append(Chart("heatmap", "gradient-norm heatmap of the run that failed", [*at, "history"],
                                 empty=_all_nonfinite(overview, "gradient norm")))
-    audits = [d for d, _ in docs if isinstance(d.get("findings"), list)]
-    findings = sorted((f for f in (audits[-1]["findings"] if audits else []) if isinstance(f, dict)),
-                      key=lambda f: _severity_rank(f.get("severity")))
-    findings = [f for f in findings if f.get("severity") in ("error", "warning")]
-    if events:
-        owner, event = events[0]
+    if watched:
+        owner, _, _, event = watched[0]
         card = event_card(event, fix_cells(owner), fix_verdicts(owner))
         kind = str(event.get("kind", "")).replace("-", " ").replace("nonfinite", "non-finite")
         what = f"step {event.get('step')}: {kind}" + (f" ({event['cause']})" if event.get("cause") else "")
@@ -258,14 +262,35 @@ def _story(doc: dict) -> list[Section]:
                  + (f", {origins[0].get('dtype')}" if origins[0].get("dtype") else "") + ")") if origins else (
             f"no module: {event['cause']}" if event.get("cause") else
             f"{jumps[0].get('group')} (its gradient norm jumped most)" if jumps else "not localised to a module")
-    elif findings:
-        owner, f = audits[-1], findings[0]
-        card = Card(tone="", title="", fixes=_fix_views(f.get("fixes"), fix_cells(owner), fix_verdicts(owner)))
-        what = f"{str(f.get('severity')).upper()}: {f.get('title', '')}"
-        where = f"the audit's {f.get('rule')} rule" + (f" ({plural(len(findings) - 1, 'more finding')} below)"
-                                                      if len(findings) > 1 else "")
-    else:
+        return _Lead(card, what, where, event.get("kind") in BROKE_THE_RUN, charts)
+    audits = [d for d, _ in docs if isinstance(d.get("findings"), list)]
+    findings = sorted((f for f in (audits[-1]["findings"] if audits else []) if isinstance(f, dict)),
+                      key=lambda f: _severity_rank(f.get("severity")))
+    findings = [f for f in findings if f.get("severity") in ("error", "warning")]
+    if not findings:
+        return None
+    owner, f = audits[-1], findings[0]
+    card = Card(tone="", title="", fixes=_fix_views(f.get("fixes"), fix_cells(owner), fix_verdicts(owner)))
+    where = f"the audit's {f.get('rule')} rule" + (f" ({plural(len(findings) - 1, 'more finding')} below)"
+                                                  if len(findings) > 1 else "")
+    return _Lead(card, f"{str(f.get('severity')).upper()}: {f.get('title', '')}", where,
+                 f.get("severity") == "error", charts)
+
+
+def story_fix(doc: dict) -> FixView | None:
+    """The one fix the story of ``doc`` recommends (``recommended_fix`` of the card that leads it), from the
+    document's data: None when nothing went wrong, when no fix was offered, or when none run was verified."""
+    lead = _lead(doc)
+    return recommended_fix(lead.card.fixes) if lead is not None else None
+
+
+def _story(doc: dict) -> list[Section]:
+    """The first screen: what went wrong, where, and the fix to make (verified first), one line each (``_lead``
+    picks what leads it)."""
+    lead = _lead(doc)
+    if lead is None:
         return []
+    card = lead.card
     fix = recommended_fix(card.fixes)
     proof = []
     if not card.fixes:
@@ -280,12 +305,10 @@ def _story(doc: dict) -> list[Section]:
         tried_where = wheres.pop() if len(wheres) == 1 else "on the failing step or by a re-audit of the trainer"
         how = (f"none verified {tried_where} ({plural(len(card.fixes), 'fix', 'es')} tried: "
                + ", ".join(f"{f.id} {f.verdict.label}" for f in card.fixes if f.verdict) + ")")
-    tone = "bad" if (events and events[0][1].get("kind") in BROKE_THE_RUN) or (
-        not events and findings[0].get("severity") == "error") else ""
     return [Section(kind="story", title="What happened", facts=[
-        Fact(f"What went wrong: {what}", tone), Fact(f"Where: {where}"),
+        Fact(f"What went wrong: {lead.what}", "bad" if lead.bad else ""), Fact(f"Where: {lead.where}"),
         Fact(f"Fix: {how}", "good" if fix and fix.verdict and fix.verdict.status == "verified" else ""), *proof,
-        *_applied_facts(doc)], charts=charts)]
+        *_applied_facts(doc)], charts=lead.charts)]
 
 
 def _applied_facts(doc: dict) -> list[Fact]:

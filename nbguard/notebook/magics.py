@@ -545,22 +545,22 @@ class NbguardMagics(Magics):
     @staticmethod
     def _help() -> str:
         """The commands, then the session's story as the report's headline tells it: what went wrong, where,
-        and the one fix to make, which the story chose with ``document.view.recommended_fix`` (as the audit,
-        the watch's card and the report do), with the command that applies it."""
+        and the one fix to make (``document.view.story_fix``: the story's own choice, read from the report's
+        data), with the command that applies it."""
         from .. import api, fixes
-        from ..document.view import view
+        from ..document.view import story_fix, view
 
         lines = ["nbguard: %nbguard fix ID [--apply [--force]] | report PATH | explain | export-check MODEL EXPORTED "
                  "| config | help; %precision_check audits, %%nanwatch watches a training cell"]
-        story = view(api.report().to_dict()).section("story")
+        doc = api.report().to_dict()
+        story = view(doc).section("story")
         if story is None:
             return "\n".join([*lines, "Nothing went wrong yet in this session: no audit finding, no watch event."])
         lines += [f"  {fact.text}" for fact in story.facts]
-        fix_line = next((f.text for f in story.facts if f.text.startswith("Fix: ")), "")
-        recommended = fix_line.split()[1].rstrip(":") if len(fix_line.split()) > 1 else ""
-        if recommended in fixes.FIXES:
-            lines.append(f"Recommended fix: {recommended}: %nbguard fix {recommended} --apply (or without --apply "
-                         "to insert its cell)")
+        recommended = story_fix(doc)
+        if recommended is not None and recommended.id in fixes.FIXES:  # a fix %nbguard fix can put in a cell
+            lines.append(f"Recommended fix: {recommended.id}: %nbguard fix {recommended.id} --apply (or without "
+                         "--apply to insert its cell)")
         return "\n".join(lines)
 
     def _export_check(self, name: str, exported_name: str) -> None:

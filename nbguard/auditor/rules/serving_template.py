@@ -15,8 +15,9 @@ from .chat_loss import training_template
 SAMPLED_CONVERSATIONS = 8
 
 
-def _served_template(ctx) -> str | None:
-    """The tokenizer's own template: what save_pretrained writes and a server renders with."""
+def served_template(ctx) -> str | None:
+    """The tokenizer's own template: what save_pretrained writes and a server renders with (the multi-turn
+    rule reads it too: rollouts render with it)."""
     template = getattr(ctx.tokenizer, "chat_template", None)
     if isinstance(template, dict):
         template = template.get("default")
@@ -30,7 +31,7 @@ def chat_template_serving_mismatch(ctx):
     columns = getattr(dataset, "column_names", None) or []
     if dataset is None or "messages" not in columns or ctx.tokenizer is None:
         return None
-    served = _served_template(ctx)
+    served = served_template(ctx)
     trained_with = training_template(ctx)
     if served is None or trained_with is None:
         return None

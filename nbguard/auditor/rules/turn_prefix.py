@@ -15,7 +15,7 @@ from typing import Any
 from ...introspect.trl import GENERATING, trl_stack
 from ..chat_render import first_mismatch, render_ids
 from ..registry import finding, rule
-from .serving_template import _served_template
+from .serving_template import served_template
 
 REASONING_PROBE = [
     {"role": "user", "content": "What is two plus three?"},
@@ -70,7 +70,7 @@ def multi_turn_render_not_prefix(ctx):
     tok = ctx.tokenizer
     if tok is None or trl_stack(ctx.trainer) not in GENERATING or not _multi_turn(ctx.trainer):
         return None
-    template = _served_template(ctx)  # the tokenizer's own template: what rollouts render with
+    template = served_template(ctx)  # the tokenizer's own template: what rollouts render with
     if template is None:
         return None
     try:
