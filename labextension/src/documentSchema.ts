@@ -597,6 +597,25 @@ export const DOCUMENT_SCHEMA: unknown = {
           "type": "string",
           "description": "Why this watch has no update norms (a budget, sharded weights)."
         },
+        "update_norm_sampled": {
+          "type": "object",
+          "description": "Present where the update norms are estimates: from step from_step on, each step read 1/parts of each trainable weight's rows (a CPU run above update_norms.SAMPLE_ABOVE trainable elements), not every weight. Absent: every weight was read.",
+          "required": [
+            "parts",
+            "from_step"
+          ],
+          "properties": {
+            "parts": {
+              "type": "integer",
+              "description": "k: each step read 1/k of each weight's rows (runs of rows spread over the weight, other runs each step)."
+            },
+            "from_step": {
+              "type": "integer",
+              "description": "The first step whose update norms are estimates."
+            }
+          },
+          "additionalProperties": false
+        },
         "rewinds": {
           "type": "array",
           "description": "Policy rewind: one entry per rewind (the watch's step, the step whose state was restored, the batches skipped, the LR factor, what triggered it).",

@@ -248,6 +248,20 @@ export interface History {
   /** Why this watch has no update norms (a budget, sharded weights). */
   update_norm_unavailable?: string;
   /**
+   * Present where the update norms are estimates: from step from_step on, each step read 1/parts
+   * of each trainable weight's rows (a CPU run above update_norms.SAMPLE_ABOVE trainable
+   * elements), not every weight. Absent: every weight was read.
+   */
+  update_norm_sampled?: {
+    /**
+     * k: each step read 1/k of each weight's rows (runs of rows spread over the weight, other runs
+     * each step).
+     */
+    parts: number;
+    /** The first step whose update norms are estimates. */
+    from_step: number;
+  };
+  /**
    * Policy rewind: one entry per rewind (the watch's step, the step whose state was restored, the
    * batches skipped, the LR factor, what triggered it).
    */

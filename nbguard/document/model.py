@@ -194,7 +194,8 @@ for _kind, _description, _evidence in (
     ("dead-run", "the gradient norm is exactly 0, or the loss bit-identical, for several steps in a row", ()),
     ("update-spike", "the optimizer's update (||Δw|| / ||w||) jumped far above the run's own level: an early "
                      "warning, a step before the loss sees the damaged weights", ("update_ratio", "recent_level",
-                                                                                   "ratio", "largest_groups")),
+                                                                                   "ratio", "largest_groups",
+                                                                                   "sample_parts")),
     ("nonfinite-reward", "a GRPO/RLOO reward function returned inf, -inf or NaN", ()),
     ("no-learning-signal", "every group of completions got equal rewards: zero advantage, zero gradient", ()),
     ("completions-truncated", "every completion was cut at max_completion_length", ()),

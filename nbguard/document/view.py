@@ -775,7 +775,9 @@ def _update_overview(steps: list, history: dict) -> dict[str, Any] | None:
     if not finite:
         return None
     peak, at = finite[-1]
-    return {"median": finite[len(finite) // 2][0], "peak": peak, "peak_step": at, "steps": len(finite)}
+    sampled = history.get("update_norm_sampled")
+    return {"median": finite[len(finite) // 2][0], "peak": peak, "peak_step": at, "steps": len(finite),
+            "sampled": dict(sampled) if isinstance(sampled, dict) else None}
 
 
 def where_bad(group: str, count: int, total: int) -> str:
@@ -808,7 +810,10 @@ def overview_facts(overview: dict) -> list[Fact]:
     if update and update.get("unavailable"):
         facts.append(Fact(f"no update norms: {update['unavailable']}"))
     elif update:
-        facts.append(Fact(f"update ‖Δw‖/‖w‖: median {fmt_num(update['median'])}, largest "
+        sampled = update.get("sampled")
+        estimated = (f" (estimated from 1/{sampled.get('parts')} of each weight's rows from step "
+                     f"{sampled.get('from_step')})" if sampled else "")
+        facts.append(Fact(f"update ‖Δw‖/‖w‖{estimated}: median {fmt_num(update['median'])}, largest "
                           f"{fmt_num(update['peak'])} at step {update['peak_step']}"))
     return facts
 

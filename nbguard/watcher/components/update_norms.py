@@ -9,8 +9,8 @@ How the update is read. Three ways were weighed (measured in ``benchmarks/overhe
   nothing for SGD or an optimizer we do not know;
 - (b) a copy of the trainable parameters before the step, subtracted after it: exact for every
   optimizer (what the step really applied, clipping, weight decay and a dropped update included),
-  two gathers (``torch.cat``), one in-place subtraction and one fused norm per step; its memory is two
-  flat copies of the *trainable* weights (a LoRA: a few MB), bounded by
+  two gathers (``torch.cat``), one in-place subtraction and one fused norm per step; its memory is at
+  most two flat copies of the *trainable* weights (a LoRA: a few MB), bounded by
   ``WatchSettings.update_norm_budget_mb``;
 - (c) torch offers nothing that reports the applied update (the optimizer hooks see the same tensors).
 
@@ -19,9 +19,10 @@ weights after the step are compared with the copy depends on their size (``GATHE
 ``benchmarks/README.md``, "Issue 45, CPU part"): many small tensors (a LoRA's adapters) are gathered a
 second time and normed per group over the two flat buffers (a foreach slot per tensor would cost more
 than the bytes); large ones (a full fine-tune) are subtracted from the copy in place, tensor by tensor,
-and normed per tensor (no second gather: one pass over the weights less, where passes are the cost). A
-run whose trainable weights exceed the budget (a full fine-tune of a large model), or whose weights are
-sharded (FSDP, DeepSpeed), gets no update norms and the history says why, once.
+and normed per tensor (no second gather: one pass over the weights less, where passes are the cost). The
+budget counts what the chosen path holds: the gathered path two flat copies, the per-tensor path one, the
+sampled path one sample's rows (about 1/k of a copy). A run over it (a full fine-tune of a large model on a GPU), or whose
+weights are sharded (FSDP, DeepSpeed), gets no update norms and the history says why, once.
 
 On a CPU those passes cost a full fine-tune about 3% of its step (the 15M-parameter run of issue 45: copy,
 subtraction and two norms over 59 MB, ~13 ms of a ~490 ms step), over the watch's whole budget. There, above
@@ -29,6 +30,8 @@ subtraction and two norms over 59 MB, ~13 ms of a ~490 ms step), over the watch'
 SAMPLE_ABOVE): the weight's rows cut into k x ``SPREAD`` runs, step s taking runs s mod k, s mod k + k, ...
 The ratios are then those of about 4M weights spread over every tensor, an estimate of the whole's, and every
 step is still read and judged (an LR blow-up moves every row, so it is a spike in any sample, in its own step).
+The history says so (``GradHistory.update_norm_sampled``: k and the first sampled step), and an
+``update-spike`` from a sampled step says its ratio is estimated (``sample_parts`` in its evidence).
 Runs spread over the weight, not its first rows: an embedding's rows are tokens, and frequent and rare ones
 are both sampled. On a GPU (the passes run on the device, beside the CPU's work): every weight, every step.
 
@@ -54,7 +57,7 @@ import operator
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -62,10 +65,8 @@ from ...findings import Event
 from ..core.pipeline import StepView, WatchComponent, WatchedRun
 from ..core.registry import ComponentSetup, register_component
 from ..detectors.divergence import RUN_FIXES, log_norm
+from ..detectors.thresholds import WatchSettings
 from ..reads.rolling import RobustBaseline, sorted_median
-
-# per norm in the read, its group: the differences' parts, then the weights' parts (per group or per tensor)
-Layout = tuple[list[int], list[int]]
 
 if TYPE_CHECKING:
     from ..core.context import WatchContext
@@ -83,6 +84,14 @@ SAMPLE_ABOVE = 4 * 2 ** 20
 # ... as this many runs of rows per weight per step: contiguous runs (a strided view of every k-th row costs
 # 2-3x per byte, its norm more) spread over the weight (an embedding's rows are tokens, rare and frequent)
 SPREAD = 4
+
+
+class Layout(NamedTuple):
+    """Per norm in a read, its group: the differences' parts, then the weights' (per group or per tensor)."""
+
+    deltas: list[int]
+    weights: list[int]
+    parts: int = 1  # the read took 1/parts of each weight's rows: its ratios are estimates where it is over 1
 
 
 @dataclass
@@ -163,7 +172,9 @@ class UpdateSpikeJudge:
 
 
 def update_spike_message(evidence: dict[str, Any]) -> str:
-    text = (f"the optimizer's update jumped to {evidence['update_ratio']:.3g} of the weights' norm, "
+    parts = evidence.get("sample_parts")
+    estimated = f" (estimated from 1/{parts} of each weight's rows)" if parts else ""
+    text = (f"the optimizer's update{estimated} jumped to {evidence['update_ratio']:.3g} of the weights' norm, "
             f"{evidence['ratio']:.3g}x the run's recent level ({evidence['decades_above_level']:.1f} decades; "
             f"the run's own noise allows {evidence['threshold_decades']:.1f})")
     groups = evidence.get("largest_groups") or []
@@ -198,9 +209,9 @@ class UpdateNorms(WatchComponent):
         self._normed: list[torch.Tensor] = []  # gathered: what one foreach norm takes (differences, then weights)
         self._samples: list[RowSample] = []  # per tensor: step s reads _samples[s % k] (k = 1: every row)
         self._sample: RowSample | None = None  # the one the copy before this step took
-        self._layout: Layout = ([], [])
+        self._layout = Layout([], [])
         self._copied: int | None = None  # the step whose weights were copied
-        self._pending: tuple[int, torch.Tensor, Layout] | None = None  # (step, norms on the device, their groups)
+        self._pending: tuple[int, torch.Tensor, Layout] | None = None  # (step, norms on the device, their layout)
         self._asked: tuple[int, Layout] | None = None  # the pending step this read carries
         self._judged = -1
         self._fresh: tuple[int, list[float | None], float | None] | None = None  # the last taken, for listeners
@@ -236,6 +247,8 @@ class UpdateNorms(WatchComponent):
             return
         if why_not is None and self._stale():  # (the first step, or the parameters changed)
             why_not = self._why_not() or self._prepare()
+            if why_not is None and self._layout.parts > 1:
+                self.history.record_update_sampling(self._layout.parts, step)
         if why_not is not None:
             self.unavailable = why_not
             self.history.update_norm_unavailable = why_not
@@ -300,6 +313,9 @@ class UpdateNorms(WatchComponent):
         blocks = [list(_rows(p).tensor_split(parts * SPREAD if parts > 1 else 1)) for p in ordered]
         samples = [[b.view(-1) for bs in blocks for b in bs[phase::parts]] for phase in range(parts)]
         copied = total if gather else max(sum(b.numel() for b in rows) for rows in samples)
+        over = _over_budget(copied, total if gather else 0, parts, first.element_size(), self.budget_bytes)
+        if over is not None:
+            return over
         buffers = (torch.empty(copied, dtype=first.dtype, device=first.device),
                    torch.empty(total if gather else 0, dtype=first.dtype, device=first.device))
         self._key = tuple(map(id, params))
@@ -307,13 +323,13 @@ class UpdateNorms(WatchComponent):
         self._normed, self._samples, self._sample = [], [], None
         if gather:  # per group: the differences' segments of the copy, then the weights' of the second buffer
             self._normed = [*buffers[0].split(lengths), *buffers[1].split(lengths)]
-            self._layout = (present, present)
+            self._layout = Layout(present, present)
         else:  # per tensor: each one's slice of the copy (its difference after the step), then the weight itself
             groups = [index[i] for i, bs in zip(order, blocks) for _ in bs[::parts]]  # each block's group
             for rows in samples:
                 copy = list(buffers[0][:sum(b.numel() for b in rows)].split([b.numel() for b in rows]))
                 self._samples.append(RowSample(rows, copy, [*copy, *rows]))
-            self._layout = (groups, groups)
+            self._layout = Layout(groups, groups, parts)
         return None
 
     def _why_not(self) -> str | None:
@@ -326,10 +342,6 @@ class UpdateNorms(WatchComponent):
             return "some trainable weights are on the meta device"
         if len({p.device for p in params}) > 1:
             return "the trainable weights are spread over several devices"
-        size = 2 * sum(p.numel() * p.element_size() for p in params)  # the buffers before and after the step
-        if size > self.budget_bytes:
-            return (f"two copies of the trainable weights take {size / 2 ** 20:.0f} MiB, over the update-norm budget of "
-                    f"{self.budget_bytes / 2 ** 20:.0f} MiB (WatchSettings(update_norm_budget_mb=...))")
         return None
 
     # ---- the read ----------------------------------------------------------------------------------
@@ -374,7 +386,7 @@ class UpdateNorms(WatchComponent):
 
     def _take(self, step: int, values: Sequence[float], layout: Layout, judge: bool = True) -> list[Event]:
         """``values``: the norms of the differences, then of the weights, each part's group in ``layout``."""
-        delta_groups, weight_groups = layout
+        delta_groups, weight_groups = layout.deltas, layout.weights
         groups = list(self.history.groups)
         delta_sq = [0.0] * len(groups)
         weight_sq = [0.0] * len(groups)
@@ -394,8 +406,26 @@ class UpdateNorms(WatchComponent):
         found = self.judge.update(step, total, groups, ratios)
         if found is None:
             return []
+        if layout.parts > 1:  # the ratio it quotes is an estimate from 1/parts of each weight's rows
+            found["sample_parts"] = layout.parts
         found["fixes"] = list(RUN_FIXES)
         return [Event("update-spike", step, update_spike_message(found), evidence=found)]
+
+
+def _over_budget(copy: int, second: int, parts: int, element_size: int, budget_bytes: int) -> str | None:
+    """Why the chosen path's buffers (elements: the copy before the step, the weights gathered after it, 0 where
+    they are compared tensor by tensor) do not fit the budget; None where they do."""
+    size = (copy + second) * element_size
+    if size <= budget_bytes:
+        return None
+    if second:
+        what = "two flat copies of the trainable weights (gathered per group) take"
+    elif parts > 1:
+        what = f"a copy of 1/{parts} of each trainable weight's rows (the sampled CPU path) takes"
+    else:
+        what = "one copy of the trainable weights (compared tensor by tensor) takes"
+    return (f"{what} {size / 2 ** 20:.1f} MiB, over the update-norm budget of {budget_bytes / 2 ** 20:.0f} MiB "
+            f"(WatchSettings(update_norm_budget_mb=...))")
 
 
 def _rows(weight: torch.Tensor) -> torch.Tensor:
@@ -414,10 +444,10 @@ def _ratio(delta_sq: float, weight_sq: float) -> float | None:
 
 def make_update_norms(setup: ComponentSetup) -> UpdateNorms | None:
     """The watch's update-norm reader, or None where ``WatchSettings(update_norms=False)``."""
-    thresholds = setup.thresholds
-    if not getattr(thresholds, "update_norms", True):
+    thresholds = setup.thresholds if setup.thresholds is not None else WatchSettings()  # its defaults: one source
+    if not thresholds.update_norms:
         return None
-    return UpdateNorms(setup.reads, setup.history, getattr(thresholds, "update_norm_budget_mb", 512.0))
+    return UpdateNorms(setup.reads, setup.history, thresholds.update_norm_budget_mb)
 
 
 register_component("update_norms", make_update_norms,

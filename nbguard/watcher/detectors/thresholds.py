@@ -18,9 +18,12 @@ class WatchSettings:
     history_capacity: int = 2048
     max_replays: int = 3
     # per-group ||Δw|| / ||w|| of each update (update_norms.py): a copy of the trainable weights before
-    # each step, left out (the history says why) where they take more than this many MiB
+    # each step, left out (the history says why) where what its path holds takes more than this many MiB:
+    # two flat copies where many small tensors are gathered (a LoRA r=16 on every linear of a 7B, 40M fp32
+    # weights: 320 MiB), one where large ones are compared tensor by tensor, one sample's rows on a CPU above
+    # update_norms.SAMPLE_ABOVE. The one default: update_norms.make_update_norms reads it from here
     update_norms: bool = True
-    update_norm_budget_mb: float = 512.0  # two copies: a LoRA r=16 on every linear of a 7B (40M fp32 weights) fits
+    update_norm_budget_mb: float = 512.0
     # "host": the step's numbers are read before the optimizer moves (one host wait per step); "deferred":
     # the verdict stays on the device, the numbers are read a step late (reads/deferred.py). The environment's
     # NBGUARD_READ sets it for watches a framework creates (and runs the suite in either mode)

@@ -44,6 +44,9 @@ class GradHistory:
         self._update: deque[list[float | None] | None] = deque(maxlen=capacity)
         self._total_update: deque[float | None] = deque(maxlen=capacity)
         self.update_norm_unavailable: str | None = None  # why there are none (said once)
+        # where they are estimates (a CPU above update_norms.SAMPLE_ABOVE): {"parts": k, "from_step": s}, each
+        # step from s on reading 1/k of each weight's rows
+        self.update_norm_sampled: dict[str, int] | None = None
 
     def add_groups(self, groups: list[str]) -> None:
         """Groups that appeared after attach (a module swapped in): earlier steps have no value for them."""
@@ -75,6 +78,12 @@ class GradHistory:
                 self._total_update[-back] = total
                 return True
         return False
+
+    def record_update_sampling(self, parts: int, step: int) -> None:
+        """The update norms from ``step`` on read 1/``parts`` of each weight's rows: estimates (the first
+        sampled step is kept where the weights change and are sampled again)."""
+        first = self.update_norm_sampled["from_step"] if self.update_norm_sampled else step
+        self.update_norm_sampled = {"parts": parts, "from_step": first}
 
     def record_rewind(self, entry: dict[str, Any]) -> None:
         """A rewind at ``entry["step"]`` back to the state after ``entry["restored_after_step"]``."""
@@ -123,6 +132,8 @@ class GradHistory:
             out["update_norm"] = [[encode_float(row[i]) if row is not None else None for row in self._update]
                                   for i in range(len(self.groups))]
             out["total_update_norm"] = [encode_float(v) for v in self._total_update]
+            if self.update_norm_sampled is not None:
+                out["update_norm_sampled"] = dict(self.update_norm_sampled)
         if self.update_norm_unavailable is not None:
             out["update_norm_unavailable"] = self.update_norm_unavailable
         return out
