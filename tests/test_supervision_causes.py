@@ -11,6 +11,7 @@ import torch
 from watch_helpers import train
 
 import nbguard
+from nbguard.document.view import recommended_fix, view
 from nbguard.step.capture import supervised_mask
 from nbguard.testing import tiny_batch, tiny_llama
 
@@ -41,3 +42,48 @@ def test_a_nonfinite_step_on_one_token_rows_is_no_supervised_tokens():
     assert (event.kind, event.step, event.cause) == ("nonfinite-loss", 1, "no-supervised-tokens")
     assert event.origins == [] and event.evidence["micro_batches_without_labels"] == [0]
 
+
+def event_fixes(watch, kind: str) -> tuple[list[str], str | None]:
+    """The fixes the card of ``watch``'s ``kind`` event shows, and the one every face recommends."""
+    card = next(c for s in view(watch.to_document()).sections if s.kind == "watch" for c in s.cards if c.tag == kind)
+    best = recommended_fix(card.fixes)
+    return [f.id for f in card.fixes], best.id if best is not None else None
+
+
+# ---- a dead run's fix follows its cause ------------------------------------------------------------------
+def test_a_dead_sft_run_on_eos_only_rows_recommends_the_supervision_fix(tmp_path):
+    """A word-level tokenizer reloaded as Qwen2Tokenizer encodes every text to []: TRL's rows are EOS alone, the
+    loss and the gradient are 0 on every step. The run is dead for want of labels, not for its learning rate."""
+    pytest.importorskip("trl")
+    from tokenizer_helpers import sft_on_text, word_level_beside_qwen2
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(word_level_beside_qwen2(tmp_path / "tok"))
+    tok.pad_token = "<pad>"
+    trainer = sft_on_text(tok, tmp_path / "out", max_steps=5, logging_steps=1, per_device_train_batch_size=2)
+    watch = nbguard.watch(trainer, verify=False)
+    trainer.train()
+    watch.detach()
+    assert {row["input_ids"] == [tok.eos_token_id] for row in trainer.train_dataset} == {True}  # EOS alone
+    [dead] = [e for e in watch.events if e.kind == "dead-run"]
+    assert dead.evidence["zero_gradient"] and dead.cause == "no-supervised-tokens"
+    assert dead.evidence["supervised_tokens"] == 0 and "nothing to learn" in dead.message
+    assert dead.evidence["fixes"] == ["drop-unsupervised-rows"]
+    fixes, best = event_fixes(watch, "dead-run")
+    assert fixes == ["drop-unsupervised-rows"] and best == "drop-unsupervised-rows"
+
+
+def test_a_dead_run_with_supervised_tokens_keeps_its_learning_rate_fix(tmp_path):
+    """TRL's SFT at learning rate 1000: one exploded step, then flat logits and a zero gradient on rows whose
+    labels the loss scores. Its cause is the learning rate."""
+    pytest.importorskip("trl")
+    from test_divergence import sft_trainer
+
+    trainer = sft_trainer(tmp_path, learning_rate=1000.0, steps=6)
+    watch = nbguard.watch(trainer, verify=False)
+    trainer.train()
+    watch.detach()
+    [dead] = [e for e in watch.events if e.kind == "dead-run"]
+    assert dead.cause is None and "supervised_tokens" not in dead.evidence
+    fixes, best = event_fixes(watch, "dead-run")
+    assert fixes == ["lower-learning-rate", "add-warmup", "enable-grad-clipping"] and best == "lower-learning-rate"

@@ -33,6 +33,9 @@ EVENT_KINDS = {kind: EVENT_KIND_REGISTRY[kind].description for kind in (
 FIXES = {"divergence": RUN_FIXES, "dead-run": RUN_FIXES, **KIND_FIXES}
 # an RL event that explains why the run has no gradient: no generic dead-run event on top of it
 EXPLAINS_DEAD = ("nonfinite-reward", "no-learning-signal", "no-preference-signal")
+# a dead run whose micro-batches score no token (rows of EOS alone, labels all -100) is the data's, not the LR's:
+# the fix its cause offers (drop-unsupervised-rows treats "no-supervised-tokens"), which filters a Trainer's data
+SUPERVISION_FIXES = ["drop-unsupervised-rows"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class RunChecks(WatchComponent):
                                 constant_expected=math.log(2) if stack == "dpo" else None,
                                 loss_climbs=stack not in GENERATING + PREFERENCE)
         self.trl = TRLChecks(trainer, self._failed) if stack is not None else None
+        self.supervision_fixes = SUPERVISION_FIXES if trainer is not None else []  # a plain loop has no Trainer data
         self.dead_explained = False
         self.checked = -1  # the step last judged
         self.context: WatchContext | None = None
@@ -118,10 +122,24 @@ class RunChecks(WatchComponent):
             if kind == "dead-run" and self.dead_explained:
                 continue
             at = evidence.get("first_step", step) if kind == "nonfinite-reward" else step
-            # the same dict: later calls are counted on it; a check may narrow its kind's fixes to what its trainer has
-            evidence["fixes"] = list(evidence.get("fixes") or FIXES.get(kind, []))
-            events.append(Event(kind, at, message, evidence=evidence))
+            cause = None
+            if kind == "dead-run" and self._scores_no_token():
+                cause, message = "no-supervised-tokens", message + NOTHING_TO_LEARN
+                evidence.update(supervised_tokens=0, fixes=list(self.supervision_fixes))
+            else:  # the same dict: later calls are counted on it; a check may narrow its kind's fixes to its trainer's
+                evidence["fixes"] = list(evidence.get("fixes") or FIXES.get(kind, []))
+            events.append(Event(kind, at, message, cause=cause, evidence=evidence))
         return events
+
+    def _scores_no_token(self) -> bool:
+        """This step's micro-batches have labels and the loss scores none of them (after the causal shift). One
+        host read per micro-batch, made once: when the dead run is reported."""
+        batches = self.context.micro_batches if self.context is not None else ()
+        return bool(batches) and all(mb.labels() is not None and mb.has_no_supervised_tokens() for mb in batches)
+
+
+NOTHING_TO_LEARN = ("; the step's micro-batches score no token (every label -100 after the causal shift, as in rows of "
+                    "EOS alone): there is nothing to learn, whatever the learning rate")
 
 
 def _make(setup: ComponentSetup) -> RunChecks | None:
