@@ -69,10 +69,10 @@ def _update_fact(doc: dict) -> str:
 
 # ---- the mark -------------------------------------------------------------------------------------------------
 def test_a_sampled_run_says_its_update_norms_are_estimates_and_its_spike_too(sampled):
-    watch = _run(30, spike_at=20)
+    watch = _run(14, spike_at=12)
     assert watch.history.update_norm_sampled == {"parts": PARTS, "from_step": 0}
     (spike,) = [e for e in watch.events if e.kind == "update-spike"]
-    assert spike.step == 20 and spike.evidence["sample_parts"] == PARTS
+    assert spike.step == 12 and spike.evidence["sample_parts"] == PARTS
     assert spike.message.startswith(f"the optimizer's update (estimated from 1/{PARTS} of each weight's rows) jumped")
     doc = watch.to_document()
     jsonschema.Draft202012Validator(schema()).validate(doc)
@@ -86,12 +86,12 @@ def test_a_sampled_run_says_its_update_norms_are_estimates_and_its_spike_too(sam
 
 
 def test_a_run_under_the_threshold_says_nothing_of_estimates():
-    watch = _run(30, spike_at=20)
+    watch = _run(14, spike_at=12)
     (reader,) = [d for d in watch.detectors if isinstance(d, UpdateNorms)]
     assert not reader._gather and len(reader._samples) == 1  # per tensor, every row
     assert watch.history.update_norm_sampled is None
     (spike,) = [e for e in watch.events if e.kind == "update-spike"]
-    assert spike.step == 20 and "sample_parts" not in spike.evidence and "estimated" not in spike.message
+    assert spike.step == 12 and "sample_parts" not in spike.evidence and "estimated" not in spike.message
     doc = watch.to_document()
     jsonschema.Draft202012Validator(schema()).validate(doc)
     assert "update_norm_sampled" not in doc["history"] and "total_update_norm" in doc["history"]
