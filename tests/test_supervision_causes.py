@@ -43,11 +43,47 @@ def test_a_nonfinite_step_on_one_token_rows_is_no_supervised_tokens():
     assert event.origins == [] and event.evidence["micro_batches_without_labels"] == [0]
 
 
+
+# ---- the supervision fix fits the run: a Trainer's data, never a plain loop's ---------------------------
 def event_fixes(watch, kind: str) -> tuple[list[str], str | None]:
     """The fixes the card of ``watch``'s ``kind`` event shows, and the one every face recommends."""
     card = next(c for s in view(watch.to_document()).sections if s.kind == "watch" for c in s.cards if c.tag == kind)
     best = recommended_fix(card.fixes)
     return [f.id for f in card.fixes], best.id if best is not None else None
+
+
+def test_a_plain_loop_is_not_offered_the_trainers_data_fix():
+    """drop-unsupervised-rows filters trainer.train_dataset: a loop has no Trainer for its action or its cell."""
+    model = tiny_llama()
+    data = [tiny_batch(2, 12, seed=0), tiny_batch(2, 12, seed=1)]
+    data[1]["labels"][:] = -100  # the second micro-batch's mean is 0/0
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nbguard.watch(model, optimizer=opt, policy="skip") as watch:
+        train(model, opt, data, accumulation=2)
+    [event] = watch.events
+    assert event.cause == "no-supervised-tokens" and "verification_error" not in event.evidence
+    assert "drop-unsupervised-rows" not in [v.fix for v in watch.verification.verdicts]
+    fixes, best = event_fixes(watch, "nonfinite-loss")
+    assert "drop-unsupervised-rows" not in fixes and best is None
+    assert not any("trainer" in (v.code or "") for v in watch.verification.verdicts)
+
+
+def test_a_trainer_run_is_offered_the_data_fix_with_its_cell(tmp_path):
+    from audit_helpers import make_args, make_trainer
+
+    trainer = make_trainer(tiny_llama(), make_args(tmp_path, per_device_train_batch_size=2, max_steps=1), rows=2)
+    for row in trainer.train_dataset.rows:  # the step's rows: nothing supervised, a 0/0 loss
+        row["labels"][:] = -100
+    watch = nbguard.watch(trainer, policy="skip")
+    trainer.train()
+    watch.detach()
+    [event] = watch.events
+    assert (event.step, event.cause) == (0, "no-supervised-tokens")
+    verdict = watch.verification.verdict("drop-unsupervised-rows")
+    # offered and run: every row of the step goes, so it is not enough there, and its cell filters the Trainer's data
+    assert verdict.verdict == "not enough" and "trainer.train_dataset.filter" in verdict.code
+    fixes, _ = event_fixes(watch, "nonfinite-loss")
+    assert fixes[0] == "drop-unsupervised-rows"
 
 
 # ---- a dead run's fix follows its cause ------------------------------------------------------------------

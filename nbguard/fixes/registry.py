@@ -67,6 +67,12 @@ NEEDS = {
                       "processing_class", frozenset({"tokenizer", "trainer"})),
 }
 
+# What a run holds, as ``Need.reached_by`` names it: a Trainer holds its args, optimizer and tokenizer; a plain
+# loop holds its model and optimizer, and the notebook's tokenizer, by the names its cells use. A fix no object
+# of the run reaches (drop-unsupervised-rows filters trainer.train_dataset) has no action and no cell there.
+LOOP_HOLDS = frozenset({"model", "optimizer", "tokenizer"})
+TRAINER_HOLDS = LOOP_HOLDS | {"trainer", "args"}
+
 
 @dataclass(frozen=True)
 class Fix:

@@ -8,7 +8,7 @@ import torch
 from .. import fixes
 from ..findings import FixOffer
 from ..fixes.parts import missing_part
-from ..fixes.registry import CAUSE_FIXES, Target  # cause -> fixes, read off each fix's own `treats`
+from ..fixes.registry import CAUSE_FIXES, LOOP_HOLDS, TRAINER_HOLDS, Target  # CAUSE_FIXES: read off fixes' `treats`
 from ..introspect.optimizers import eps_underflows
 from ..introspect.quantization import four_bit_layers
 from ..session import SESSION
@@ -63,11 +63,12 @@ def for_event(event: Any, step: CapturedStep, hardware: Any = None, optimizer: A
 
 
 def applies(fix_id: str, step: CapturedStep, optimizer: Any = None) -> bool:
-    """Whether the fix has something to act on in this run: a loop has no TrainingArguments, and a model without
-    embeddings (dropout, MoE routers, ...) has nothing for their fixes to change. (A Trainer's data fix stays: its
-    verdict on the corrected batch says whether dropping those rows would help.)"""
+    """Whether the fix has something to act on in this run: a plain loop (``step.args`` None) has no Trainer and
+    no TrainingArguments (its data fixes filter ``trainer.train_dataset``: neither their action nor their cell
+    fits a loop), and a model without embeddings (dropout, MoE routers, ...) has nothing for their fixes to
+    change."""
     fix = fixes.get(fix_id)
-    if step.args is None and fix.needs == "args":
+    if not fix.reached_by(TRAINER_HOLDS if step.args is not None else LOOP_HOLDS):
         return False
     return missing_part(fix, Target(model=step.eager, args=step.args, optimizer=optimizer)) is None
 
