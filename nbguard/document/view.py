@@ -818,9 +818,44 @@ def overview_facts(overview: dict) -> list[Fact]:
     return facts
 
 
+# An event card's title and its kind tag share one line of render/text.py's 100 columns (less the card's indent and
+# the tag's brackets); a Lab or HTML card at the usual notebook width holds as much. The rest goes to the body.
+CARD_HEAD_CHARS = 94
+
+
+def split_title(head: str, text: str, room: int) -> tuple[str, str]:
+    """(title, rest): ``head`` and as much of ``text`` as fits ``room`` characters, ended where a reader would
+    pause (after a whole ``;`` clause, else after a comma or colon or before a parenthesis, unless that leaves
+    a third of the room unused, else at the last space that fits), never inside parentheses; ``rest`` is the
+    remainder of ``text``, word for word."""
+    whole = f"{head}: {text}" if text else head
+    if len(whole) <= room:
+        return whole, ""
+    fits = room - len(head) - 2
+    clauses: list[int] = []
+    phrases: list[int] = []
+    words: list[int] = []
+    depth = 0
+    for index, char in enumerate(text[:fits + 1]):
+        if depth == 0 and char == " " and index > 0:
+            before, after = text[index - 1], text[index + 1:index + 2]
+            if before == ";":
+                clauses.append(index - 1)
+            else:
+                (phrases if before in ",:" or after == "(" else words).append(index)
+        depth = max(0, depth + (char == "(") - (char == ")"))
+    phrase = max(phrases, default=0)
+    cut = max(clauses) if clauses else phrase if phrase >= fits * 2 // 3 else max([phrase, *words])
+    if cut <= 0:
+        return head, text
+    return f"{head}: {text[:cut].rstrip(':,;')}", text[cut:].lstrip(";, ")
+
+
 def event_card(event: dict, cells: dict[str, dict] | None = None,
-               verdicts: dict[tuple[str, str], Verdict] | None = None) -> Card:
-    """One watch event as a card: step, kind, cause, message, its origins and evidence."""
+               verdicts: dict[tuple[str, str], Verdict] | None = None, head: str | None = None) -> Card:
+    """One watch event as a card: step, kind, cause, message, its origins and evidence. Its title says what and
+    where in one line (``split_title``: ``head``, by default its step, then the message's start); the rest of the
+    message opens the body."""
     kind = str(event.get("kind", ""))
     rank = f"rank {event['rank']} · " if event.get("rank") is not None else ""
     origins = [o for o in event.get("origins") or [] if isinstance(o, dict)]
@@ -842,13 +877,16 @@ def event_card(event: dict, cells: dict[str, dict] | None = None,
     verification = (event.get("evidence") or {}).get("verification")
     if isinstance(verification, dict):  # the fixes the watch ran on this very step, verified first
         fixes = ranked(verification_card(verification, "").fixes)
-    lines = [f"cause: {event['cause']}"] if event.get("cause") else []
+    title, rest = split_title(head or f"{rank}step {event.get('step')}", str(event.get("message", "")),
+                              CARD_HEAD_CHARS - len(kind))
+    lines = [rest] if rest else []
+    lines += [f"cause: {event['cause']}"] if event.get("cause") else []
     next_steps = (event.get("evidence") or {}).get("next_steps")
     if isinstance(next_steps, list):  # the replay did not reproduce it: what to try instead
         lines += [f"try next: {step}" for step in next_steps]
     return Card(
         tone="error" if kind.startswith("nonfinite") else "warning",
-        title=f"{rank}step {event.get('step')}: {event.get('message', '')}", tag=kind,
+        title=title, tag=kind,
         lines=lines,
         table=table, folds=folds, fixes=fixes,
     )
@@ -866,10 +904,9 @@ def fold_skips(events: list[dict]) -> list[dict]:
 
 def _event_cards(event: dict, cells: dict[str, dict], verdicts: dict[tuple[str, str], Verdict]) -> list[Card]:
     """An event's card, followed by the card of the verification the watch made on its step."""
-    cards = [event_card(event, cells, verdicts)]
-    if event.get("_folded"):
-        first, last, count = event["_folded"]
-        cards[0].title = f"steps {first}–{last} ({count} steps skipped by the GradScaler): {event.get('message', '')}"
+    folded = event.get("_folded")
+    head = f"steps {folded[0]}–{folded[1]} ({folded[2]} steps skipped by the GradScaler)" if folded else None
+    cards = [event_card(event, cells, verdicts, head)]
     verification = (event.get("evidence") or {}).get("verification")
     if isinstance(verification, dict):  # its fixes are the event card's own: each fix offered once per output
         cards.append(replace(verification_card(verification, f"Fixes run on step {event.get('step')}"), fixes=[]))

@@ -307,8 +307,8 @@ class NbguardMagics(Magics):
         """Watch training for NaN/Inf at one host read per step and name the module where it was born.
 
         As a line magic the watch stays on until ``%nanwatch off``; as a cell magic it watches the
-        cell it heads, then detaches and prints a summary. If the watched cell raises, the cell
-        fails with that error (traceback and diagnosis as usual).
+        cell it heads, then detaches and says so in one line (its view shows the steps and events). If
+        the watched cell raises, the cell fails with that error (traceback and diagnosis as usual).
 
         Examples::
 
@@ -355,7 +355,7 @@ class NbguardMagics(Magics):
             inner = self.ip.run_cell(cell, store_history=False)
         finally:
             self.state.stop_watch(live)
-            say(live.summary())  # saved as the cell's output; an event can quote an exception
+            say(live.summary())  # one line under the view: what it does not show (detached, the policy)
         error = inner.error_before_exec or inner.error_in_exec
         if error is not None:
             # The inner cell already showed its traceback and diagnosis; make THIS cell fail with the

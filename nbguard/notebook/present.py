@@ -98,8 +98,18 @@ class LiveWatch:
         return self._watch()
 
     def summary(self) -> str:
+        """The line a ``%%nanwatch`` cell prints under this output when it ends: only what the view does not show
+        (that the watch detached, the policy it ran under); its steps, skips and events are the view's own."""
         watch = self.watch
-        return watch.summary() if watch is not None else "nbguard watch: ended (its model was deleted)"
+        if watch is None:
+            return "nbguard watch: ended (its model was deleted)"
+        from .ranks import RankWatches
+
+        if isinstance(watch, RankWatches) and not watch.ranks:  # no rank attached: the view has nothing to show
+            return watch.summary()
+        policy = getattr(watch, "policy", None)
+        return ("nbguard: the watch detached when the cell ended" + (f" (policy {policy})" if policy else "")
+                + "; its steps and events are in the view above")
 
     @property
     def widget(self):
