@@ -123,3 +123,12 @@ def test_a_dead_run_with_supervised_tokens_keeps_its_learning_rate_fix(tmp_path)
     assert dead.cause is None and "supervised_tokens" not in dead.evidence
     fixes, best = event_fixes(watch, "dead-run")
     assert fixes == ["lower-learning-rate", "add-warmup", "enable-grad-clipping"] and best == "lower-learning-rate"
+
+
+def test_the_watchs_supervision_fixes_are_those_the_cause_offers():
+    """The watch names the fix ids without importing the fix registry: they must be the ones its ``treats`` give."""
+    from nbguard.verifier import CAUSE_FIXES
+    from nbguard.watcher.detectors.supervision import supervision_fixes
+
+    assert supervision_fixes(trainer=object()) == CAUSE_FIXES["no-supervised-tokens"]
+    assert supervision_fixes(trainer=None) == []  # a plain loop: no Trainer data to filter

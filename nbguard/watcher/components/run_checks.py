@@ -25,6 +25,7 @@ from ..core.registry import ComponentSetup, register_component
 from ..detectors.divergence import RUN_FIXES, RunHealth
 from ..detectors.divergence_device import explodes_on_device
 from ..detectors.rl import KIND_FIXES, Found, TRLChecks
+from ..detectors.supervision import supervision_fixes
 
 # kind -> one line for the reference table of event kinds
 EVENT_KINDS = {kind: EVENT_KIND_REGISTRY[kind].description for kind in (
@@ -33,9 +34,6 @@ EVENT_KINDS = {kind: EVENT_KIND_REGISTRY[kind].description for kind in (
 FIXES = {"divergence": RUN_FIXES, "dead-run": RUN_FIXES, **KIND_FIXES}
 # an RL event that explains why the run has no gradient: no generic dead-run event on top of it
 EXPLAINS_DEAD = ("nonfinite-reward", "no-learning-signal", "no-preference-signal")
-# a dead run whose micro-batches score no token (rows of EOS alone, labels all -100) is the data's, not the LR's:
-# the fix its cause offers (drop-unsupervised-rows treats "no-supervised-tokens"), which filters a Trainer's data
-SUPERVISION_FIXES = ["drop-unsupervised-rows"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +58,8 @@ class RunChecks(WatchComponent):
                                 constant_expected=math.log(2) if stack == "dpo" else None,
                                 loss_climbs=stack not in GENERATING + PREFERENCE)
         self.trl = TRLChecks(trainer, self._failed) if stack is not None else None
-        self.supervision_fixes = SUPERVISION_FIXES if trainer is not None else []  # a plain loop has no Trainer data
+        # a dead run whose micro-batches score no token (rows of EOS alone, labels all -100) is the data's, not the LR's
+        self.supervision_fixes = supervision_fixes(trainer)
         self.dead_explained = False
         self.checked = -1  # the step last judged
         self.context: WatchContext | None = None

@@ -32,6 +32,13 @@ def supervised_count(labels: torch.Tensor) -> torch.Tensor:
     return torch.count_nonzero(supervised_mask(labels))  # one reduction kernel (a bool sum takes two ops' setup)
 
 
+def supervision_fixes(trainer: Any) -> list[str]:
+    """The fixes of a step that scores no token: those its cause ``no-supervised-tokens`` offers (the fix registry's
+    ``treats``; the watch does not import it). ``drop-unsupervised-rows`` filters a Trainer's data: a plain loop
+    (``trainer`` None) gets none."""
+    return ["drop-unsupervised-rows"] if trainer is not None else []
+
+
 class FewTokensDetector:
     """Counts each training micro-batch's supervised tokens; reports the first micro-batch with few, then counts."""
 
