@@ -22,6 +22,9 @@ Scenarios (faults on rank 1 only; rank 0's batches are healthy):
               skips every step on both ranks (the all-reduced grads are inf), a streak of 2 is an event
   fail      - rank 1's watch hits an internal error in its step read: it must step aside without
               leaving rank 0 blocked in the step's collective
+  <scenario>+fused, <scenario>+deferred - the same with torch's fused AdamW (the device skip's optimizer),
+              read on the host / one step late (``WatchSettings(read="deferred")``); ``+deferred`` also counts
+              the host reads nbguard's own code makes at each step (tests/test_host_reads.py's counter)
 ``train_rewind_rank``: an LR blow-up on every rank, for policy rewind across ranks.
 ``train_uneven_rank``: uneven supervised tokens per rank, with and without normalising across ranks.
 
@@ -93,16 +96,16 @@ def _batches(rank: int, scenario: str) -> list[dict[str, torch.Tensor]]:
 
 
 def _break_read(watch) -> None:
-    """An internal failure of the watch on this rank: from step BAD_STEP its step read raises
-    (before its part of the step's exchange, the hardest moment for the peers)."""
-    real = watch._collector.read
+    """An internal failure of the watch on this rank: from step BAD_STEP its step read raises (its gather,
+    which both read modes call before their part of the step's exchange, the hardest moment for the peers)."""
+    real = watch._collector.gather
 
-    def read(*args, **kwargs):
+    def gather(*args, **kwargs):
         if watch.step >= BAD_STEP:
             raise RuntimeError("planted failure inside nbguard's step read")
         return real(*args, **kwargs)
 
-    watch._collector.read = read
+    watch._collector.gather = gather
 
 
 def expected_kind(loss_finite: bool) -> str:
@@ -176,11 +179,13 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
     """The user's training function (runs on every rank)."""
     import torch.distributed as dist
     from accelerate import Accelerator
+    from test_host_reads import counting_host_reads
     from watch_helpers import PoisonedSiLU
 
     from nbguard.testing import plant_fp16_overflow_token, tiny_llama
     from nbguard.watcher import NanWatch, WatchSettings
 
+    scenario, _, mode = scenario.partition("+")  # "fused" / "deferred": the optimizer and read mode
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
@@ -189,7 +194,7 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
         plant_fp16_overflow_token(model, HOT_TOKEN)
     if scenario == "backward":
         model.model.layers[1].mlp.act_fn = PoisonedSiLU(armed=rank == 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=bool(mode) or None)
     model, opt = accelerator.prepare(model, opt)
     if scenario == "accumulate-hooks":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -198,6 +203,8 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
     # a modest initial scale: the healthy rank's scaled gradients stay finite, only rank 1 overflows
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scenario == "scaler" else None
     settings = WatchSettings(skip_streak=2) if scenario == "scaler" else None
+    if mode == "deferred":
+        settings = WatchSettings(read="deferred")
     watched = not (scenario == "rank0only" and rank != 0) and scenario != "unwatched"  # rank0only: rank 0 alone
     own_norms = _own_step0_norms(accelerator.unwrap_model(model), _batches(rank, scenario)[0]) \
         if scenario == "healthy" else {}
@@ -207,13 +214,21 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
     if scenario == "fail" and rank == 1:
         _break_read(watch)
     started = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:
+    reads: dict[str, int] = {}
+    reads_landed = 0
+    with warnings.catch_warnings(record=True) as caught, (
+            counting_host_reads(landed=watch._mirror.holds) if mode == "deferred" else contextlib.nullcontext()) \
+            as counter:
         warnings.simplefilter("always")
         losses_finite: list[bool] = []
         stopped, steps = _loop(model, opt, scaler, accelerator, rank, scenario, losses_finite, out_dir)
+        if counter is not None:
+            reads = dict(counter.nbguard())
+            reads_landed = counter.landed
     gradient_read = _gradient_read(watch)
     watch.detach()
-    warned = [str(w.message) for w in caught if "not on every rank" in str(w.message)]
+    warned = [str(w.message) for w in caught if "not on every rank" in str(w.message) or "read='deferred'" in
+              str(w.message)]
     inner = accelerator.unwrap_model(model)
     weights = torch.cat([p.detach().flatten() for p in inner.parameters()])
     result: dict[str, Any] = {
@@ -228,6 +243,8 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
         "watch_step0_norms": dict(zip(watch.history.groups, watch.history._norms[0])) if len(watch.history) else {},
         "seconds": time.perf_counter() - started,
         "distributed_type": str(accelerator.distributed_type),
+        "read_late": bool(watch._late), "host_reads": reads, "host_reads_landed": reads_landed,
+        "skipped": watch.history.skipped_steps,
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()  # both ranks finished: nobody left waiting in a collective
@@ -286,23 +303,24 @@ def train_rewind_rank(scenario: str, policy: str, out_dir: str) -> None:
     """An accelerate loop whose LambdaLR puts the LR at 1e27 for SPIKE_STEPS on every rank: the first
     update there makes the weights huge (finite), the next steps' gradients NaN on both ranks. Under
     ``policy="rewind"`` (snapshots every 2 steps) both ranks go back to the same state; records each
-    step's loss and the weights after training."""
+    step's loss and the weights after training. ``rewind+deferred``: torch's fused AdamW, read a step late."""
     import torch.distributed as dist
     from accelerate import Accelerator
 
     import nbguard
     from nbguard.testing import tiny_batch, tiny_llama
-    from nbguard.watcher import RewindSettings
+    from nbguard.watcher import RewindSettings, WatchSettings
 
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
     model = tiny_llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    deferred = scenario.endswith("+deferred")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=deferred or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1e30 if s in SPIKE_STEPS else 1.0)
     model, opt = accelerator.prepare(model, opt)
     watch = nbguard.watch(model, optimizer=opt, scheduler=sched, policy=policy, verify=False,
-                          rewind=RewindSettings(every=2))
+                          rewind=RewindSettings(every=2), settings=WatchSettings(read="deferred" if deferred else "host"))
     losses: list[float] = []
     for step in range(REWIND_STEPS):
         loss = model(**tiny_batch(2, 12, seed=100 * rank + step % 4)).loss
@@ -313,7 +331,7 @@ def train_rewind_rank(scenario: str, policy: str, out_dir: str) -> None:
         losses.append(float(loss.detach()))
     watch.detach()
     weights = torch.cat([p.detach().flatten() for p in accelerator.unwrap_model(model).parameters()])
-    result = {"rank": rank, "losses": losses, "events": [e.to_dict() for e in watch.events],
+    result = {"rank": rank, "losses": losses, "events": [e.to_dict() for e in watch.events], "read_late": watch._late,
               "rewinds": watch.rewinds, "policy": watch.policy, "weights_finite": bool(torch.isfinite(weights).all()),
               "weights_sum": float(weights.double().sum()), "weights_abs_sum": float(weights.double().abs().sum())}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
@@ -618,7 +636,13 @@ NOTEBOOK_BATCH: list[Scenario] = [
     ("train_rank", "forward", "skip"), ("train_rank", "forward", "warn"), ("train_rank", "forward", "stop"),
     ("train_rank", "backward", "skip"), ("train_rank", "loss", "skip"), ("train_rank", "scaler", "warn"),
     ("train_rank", "fail", "warn"),
-    ("train_rewind_rank", "rewind", "rewind"),
+    # read="deferred" across ranks (test_ddp_deferred.py), each beside its host-mode twin on the same fused AdamW
+    ("train_rank", "unwatched+fused", "skip"), ("train_rank", "healthy+fused", "skip"),
+    ("train_rank", "healthy+deferred", "skip"), ("train_rank", "backward+fused", "skip"),
+    ("train_rank", "backward+deferred", "skip"), ("train_rank", "loss+fused", "skip"),
+    ("train_rank", "loss+deferred", "skip"), ("train_rank", "loss+deferred", "stop"),
+    ("train_rank", "fail+deferred", "warn"),
+    ("train_rewind_rank", "rewind", "rewind"), ("train_rewind_rank", "rewind+deferred", "rewind"),
     ("train_uneven_rank", "uneven", "warn"), ("train_uneven_rank", "normalised", "warn"),
     ("train_trainer_rank", "backward", "stop"),
 ]

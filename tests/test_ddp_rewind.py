@@ -8,16 +8,19 @@ from ddp_helpers import REWIND_STEPS, SPIKE_STEPS, batch_ranks
 pytestmark = pytest.mark.multirank
 
 
-def test_two_ranks_rewind_together_and_end_with_identical_finite_weights(tmp_path_factory):
+@pytest.mark.parametrize("scenario", ["rewind", "rewind+deferred"])
+def test_two_ranks_rewind_together_and_end_with_identical_finite_weights(scenario, tmp_path_factory):
     """An LR blow-up on both ranks: the update at the spike's first step makes the weights huge, the next
     steps' gradients non-finite on both ranks (skipped: the weights are still finite; the second bad step
     in a row rewinds). Both rewind at the same step to the same snapshot (taken before the
-    spike), the run goes on, and the ranks end with the same finite weights and finite losses."""
-    ranks = batch_ranks(tmp_path_factory, "notebook_launcher", "rewind", "rewind", fn="train_rewind_rank")
+    spike), the run goes on, and the ranks end with the same finite weights and finite losses. So too read a
+    step late (``read="deferred"``, fused AdamW), where each step is judged at the next one's check."""
+    ranks = batch_ranks(tmp_path_factory, "notebook_launcher", scenario, "rewind", fn="train_rewind_rank")
     first_spike = SPIKE_STEPS[0]
     rewinds = []
     for r in ranks:
         assert r["policy"] == "rewind", r["events"]  # rewinding was not turned off across ranks
+        assert r["read_late"] == scenario.endswith("+deferred")
         assert [e for e in r["events"] if e["kind"] == "watch-error"] == [], r["events"]
         restored = [e for e in r["events"] if e["kind"] == "rewind" and e["evidence"].get("restored")]
         assert restored, r["events"]

@@ -113,6 +113,7 @@ class WatchRecord(ABC):
     _judging_late: bool
     _replay_trusted: bool  # False: the judged step's bad update was applied (no replay on what it changed)
     _exploded_on_device: bool  # the judged step's finite update was dropped on the device as a divergence
+    _pending_replaced: bool
     _device_skip: Any
     _mirror: Any
 

@@ -181,13 +181,8 @@ class WatchSteps(WatchRecord):
         return self._collector.fingerprint()
 
     def _read(self) -> StepStats:
-        if self._stats is None and self._ranks is not None and self._ranks.exchanges == 0 \
-                and not self._ranks.all_ranks_watch():
-            warn(f"nbguard: the watch runs on rank {self._ranks.rank} but not on every rank: it watches "
-                 f"this rank alone (no agreement across ranks); call nbguard.watch on every rank",
-                 RuntimeWarning, stacklevel=2)
-            self._ranks = None
         if self._stats is None:
+            self._check_peers_watch()
             binding = self._scaler_binding
             scale = binding.scale() if binding is not None else None
             found_inf = binding.found_inf() if binding is not None and binding.enabled else None
@@ -199,11 +194,23 @@ class WatchSteps(WatchRecord):
                                                activations=self._probe.values if self._probe is not None else None,
                                                extra=self._board.collect(self),
                                                exchange=self._exchange())
-            if self._ranks is not None:
-                self._verdict = self._ranks.settle(self._stats)
-                if self._verdict.leaving:
-                    self._peers_left(self._verdict)
+            self._settle_ranks(self._stats)
         return self._stats
+
+    def _check_peers_watch(self) -> None:
+        """Before the first exchange: a watch on some ranks only watches its own rank alone (no peer to wait for)."""
+        if self._ranks is not None and self._ranks.exchanges == 0 and not self._ranks.all_ranks_watch():
+            warn(f"nbguard: the watch runs on rank {self._ranks.rank} but not on every rank: it watches "
+                 f"this rank alone (no agreement across ranks); call nbguard.watch on every rank",
+                 RuntimeWarning, stacklevel=3)
+            self._ranks = None
+
+    def _settle_ranks(self, stats: StepStats) -> None:
+        """What every rank learned from the step's exchange; a peer that stepped aside: step aside too."""
+        if self._ranks is not None:
+            self._verdict = self._ranks.settle(stats)
+            if self._verdict.leaving:
+                self._peers_left(self._verdict)
 
     def _exchange(self) -> Callable[..., torch.Tensor] | None:
         """The step's collective across ranks, carrying this rank's supervised tokens (rank_tokens.py)."""
@@ -258,7 +265,8 @@ class WatchSteps(WatchRecord):
             return
         if self._reads_late():
             self._finish_parked()  # the previous step's numbers, landed on the host meanwhile
-            self._gather_late()
+            if self.active:  # (not where they said a peer stepped aside: no rank joins another exchange)
+                self._gather_late()
             return
         self._check_update(self._read())
 
@@ -283,7 +291,8 @@ class WatchSteps(WatchRecord):
             return False
         if self._late_for is not self.optimizer:  # decided per optimizer (a Trainer builds its own in train())
             self._late_for = self.optimizer
-            why = unavailable(policy=self.policy, optimizer=self.optimizer, across_ranks=self._ranks is not None,
+            why = unavailable(policy=self.policy, optimizer=self.optimizer,
+                              sharded=self._ranks is not None and self._ranks.sharded,
                               per_parameter=self._collector.per_parameter, scaler=self._scaler_binding is not None,
                               activations=self._probe is not None)
             self._late = why is None
@@ -293,17 +302,25 @@ class WatchSteps(WatchRecord):
         return self._late
 
     def _gather_late(self) -> None:
-        """This step's numbers, stacked on the device; a policy that drops bad updates arms the optimizer's
-        device skip with their finiteness; then a copy to the host that nobody waits for."""
+        """This step's numbers, stacked on the device (across ranks with the step's exchange, a collective, not
+        read); a policy that drops bad updates arms the optimizer's device skip with their finiteness; then a copy
+        to the host that nobody waits for."""
+        self._check_peers_watch()
         losses, shares = self._step_losses()
-        gathered = self._collector.gather(losses, None, False, sum_losses=shares, extra=self._board.collect(self))
+        gathered = self._collector.gather(losses, None, False, sum_losses=shares, extra=self._board.collect(self),
+                                          exchange=self._exchange())
         if gathered.vector is None:
             return
         self._gathered = gathered
         exploded = None
         if self.policy in ("skip", "stop", "rewind") and self.active:
-            exploded = self._explodes_on_device(gathered)
-            self._device_skip.arm(self.optimizer, finite_flag(gathered.vector, gathered.n_checked), exploded)
+            if self._ranks is not None:  # every rank's flags: every rank skips alike (only agreed verdicts drop
+                # an update across ranks, and a divergence is each rank's own: none is judged on the device)
+                finite = self._ranks.finite_on_every_rank(gathered.vector[-gathered.n_exchanged:])
+            else:
+                exploded = self._explodes_on_device(gathered)
+                finite = finite_flag(gathered.vector, gathered.n_checked)
+            self._device_skip.arm(self.optimizer, finite, exploded)
         # (the device's divergence verdict travels with the numbers: the late judgement knows what it dropped)
         self._mirror.start(gathered.vector, exploded)
 
@@ -321,11 +338,14 @@ class WatchSteps(WatchRecord):
         self._parked = ParkedStep(gathered, self._micro_batches, self._losses, self._backward_roots,
                                   self._optimizer_stepped,
                                   skipped_on_device=self.policy in ("skip", "stop", "rewind") and self.active,
-                                  judged_on_device=self._mirror.carries_verdict)
+                                  judged_on_device=self._mirror.carries_verdict, replaced=self._pending_replaced)
+        self._pending_replaced = False
         self._micro_batches, self._losses, self._backward_roots = [], [], []
         self._stats = self._step_view = None
         self._optimizer_stepped = self._step_dropped = self._forward_open = False
         self._collector.reset()
+        if self._ranks is not None:
+            self._ranks.step_exchanged = False
 
     def flush(self) -> None:
         """Judge the step whose numbers are still on their way (``read="deferred"``): the loop ended, or you
@@ -345,18 +365,24 @@ class WatchSteps(WatchRecord):
         values = self._mirror.values()
         exploded = parked.judged_on_device and values.pop() > 0  # the device dropped this finite update
         stats = self._collector.decode(parked.gathered, values, rereads=False)
+        self._settle_ranks(stats)
+        if not self.active:  # a peer stepped aside at this step: every rank steps aside at it, unjudged
+            return
         self._micro_batches, self._losses, self._backward_roots = parked.micro_batches, parked.losses, \
             parked.backward_roots
         self._stats, self._step_view, self._optimizer_stepped = stats, None, parked.optimizer_stepped
-        bad = not (stats.loss_finite and stats.grads_finite)
+        # (across ranks, any rank's bad step: every rank's device skip dropped it)
+        verdict = self._verdict if self._ranks is not None else None
+        bad = bool(verdict.bad_ranks) if verdict is not None else not (stats.loss_finite and stats.grads_finite)
         self._step_dropped = bad and parked.skipped_on_device
         # where the bad update was applied (warn), a replay would run on the weights it changed
         self._replay_trusted = not bad or parked.skipped_on_device
         self._judging_late, self._exploded_on_device = True, exploded
         try:
-            self._check_update(stats)
+            if not parked.replaced:
+                self._check_update(stats)
             # (where the host's fp64 judgement fell a rounding short of the device's bound, no event drops it)
-            self._step_dropped = self._step_dropped or exploded
+            self._step_dropped = self._step_dropped or exploded or parked.replaced
             self._end_step(skipped=self._step_dropped)
         finally:
             self._judging_late, self._replay_trusted, self._exploded_on_device = False, True, False
@@ -436,7 +462,7 @@ class WatchSteps(WatchRecord):
                 self._drop_pending_update(event)
             self._stop(event)
         if self.policy == "rewind" and self._rewinder is not None:
-            self._rewinder.respond(self._context, event, self.step)
+            self._rewind(event)
             if self._judging_late:  # the pending update was computed on the weights the rewind replaced
                 self._drop_pending_update(event)
 
@@ -461,7 +487,17 @@ class WatchSteps(WatchRecord):
         if self.policy == "stop":
             self._stop(dropper)
         if self.policy == "rewind" and self._rewinder is not None:
-            self._rewinder.respond(self._context, dropper, self.step)
+            self._rewind(dropper)
+
+    def _rewind(self, event: Event | None) -> None:
+        """Policy rewind answers ``event``. Judged a step late, the step under way ran its forward and backward on
+        the weights a rewind has just replaced (its update is dropped): its numbers are of weights no longer
+        there, so it is recorded as skipped and not judged (its NaN would be a second event of the same blow-up)."""
+        assert self._rewinder is not None
+        rewinds = self._rewinder.rewinds
+        self._rewinder.respond(self._context, event, self.step)
+        if self._judging_late and self._rewinder.rewinds > rewinds:
+            self._pending_replaced = True
 
     def _view(self, stats: StepStats, skipped: bool, scaler_skipped: bool) -> StepView:
         """The step as the detectors see it; the view ``before_update`` got again at the step's end
@@ -539,6 +575,7 @@ class WatchSteps(WatchRecord):
         self._step_view = None
         self._optimizer_stepped = False
         self._step_dropped = False
+        self._pending_replaced = False
         self._forward_open = False
         self._collector.reset()
         board: DetectorBoard | None = getattr(self, "_board", None)

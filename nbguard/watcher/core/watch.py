@@ -176,6 +176,7 @@ class NanWatch(WatchLifecycle, Displayable):
         self._late = False
         self._judging_late = False
         self._exploded_on_device = False
+        self._pending_replaced = False  # (read late) a rewind replaced the weights the step under way ran on
         self._replay_trusted = True
         self._device_skip = DeviceSkip()
         self._mirror = HostMirror()

@@ -210,6 +210,13 @@ class RankSync:
         self.step_exchanged = True
         return vec
 
+    def finite_on_every_rank(self, exchanged: torch.Tensor) -> torch.Tensor:
+        """1.0 where no rank's own loss or gradients were non-finite, from the step's exchanged (not yet read)
+        flags: a 0-d device tensor, the same on every rank (``read="deferred"``: every rank's fused optimizer
+        skips the same update, with no host read)."""
+        flags = exchanged[:FLAGS * self.world_size].view(self.world_size, FLAGS)[:, LOSS:GRADS + 1]
+        return (flags == 0).all().float()
+
     def farewell(self, device: torch.device) -> None:
         """Join this step's exchange once more, flagged as leaving, so no peer waits for it."""
         self.owes_farewell = False

@@ -30,11 +30,16 @@ def supports_device_skip(optimizer: Any) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-def unavailable(*, policy: str, optimizer: Any, across_ranks: bool, per_parameter: bool, scaler: bool,
+def unavailable(*, policy: str, optimizer: Any, sharded: bool, per_parameter: bool, scaler: bool,
                 activations: bool) -> str | None:
-    """Why statistics cannot be read a step late for this run (None: they can)."""
-    if across_ranks or per_parameter:
-        return "the read is exchanged across ranks (or taken per parameter) at the step"
+    """Why statistics cannot be read a step late for this run (None: they can). Across ranks (DDP) they can:
+    the step's exchange is a collective on the device, its flags decide every rank's device skip alike, and the
+    ranks read it a step late at the same point, before their next exchange (a rank that stepped aside is
+    known before anyone joins another)."""
+    if sharded:
+        return "FSDP2's sharded gradients are read on the host (their whole norms come from the exchange)"
+    if per_parameter:
+        return "the gradients are read with a hook per parameter (no fused read to defer)"
     if scaler:
         return "an enabled GradScaler decides the skip (it reads its own flag)"
     if activations:
@@ -124,7 +129,8 @@ class ParkedStep:
     late judgement needs (its micro-batches for the replay, its losses, how its read is laid out)."""
 
     def __init__(self, gathered: Any, micro_batches: list, losses: list, backward_roots: list,
-                 optimizer_stepped: bool, skipped_on_device: bool, judged_on_device: bool = False):
+                 optimizer_stepped: bool, skipped_on_device: bool, judged_on_device: bool = False,
+                 replaced: bool = False):
         self.gathered = gathered
         self.micro_batches = micro_batches
         self.losses = losses
@@ -132,3 +138,4 @@ class ParkedStep:
         self.optimizer_stepped = optimizer_stepped
         self.skipped_on_device = skipped_on_device  # a non-finite update was dropped by the device skip
         self.judged_on_device = judged_on_device  # its mirrored values end with the device's divergence verdict
+        self.replaced = replaced  # a rewind replaced the weights it ran on (judged late): its update was dropped
