@@ -107,6 +107,10 @@ def test_a_dead_sft_run_on_eos_only_rows_recommends_the_supervision_fix(tmp_path
     assert dead.evidence["fixes"] == ["drop-unsupervised-rows"]
     fixes, best = event_fixes(watch, "dead-run")
     assert fixes == ["drop-unsupervised-rows"] and best == "drop-unsupervised-rows"
+    # the run's first event (what the report's summary leads with) offers the same fix
+    [few] = [e for e in watch.events if e.kind == "few-supervised-tokens"]
+    assert few.step == 0 and few.evidence["supervised_tokens"] == 0
+    assert few.evidence["fixes"] == ["drop-unsupervised-rows"]
 
 
 def test_a_dead_run_with_supervised_tokens_keeps_its_learning_rate_fix(tmp_path):

@@ -15,7 +15,7 @@ from ..core.pipeline import Detector, StepView, WatchedRun
 from .eval_mode import TrainedInEvalMode
 from .resume_check import ResumeCheck
 from .skip_futility import SkipCannotSave
-from .supervision import FewTokensDetector
+from .supervision import FewTokensDetector, supervision_fixes
 from .thresholds import EvalLossDetector, FrozenDetector, WatchSettings
 
 if TYPE_CHECKING:
@@ -69,6 +69,10 @@ class FewSupervisedTokens(Detector):
     def __init__(self) -> None:
         self.few = FewTokensDetector()
         self.event: Event | None = None
+        self.fixes: list[str] = []  # a micro-batch that scores no token: its cause's fixes (none in a plain loop)
+
+    def attach(self, context: Any) -> None:
+        self.fixes = supervision_fixes(context.trainer)
 
     def on_micro_batch(self, micro_batch: MicroBatch) -> None:
         self.few.capture(micro_batch.index, micro_batch.labels())
@@ -94,6 +98,8 @@ class FewSupervisedTokens(Detector):
             return []
         median = found["recent_median"]
         found.update(occurrences=1, steps=[view.step])
+        if found["supervised_tokens"] == 0:
+            found["fixes"] = list(self.fixes)
         self.event = Event(
             "few-supervised-tokens", view.step,
             f"micro-batch {found['micro_batch']}'s loss is built on {found['supervised_tokens']} supervised token(s)"
