@@ -44,7 +44,7 @@ def test_every_and_lr_factor_reach_the_watch(shell):  # noqa: F811
     # the cell magic takes the same options, and its summary shows the cut
     assert run(shell, SETUP).error is None
     cell = run(shell, "%%nanwatch net --policy rewind --every 2 --lr-factor 0.25 --scheduler sched\n" + LOOP)
-    assert "lr x0.25" in cell.stdout, cell.stdout
+    assert "lr x0.25" in cell.updates[-1]["text/plain"], cell.updates[-1]["text/plain"]  # the view shows the cut
 
 
 def test_rewind_options_under_another_policy_are_refused(shell):  # noqa: F811

@@ -283,7 +283,7 @@ def test_a_failing_snapshot_never_breaks_the_run(monkeypatch):
 
 
 def test_nanwatch_cell_with_policy_rewind_restores_the_weights(shell):  # noqa: F811
-    from notebook_helpers import run
+    from notebook_helpers import MIME, run
 
     run(shell, "import torch\nfrom nbguard.testing import tiny_llama, tiny_batch\nnet = tiny_llama()\n"
                "opt = torch.optim.AdamW(net.parameters(), lr=1e-3)\nbatch = tiny_batch()\n"
@@ -291,7 +291,11 @@ def test_nanwatch_cell_with_policy_rewind_restores_the_weights(shell):  # noqa: 
     loop = "for i in range(8):\n    opt.zero_grad()\n    net(**batch).loss.backward()\n    opt.step()\n" \
            "    if i == 4:\n        with torch.no_grad():\n            net.lm_head.weight[0, 0] = float('nan')\n"
     cell = run(shell, "%%nanwatch net --policy rewind\n" + loop)
-    assert "policy=rewind" in cell.stdout and "[rewind] rewound to the state after step 0" in cell.stdout
+    assert "(policy rewind)" in cell.stdout  # the line under the view; the rewind is in the view
+    view = cell.updates[-1]
+    assert "rewound to the state after step 0" in view["text/plain"]
+    [entry] = view[MIME]["history"]["rewinds"]
+    assert entry["restored_after_step"] == 0
     net = shell.user_ns["net"]
     assert all(torch.isfinite(p).all() for p in net.parameters())
 

@@ -103,9 +103,7 @@ class LiveWatch:
         watch = self.watch
         if watch is None:
             return "nbguard watch: ended (its model was deleted)"
-        from .ranks import RankWatches
-
-        if isinstance(watch, RankWatches) and not watch.ranks:  # no rank attached: the view has nothing to show
+        if getattr(watch, "no_rank_attached", False):  # (ranks.RankWatches) the view has nothing to show
             return watch.summary()
         policy = getattr(watch, "policy", None)
         return ("nbguard: the watch detached when the cell ended" + (f" (policy {policy})" if policy else "")

@@ -58,6 +58,11 @@ class RankWatches(Displayable):
         self._listeners: list[Listener] = []
         self._lock = threading.Lock()
 
+    @property
+    def no_rank_attached(self) -> bool:
+        """No rank's watch reached the stream: a view of this run has nothing to show."""
+        return not self.ranks
+
     # -- what the dashboard reads ---------------------------------------------------------------
     @property
     def history(self) -> GradHistory:
