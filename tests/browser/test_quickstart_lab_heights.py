@@ -6,8 +6,10 @@ quickstart-lab-cell-N.png.
 
 Measured on 2026-11-29 in a 1400 x 1000 viewport: audit 984 px, failing watch 933 px (was 1,857: its heatmap
 drawn twice, the table of the fixes run and the origin table open, the Trainer's per-step log lines), second
-audit 382 px, healthy watch 535 px: each within one screen, the limit. Of the failing watch's 933 px, 125 are
-not nbguard's view: the Trainer's summary line, its TrainOutput and the magic's printed summary. The two
+audit 382 px, healthy watch 535 px: each within one screen, the limit. Of the failing watch's 933 px, 125 were
+not nbguard's view: the Trainer's summary line, its TrainOutput and the magic's printed summary. Later the same
+day the failing watch measured 882 px: the magic's printed line under the view 17 px (was 51: it repeated the
+view's steps and events) and the event card 195 px (was 212: its title on one line), the healthy watch 521 px. The two
 heatmap PNGs, side by side, shrank to ~450 px (labels ~5 px); stacked, each is drawn at its own 725 px."""
 from __future__ import annotations
 
