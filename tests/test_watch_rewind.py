@@ -19,12 +19,12 @@ LR = 1e-3
 DATA = [tiny_batch(4, 16, seed=i) for i in range(16)]
 
 
-def _spiked_loop(policy=None, spike=True, steps=100, every=5, scaler=None, spike_steps=3, lr_seen=None):
-    """A plain loop whose LambdaLR schedule puts the LR at 1.0 for steps 20-22 (``spike_steps`` from 20); the mean
-    loss of its last 10 steps, and the watch."""
+def _scheduled_loop(schedule, policy=None, steps=100, every=5, scaler=None, lr_seen=None):
+    """A plain loop whose LR follows ``schedule`` (a LambdaLR factor of LR); each step's loss, the watch, and
+    (model, optimizer, scheduler)."""
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (1.0 / LR) if spike and 20 <= s < 20 + spike_steps else 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     watch = nbguard.watch(model, optimizer=opt, policy=policy, scheduler=sched, scaler=scaler, verify=False,
                           rewind=RewindSettings(every=every)) if policy else None
     if lr_seen is not None:  # the LR each update runs at (after the watch's own pre-step hook)
@@ -44,7 +44,15 @@ def _spiked_loop(policy=None, spike=True, steps=100, every=5, scaler=None, spike
         losses.append(loss.item())
     if watch is not None:
         watch.detach()
-    return sum(losses[-10:]) / 10, watch, (model, opt, sched)
+    return losses, watch, (model, opt, sched)
+
+
+def _spiked_loop(policy=None, spike=True, steps=100, every=5, scaler=None, spike_steps=3, lr_seen=None):
+    """The LR at 1.0 for steps 20-22 (``spike_steps`` from 20); the mean loss of the last 10 steps, and the watch."""
+    losses, watch, objects = _scheduled_loop(
+        lambda s: (1.0 / LR) if spike and 20 <= s < 20 + spike_steps else 1.0,
+        policy=policy, steps=steps, every=every, scaler=scaler, lr_seen=lr_seen)
+    return sum(losses[-10:]) / 10, watch, objects
 
 
 def test_rewind_recovers_a_run_an_lr_spike_ruined():
@@ -114,21 +122,7 @@ def test_a_spike_longer_than_the_hold_window_is_held_until_it_has_passed():
 
 def _warmup_loop(policy=None, steps=40):
     """A healthy run whose LR warms up linearly from 0 over 30 steps (as transformers' linear warmup does)."""
-    model = tiny_llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 30))
-    watch = nbguard.watch(model, optimizer=opt, policy=policy, scheduler=sched, verify=False,
-                          rewind=RewindSettings(every=5)) if policy else None
-    losses = []
-    for i in range(steps):
-        loss = model(**DATA[i % len(DATA)]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        losses.append(loss.item())
-    if watch is not None:
-        watch.detach()
+    losses, watch, (model, _, _) = _scheduled_loop(lambda s: min(1.0, s / 30), policy=policy, steps=steps)
     return losses, model, watch
 
 
