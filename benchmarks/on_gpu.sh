@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What only a GPU shows, in one run (a lent GPU machine's time is short): the CUDA tests, then the
 # watch's fixed cost on the GPU with kernel and host-wait counts, without and with a loss.item() per
-# step. Run from the repository root: bash benchmarks/on_gpu.sh [results-dir]
+# step, then issue 45's figures: read="deferred" (fused AdamW, skip on the device) against the host read,
+# on the fixed-cost models and the 21M Llama. Run from the repository root: bash benchmarks/on_gpu.sh [results-dir]
 set -uo pipefail
 results="${1:-${OUT:-gpu-results}}"
 mkdir -p "$results"
@@ -15,3 +16,8 @@ for extra in "" "--loss-item"; do
   "$python" benchmarks/overhead.py --fixed-cost --device cuda --rounds "$rounds" --launches $extra \
     2>>"$results/overhead.err" | tee -a "$results/fixed_cost.md"
 done
+# issue 45: every variant on fused AdamW; "host waits" must read 0.0 for the step-late read
+"$python" benchmarks/overhead.py --fixed-cost --device cuda --rounds "$rounds" --launches --fused --read-deferred \
+  2>>"$results/overhead.err" | tee -a "$results/read_deferred.md"
+"$python" benchmarks/overhead.py --watch-only --skip-activations --skip-localise --device cuda --rounds 40 --fused \
+  --read-deferred 2>>"$results/overhead.err" | tee -a "$results/read_deferred.md"

@@ -95,7 +95,7 @@ class Variant:
     def __init__(self, name, model, args, watch_class=None):
         self.name = name
         self.model = model
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.fused or None)
         self.times: list[float] = []
         self.extra = None
         if name == UPDATE_NORMS_OFF:
@@ -103,9 +103,7 @@ class Variant:
 
             self.extra = NanWatch(model, optimizer=self.opt, settings=WatchSettings(update_norms=False)).attach()
         elif name == READ_DEFERRED:
-            from nbguard.watcher import WatchSettings
-
-            self.extra = NanWatch(model, optimizer=self.opt, settings=WatchSettings(read="deferred")).attach()
+            self.extra = deferred_watch(model, self.opt)
         elif name.startswith("nbguard watch"):
             # nbguard.watch itself (this tree's, or another checkout's): every default of the public entry point
             watch = watch_class or default_watch()
@@ -137,6 +135,14 @@ def default_watch():
 
     return watch
 READ_DEFERRED = "nbguard watch, read deferred"  # WatchSettings(read="deferred"): no host wait per step (issue 45)
+
+
+def deferred_watch(model, optimizer):
+    """The watch reading a step late; under skip a fused optimizer drops a bad update on the device (with another
+    optimizer the watch says so once and reads on the host: run with --fused)."""
+    from nbguard.watcher import WatchSettings
+
+    return NanWatch(model, optimizer=optimizer, policy="skip", settings=WatchSettings(read="deferred")).attach()
 
 
 def measure(args):
@@ -290,13 +296,15 @@ _OTHER_TREES: list[str] = []
 class FixedCostVariant:
     """One copy of the model trained like the Trainer does: fwd, bwd, clip to 1.0, AdamW step."""
 
-    def __init__(self, name: str, model: torch.nn.Module, watch_class=None):
+    def __init__(self, name: str, model: torch.nn.Module, watch_class=None, fused: bool = False):
         self.name = name
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=1e-5)
+        self.opt = torch.optim.AdamW(self.params, lr=1e-5, fused=fused or None)
         self.watch = None
-        if name != "no watch":
+        if name == READ_DEFERRED_FIXED:
+            self.watch = deferred_watch(model, self.opt)
+        elif name != "no watch":
             self.watch = (watch_class or NanWatch)(model, optimizer=self.opt)
             self.watch._collector.per_parameter = name.startswith("hook per parameter")
             self.watch.attach()
@@ -326,6 +334,8 @@ class FixedCostVariant:
         """Work a variant does between the optimizer's step and zero_grad (none here)."""
 
 
+READ_DEFERRED_FIXED = "fused read, a step late (skip on the device)"
+
 # steps profiled per variant: a multiple of the watch's weight-fingerprint period (frozen_check_every),
 # so its periodic work counts at its real share
 PROFILED_STEPS = 10
@@ -353,7 +363,7 @@ def fixed_cost(args) -> None:
     batch = tiny_batch(device=args.device)
     where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
     print(f"\n### the watch's fixed cost ({where}, {args.rounds} rounds of {args.steps_per_round} steps, "
-          f"{args.clock} clock, batch 4x32, clip_grad_norm_ + AdamW"
+          f"{args.clock} clock, batch 4x32, clip_grad_norm_ + {'fused ' if args.fused else ''}AdamW"
           f"{', loss.item() each step' if args.loss_item else ''})\n")
     print("| model | trainable tensors | no watch, step | watch | ratio (median per round) | per tensor per step |")
     print("|---|---:|---:|---|---:|---:|")
@@ -361,10 +371,13 @@ def fixed_cost(args) -> None:
                          ("LoRA (q,k,v,o r=8), 24 layers", lambda: tiny_lora(24))):
         base = build().to(args.device)
         names = ["no watch", "hook per parameter (before)", "fused read (after)", "no gradient read"]
-        variants = [FixedCostVariant(n, copy.deepcopy(base)) for n in names]  # all copies, the baseline too
+        if args.read_deferred:
+            names.insert(3, READ_DEFERRED_FIXED)
+        # all copies, the baseline too
+        variants = [FixedCostVariant(n, copy.deepcopy(base), fused=args.fused) for n in names]
         for tree, other in others.items():  # attached last: their clip wrappers go around this tree's
             names.append(f"fused read, {tree}")
-            variants.append(FixedCostVariant(names[-1], copy.deepcopy(base), other))
+            variants.append(FixedCostVariant(names[-1], copy.deepcopy(base), other, fused=args.fused))
         n_tensors = len(variants[0].params)
         for v in variants:
             v.run(batch, args.warmup, clock, args.device, args.loss_item)
@@ -376,6 +389,7 @@ def fixed_cost(args) -> None:
                    for v in variants} if args.launches else {}
         for v in variants[1:]:
             assert v.watch is not None
+            v.watch.flush()  # (read a step late: the last step is judged now)
             if v.watch._collector.enabled:  # (without gradient norms, zeros look like a dead run)
                 assert v.watch.events == [], v.watch.summary()  # a healthy run: no alarm
             assert v.watch.step == args.rounds * args.steps_per_round + args.warmup + bool(args.launches) * PROFILED_STEPS
@@ -853,7 +867,11 @@ def main(argv=None):
     parser.add_argument("--skip-activations", action="store_true",
                         help="leave out the watch with its activation probe")
     parser.add_argument("--read-deferred", action="store_true",
-                        help="also this tree's watch with WatchSettings(read='deferred')")
+                        help="also this tree's watch with WatchSettings(read='deferred') under policy skip (default "
+                             "mode and --fixed-cost; with --fused its optimizer drops a bad update on the device)")
+    parser.add_argument("--fused", action="store_true",
+                        help="every variant's AdamW fused=True (the Trainer's default on a GPU; what --read-deferred "
+                             "needs to skip on the device)")
     parser.add_argument("--update-norms-off", action="store_true",
                         help="also this tree's watch with WatchSettings(update_norms=False)")
     parser.add_argument("--launches", action="store_true",

@@ -165,3 +165,42 @@ def test_read_deferred_makes_no_host_sync_in_a_healthy_step():
         torch.cuda.set_sync_debug_mode(0)
     watch.detach()
     assert watch.events == [] and watch.step == 6 and all(map(math.isfinite, watch.history.loss))
+
+
+def _reduce_overhead_run(read: str | None, steps: int = 5):
+    """``torch.compile(mode="reduce-overhead")``: the compiled forward and backward replay as CUDA graphs; the
+    watch (on the module torch.compile returns) runs at the optimizer's step, outside them. ``read`` None: no watch."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = tiny_llama().to(CUDA)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    compiled = torch.compile(model, mode="reduce-overhead")
+    watch = None if read is None else nbguard.watch(compiled, optimizer=opt, policy="skip", log_to=None,
+                                                    verify=False, settings=WatchSettings(read=read))
+    losses = []
+    for step in range(steps):
+        loss = compiled(**_on_gpu(tiny_batch(seed=step))).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach().clone())  # (a CUDA graph's output is overwritten by its next replay)
+    if watch is not None:
+        watch.detach()
+    return watch, losses, dict(counters["graph_break"]), model
+
+
+@pytest.mark.parametrize("read", ["host", "deferred"])
+def test_reduce_overhead_cuda_graphs_get_no_graph_break_from_the_watch_and_train_as_their_twin(read):
+    """Issue 45 item 5 on a GPU: the watch adds no graph break to a ``reduce-overhead`` compile, judges every
+    step, and leaves training as it was (the same losses and weights as the unwatched compiled twin)."""
+    _, twin_losses, twin_breaks, twin = _reduce_overhead_run(None)
+    watch, losses, breaks, model = _reduce_overhead_run(read)
+    assert breaks == twin_breaks
+    assert watch.events == [] and watch.step == len(losses)
+    assert watch.history.loss == [loss.item() for loss in losses]
+    assert all(torch.equal(a, b) for a, b in zip(losses, twin_losses))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
