@@ -252,7 +252,9 @@ def train_rank(scenario: str, policy: str, out_dir: str) -> None:
 
 def train_trainer_rank(scenario: str, policy: str, out_dir: str) -> None:
     """The HF Trainer (gradient accumulation 2, clipping) under DDP; ``backward`` arms rank 1's
-    layer-1 SiLU at optimizer step BAD_STEP only."""
+    layer-1 SiLU at optimizer step BAD_STEP only. ``backward+deferred``: read a step late (its default fused AdamW
+    skips on the device), the SiLU armed from BAD_STEP on (a replay a step later meets the fault again, as a fault
+    of the data or the weights would); ``backward+fused``: the same read on the host."""
     import tempfile
 
     import torch.distributed as dist
@@ -261,23 +263,27 @@ def train_trainer_rank(scenario: str, policy: str, out_dir: str) -> None:
 
     import nbguard
     from nbguard.testing import TinyDataset, tiny_llama
+    from nbguard.watcher import WatchSettings
 
+    scenario, _, mode = scenario.partition("+")
     torch.set_num_threads(1)
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=STEPS, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, max_grad_norm=1.0, use_cpu=True, report_to=[],
-                             save_strategy="no", logging_steps=1, disable_tqdm=True, ddp_backend="gloo")
+                             save_strategy="no", logging_steps=1, disable_tqdm=True, ddp_backend="gloo")  # (its default optim: adamw_torch_fused)
     rank = args.process_index
     model = tiny_llama()
     act = model.model.layers[1].mlp.act_fn = PoisonedSiLU(armed=False)
 
     class ArmOnRank1(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            act.armed = scenario == "backward" and rank == 1 and state.global_step == BAD_STEP
+            # (+fused/+deferred: armed from BAD_STEP on, so the step judged late still replays armed)
+            bad = state.global_step >= BAD_STEP if mode else state.global_step == BAD_STEP
+            act.armed = scenario == "backward" and rank == 1 and bad
 
     micro_losses_finite: list[bool] = []  # this rank's own loss, per micro-batch (before any reduction)
     model.register_forward_hook(lambda m, a, out: micro_losses_finite.append(bool(torch.isfinite(out.loss).all())))
     trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(64), callbacks=[ArmOnRank1()])
-    watch = nbguard.watch(trainer, policy=policy)
+    watch = nbguard.watch(trainer, policy=policy, settings=WatchSettings(read="deferred" if mode == "deferred" else "host"))
     trainer.train()
     accumulation = args.gradient_accumulation_steps
     losses_finite = [all(micro_losses_finite[i:i + accumulation])
@@ -289,7 +295,8 @@ def train_trainer_rank(scenario: str, policy: str, out_dir: str) -> None:
               "weights_finite": bool(torch.isfinite(weights).all()), "weights_sum": float(weights.double().sum()),
               "weights_abs_sum": float(weights.double().abs().sum()),
               "exchanges": watch._ranks.exchanges if watch._ranks is not None else 0,
-              "gradient_read": gradient_read, "distributed_type": str(trainer.accelerator.distributed_type)}
+              "gradient_read": gradient_read, "distributed_type": str(trainer.accelerator.distributed_type),
+              "read_late": watch._late, "skipped": watch.history.skipped_steps}
     watch.detach()  # the next scenario in this process starts with no watch attached
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
@@ -645,6 +652,7 @@ NOTEBOOK_BATCH: list[Scenario] = [
     ("train_rewind_rank", "rewind", "rewind"), ("train_rewind_rank", "rewind+deferred", "rewind"),
     ("train_uneven_rank", "uneven", "warn"), ("train_uneven_rank", "normalised", "warn"),
     ("train_trainer_rank", "backward", "stop"),
+    ("train_trainer_rank", "backward+fused", "skip"), ("train_trainer_rank", "backward+deferred", "skip"),
 ]
 TORCHRUN_BATCH: list[Scenario] = [
     ("train_rank", "healthy", "warn"), ("train_rank", "forward", "skip"), ("train_rank", "forward", "stop"),

@@ -94,3 +94,19 @@ def test_a_rank_whose_watch_fails_is_known_to_the_other_before_its_next_exchange
         assert r["steps"] == STEPS  # training went on to the end on both ranks
         assert r["watch_steps"] == BAD_STEP  # both watches stepped aside at the same step
         assert r["exchanges"] == BAD_STEP + 1  # the failing step's exchange, joined once by each, and no more
+
+
+def test_the_trainer_under_ddp_read_a_step_late_names_and_skips_as_its_host_twin(tmp_path_factory):
+    """The HF Trainer (its own DDP wrap, gradient accumulation 2, clipping, its default fused AdamW): rank 1's
+    backward NaN from BAD_STEP on is named on both ranks, with both micro-batches replayed, and the same updates
+    are dropped on the device as the host mode drops them, bit for bit."""
+    late = batch_ranks(tmp_path_factory, "notebook_launcher", "backward+deferred", "skip", fn="train_trainer_rank")
+    host = batch_ranks(tmp_path_factory, "notebook_launcher", "backward+fused", "skip", fn="train_trainer_rank")
+    assert [r["read_late"] for r in late + host] == [True, True, False, False]
+    events = [_event(r) for r in late]
+    assert events[0] == events[1] == _event(host[0])
+    assert events[0]["step"] == BAD_STEP and events[0]["origins"][0]["module"] == "model.layers.1.mlp.act_fn"
+    for r in late + host:
+        assert r["skipped"] == list(range(BAD_STEP, STEPS)) and r["steps"] == STEPS and r["weights_finite"]
+        assert r["gradient_read"] == {"buckets": True, "parameter_hooks": 0}
+    assert _weights(late) == _weights(host)
