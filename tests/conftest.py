@@ -46,6 +46,40 @@ def _profiled_slow() -> frozenset[str]:
     return frozenset(listed.read_text().split()) if listed.exists() else frozenset()
 
 
+def _file_seconds() -> dict[str, float]:
+    """Seconds per test file in the last profiled run (tests/lanes/profile.py --write-files writes them)."""
+    listed = Path(__file__).parent / "lanes" / "file_seconds.txt"
+    if not listed.exists():
+        return {}
+    return {path: float(seconds) for seconds, path in (line.split() for line in listed.read_text().splitlines() if line)}
+
+
+def _longest_files_first(items: list, seconds: dict[str, float] | None = None) -> list:
+    """The items, their files in order of their profiled seconds, longest first (each file's tests in their own
+    order). Files the profile lacks go first, most tests first: the notebooks and the multi-rank files (other
+    lanes than the profiled main lane) are among the longest, and a new file is safer early than last."""
+    seconds = _file_seconds() if seconds is None else seconds
+    by_file: dict[str, list] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = sorted(by_file, key=lambda f: (1, -seconds[f]) if f in seconds else (0, -len(by_file[f])))
+    return [item for f in order for item in by_file[f]]
+
+
+def pytest_configure(config):
+    """With --dist loadfile, files go to the workers in collection order, which pytest_collection_modifyitems makes
+    longest first: xdist's own order (most tests first) left the few-test, long files (a browser session, the
+    notebooks) for last, one worker running them while the other idled."""
+    if getattr(config.option, "dist", None) == "loadfile" and hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist's workers run with dist "no": tell them the files go out in their collection order."""
+    node.workerinput["longest_files_first"] = node.config.option.loadscopereorder is False
+
+
 def pytest_collection_modifyitems(config, items):
     """tf450 tests only run where transformers 4.50.x is installed; browser tests need Chromium;
     cuda tests need a CUDA device (none in CI: they run on a GPU machine, benchmarks/on_gpu.sh).
@@ -68,6 +102,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="Debian chromium not installed (apt-get install chromium)"))
         if "cuda" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (bash benchmarks/on_gpu.sh on a GPU machine)"))
+    if getattr(config, "workerinput", {}).get("longest_files_first"):
+        items[:] = _longest_files_first(items)
 
 
 @pytest.fixture(autouse=True)

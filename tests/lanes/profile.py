@@ -1,10 +1,13 @@
 """The tests make check leaves out: those over a time limit in a profiled run (a JUnit XML from pytest).
 
-    python tests/lanes/profile.py RUN.xml [--over 2.0] [--write tests/lanes/slow_tests.txt]
+    python tests/lanes/profile.py RUN.xml [MORE.xml ...] [--over 2.0] [--write tests/lanes/slow_tests.txt]
+        [--write-files tests/lanes/file_seconds.txt]
 
 Prints the slowest tests and files (the figures docs/contributing.md quotes) and, with --write, writes the
 node ids of every test that took longer than --over seconds, one a line. tests/conftest.py marks those
-``profiled_slow``; ``make check`` runs the rest: the inner loop's fast tests, in a few minutes.
+``profiled_slow``; ``make check`` runs the rest: the inner loop's fast tests, in a few minutes. With
+--write-files, the seconds of each file, longest first: tests/conftest.py hands the files to --dist loadfile's
+workers in that order, so no long file starts last while the other worker idles.
 """
 from __future__ import annotations
 
@@ -36,12 +39,13 @@ def durations(xml_path: str) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("xml", help="a pytest --junitxml file")
+    parser.add_argument("xml", nargs="+", help="pytest --junitxml files (of different lanes: their tests add up)")
     parser.add_argument("--over", type=float, default=2.0, help="seconds past which a test is slow (default 2)")
     parser.add_argument("--write", help="write the slow tests' node ids here")
+    parser.add_argument("--write-files", help="write each file's seconds here ('SECONDS PATH' a line, longest first)")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
-    times = durations(args.xml)
+    times = {node: seconds for xml in args.xml for node, seconds in durations(xml).items()}
     by_file: dict[str, float] = collections.Counter()
     for node, seconds in times.items():
         if seconds != float("inf"):
@@ -61,6 +65,9 @@ def main() -> int:
           f"{len(times) - len(slow)} tests, {fast_total:.0f} s")
     if args.write:
         Path(args.write).write_text("".join(f"{node}\n" for node in slow))
+    if args.write_files:
+        Path(args.write_files).write_text(
+            "".join(f"{seconds:.1f} {path}\n" for path, seconds in collections.Counter(by_file).most_common()))
     return 0
 
 
