@@ -77,7 +77,7 @@ def pytest_configure(config):
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
     """xdist's workers run with dist "no": tell them the files go out in their collection order."""
-    node.workerinput["longest_files_first"] = node.config.option.loadscopereorder is False
+    node.workerinput["longest_files_first"] = getattr(node.config.option, "loadscopereorder", None) is False
 
 
 def pytest_collection_modifyitems(config, items):
