@@ -71,7 +71,11 @@ def test_every_shape_is_gone_in_every_context(shape, context):
     def check(key_and_runs):
         key, runs = key_and_runs
         text = SHAPE_CONTEXTS[context](key)
-        assume(not leaked(runs, SHAPE_CONTEXTS[context]("")))  # the context alone does not hold the run
+        kept = key
+        for run in runs:
+            kept = kept.replace(run, "", 1)
+        # the context and the key's own kept parts do not hold the run (a run "0000orizatio" is in "Authorization: ")
+        assume(not leaked(runs, SHAPE_CONTEXTS[context](kept)))
         assert not leaked(runs, redact(text, env={})), (text, redact(text, env={}))
     check()
 
