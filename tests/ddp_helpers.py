@@ -648,7 +648,7 @@ NOTEBOOK_BATCH: list[Scenario] = [
     ("train_rank", "healthy+deferred", "skip"), ("train_rank", "backward+fused", "skip"),
     ("train_rank", "backward+deferred", "skip"), ("train_rank", "loss+fused", "skip"),
     ("train_rank", "loss+deferred", "skip"), ("train_rank", "loss+deferred", "stop"),
-    ("train_rank", "fail+deferred", "warn"),
+    ("train_rank", "fail+deferred", "warn"), ("train_rank", "accumulate-hooks+deferred", "skip"),
     ("train_rewind_rank", "rewind", "rewind"), ("train_rewind_rank", "rewind+deferred", "rewind"),
     ("train_uneven_rank", "uneven", "warn"), ("train_uneven_rank", "normalised", "warn"),
     ("train_trainer_rank", "backward", "stop"),

@@ -110,3 +110,15 @@ def test_the_trainer_under_ddp_read_a_step_late_names_and_skips_as_its_host_twin
         assert r["skipped"] == list(range(BAD_STEP, STEPS)) and r["steps"] == STEPS and r["weights_finite"]
         assert r["gradient_read"] == {"buckets": True, "parameter_hooks": 0}
     assert _weights(late) == _weights(host)
+
+
+def test_ddp_under_a_communication_hook_of_the_users_reads_on_the_host_and_says_why(tmp_path_factory):
+    """DDP takes one communication hook: with the user's own, the watch reads each rank's gradient with a hook per
+    parameter, and that read is not deferred. It says so once, on each rank, and watches on the host."""
+    ranks = _ranks("accumulate-hooks+deferred", "skip", tmp_path_factory)
+    for r in ranks:
+        assert not r["read_late"] and r["gradient_read"]["buckets"] is False
+        assert len(r["warned"]) == 1 and "hook per parameter" in r["warned"][0], r["warned"]
+        assert r["events"] == [] and r["steps"] == STEPS and r["watch_steps"] == STEPS // 2  # (2 micro-batches a step)
+        assert r["exchanges"] == STEPS // 2
+    assert ranks[0]["weights_sum"] == ranks[1]["weights_sum"]

@@ -292,7 +292,6 @@ class WatchSteps(WatchRecord):
         if self._late_for is not self.optimizer:  # decided per optimizer (a Trainer builds its own in train())
             self._late_for = self.optimizer
             why = unavailable(policy=self.policy, optimizer=self.optimizer,
-                              sharded=self._ranks is not None and self._ranks.sharded,
                               per_parameter=self._collector.per_parameter, scaler=self._scaler_binding is not None,
                               activations=self._probe is not None)
             self._late = why is None

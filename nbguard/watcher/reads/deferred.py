@@ -30,16 +30,14 @@ def supports_device_skip(optimizer: Any) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-def unavailable(*, policy: str, optimizer: Any, sharded: bool, per_parameter: bool, scaler: bool,
-                activations: bool) -> str | None:
+def unavailable(*, policy: str, optimizer: Any, per_parameter: bool, scaler: bool, activations: bool) -> str | None:
     """Why statistics cannot be read a step late for this run (None: they can). Across ranks (DDP) they can:
     the step's exchange is a collective on the device, its flags decide every rank's device skip alike, and the
     ranks read it a step late at the same point, before their next exchange (a rank that stepped aside is
     known before anyone joins another)."""
-    if sharded:
-        return "FSDP2's sharded gradients are read on the host (their whole norms come from the exchange)"
-    if per_parameter:
-        return "the gradients are read with a hook per parameter (no fused read to defer)"
+    if per_parameter:  # (FSDP2's own-gradient reader keeps per-step state the next backward would overwrite)
+        return ("the gradients are read with a hook per parameter, as under FSDP2, DeepSpeed, or DDP with a "
+                "communication hook of your own")
     if scaler:
         return "an enabled GradScaler decides the skip (it reads its own flag)"
     if activations:
