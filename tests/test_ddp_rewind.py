@@ -29,6 +29,8 @@ def test_two_ranks_rewind_together_and_end_with_identical_finite_weights(scenari
         # the damage was real: the step after the spike's update had non-finite gradients on every rank
         bad = [e for e in r["events"] if e["kind"] in ("nonfinite-loss", "nonfinite-grad")]
         assert bad and bad[0]["step"] == first_spike + 1, r["events"]
+        # no event of a step whose weights the rewind replaced (read late: the step under way when it came)
+        assert all(e["step"] < restored[0]["step"] for e in bad), r["events"]
         assert all(math.isfinite(loss) for loss in r["losses"][-4:])  # and the run came back from it
         assert r["weights_finite"]
     assert rewinds[0] == rewinds[1]  # the same steps, the same snapshot, on both ranks
